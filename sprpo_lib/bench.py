@@ -116,36 +116,41 @@ def bench_perturb(model: str = "smollm2-135m", n_calib: int = 128, calib_len: in
     return res
 
 
-def env_vs_generation(pool_factory, split: str, model: str, n_tasks: int = 4, group_size: int = 2,
-                      max_steps: int = 3, max_new_tokens: int = 32) -> dict:
-    """Environment time (reset + step) against the policy's generation time for the same
-    batch: one :func:`run_groups` call with the real model, side by side."""
+def env_vs_generation(pool_factory, split: str, model: str, n_tasks: int = 4, group_size: int = 4,
+                      max_steps: int = 10, max_new_tokens: int = 24, max_obs_chars: int = 300) -> dict:
+    """Environment time (task opening + resets + steps) against the policy's generation
+    time for the same batch: one :func:`run_groups` call with the real model, side by
+    side.  Defaults mirror the ``cpu`` profile's rollout batch (4 tasks x 4 rollouts,
+    24 new tokens, observations cut at 300 characters) with 10 steps."""
     from .agent import AgentConfig
     from .models import load_policy
     from .rollout import GenerationConfig, HFGenerator, SerialEnvs, run_groups
 
     pol = load_policy(model)
     envs = SerialEnvs(pool_factory)
-    agent = AgentConfig(max_obs_chars=600)
+    agent = AgentConfig(max_obs_chars=max_obs_chars)
     gen = HFGenerator(pol, GenerationConfig(max_new_tokens=max_new_tokens, batch_size=n_tasks * group_size), agent)
     tasks = [(split, i) for i in range(n_tasks)]
-    _, st = run_groups(envs, tasks, group_size, gen, agent, max_steps=max_steps, progress=False)
+    _, st = run_groups(envs, tasks, group_size, gen, agent, max_steps=max_steps, progress=True)
     envs.close()
     return {"episodes": n_tasks * group_size, "max_steps": max_steps, "model_steps": st["steps"],
             "generate_s": round(st["generate_s"], 2), "env_s": round(st["env_s"], 3),
+            "env_open_s": round(st["open_s"], 3), "env_step_s": round(st["env_s"] - st["open_s"], 3),
             "env_over_generate": round(st["env_s"] / st["generate_s"], 4)}
 
 
-def bench_envs(n_episodes: int = 200, model: str | None = "smollm2-135m") -> dict:
+def bench_envs(n_episodes: int = 200, model: str | None = "smollm2-135m", n_tasks: int = 4, group_size: int = 4,
+               max_steps: int = 10) -> dict:
     """Environment throughput with scripted policies (see each environment's helper)
     and, with ``model``, environment vs. generation time for one rollout batch."""
     from functools import partial
 
     from .envs.webshop import bench_webshop, make_webshop_pool
 
+    vs = dict(n_tasks=n_tasks, group_size=group_size, max_steps=max_steps)
     res = {"webshop": bench_webshop(n_episodes=n_episodes)}
     if model:
-        res["webshop"]["vs_model"] = env_vs_generation(partial(make_webshop_pool, seed=0), "test", model)
+        res["webshop"]["vs_model"] = env_vs_generation(partial(make_webshop_pool, seed=0), "test", model, **vs)
     try:
         from .envs.alfworld import bench_alfworld, make_alfworld_pool
     except ImportError as err:  # the alfworld package is optional for WebShop-only users
@@ -153,7 +158,7 @@ def bench_envs(n_episodes: int = 200, model: str | None = "smollm2-135m") -> dic
     else:
         res["alfworld"] = bench_alfworld()
         if model:
-            res["alfworld"]["vs_model"] = env_vs_generation(partial(make_alfworld_pool, seed=0), "train", model)
+            res["alfworld"]["vs_model"] = env_vs_generation(partial(make_alfworld_pool, seed=0), "train", model, **vs)
     return res
 
 
@@ -253,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     e = sub.add_parser("envs", help="environment steps/s and reset times")
     e.add_argument("--episodes", type=int, default=200)
     e.add_argument("--model", default="smollm2-135m", help="policy for the env-vs-generation ratio ('' to skip)")
+    e.add_argument("--tasks", type=int, default=4, help="env-vs-generation batch: tasks (cpu profile: 4)")
+    e.add_argument("--group", type=int, default=4, help="env-vs-generation batch: rollouts per task (cpu profile: 4)")
+    e.add_argument("--max-steps", type=int, default=10, help="env-vs-generation batch: steps per episode")
     t = sub.add_parser("train", help="seconds per iteration: rollout / update / sensitivity, vanilla vs sprpo")
     t.add_argument("--profile", default="cpu")
     t.add_argument("--env", default="webshop")
@@ -268,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         res = bench_perturb(args.model, args.n_calib, args.calib_len, args.batch, args.new_tokens, args.repeats,
                             not args.no_sparsegpt, args.device, args.dtype)
     elif args.what == "envs":
-        res = bench_envs(args.episodes, args.model or None)
+        res = bench_envs(args.episodes, args.model or None, args.tasks, args.group, args.max_steps)
     else:
         res = bench_train(args.profile, args.env, args.repeats, args.overrides)
     out = args.out or ROOT / "runs" / "bench" / f"{args.what}.json"

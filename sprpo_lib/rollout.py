@@ -341,7 +341,8 @@ def run_groups(
     generation call.
 
     Returns the episode records (ordered by group, then rollout) and timing stats
-    (``generate_s``, ``env_s`` wall seconds, ``steps``).
+    (``generate_s``, ``env_s`` wall seconds, of which ``open_s`` for opening the tasks
+    and resetting the episodes, ``steps``).
     """
     agent = agent or AgentConfig()
     if group_size < 1:
@@ -355,10 +356,11 @@ def run_groups(
         groups.append((split, idx, ids))
         for r, e in enumerate(ids):
             eids[e] = (g, r, split, idx)
-    stats = {"generate_s": 0.0, "env_s": 0.0, "steps": 0}
+    stats = {"generate_s": 0.0, "env_s": 0.0, "open_s": 0.0, "steps": 0}
     t0 = time.perf_counter()
     opened = envs.open_groups(groups)
-    stats["env_s"] += time.perf_counter() - t0
+    stats["open_s"] = time.perf_counter() - t0  # task preparation + resets (part of env_s)
+    stats["env_s"] += stats["open_s"]
     records: dict[int, EpisodeRecord] = {}
     current: dict[int, Observation] = {}
     history: dict[int, list[tuple[str, str]]] = {}

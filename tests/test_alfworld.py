@@ -300,3 +300,38 @@ def test_expert_solves_sampled_games_slow(pool, task_type):
         task = pool.open("train", index)
         assert _play_expert(task.spawn()).success
         task.close()
+
+
+@pytest.mark.parametrize("split,task_type", [("valid_seen", "pick_and_place_simple"),
+                                             ("valid_unseen", "pick_heat_then_place_in_recep")])
+def test_random_play_matches_alfworld_engine(pool, split, task_type):
+    """Two interleaved episodes of one grounded task (sharing the admissible-command
+    cache) against ALFWorld's own stack (TextWorld ``PddlEnv`` + ``AlfredDemangler``,
+    every command derived by the grammar): same feedback, admissible commands and
+    ``won`` at every step of a seeded random admissible walk with a few invalid moves."""
+    import random
+
+    from alfworld.agents.environment.alfred_tw_env import AlfredDemangler
+
+    task = pool.open(split, _small_game(split, task_type))
+    episodes = [task.spawn(), task.spawn()]
+    refs = []
+    for _ in episodes:
+        ref = AlfredDemangler(PddlEnv(textworld.EnvInfos(admissible_commands=True, won=True)), shuffle=False)
+        ref.load(task.game_file)
+        refs.append(ref)
+    obs = [e.reset() for e in episodes]
+    ref_states = [r.reset() for r in refs]
+    rng = random.Random(7)
+    for t in range(40):
+        for k in (0, 1):
+            hidden = {"help"}
+            assert obs[k].admissible == [c for c in ref_states[k]["admissible_commands"] if c not in hidden]
+            assert obs[k].success == bool(ref_states[k]["won"])
+            if obs[k].done:
+                continue
+            action = "jump" if rng.random() < 0.1 else rng.choice(obs[k].admissible)
+            obs[k] = episodes[k].step(action)
+            ref_states[k], _, _ = refs[k].step(action)
+            assert obs[k].text == ref_states[k].feedback.strip(), (t, action)
+    task.close()

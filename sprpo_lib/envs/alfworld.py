@@ -181,6 +181,15 @@ class _Grounding:
         task_line = self.logic.grammar.derive("#task#", context).strip()
         self.instruction = re.sub(r"^Your task is to:\s*", "", task_line).rstrip(".").strip()
         self.goal_pddl = _goal_section(game_data["pddl_problem"])
+        # Admissible-command cache (see _SharedPddlEnv._gather_infos).
+        task = self.initial_state.task
+        changed = {eff.literal.predicate for act in task.actions for eff in act.effects}
+        changed |= {ax.name for ax in task.axioms}  # derived predicates follow the state
+        self.static_predicates = {pred.name for pred in task.predicates} - changed
+        self.command_cache: dict[tuple, str] = {}
+        self.cacheable_templates = {name: _state_free_template(act.template, self.static_predicates)
+                                    for name, act in self.logic.actions.items()}
+        self.template_placeholders: dict[str, frozenset[str]] = {}  # operator -> names its template uses
 
     def new_state(self) -> pddl_logic.PddlState:
         """A fresh copy of the initial state sharing the translated task and library."""
@@ -195,6 +204,19 @@ class _Grounding:
     def close(self) -> None:
         """Give the planner library back (episodes of this task become unusable)."""
         self._finalizer()
+
+
+def _state_free_template(template: str, static_predicates: set[str]) -> bool:
+    """Whether a command template derives to the same text in every state of a game.
+
+    True when it expands no grammar symbol (``#...#``) and every query it makes
+    (``{r.name | receptacleatlocation(r:receptacle, lend:location)}``) names only
+    predicates no action ever changes; its text is then a function of the action's
+    argument mapping alone.  Anything else (function calls in ``{...}`` included) is
+    treated as state-dependent and derived every time."""
+    if "#" in template:
+        return False
+    return all(name in static_predicates for name in re.findall(r"([A-Za-z_][\w-]*)\s*\(", template))
 
 
 def _goal_section(problem: str) -> str:
@@ -301,6 +323,59 @@ class _SharedPddlEnv(PddlEnv):
         self.state.raw = self.state.feedback
         self._gather_infos()
         return self.state
+
+    def _gather_infos(self) -> None:
+        """``PddlEnv._gather_infos`` with the admissible commands memoised per game.
+
+        TextWorld derives the text of every applicable action through its grammar on
+        every step (a parser run and deep copies per action: ~0.2 s a step with ~40
+        actions, most of an ALFWorld step).  Templates that are state-free (see
+        :func:`_state_free_template`; all of ``alfred.twl2``'s) give the same command
+        for the same operator arguments in every state, so the derived text is cached
+        on the task's grounding (shared by its G episodes) under (operator, arguments);
+        other templates are derived exactly as TextWorld does.  The result is identical
+        (tested against an uncached ``PddlEnv`` on the same action sequence)."""
+        st, g = self.state, self._grounding
+        st["command_templates"] = sorted({a.template for a in self._logic.actions.values()})
+        st["won"] = self._pddl_state.check_goal()
+        st["lost"] = False
+        st["_entity_infos"] = dict(self._entity_infos)
+        st["_facts"] = list(self._pddl_state.facts)
+        st["last_action"] = None
+        st["_last_action"] = self._last_action
+        st["_valid_actions"] = list(self._pddl_state.all_applicable_actions())
+        mapping = {k: info.name for k, info in self._entity_infos.items()}
+        facts = None
+        commands = []
+        for action in st["_valid_actions"]:
+            key = None
+            if g.cacheable_templates.get(action.name, False):
+                used = g.template_placeholders.get(action.name)
+                if used is None:  # the text depends only on the placeholders it names
+                    template = self._logic.actions[action.name].template
+                    used = frozenset(ph.name for ph in action.mapping
+                                     if re.search(rf"(?<![\w-]){re.escape(ph.name)}(?![\w-])", template))
+                    g.template_placeholders[action.name] = used
+                key = (action.name, tuple(sorted((ph.name, var.name) for ph, var in action.mapping.items()
+                                                 if ph.name in used)))
+                cached = g.command_cache.get(key)
+                if cached is not None:
+                    action.command_template = cached
+                    commands.append(action.format_command(mapping))
+                    continue
+            if facts is None:
+                facts = list(self._pddl_state.facts)
+            context = {"state": self._pddl_state, "facts": facts,
+                       "variables": {ph.name: self._entity_infos[var.name] for ph, var in action.mapping.items()},
+                       "mapping": action.mapping, "entity_infos": self._entity_infos}
+            action.command_template = self._logic.grammar.derive(action.command_template, context)
+            if key is not None:
+                g.command_cache[key] = action.command_template
+            commands.append(action.format_command(mapping))
+        st["_valid_commands"] = commands
+        st["admissible_commands"] = sorted(set(commands))
+        if self.request_infos.moves:
+            st["moves"] = self._moves
 
 
 # --------------------------------------------------------------------------- protocol objects
