@@ -35,12 +35,22 @@ class AgentConfig:
             prompt; ``None`` keeps them whole.  Small CPU profiles use it to bound
             prompt length; the paper's budget is 3,072 (ALFWorld) / 4,096 (WebShop)
             prompt tokens.
+        history_obs_chars: cut for the observations of the interaction context
+            (``None``: ``max_obs_chars``).  Lets a small profile show the whole current
+            page while keeping the history short.
+        echo_instruction: keep an observation's echo of the task instruction (WebShop
+            pages start with ``Instruction: [SEP] <instruction> [SEP]``, as in the
+            original environment).  ``False`` removes that leading echo, which the
+            prompt's ``Task:`` line already states, so a character budget is spent on
+            the page itself (offline CPU profile); the paper keeps observations whole.
         system_prompt: optional system message; ``None`` sends only the user turn.
     """
 
     history_len: int = 2
     format_penalty: float = -0.1
     max_obs_chars: int | None = None
+    history_obs_chars: int | None = None
+    echo_instruction: bool = True
     system_prompt: str | None = None
 
     def __post_init__(self):
@@ -48,6 +58,8 @@ class AgentConfig:
             raise ValueError(f"history_len must be >= 0, got {self.history_len}")
         if self.max_obs_chars is not None and self.max_obs_chars < 16:
             raise ValueError(f"max_obs_chars must be >= 16 or None, got {self.max_obs_chars}")
+        if self.history_obs_chars is not None and self.history_obs_chars < 16:
+            raise ValueError(f"history_obs_chars must be >= 16 or None, got {self.history_obs_chars}")
 
 
 @dataclass
@@ -92,6 +104,13 @@ def _cut(text: str, limit: int | None) -> str:
     return text[: limit - 6].rstrip() + " [...]"
 
 
+def _without_echo(text: str, instruction: str) -> str:
+    """``text`` without a leading ``Instruction: [SEP] <instruction> [SEP]`` echo."""
+    head = f"Instruction: [SEP] {instruction.strip()} [SEP] "
+    text = text.strip()
+    return text[len(head):] if text.startswith(head) else text
+
+
 def build_prompt(
     instruction: str,
     observation: str,
@@ -111,9 +130,14 @@ def build_prompt(
     cfg = cfg or AgentConfig()
     recent = list(history)[-cfg.history_len :] if cfg.history_len else []
     first = len(history) - len(recent) + 1
+
+    def view(text: str, limit: int | None) -> str:
+        return _cut(text if cfg.echo_instruction else _without_echo(text, instruction), limit)
+
+    hist_limit = cfg.max_obs_chars if cfg.history_obs_chars is None else cfg.history_obs_chars
     if recent:
         context = "\n".join(
-            f"[Step {first + i}] Action: {a} -> Observation: {_cut(o, cfg.max_obs_chars)}" for i, (a, o) in enumerate(recent)
+            f"[Step {first + i}] Action: {a} -> Observation: {view(o, hist_limit)}" for i, (a, o) in enumerate(recent)
         )
     else:
         context = "None (this is the first step)."
@@ -121,7 +145,7 @@ def build_prompt(
     return (
         f"Task: {instruction.strip()}\n\n"
         f"Interaction context:\n{context}\n\n"
-        f"Current observation: {_cut(observation, cfg.max_obs_chars)}\n\n"
+        f"Current observation: {view(observation, cfg.max_obs_chars)}\n\n"
         f"Available actions:\n{actions}\n\n"
         f"Response: {RESPONSE_INSTRUCTION}"
     )

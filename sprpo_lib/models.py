@@ -28,6 +28,8 @@ projections, rank/alpha 64/64 in the paper) is added with peft by
 """
 from __future__ import annotations
 
+import dataclasses
+
 import importlib.util
 import json
 import logging
@@ -367,6 +369,25 @@ class LoraSettings:
     alpha: float = 64.0
     dropout: float = 0.0
     targets: tuple[str, ...] = LORA_TARGETS
+
+
+def lora_on_last_layers(model, settings: LoraSettings, n_layers: int | None) -> LoraSettings:
+    """``settings`` restricted to the last ``n_layers`` decoder layers (by full module
+    name, which peft matches exactly); ``None`` keeps all layers (the paper).
+
+    Backpropagation then stops at the lowest adapted layer, which is what makes LoRA
+    training affordable on a CPU; a gradient with respect to the FFN channel noise of
+    *every* layer (SAM, SPrPO's sensitivity) still flows through all layers."""
+    if n_layers is None:
+        return settings
+    layers = list(decoder_layers(model))
+    if not 1 <= n_layers <= len(layers):
+        raise ValueError(f"lora_layers={n_layers}: expected 1..{len(layers)} (the model's decoder layers) or None")
+    keep = {id(m) for layer in layers[-n_layers:] for m in layer.modules()}
+    names = tuple(n for n, m in model.named_modules() if id(m) in keep and n.split(".")[-1] in settings.targets)
+    if not names:
+        raise ValueError(f"no modules named {settings.targets} in the last {n_layers} layers")
+    return dataclasses.replace(settings, targets=names)
 
 
 def add_lora(policy: Policy, settings: LoraSettings | None = None, seed: int = 0) -> Policy:

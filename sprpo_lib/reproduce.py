@@ -29,18 +29,22 @@ PROFILES: dict[str, dict] = {
         "out_dir": "runs/smoke/figures",
         "notebooks": {
             "00_quickstart": {"model": "tiny-qwen2", "n_calib": 4, "max_new_tokens": 6},
+            "01_training": {"profile": "smoke", "env": "webshop", "methods": ["vanilla", "sprpo"], "seeds": [0]},
         },
     },
     "cpu": {
         "out_dir": "figures",
         "notebooks": {
             "00_quickstart": {"model": "smollm2-135m", "n_calib": 32, "max_new_tokens": 24},
+            "01_training": {"profile": "cpu", "env": "webshop", "methods": ["vanilla"], "seeds": [0]},
         },
     },
     "paper": {
         "out_dir": "figures/paper",
         "notebooks": {
             "00_quickstart": {"model": "Qwen/Qwen2.5-1.5B-Instruct", "n_calib": 128, "max_new_tokens": 32},
+            "01_training": {"profile": "paper", "env": "alfworld", "methods": ["vanilla", "gaussian", "sam", "sprpo"],
+                            "seeds": [0, 1, 2]},
         },
     },
 }
@@ -62,6 +66,8 @@ def plan(profile: str, only: list[str] | None = None, model: str | None = None,
         params = {"out_dir": str(out_dir or prof["out_dir"]), **prof["notebooks"][name]}
         if model and "model" in params:
             params["model"] = model
+        if model and "profile" in params:  # training notebooks take the model as a config override
+            params["overrides"] = list(params.get("overrides", [])) + [f"model.spec={model}"]
         jobs.append((path, params))
     if not jobs:
         raise SystemExit(f"no notebook of profile {profile!r} matches --only {only}")
@@ -77,6 +83,8 @@ def run(profile: str, only: list[str] | None = None, force: bool = False, model:
     commit = git_commit()
     records = []
     for path, params in plan(profile, only, model, out_dir):
+        if "runs_root" in params or "profile" in params:  # training runs of this profile: runs/<profile>/train/
+            params = {**params, "runs_root": str(runs_dir / "train")}
         out_nb = runs_dir / "notebooks" / path.name
         stamp = runs_dir / "stamps" / f"{path.stem}.json"
         key = {"parameters": params, "commit": commit}

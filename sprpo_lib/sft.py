@@ -68,7 +68,7 @@ from .agent import AgentConfig, build_prompt, chat_text, extract_action
 from .envs.base import TaskPool
 from .losses import token_logprobs
 from .manifest import atomic_write_json
-from .models import LoraSettings, Policy, add_lora, decoder_layers
+from .models import LoraSettings, Policy, add_lora, lora_on_last_layers
 
 log = logging.getLogger(__name__)
 
@@ -248,6 +248,11 @@ class SFTConfig:
         log_every: optimizer steps between lines of ``metrics.jsonl`` (and the progress
             bar's loss); the first and last step are always logged.
         shuffle: reshuffle the demonstrations every epoch (seeded).
+        eval_tasks: after the warm start of a training run, play this many tasks of
+            ``split`` that were *not* demonstrated (indices ``n_tasks ..``), once each,
+            at the RL rollout temperature, and store the success rate with the cached
+            adapter (``eval.json``): the starting success the RL stage improves on.
+            0 skips it.
     """
 
     epochs: int = 3
@@ -269,6 +274,7 @@ class SFTConfig:
     expert_prob: float = 1.0
     log_every: int = 10
     shuffle: bool = True
+    eval_tasks: int = 0
 
     def __post_init__(self):
         if isinstance(self.lora, dict):
@@ -360,18 +366,8 @@ def _is_peft(model) -> bool:
 
 
 def _lora_settings(model, cfg: SFTConfig) -> LoraSettings:
-    """``cfg.lora``, restricted to the last ``cfg.lora_layers`` decoder layers (by full
-    module name, which peft matches exactly) when that is set."""
-    if cfg.lora_layers is None:
-        return cfg.lora
-    layers = list(decoder_layers(model))
-    if cfg.lora_layers > len(layers):
-        raise ValueError(f"lora_layers={cfg.lora_layers} but the model has {len(layers)} layers")
-    keep = {id(m) for layer in layers[-cfg.lora_layers:] for m in layer.modules()}
-    names = tuple(n for n, m in model.named_modules() if id(m) in keep and n.split(".")[-1] in cfg.lora.targets)
-    if not names:
-        raise ValueError(f"no modules named {cfg.lora.targets} in the last {cfg.lora_layers} layers")
-    return replace(cfg.lora, targets=names)
+    """``cfg.lora``, restricted to the last ``cfg.lora_layers`` decoder layers."""
+    return lora_on_last_layers(model, cfg.lora, cfg.lora_layers)
 
 
 def _lr_at(step: int, total: int, cfg: SFTConfig) -> float:

@@ -46,7 +46,7 @@ from .agent import AgentConfig
 from .losses import PPOLossConfig, get_policy_loss, token_entropy, token_logprobs
 from .manifest import atomic_write_json, atomic_write_text, git_commit
 from .methods import MethodConfig, make_method
-from .models import LoraSettings, add_lora, load_policy
+from .models import LoraSettings, add_lora, load_policy, lora_on_last_layers
 from .perturb import FFNChannels
 from .rollout import EpisodeLog, GenerationConfig, HFGenerator, ProcessEnvs, SerialEnvs, run_groups
 from .sft import SFTConfig
@@ -62,6 +62,7 @@ class ModelConfig:
     dtype: str | None = None  # None: the loader's default (bf16 real models, fp32 tiny)
     lora_rank: int = 64
     lora_alpha: float = 64.0
+    lora_layers: int | None = None  # LoRA on the last N decoder layers only (CPU profiles); None: all (paper)
     init_adapter: str | None = None  # a LoRA adapter to continue training (resumes its weights)
 
 
@@ -85,6 +86,8 @@ class RolloutConfig:
     gen_batch: int = 128
     history_len: int = 2
     max_obs_chars: int | None = None
+    history_obs_chars: int | None = None  # None: max_obs_chars (see agent.AgentConfig)
+    echo_instruction: bool = True  # False: drop WebShop's instruction echo from observations
 
 
 @dataclass
@@ -111,6 +114,7 @@ class TrainConfig:
     out_dir: str | None = None
     log_episodes: bool = True
     warm_start: bool = False  # behaviour cloning on expert demos first (offline profiles; not paper)
+    eval_tasks: int = 0  # after training: success of the final policy on the warm start's held-out tasks
     sft: SFTConfig = field(default_factory=SFTConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
@@ -259,7 +263,7 @@ class Trainer:
         self.envs = ProcessEnvs(factory, cfg.env.workers) if cfg.env.workers else SerialEnvs(factory)
         self.pool = self.envs.pool
         r = cfg.rollout
-        self.agent = AgentConfig(history_len=r.history_len, max_obs_chars=r.max_obs_chars)
+        self.agent = agent_config(r)
         if cfg.warm_start:
             self.warm_start_dir = warm_start_policy(self.policy, self.pool, cfg, self.agent, progress)
         if cfg.model.init_adapter:
@@ -267,7 +271,8 @@ class Trainer:
 
             self.policy.model = PeftModel.from_pretrained(self.policy.model, cfg.model.init_adapter, is_trainable=True)
         else:
-            add_lora(self.policy, LoraSettings(rank=cfg.model.lora_rank, alpha=cfg.model.lora_alpha), seed=cfg.seed)
+            lora = LoraSettings(rank=cfg.model.lora_rank, alpha=cfg.model.lora_alpha)
+            add_lora(self.policy, lora_on_last_layers(self.policy.model, lora, cfg.model.lora_layers), seed=cfg.seed)
         self.model = self.policy.model
         self.tok = self.policy.tokenizer
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -451,6 +456,25 @@ class Trainer:
         return int(state["iteration"])
 
 
+def agent_config(r: RolloutConfig) -> AgentConfig:
+    """The agent's prompt settings from a rollout config."""
+    return AgentConfig(history_len=r.history_len, max_obs_chars=r.max_obs_chars,
+                       history_obs_chars=r.history_obs_chars, echo_instruction=r.echo_instruction)
+
+
+def warm_start_key(cfg: TrainConfig, agent: AgentConfig) -> str:
+    """Hash of what the warm start depends on: base model, task pool and step limit
+    (demonstrations and the evaluation), prompt format and SFT settings; not the RL
+    settings (LoRA of the RL stage, method, rollout sizes), so every method and seed
+    of a profile starts from the same cached policy."""
+    m, e = cfg.model, cfg.env
+    return hashlib.sha256(json.dumps(
+        {"model": {"spec": m.spec, "dtype": m.dtype},
+         "env": {"name": e.name, "seed": e.seed, "data_dir": e.data_dir, "max_steps": e.max_steps},
+         "agent": dataclasses.asdict(agent), "sft": dataclasses.asdict(cfg.sft)}, sort_keys=True, default=list,
+    ).encode()).hexdigest()[:12]
+
+
 def warm_start_policy(policy, pool, cfg: TrainConfig, agent: AgentConfig, progress: bool = True) -> Path:
     """Supervised warm start (issue 4 item 4): behaviour cloning on expert demonstrations
     in the exact RL prompt format, cached under ``runs/sft/<key>/`` (the key hashes the
@@ -458,11 +482,7 @@ def warm_start_policy(policy, pool, cfg: TrainConfig, agent: AgentConfig, progre
     RL adds its own fresh LoRA on top, as it would on an instruct model."""
     from .sft import load_adapter, warm_start
 
-    key = hashlib.sha256(json.dumps(
-        {"model": dataclasses.asdict(cfg.model), "env": dataclasses.asdict(cfg.env),
-         "agent": dataclasses.asdict(agent), "sft": dataclasses.asdict(cfg.sft)}, sort_keys=True, default=list,
-    ).encode()).hexdigest()[:12]
-    out = ROOT / "runs" / "sft" / f"{cfg.env.name}-{key}"
+    out = ROOT / "runs" / "sft" / f"{cfg.env.name}-{warm_start_key(cfg, agent)}"
     if not (out / "adapter").is_dir():
         warm_start(policy, pool, cfg.sft, agent, out, progress)
         from .models import merge_lora
@@ -472,7 +492,39 @@ def warm_start_policy(policy, pool, cfg: TrainConfig, agent: AgentConfig, progre
         load_adapter(policy, out / "adapter", merge=True)
     for p in policy.model.parameters():
         p.requires_grad_(False)
+    if cfg.sft.eval_tasks and not (out / "eval.json").is_file():
+        evaluate_warm_start(policy, pool, cfg, agent, out, progress)
     return out
+
+
+def held_out_tasks(cfg: TrainConfig, n_pool: int, count: int) -> list[int]:
+    """Training-pool tasks the warm start was not shown (indices after its
+    demonstrations; from 0 without a warm start): where the warm-started and the
+    RL-trained policies are compared."""
+    first = min(cfg.sft.n_tasks, n_pool) if cfg.warm_start else 0
+    return list(range(first, min(n_pool, first + count)))
+
+
+def evaluate_warm_start(policy, pool, cfg: TrainConfig, agent: AgentConfig, out: Path, progress: bool = True,
+                        count: int | None = None) -> dict:
+    """Success of a policy on ``count`` (default ``cfg.sft.eval_tasks``) held-out
+    training tasks (:func:`held_out_tasks`), one rollout each at the RL temperature
+    and step limit, with a fixed generation seed, so that the warm start (the RL
+    starting point; issue 4 target 20-60%) and the final RL policy are scored on the
+    same tasks and the same random numbers.  Written to ``out/eval.json`` with the
+    episodes in ``out/eval_episodes.jsonl``."""
+    from .rollout import GenerationConfig
+    from .sft import evaluate_format
+
+    idx = held_out_tasks(cfg, pool.splits()[cfg.sft.split], cfg.sft.eval_tasks if count is None else count)
+    r = cfg.rollout
+    gen = GenerationConfig(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+                           batch_size=r.gen_batch, seed=cfg.sft.seed)
+    res = evaluate_format(policy, pool, cfg.sft.split, idx, agent, gen, max_steps=cfg.env.max_steps,
+                          log_path=out / "eval_episodes.jsonl", progress=progress)
+    res.update(split=cfg.sft.split, indices=[idx[0], idx[-1]] if idx else [], temperature=r.temperature)
+    atomic_write_json(out / "eval.json", res)
+    return res
 
 
 class _null:
@@ -516,8 +568,15 @@ def train(cfg: TrainConfig, out_dir: str | Path | None = None, fresh: bool = Fal
             tr.save(k)
             bar.set_postfix(success=f"{m['success']:.2f}", valid=f"{m['valid_rate']:.2f}")
         final = out / "final"
-        shutil.rmtree(final, ignore_errors=True)
-        tr.model.save_pretrained(final / "adapter", safe_serialization=True)
+        if start < cfg.iterations or not (final / "adapter").is_dir():  # (re)written with its eval dropped
+            tmp = out / "final.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tr.model.save_pretrained(tmp / "adapter", safe_serialization=True)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+        if cfg.eval_tasks and not (final / "eval.json").is_file():
+            tr.model.eval()
+            evaluate_warm_start(tr.policy, tr.pool, cfg, tr.agent, final, progress, count=cfg.eval_tasks)
     finally:
         tr.envs.close()
     return out
@@ -537,6 +596,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="output folder (default runs/train/<env>-<method>-<profile>-seed<seed>)")
     ap.add_argument("--fresh", action="store_true", help="delete the output folder and start over")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--warm-start-only", action="store_true",
+                    help="build (or load) the cached supervised warm start, evaluate it, and stop")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. method.rho=0.1 rollout.group_size=4")
     args = ap.parse_args(argv)
     try:
@@ -544,6 +605,14 @@ def main(argv: list[str] | None = None) -> int:
                                                            "seed": args.seed, "iterations": args.iterations})
     except ValueError as err:
         ap.error(str(err))
+    if args.warm_start_only:
+        if not cfg.warm_start:
+            ap.error(f"profile {cfg.profile!r} has warm_start: false; add the override warm_start=true")
+        tr = Trainer(cfg, args.out, not args.no_progress)
+        tr.envs.close()
+        ev = tr.warm_start_dir / "eval.json"
+        print(f"warm start: {tr.warm_start_dir}" + (f"\n{ev.read_text()}" if ev.is_file() else ""))
+        return 0
     out = train(cfg, args.out, args.fresh, not args.no_progress)
     print(f"done: {out}")
     return 0

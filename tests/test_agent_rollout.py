@@ -40,6 +40,23 @@ def test_prompt_matches_paper_structure():
         AgentConfig(history_len=-1)
 
 
+def test_prompt_echo_removal_and_history_cut():
+    instr = "i need a red mug, and price lower than 20.00 dollars"
+    page = f"Instruction: [SEP] {instr} [SEP] Back to Search [SEP] Page 1 (Total results: 50) [SEP] B0AAAA [SEP] Red Mug"
+    hist = [("search[red mug]", page)]
+    full = build_prompt(instr, page, ["click[b0aaaa]"], hist)
+    assert full.count(instr) == 3  # task line + two echoes: the paper's (and WebShop's) format
+    cfg = AgentConfig(echo_instruction=False, max_obs_chars=200, history_obs_chars=20)
+    p = build_prompt(instr, page, ["click[b0aaaa]"], hist, cfg)
+    assert p.count(instr) == 1
+    assert "Current observation: Back to Search [SEP] Page 1 (Total results: 50) [SEP] B0AAAA [SEP] Red Mug\n" in p
+    assert "-> Observation: Back to Search [...]\n" in p  # 20 characters for history observations
+    other = "Instruction: [SEP] another task [SEP] Back to Search"
+    assert f"Current observation: {other}" in build_prompt(instr, other, [], (), cfg)  # only its own echo goes
+    with pytest.raises(ValueError, match="history_obs_chars"):
+        AgentConfig(history_obs_chars=3)
+
+
 @pytest.mark.parametrize(
     "resp,action,valid",
     [

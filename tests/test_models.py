@@ -58,6 +58,24 @@ def test_lora_wraps_all_projections_and_starts_at_identity(tiny):
     torch.testing.assert_close(tiny.model(ids).logits, base)
 
 
+def test_lora_on_last_layers_stops_backprop_there(tiny):
+    from sprpo_lib.models import decoder_layers, lora_on_last_layers
+
+    settings = lora_on_last_layers(tiny.model, LoraSettings(rank=4, alpha=8), 1)
+    assert all(n.startswith("model.layers.1.") for n in settings.targets) and len(settings.targets) == 7
+    add_lora(tiny, settings)
+    layers = list(decoder_layers(tiny.model))
+    assert not any("lora_" in n for n, _ in layers[0].named_modules())
+    assert any("lora_" in n for n, _ in layers[1].named_modules())
+    ids = torch.randint(3, 250, (2, 9))
+    tiny.model(ids).logits.float().pow(2).mean().backward()
+    grads = {n: p.grad for n, p in tiny.model.named_parameters() if p.requires_grad}
+    assert grads and all(g is not None for g in grads.values())
+    assert lora_on_last_layers(tiny.model, LoraSettings(), None) == LoraSettings()
+    with pytest.raises(ValueError, match=r"lora_layers=5: expected 1\.\.2"):
+        lora_on_last_layers(tiny.model, LoraSettings(), 5)
+
+
 def test_bad_specs_give_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="neither a known name"):
         load_policy("not a model")

@@ -44,3 +44,21 @@ def test_quickstart_notebook_smoke(tmp_path):
     again = run("smoke", only=["00"], runs_dir=tmp_path / "runs", out_dir=str(out))
     assert again[0]["status"] in {"skipped", "ok"}
     assert (tmp_path / "runs" / "smoke" / "notebooks" / "00_quickstart.ipynb").is_file()
+
+
+@pytest.mark.slow
+def test_training_notebook_smoke(tmp_path):
+    out = tmp_path / "figs"
+    recs = run("smoke", only=["01"], force=True, runs_dir=tmp_path / "runs", out_dir=str(out))
+    assert recs[0]["status"] == "ok"
+    m = pd.read_csv(out / "01_training_webshop_metrics.csv")
+    assert set(m.method) == {"vanilla", "sprpo"} and len(m) == 2 * 3  # smoke: 3 iterations per run
+    assert m.success.between(0, 1).all() and (m.update_s > 0).all()
+    assert (m[m.method == "sprpo"].sensitivity_s > 0).all() and (m[m.method == "vanilla"].sensitivity_s == 0).all()
+    runs = sorted(p.name for p in (tmp_path / "runs" / "smoke" / "train").iterdir())
+    assert runs == ["webshop-sprpo-smoke-seed0", "webshop-vanilla-smoke-seed0"]
+    s = pd.read_csv(out / "01_training_webshop_summary.csv")
+    assert len(s) == 2 and (s.iterations == 3).all()
+    assert (out / "01_training_webshop.png").read_bytes()[:4] == b"\x89PNG"
+    man = json.loads((out / "01_training_webshop.png.manifest.json").read_text())
+    assert man["config"]["profile"] == "smoke" and set(man["run_commits"]) == set(runs)

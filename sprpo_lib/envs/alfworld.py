@@ -75,6 +75,7 @@ from textworld.core import GameState
 from textworld.envs import PddlEnv
 from textworld.envs.pddl import logic as pddl_logic
 from textworld.generator.game import EntityInfo
+from tqdm.auto import tqdm
 
 from sprpo_lib.envs import alfworld_gen
 from sprpo_lib.envs.base import Observation, check_split
@@ -826,20 +827,31 @@ def expert_solve_rates(pool: AlfworldPool, split: str = "train", per_type: int =
     return result
 
 
-def random_agent_success(pool: AlfworldPool, split: str, n_games: int = 50, seed: int = 0) -> dict:
-    """Success of a uniformly random admissible-action agent over the first ``n_games``."""
+def random_agent_success(pool: AlfworldPool, split: str, n_games: int = 50, seed: int = 0,
+                         rollouts: int = 1) -> dict:
+    """Success of a uniformly random admissible-action agent over the first ``n_games``
+    of ``split``, ``rollouts`` episodes per game (sharing one grounding), with the
+    success count per task type."""
     rng = random.Random(seed)
     wins, t0 = 0, time.perf_counter()
+    per_type: dict[str, list[int]] = {}
     n = min(n_games, pool.splits()[split])
-    for i in range(n):
+    for i in tqdm(range(n), desc=f"random agent {split}", leave=False):
         task = pool.open(split, i)
-        ep = task.spawn()
-        obs = ep.reset()
-        while not obs.done:
-            obs = ep.step(rng.choice(obs.admissible))
-        wins += bool(obs.success)
+        counts = per_type.setdefault(task.task_type, [0, 0])
+        for _ in range(rollouts):
+            ep = task.spawn()
+            obs = ep.reset()
+            while not obs.done:
+                obs = ep.step(rng.choice(obs.admissible))
+            wins += bool(obs.success)
+            counts[0] += bool(obs.success)
+            counts[1] += 1
         task.close()
-    return {"split": split, "games": n, "successes": wins, "rate": wins / max(n, 1),
+    episodes = n * rollouts
+    return {"split": split, "games": n, "rollouts_per_game": rollouts, "episodes": episodes, "successes": wins,
+            "rate": wins / max(episodes, 1), "per_type": {k: {"successes": v[0], "episodes": v[1]}
+                                                          for k, v in sorted(per_type.items())},
             "seconds": time.perf_counter() - t0}
 
 
@@ -853,6 +865,7 @@ def _main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--per-type", type=int, default=100)
     parser.add_argument("--games", type=int, default=50)
+    parser.add_argument("--rollouts", type=int, default=1, help="random-agent episodes per game")
     args = parser.parse_args(argv)
     pool = make_alfworld_pool(data_dir=args.data_dir, seed=args.seed, cache_dir=args.cache_dir)
     if args.what == "bench":
@@ -860,7 +873,8 @@ def _main(argv: Sequence[str] | None = None) -> None:
     elif args.what == "expert":
         result = expert_solve_rates(pool, "train", args.per_type, seed=args.seed)
     else:
-        result = {s: random_agent_success(pool, s, args.games, seed=args.seed) for s in SPLITS}
+        result = {s: random_agent_success(pool, s, args.games, seed=args.seed, rollouts=args.rollouts)
+                  for s in SPLITS}
     print(json.dumps(result, indent=2))
 
 

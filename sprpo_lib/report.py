@@ -1,0 +1,123 @@
+"""Training runs as tidy tables and figures (logic of ``notebooks/01_training.ipynb``).
+
+A run folder (``runs/train/<env>-<method>-<profile>-seed<seed>/``, written by
+:func:`train.train`) holds ``config.json``, ``metrics.jsonl`` (one line per iteration)
+and, when the config asks for it, ``final/eval.json``: the final policy's success on
+the held-out training tasks where the warm start was scored (``runs/sft/<key>/eval.json``,
+same tasks, same generation seed).  This module reads them; it trains nothing itself
+except through :func:`run_grid`, which calls :func:`train.train` (resuming finished or
+killed runs from their checkpoints).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+import pandas as pd
+
+from .train import ROOT, TrainConfig, agent_config, default_out_dir, load_config, train, warm_start_key
+
+__all__ = ["run_grid", "load_metrics", "before_after", "plot_training"]
+
+
+def run_grid(profile: str, env: str, methods: Sequence[str], seeds: Sequence[int],
+             overrides: Sequence[str] = (), out_root: str | Path | None = None,
+             progress: bool = True) -> list[Path]:
+    """Train (or resume, or just find) one run per (method, seed); returns the folders."""
+    dirs = []
+    for method in methods:
+        for seed in seeds:
+            cfg = load_config(profile, list(overrides), **{"env.name": env, "method.name": method, "seed": seed})
+            out = Path(out_root) / default_out_dir(cfg).name if out_root else None
+            dirs.append(train(cfg, out, progress=progress))
+    return dirs
+
+
+def _config(run_dir: Path) -> TrainConfig:
+    from .train import _build
+
+    return _build(TrainConfig, json.loads((run_dir / "config.json").read_text())["config"], "")
+
+
+def load_metrics(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
+    """One row per (run, iteration): the ``metrics.jsonl`` columns plus ``env``,
+    ``method``, ``seed``, ``profile`` and ``run``."""
+    frames = []
+    for d in map(Path, run_dirs):
+        cfg = _config(d)
+        rows = [json.loads(ln) for ln in (d / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+        if not rows:
+            continue
+        df = pd.DataFrame(rows)
+        df.insert(0, "run", d.name)
+        df.insert(1, "env", cfg.env.name)
+        df.insert(2, "method", cfg.method.name)
+        df.insert(3, "seed", cfg.seed)
+        df.insert(4, "profile", cfg.profile)
+        frames.append(df)
+    if not frames:
+        raise ValueError(f"no metrics in {list(map(str, run_dirs))}: train first (python -m sprpo_lib.train ...)")
+    return pd.concat(frames, ignore_index=True)
+
+
+def before_after(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
+    """Per run: success of the starting policy (the warm start's ``eval.json``) and of
+    the final policy (``final/eval.json``) on the same held-out training tasks, and the
+    mean rollout success of the first and last iterations (at the rollout noise)."""
+    rows = []
+    for d in map(Path, run_dirs):
+        cfg = _config(d)
+        m = load_metrics([d])
+        row = {"run": d.name, "env": cfg.env.name, "method": cfg.method.name, "seed": cfg.seed,
+               "iterations": len(m), "rollout_success_first": m["success"].iloc[0],
+               "rollout_success_last": m["success"].iloc[-1],
+               "rollout_success_first_half": m["success"].iloc[: max(1, len(m) // 2)].mean(),
+               "rollout_success_second_half": m["success"].iloc[len(m) // 2:].mean()}
+        start = ROOT / "runs" / "sft" / f"{cfg.env.name}-{warm_start_key(cfg, agent_config(cfg.rollout))}" / "eval.json"
+        final = d / "final" / "eval.json"
+        for name, path in (("start", start), ("final", final)):
+            if cfg.warm_start or name == "final":
+                if path.is_file():
+                    ev = json.loads(path.read_text())
+                    row.update({f"{name}_success": ev["success_rate"], f"{name}_score": ev["mean_score"],
+                                f"{name}_valid": ev["valid_rate"], f"eval_episodes": ev["episodes"]})
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def plot_training(metrics: pd.DataFrame, summary: pd.DataFrame | None, path: str | Path):
+    """Rollout success and valid-action rate per iteration (one line per run), and the
+    held-out success before/after training when available."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    has_eval = summary is not None and "final_success" in summary and "start_success" in summary
+    fig, axes = plt.subplots(1, 3 if has_eval else 2, figsize=(13 if has_eval else 9, 3.4))
+    for run, df in metrics.groupby("run"):
+        label = f"{df['method'].iloc[0]} s{df['seed'].iloc[0]}"
+        axes[0].plot(df["iteration"], df["success"], marker="o", ms=3, label=label)
+        axes[1].plot(df["iteration"], df["valid_rate"], marker="o", ms=3, label=label)
+    axes[0].set(xlabel="iteration", ylabel="rollout success", title="success (training tasks, T=1)", ylim=(-0.02, 1.02))
+    axes[1].set(xlabel="iteration", ylabel="valid-action rate", title="response format", ylim=(-0.02, 1.02))
+    axes[0].legend(fontsize=7)
+    if has_eval:
+        ax = axes[2]
+        s = summary.dropna(subset=["start_success", "final_success"])
+        x = range(len(s))
+        ax.bar([i - 0.2 for i in x], s["start_success"], width=0.4, label="warm start")
+        ax.bar([i + 0.2 for i in x], s["final_success"], width=0.4, label="after RL")
+        ax.set_xticks(list(x), [f"{m} s{sd}" for m, sd in zip(s["method"], s["seed"])], fontsize=7)
+        n = int(s["eval_episodes"].iloc[0]) if len(s) else 0
+        ax.set(ylabel="success", title=f"held-out training tasks (n={n})", ylim=(0, 1))
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.stem + ".tmp" + path.suffix)
+    fig.savefig(tmp, dpi=130)
+    plt.close(fig)
+    tmp.replace(path)
+    return path
