@@ -439,7 +439,10 @@ class Trainer:
             return None
         ck = self.out / "checkpoints" / ptr.read_text().strip()
         state = json.loads((ck / "state.json").read_text())
-        if state["config"] != config_dict(self.cfg):
+        def same_run(c: dict) -> dict:  # a run may be extended: the iteration count is not part of its identity
+            return {k: v for k, v in c.items() if k != "iterations"}
+
+        if same_run(state["config"]) != same_run(config_dict(self.cfg)):
             raise ValueError(
                 f"{self.out} holds a run with a different config; use another --out or --fresh to start over"
             )
@@ -520,6 +523,7 @@ def evaluate_warm_start(policy, pool, cfg: TrainConfig, agent: AgentConfig, out:
     r = cfg.rollout
     gen = GenerationConfig(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
                            batch_size=r.gen_batch, seed=cfg.sft.seed)
+    (out / "eval_episodes.jsonl").unlink(missing_ok=True)  # a killed evaluation starts over
     res = evaluate_format(policy, pool, cfg.sft.split, idx, agent, gen, max_steps=cfg.env.max_steps,
                           log_path=out / "eval_episodes.jsonl", progress=progress)
     res.update(split=cfg.sft.split, indices=[idx[0], idx[-1]] if idx else [], temperature=r.temperature)

@@ -174,3 +174,32 @@ def test_warm_start_is_cached_and_merged(tmp_path, monkeypatch):
     torch.testing.assert_close(a.model(ids).logits, b.model(ids).logits)
     names = [n for n, p in b.model.named_parameters() if p.requires_grad]
     assert names and all("lora_" in n for n in names)  # fresh RL LoRA on the merged base
+
+
+def test_extend_run_and_refuse_other_config(tmp_path):
+    ov = ["rollout.tasks_per_step=1", "method.name=vanilla"]
+    out = train(load_config("smoke", ov + ["iterations=1"]), tmp_path / "r", progress=False)
+    first = load_file(str(next((out / "final" / "adapter").rglob("adapter_model.safetensors"))))
+    out = train(load_config("smoke", ov + ["iterations=2"]), tmp_path / "r", progress=False)  # extends it
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert [__import__("json").loads(ln)["iteration"] for ln in lines] == [0, 1]
+    second = load_file(str(next((out / "final" / "adapter").rglob("adapter_model.safetensors"))))
+    assert any(not torch.equal(first[k], second[k]) for k in first)  # final/ rewritten after the new iteration
+    with pytest.raises(ValueError, match="different config"):
+        train(load_config("smoke", ov + ["iterations=2", "update.lr=0.5"]), tmp_path / "r", progress=False)
+
+
+def test_warm_start_and_final_eval_on_same_held_out_tasks(tmp_path, monkeypatch):
+    import json
+
+    import sprpo_lib.train as T
+
+    monkeypatch.setattr(T, "ROOT", tmp_path)
+    ov = ["warm_start=true", "sft.n_tasks=2", "sft.epochs=1", "sft.lora.rank=4", "sft.eval_tasks=3",
+          "eval_tasks=3", "iterations=1", "rollout.tasks_per_step=1"]
+    out = train(load_config("smoke", ov), tmp_path / "run", progress=False)
+    start = json.loads(next((tmp_path / "runs" / "sft").glob("webshop-*/eval.json")).read_text())
+    final = json.loads((out / "final" / "eval.json").read_text())
+    assert start["indices"] == final["indices"] == [2, 4] and start["episodes"] == final["episodes"] == 3
+    eps = [json.loads(ln) for ln in (out / "final" / "eval_episodes.jsonl").read_text().splitlines()]
+    assert sorted(e["task_index"] for e in eps) == [2, 3, 4]
