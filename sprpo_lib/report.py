@@ -109,6 +109,9 @@ def plot_training(metrics: pd.DataFrame, summary: pd.DataFrame | None, path: str
         x = range(len(s))
         ax.bar([i - 0.2 for i in x], s["start_success"], width=0.4, label="warm start")
         ax.bar([i + 0.2 for i in x], s["final_success"], width=0.4, label="after RL")
+        for i, (a, b) in enumerate(zip(s["start_success"], s["final_success"])):
+            ax.text(i - 0.2, a + 0.01, f"{a:.2f}", ha="center", va="bottom", fontsize=7)
+            ax.text(i + 0.2, b + 0.01, f"{b:.2f}", ha="center", va="bottom", fontsize=7)
         ax.set_xticks(list(x), [f"{m} s{sd}" for m, sd in zip(s["method"], s["seed"])], fontsize=7)
         n = int(s["eval_episodes"].iloc[0]) if len(s) else 0
         ax.set(ylabel="success", title=f"held-out training tasks (n={n})", ylim=(0, 1))

@@ -552,7 +552,13 @@ def train(cfg: TrainConfig, out_dir: str | Path | None = None, fresh: bool = Fal
     if fresh and out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out / "config.json", {"config": config_dict(cfg), "commit": git_commit()})
+    meta_path = out / "config.json"
+    meta = {"config": config_dict(cfg), "commit": git_commit()}
+    if meta_path.is_file():  # resumed / extended / re-entered: keep the commit the run started at
+        old = json.loads(meta_path.read_text())
+        meta["commit"] = old.get("commit", meta["commit"])
+        meta["entered_at"] = list(dict.fromkeys(old.get("entered_at", []) + [git_commit()]))
+    atomic_write_json(meta_path, meta)
     done = tr.resume()
     start = 0 if done is None else done + 1
     metrics_path = out / "metrics.jsonl"

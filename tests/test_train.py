@@ -183,6 +183,8 @@ def test_extend_run_and_refuse_other_config(tmp_path):
     out = train(load_config("smoke", ov + ["iterations=2"]), tmp_path / "r", progress=False)  # extends it
     lines = (out / "metrics.jsonl").read_text().splitlines()
     assert [__import__("json").loads(ln)["iteration"] for ln in lines] == [0, 1]
+    meta = __import__("json").loads((out / "config.json").read_text())
+    assert meta["commit"] and len(meta["entered_at"]) == 1  # the starting commit is kept
     second = load_file(str(next((out / "final" / "adapter").rglob("adapter_model.safetensors"))))
     assert any(not torch.equal(first[k], second[k]) for k in first)  # final/ rewritten after the new iteration
     with pytest.raises(ValueError, match="different config"):
