@@ -13,15 +13,17 @@ from typing import Any
 
 
 def git_commit(repo: str | Path | None = None) -> str:
-    """Commit of the code that produced a result (``+dirty`` if the tree has changes)."""
+    """Commit of the code that produced a result (``+dirty`` if tracked files outside
+    ``figures/`` have changes)."""
     repo = Path(repo or Path(__file__).resolve().parents[1])
     try:
         sha = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo, capture_output=True, text=True
-        ).stdout.strip()
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)figures"],
+            cwd=repo, capture_output=True, text=True,
+        ).stdout.strip()  # rewritten outputs in figures/ do not make the code that wrote them dirty
         return sha + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
