@@ -1,0 +1,29 @@
+"""Provenance: the commit recorded beside results."""
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from sprpo_lib.manifest import git_commit
+
+
+def test_git_commit_dirty_flag_ignores_figure_outputs(tmp_path):
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    try:
+        git("init", "-q")
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("git not available")
+    (tmp_path / "figures").mkdir()
+    (tmp_path / "figures" / "a.csv").write_text("1\n")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
+    clean = git_commit(tmp_path)
+    assert len(clean) == 40 and "+dirty" not in clean
+    (tmp_path / "figures" / "a.csv").write_text("2\n")  # a rewritten output
+    assert git_commit(tmp_path) == clean
+    (tmp_path / "code.py").write_text("x = 2\n")  # changed code
+    assert git_commit(tmp_path) == clean + "+dirty"
