@@ -53,6 +53,16 @@ class MethodConfig:
             not get an infinite sigma.
         sigma_max: numerical guard, every sigma_lc is clamped to at most this (a factor
             1 + xi with |xi| >> 1 flips or explodes a channel).
+        scale: how SPrPO's statistics enter sigma.  ``"raw"`` (default) is Alg. 1 line 3
+            literally: sigma = rho * m_hat * S_hat^(-alpha/2) with the raw |dL/dxi|^2 and
+            ||grad||^2, whose magnitudes depend on the loss scale and the model: on the
+            cpu profile (SmolLM2, token-mean PPO loss) S_hat ~ 4e-7 and m_hat ~ 0.016
+            after the first update, so 99.6% of the channels hit ``sigma_max``.
+            ``"relative"`` (a documented deviation; the paper does not say how its
+            statistics are scaled) uses S_hat / mean(S_hat) and m_hat / m_1 (m_1 = the
+            first measured m_hat): the same shape across channels and the same decay
+            with the gradient norm, with sigma = rho where the statistics are average
+            and at their first value.
     """
 
     name: str = "vanilla"
@@ -64,12 +74,15 @@ class MethodConfig:
     sensitivity: str = "replay"
     s_floor: float = 1e-6
     sigma_max: float = 1.0
+    scale: str = "raw"
 
     def __post_init__(self):
         if self.name not in METHODS:
             raise ValueError(f"unknown method {self.name!r}; expected one of {sorted(METHODS)}")
         if self.sensitivity not in ("replay", "one_pass"):
             raise ValueError(f"method.sensitivity must be 'replay' or 'one_pass', got {self.sensitivity!r}")
+        if self.scale not in ("raw", "relative"):
+            raise ValueError(f"method.scale must be 'raw' (Alg. 1 literally) or 'relative', got {self.scale!r}")
         for k in ("sigma", "sam_rho", "rho", "alpha", "s_floor", "sigma_max"):
             if getattr(self, k) < 0:
                 raise ValueError(f"method.{k} must be >= 0, got {getattr(self, k)}")
@@ -187,6 +200,7 @@ class SPrPO(Method):
         super().__init__(cfg, shape, seed)
         self.S_hat = torch.ones(self.shape, dtype=torch.float64)
         self.m_hat = 1.0
+        self.m_ref = 0.0  # first measured m_hat (scale="relative"); 0 = not measured yet
 
     def sigma(self) -> torch.Tensor:
         c = self.cfg
@@ -194,6 +208,10 @@ class SPrPO(Method):
         floor = max(float(S.mean()) * c.s_floor, 1e-30)
         S = S.clamp_min(floor)
         m = self.m_hat if c.schedule else 1.0
+        if c.scale == "relative":
+            S = S / S.mean()
+            if c.schedule and self.m_ref > 0:
+                m = self.m_hat / self.m_ref
         sig = c.rho * m * S.pow(-c.alpha / 2.0)
         return sig.clamp(max=c.sigma_max).float()
 
@@ -216,6 +234,8 @@ class SPrPO(Method):
             stats["replay_loss"] = rstats["loss"]
         self.S_hat = dxi.double().pow(2)
         self.m_hat = float(m)
+        if self.m_ref <= 0:
+            self.m_ref = self.m_hat
         stats.update(S_hat_mean=float(self.S_hat.mean()), m_hat=self.m_hat)
         return stats
 
@@ -225,11 +245,13 @@ class SPrPO(Method):
                 "sigma_clamped_frac": float((s >= self.cfg.sigma_max).float().mean())}
 
     def state_dict(self) -> dict:
-        return {"S_hat": self.S_hat.clone(), "m_hat": torch.tensor(self.m_hat, dtype=torch.float64)}
+        return {"S_hat": self.S_hat.clone(), "m_hat": torch.tensor(self.m_hat, dtype=torch.float64),
+                "m_ref": torch.tensor(self.m_ref, dtype=torch.float64)}
 
     def load_state_dict(self, state: dict) -> None:
         self.S_hat = state["S_hat"].double().clone()
         self.m_hat = float(state["m_hat"])
+        self.m_ref = float(state["m_ref"]) if "m_ref" in state else 0.0
 
 
 def make_method(cfg: MethodConfig, shape: tuple[int, int], seed: int = 0) -> Method:

@@ -442,7 +442,11 @@ class Trainer:
         def same_run(c: dict) -> dict:  # a run may be extended: the iteration count is not part of its identity
             return {k: v for k, v in c.items() if k != "iterations"}
 
-        if same_run(state["config"]) != same_run(config_dict(self.cfg)):
+        try:  # keys added to the config since the checkpoint take their defaults
+            saved = config_dict(_build(TrainConfig, state["config"], ""))
+        except (TypeError, ValueError):
+            saved = state["config"]
+        if same_run(saved) != same_run(config_dict(self.cfg)):
             raise ValueError(
                 f"{self.out} holds a run with a different config; use another --out or --fresh to start over"
             )

@@ -205,3 +205,22 @@ def test_warm_start_and_final_eval_on_same_held_out_tasks(tmp_path, monkeypatch)
     assert start["indices"] == final["indices"] == [2, 4] and start["episodes"] == final["episodes"] == 3
     eps = [json.loads(ln) for ln in (out / "final" / "eval_episodes.jsonl").read_text().splitlines()]
     assert sorted(e["task_index"] for e in eps) == [2, 3, 4]
+
+
+def test_sprpo_sigma_scales_closed_form():
+    from sprpo_lib.methods import MethodConfig, make_method
+
+    S = torch.tensor([[1e-8, 4e-8], [16e-8, 64e-8]], dtype=torch.float64)
+    for scale in ("raw", "relative"):
+        m = make_method(MethodConfig(name="sprpo", rho=0.2, scale=scale, sigma_max=1e9), (2, 2))
+        torch.testing.assert_close(m.sigma(), torch.full((2, 2), 0.2))  # Alg. 1 line 1: S = m = 1 -> rho
+        m.S_hat, m.m_hat, m.m_ref = S.clone(), 0.5, 0.02
+        raw = 0.2 * 0.5 / S.sqrt()
+        rel = 0.2 * (0.5 / 0.02) / (S / S.mean()).sqrt()
+        torch.testing.assert_close(m.sigma().double(), raw if scale == "raw" else rel, rtol=1e-6, atol=0)
+        st = m.state_dict()
+        fresh = make_method(MethodConfig(name="sprpo", rho=0.2, scale=scale, sigma_max=1e9), (2, 2))
+        fresh.load_state_dict(st)
+        assert torch.equal(fresh.sigma(), m.sigma()) and fresh.m_ref == 0.02
+    with pytest.raises(ValueError, match="method.scale"):
+        MethodConfig(name="sprpo", scale="log")
