@@ -81,7 +81,7 @@ def before_after(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
                 if path.is_file():
                     ev = json.loads(path.read_text())
                     row.update({f"{name}_success": ev["success_rate"], f"{name}_score": ev["mean_score"],
-                                f"{name}_valid": ev["valid_rate"], f"eval_episodes": ev["episodes"]})
+                                f"{name}_valid": ev["valid_rate"], "eval_episodes": ev["episodes"]})
         rows.append(row)
     return pd.DataFrame(rows)
 
