@@ -18,7 +18,7 @@ import pandas as pd
 
 from .train import ROOT, TrainConfig, agent_config, default_out_dir, load_config, train, warm_start_key
 
-__all__ = ["run_grid", "load_metrics", "before_after", "plot_training"]
+__all__ = ["run_grid", "load_metrics", "before_after", "paired_outcomes", "mcnemar_exact_p", "plot_training"]
 
 
 def run_grid(profile: str, env: str, methods: Sequence[str], seeds: Sequence[int],
@@ -61,10 +61,43 @@ def load_metrics(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True)
 
 
+def mcnemar_exact_p(gained: int, lost: int) -> float:
+    """Two-sided exact McNemar test (binomial sign test on the discordant pairs):
+    the probability, if neither policy is better, of a split at least as uneven as
+    ``gained`` vs ``lost`` among the ``gained + lost`` tasks where they differ."""
+    from math import comb
+
+    n = gained + lost
+    if n == 0:
+        return 1.0
+    tail = sum(comb(n, k) for k in range(min(gained, lost) + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
+
+
+def paired_outcomes(start_episodes: str | Path, final_episodes: str | Path) -> dict:
+    """Task-by-task comparison of two evaluations of the same held-out tasks
+    (``eval_episodes.jsonl`` files): tasks solved only after RL (``gained``), only
+    before (``lost``), the exact McNemar p-value and the mean score change."""
+    def by_task(path):
+        eps = [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip()]
+        return {e["task_id"]: e for e in eps}
+
+    a, b = by_task(start_episodes), by_task(final_episodes)
+    common = sorted(set(a) & set(b))
+    if not common:
+        raise ValueError(f"{start_episodes} and {final_episodes} share no task: not a paired evaluation")
+    gained = sum(b[t]["success"] and not a[t]["success"] for t in common)
+    lost = sum(a[t]["success"] and not b[t]["success"] for t in common)
+    return {"paired_tasks": len(common), "gained": gained, "lost": lost,
+            "mcnemar_p": mcnemar_exact_p(gained, lost),
+            "score_change": sum(b[t]["score"] - a[t]["score"] for t in common) / len(common)}
+
+
 def before_after(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
     """Per run: success of the starting policy (the warm start's ``eval.json``) and of
-    the final policy (``final/eval.json``) on the same held-out training tasks, and the
-    mean rollout success of the first and last iterations (at the rollout noise)."""
+    the final policy (``final/eval.json``) on the same held-out training tasks with the
+    task-by-task comparison of :func:`paired_outcomes`, and the mean rollout success of
+    the first and last iterations (at the rollout noise)."""
     rows = []
     for d in map(Path, run_dirs):
         cfg = _config(d)
@@ -82,6 +115,9 @@ def before_after(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
                     ev = json.loads(path.read_text())
                     row.update({f"{name}_success": ev["success_rate"], f"{name}_score": ev["mean_score"],
                                 f"{name}_valid": ev["valid_rate"], "eval_episodes": ev["episodes"]})
+        eps = [p.parent / "eval_episodes.jsonl" for p in (start, final)]
+        if cfg.warm_start and all(p.is_file() for p in eps):
+            row.update(paired_outcomes(*eps))
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -112,7 +148,10 @@ def plot_training(metrics: pd.DataFrame, summary: pd.DataFrame | None, path: str
         for i, (a, b) in enumerate(zip(s["start_success"], s["final_success"])):
             ax.text(i - 0.2, a + 0.01, f"{a:.2f}", ha="center", va="bottom", fontsize=7)
             ax.text(i + 0.2, b + 0.01, f"{b:.2f}", ha="center", va="bottom", fontsize=7)
-        ax.set_xticks(list(x), [f"{m} s{sd}" for m, sd in zip(s["method"], s["seed"])], fontsize=7)
+        ticks = [f"{m} s{sd}" for m, sd in zip(s["method"], s["seed"])]
+        if "gained" in s:  # tasks solved only after / only before RL, exact McNemar p
+            ticks = [f"{t}\n+{g}/-{lo}, p={pv:.2g}" for t, g, lo, pv in zip(ticks, s["gained"], s["lost"], s["mcnemar_p"])]
+        ax.set_xticks(list(x), ticks, fontsize=7)
         n = int(s["eval_episodes"].iloc[0]) if len(s) else 0
         ax.set(ylabel="success", title=f"held-out training tasks (n={n})", ylim=(0, 1))
         ax.legend(fontsize=7)

@@ -112,6 +112,9 @@ class Demo:
     step: int
 
 
+DEMONSTRATORS = ("expert", "shopper")
+
+
 def _fill_template(action: str, instruction: str) -> str:
     """``name[<placeholder>]`` -> ``name[instruction]`` (what a random agent can type)."""
     m = _TEMPLATE_RE.match(action)
@@ -127,6 +130,7 @@ def collect_demonstrations(
     seed: int = 0,
     max_steps: int | None = None,
     stats: dict | None = None,
+    demonstrator: str = "expert",
 ) -> list[Demo]:
     """Play each task with the expert and record (prompt, expert response) per step.
 
@@ -144,6 +148,10 @@ def collect_demonstrations(
             (seeded by ``seed``, split and index), so a task's demonstrations do not
             depend on which other tasks are collected.
         max_steps: step limit per episode (default ``pool.max_steps``, as ``run_groups``).
+        demonstrator: ``"expert"`` (``Episode.expert_action()``: the environment's
+            oracle, which may use hidden state) or ``"shopper"`` (``shopper_action(actions)``:
+            a scripted policy that reads only the prompt's information; WebShop's
+            :func:`~sprpo_lib.envs.webshop.visible_shopper_action`).
         stats: if a dict is given, it is filled with ``episodes``, ``successes``,
             ``success_rate``, ``mean_score`` (of the played, possibly perturbed,
             episodes), ``demos`` and ``expert_none`` (episodes cut because the expert
@@ -154,6 +162,8 @@ def collect_demonstrations(
     """
     if not 0.0 <= expert_prob <= 1.0:
         raise ValueError(f"expert_prob must be in [0, 1], got {expert_prob}")
+    if demonstrator not in DEMONSTRATORS:
+        raise ValueError(f"sft.demonstrator must be one of {DEMONSTRATORS}, got {demonstrator!r}")
     agent = agent or AgentConfig()
     limit = max_steps or pool.max_steps
     demos: list[Demo] = []
@@ -167,8 +177,14 @@ def collect_demonstrations(
             obs = ep.reset()
             history: list[tuple[str, str]] = []
             score, success = 0.0, False
+            if demonstrator == "shopper" and not hasattr(ep, "shopper_action"):
+                raise ValueError(f"sft.demonstrator='shopper': {type(ep).__name__} has no shopper_action() "
+                                 f"(only WebShop has one); use sft.demonstrator=expert")
             for step in range(limit):
-                expert = ep.expert_action()
+                if demonstrator == "shopper":
+                    expert = ep.shopper_action([a for a, _ in history])
+                else:
+                    expert = ep.expert_action()
                 if expert is None:
                     n_none += 1
                     break
@@ -245,6 +261,11 @@ class SFTConfig:
         seed: LoRA initialisation, shuffling and DAgger-lite actions.
         n_tasks, split, expert_prob: demonstration collection for :func:`warm_start`
             (the first ``n_tasks`` tasks of ``split``).
+        demonstrator: who labels the demonstrations: ``"expert"`` (the environment's
+            oracle; default) or ``"shopper"`` (WebShop only: a scripted shopper that uses
+            only the information in the prompt, ~72% success on the offline catalogue;
+            the oracle clicks the goal's hidden product id, a choice a cloned policy
+            cannot infer from the page).  See :func:`collect_demonstrations`.
         log_every: optimizer steps between lines of ``metrics.jsonl`` (and the progress
             bar's loss); the first and last step are always logged.
         shuffle: reshuffle the demonstrations every epoch (seeded).
@@ -272,6 +293,7 @@ class SFTConfig:
     n_tasks: int = 40
     split: str = "train"
     expert_prob: float = 1.0
+    demonstrator: str = "expert"
     log_every: int = 10
     shuffle: bool = True
     eval_tasks: int = 0
@@ -289,6 +311,8 @@ class SFTConfig:
             raise ValueError(f"schedule must be one of {_SCHEDULES}, got {self.schedule!r}")
         if not 0.0 <= self.expert_prob <= 1.0:
             raise ValueError(f"expert_prob must be in [0, 1], got {self.expert_prob}")
+        if self.demonstrator not in DEMONSTRATORS:
+            raise ValueError(f"sft.demonstrator must be one of {DEMONSTRATORS}, got {self.demonstrator!r}")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ValueError("max_prompt_tokens must be >= 1 or None")
         if self.lora_layers is not None and self.lora_layers < 1:
@@ -593,7 +617,8 @@ def warm_start(
     n = min(cfg.n_tasks, pool.splits()[cfg.split])
     stats: dict = {}
     t0 = time.perf_counter()
-    demos = collect_demonstrations(pool, cfg.split, range(n), agent, cfg.expert_prob, cfg.seed, stats=stats)
+    demos = collect_demonstrations(pool, cfg.split, range(n), agent, cfg.expert_prob, cfg.seed, stats=stats,
+                                   demonstrator=cfg.demonstrator)
     stats["seconds"] = round(time.perf_counter() - t0, 2)
     if out_dir is not None:
         save_demos(Path(out_dir) / "demos.jsonl", demos)

@@ -115,6 +115,7 @@ class TrainConfig:
     log_episodes: bool = True
     warm_start: bool = False  # behaviour cloning on expert demos first (offline profiles; not paper)
     eval_tasks: int = 0  # after training: success of the final policy on the warm start's held-out tasks
+    eval_temperature: float | None = 0.4  # held-out evaluations (Table 3 "Validation temperature"); None: rollout's
     sft: SFTConfig = field(default_factory=SFTConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
@@ -499,7 +500,7 @@ def warm_start_policy(policy, pool, cfg: TrainConfig, agent: AgentConfig, progre
         load_adapter(policy, out / "adapter", merge=True)
     for p in policy.model.parameters():
         p.requires_grad_(False)
-    if cfg.sft.eval_tasks and not (out / "eval.json").is_file():
+    if cfg.sft.eval_tasks and not eval_is_current(out / "eval.json", cfg, cfg.sft.eval_tasks):
         evaluate_warm_start(policy, pool, cfg, agent, out, progress)
     return out
 
@@ -512,11 +513,33 @@ def held_out_tasks(cfg: TrainConfig, n_pool: int, count: int) -> list[int]:
     return list(range(first, min(n_pool, first + count)))
 
 
+def eval_temperature(cfg: TrainConfig) -> float:
+    """Sampling temperature of the held-out evaluations: ``cfg.eval_temperature``
+    (0.4, the paper's validation temperature, Table 3) or the rollout temperature."""
+    return cfg.rollout.temperature if cfg.eval_temperature is None else cfg.eval_temperature
+
+
+def eval_settings(cfg: TrainConfig) -> dict:
+    """What a held-out evaluation's numbers depend on besides the policy and the tasks."""
+    r = cfg.rollout
+    return {"temperature": eval_temperature(cfg), "top_p": r.top_p, "max_new_tokens": r.max_new_tokens,
+            "max_steps": cfg.env.max_steps}
+
+
+def eval_is_current(path: Path, cfg: TrainConfig, count: int) -> bool:
+    """An ``eval.json`` exists and was made with the current :func:`eval_settings` and
+    task count (an evaluation is redone, not reused, when any of them changes)."""
+    if not path.is_file():
+        return False
+    res = json.loads(path.read_text())
+    return res.get("episodes") == count and all(res.get(k) == v for k, v in eval_settings(cfg).items())
+
+
 def evaluate_warm_start(policy, pool, cfg: TrainConfig, agent: AgentConfig, out: Path, progress: bool = True,
                         count: int | None = None) -> dict:
     """Success of a policy on ``count`` (default ``cfg.sft.eval_tasks``) held-out
-    training tasks (:func:`held_out_tasks`), one rollout each at the RL temperature
-    and step limit, with a fixed generation seed, so that the warm start (the RL
+    training tasks (:func:`held_out_tasks`), one rollout each at
+    :func:`eval_temperature` and the RL step limit, with a fixed generation seed, so that the warm start (the RL
     starting point; issue 4 target 20-60%) and the final RL policy are scored on the
     same tasks and the same random numbers.  Written to ``out/eval.json`` with the
     episodes in ``out/eval_episodes.jsonl``."""
@@ -525,12 +548,13 @@ def evaluate_warm_start(policy, pool, cfg: TrainConfig, agent: AgentConfig, out:
 
     idx = held_out_tasks(cfg, pool.splits()[cfg.sft.split], cfg.sft.eval_tasks if count is None else count)
     r = cfg.rollout
-    gen = GenerationConfig(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+    temperature = eval_temperature(cfg)
+    gen = GenerationConfig(temperature=temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
                            batch_size=r.gen_batch, seed=cfg.sft.seed)
     (out / "eval_episodes.jsonl").unlink(missing_ok=True)  # a killed evaluation starts over
     res = evaluate_format(policy, pool, cfg.sft.split, idx, agent, gen, max_steps=cfg.env.max_steps,
                           log_path=out / "eval_episodes.jsonl", progress=progress)
-    res.update(split=cfg.sft.split, indices=[idx[0], idx[-1]] if idx else [], temperature=r.temperature)
+    res.update(split=cfg.sft.split, indices=[idx[0], idx[-1]] if idx else [], **eval_settings(cfg))
     atomic_write_json(out / "eval.json", res)
     return res
 
@@ -588,7 +612,7 @@ def train(cfg: TrainConfig, out_dir: str | Path | None = None, fresh: bool = Fal
             tr.model.save_pretrained(tmp / "adapter", safe_serialization=True)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
-        if cfg.eval_tasks and not (final / "eval.json").is_file():
+        if cfg.eval_tasks and not eval_is_current(final / "eval.json", cfg, cfg.eval_tasks):
             tr.model.eval()
             evaluate_warm_start(tr.policy, tr.pool, cfg, tr.agent, final, progress, count=cfg.eval_tasks)
     finally:

@@ -149,6 +149,28 @@ def test_dagger_lite_labels_expert_and_diversifies_states(pool, demos):
         collect_demonstrations(pool, "train", [0], AGENT, expert_prob=1.5)
 
 
+def test_shopper_demonstrator_labels_its_own_actions(pool):
+    from sprpo_lib.envs.webshop import visible_shopper_action
+
+    demos = collect_demonstrations(pool, "train", range(4), AGENT, demonstrator="shopper")
+    assert demos and demos[0].response.startswith("<action>search[")
+    for i in range(4):  # replay each task: the label is the shopper's action on the prompt's page
+        ep, acts = pool.open("train", i).spawn(), []
+        obs = ep.reset()
+        for d in [d for d in demos if d.task_id == f"webshop/train/{i}"]:
+            action = visible_shopper_action(ep.instruction, obs.text, obs.admissible, acts)
+            assert d.response == f"<action>{action}</action>"
+            obs = ep.step(action)
+            acts.append(action)
+        assert obs.done
+    with pytest.raises(ValueError, match="demonstrator"):
+        collect_demonstrations(pool, "train", [0], AGENT, demonstrator="oracle")
+    with pytest.raises(ValueError, match="no shopper_action"):  # e.g. ALFWorld: only the expert
+        collect_demonstrations(_SpyPool(pool), "train", [0], AGENT, demonstrator="shopper")
+    with pytest.raises(ValueError, match="sft.demonstrator"):
+        SFTConfig(demonstrator="human")
+
+
 def test_loss_masks_prompt_and_matches_direct_ce(demos):
     pol = load_policy("tiny-qwen2")
     tok = pol.tokenizer

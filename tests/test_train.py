@@ -205,6 +205,14 @@ def test_warm_start_and_final_eval_on_same_held_out_tasks(tmp_path, monkeypatch)
     assert start["indices"] == final["indices"] == [2, 4] and start["episodes"] == final["episodes"] == 3
     eps = [json.loads(ln) for ln in (out / "final" / "eval_episodes.jsonl").read_text().splitlines()]
     assert sorted(e["task_index"] for e in eps) == [2, 3, 4]
+    assert start["temperature"] == final["temperature"] == 0.4  # Table 3 validation temperature
+    cfg = load_config("smoke", ov)
+    assert T.eval_is_current(out / "final" / "eval.json", cfg, 3)
+    assert not T.eval_is_current(out / "final" / "eval.json", cfg, 4)  # other task count: redo
+    hot = load_config("smoke", ov + ["eval_temperature=null", "rollout.temperature=0.9"])
+    assert T.eval_temperature(hot) == 0.9 and not T.eval_is_current(out / "final" / "eval.json", hot, 3)
+    longer = load_config("smoke", ov + ["rollout.max_new_tokens=9"])
+    assert not T.eval_is_current(out / "final" / "eval.json", longer, 3)  # generation settings changed: redo
 
 
 def test_sprpo_sigma_scales_closed_form():
@@ -216,7 +224,7 @@ def test_sprpo_sigma_scales_closed_form():
         torch.testing.assert_close(m.sigma(), torch.full((2, 2), 0.2))  # Alg. 1 line 1: S = m = 1 -> rho
         m.S_hat, m.m_hat, m.m_ref = S.clone(), 0.5, 0.02
         raw = 0.2 * 0.5 / S.sqrt()
-        rel = 0.2 * (0.5 / 0.02) / (S / S.mean()).sqrt()
+        rel = 0.2 * (0.5 / 0.02) / (S / 8e-8).sqrt()  # geometric mean of S: (1*4*16*64)^(1/4) e-8
         torch.testing.assert_close(m.sigma().double(), raw if scale == "raw" else rel, rtol=1e-6, atol=0)
         st = m.state_dict()
         fresh = make_method(MethodConfig(name="sprpo", rho=0.2, scale=scale, sigma_max=1e9), (2, 2))

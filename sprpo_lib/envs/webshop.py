@@ -60,7 +60,9 @@ __all__ = [
     "get_reward",
     "make_webshop_pool",
     "normalize_color",
+    "shopper_query",
     "title_nouns",
+    "visible_shopper_action",
 ]
 
 MAX_STEPS = 15  # App. B: WebShop episodes last at most 15 environment steps
@@ -515,8 +517,121 @@ class WebShopEpisode:
                 plan[best] = self._clickables[best][1]
         return list(plan.items())
 
+    def shopper_action(self, actions: Sequence[str] = ()) -> str | None:
+        """:func:`visible_shopper_action` on the current page (``actions``: the
+        actions taken so far in this episode)."""
+        if self._done:
+            return None
+        return visible_shopper_action(self.instruction, self._text, self.admissible_actions(), actions)
+
     def close(self) -> None:
         """Nothing to release (pure Python state)."""
+
+
+# ---------------------------------------------------------------------------
+# Visible-information shopper (demonstrations a policy can imitate)
+# ---------------------------------------------------------------------------
+
+_PAGE_HEADER_RE = re.compile(r"^Page \d+ \(Total results: \d+\)$")
+_PRICE_LIMIT_RE = re.compile(r"price lower than ([0-9]+(?:\.[0-9]+)?) dollars")
+_DOLLARS_RE = re.compile(r"\$([0-9]+(?:\.[0-9]+)?)")
+_ITEM_BUTTONS = frozenset((BACK_TO_SEARCH, PREV_PAGE, NEXT_PAGE, BUY_NOW, *SUB_PAGES))
+SHOPPER_MAX_PAGES = 3  # result pages the shopper reads before settling for the first item
+
+
+def _click_arg(action: str) -> str | None:
+    m = re.fullmatch(r"click\[(.+)\]", action.strip())
+    return m.group(1) if m else None
+
+
+def shopper_query(instruction: str) -> str:
+    """The shopper's search: the instruction without its price clause (lowercased)."""
+    return instruction.split(", and price lower than")[0].strip().lower()
+
+
+def _mentions(text: str, phrase: str) -> bool:
+    return re.search(rf"(?<![a-z0-9]){re.escape(phrase)}(?![a-z0-9])", text) is not None
+
+
+def visible_shopper_action(
+    instruction: str, observation: str, admissible: Sequence[str], actions: Sequence[str] = ()
+) -> str | None:
+    """A scripted shopper that uses **only what the agent sees**: the instruction, the
+    current observation text, the admissible actions and its own previous actions.
+
+    Why it exists: :meth:`WebShopEpisode.expert_action` knows the goal's hidden product
+    id, so on a results page it clicks a product whose title often shows none of the
+    wanted attributes.  A small model cloned on such labels learns to click an
+    arbitrary product (0/32 successes in the cpu profile's first warm start).  This
+    shopper's choices are a function of the prompt, so behaviour cloning can learn
+    them; it is the ``sft.demonstrator="shopper"`` option.  Rules:
+
+    * search page: ``search[`` instruction without the price clause ``]``;
+    * results page: among the listed products whose (lowest) price is within the
+      instruction's limit, click the one with the most title attributes (the
+      ``- a, b`` suffix) named in the instruction, then the most words of the title's
+      name shared with the instruction (ties: higher rank); no product within the
+      limit: ``next >`` up to page :data:`SHOPPER_MAX_PAGES`, then the first product;
+    * item page: click each option value the instruction names (whole-word match;
+      a value contained in a longer matching value is skipped) unless already
+      clicked since the product was opened, then ``buy now``;
+    * description/features/reviews page: ``< prev``.
+
+    Returns ``None`` on a page without admissible actions (done).
+    """
+    adm = set(admissible)
+    instr = instruction.lower()
+    if not adm:
+        return None
+    if SEARCH_PLACEHOLDER in adm:
+        return f"search[{shopper_query(instruction)}]"
+    clicks = [a for a in (_click_arg(x) for x in admissible) if a is not None]
+    pieces = [p.strip() for p in observation.split(" [SEP] ")]
+    if f"click[{BUY_NOW}]" in adm:  # item page
+        since_open = []
+        for act in reversed(actions):
+            arg = _click_arg(act)
+            if arg is not None and arg not in _ITEM_BUTTONS and arg in clicks:
+                since_open.append(arg)
+            elif arg is not None and arg not in _ITEM_BUTTONS:
+                break  # the product click that opened this page
+            elif act.strip().startswith("search[") or arg in (BACK_TO_SEARCH, PREV_PAGE):
+                break
+        values = [c for c in clicks if c not in _ITEM_BUTTONS and _mentions(instr, c.lower())]
+        values = [v for v in values if not any(v != w and _mentions(w.lower(), v.lower()) for w in values)]
+        for value in values:
+            if value not in since_open:
+                return f"click[{value}]"
+        return f"click[{BUY_NOW}]"
+    header = next((i for i, p in enumerate(pieces) if _PAGE_HEADER_RE.match(p)), None)
+    if header is None:  # a description / features / reviews page
+        return f"click[{PREV_PAGE}]" if f"click[{PREV_PAGE}]" in adm else sorted(adm)[0]
+    m = _PRICE_LIMIT_RE.search(instr)
+    limit = float(m.group(1)) if m else float("inf")
+    words = set(re.findall(r"[a-z0-9]+", instr))
+    products, i = [], header + 1
+    while i < len(pieces):
+        if f"click[{pieces[i].lower()}]" in adm and pieces[i].lower() not in _ITEM_BUTTONS and i + 2 < len(pieces):
+            products.append((pieces[i].lower(), pieces[i + 1], pieces[i + 2]))
+            i += 3
+        else:
+            i += 1
+    best = None
+    for rank, (asin, title, price_text) in enumerate(products):
+        prices = [float(x) for x in _DOLLARS_RE.findall(price_text)]
+        if not prices or min(prices) > limit:
+            continue
+        name, _, attrs = title.lower().partition(" - ")
+        named = sum(_mentions(instr, a.strip()) for a in attrs.split(",") if a.strip())
+        key = (named, len(set(re.findall(r"[a-z0-9]+", name)) & words), -rank)
+        if best is None or key > best[0]:
+            best = (key, asin)
+    if best is not None:
+        return f"click[{best[1]}]"
+    page = int(re.findall(r"\d+", pieces[header])[0])
+    if f"click[{NEXT_PAGE}]" in adm and page < SHOPPER_MAX_PAGES:
+        return f"click[{NEXT_PAGE}]"
+    return f"click[{products[0][0]}]" if products else f"click[{BACK_TO_SEARCH}]"
 
 
 # ---------------------------------------------------------------------------
