@@ -36,7 +36,7 @@ PROFILES: dict[str, dict] = {
         "out_dir": "figures",
         "notebooks": {
             "00_quickstart": {"model": "smollm2-135m", "n_calib": 32, "max_new_tokens": 24},
-            "01_training": {"profile": "cpu", "env": "webshop", "methods": ["vanilla"], "seeds": [0]},
+            "01_training": {"profile": "cpu", "env": "webshop", "methods": ["vanilla"], "seeds": [0, 1]},
         },
     },
     "paper": {
