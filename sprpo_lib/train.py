@@ -176,7 +176,11 @@ def load_config(profile: str = "paper", overrides: list[str] | None = None, **to
             raise ValueError(f"override {ov!r} must look like key.sub=value (e.g. method.rho=0.1)")
         k, v = ov.split("=", 1)
         _set_dotted(data, k.strip(), yaml.safe_load(v))
-    return _build(TrainConfig, data, "")
+    cfg = _build(TrainConfig, data, "")
+    if cfg.warm_start and cfg.sft.demonstrator == "shopper" and cfg.env.name != "webshop":
+        raise ValueError(f"sft.demonstrator=shopper exists for WebShop only (env.name={cfg.env.name!r}); "
+                         f"add the override sft.demonstrator=expert (and env.max_steps=50 for ALFWorld)")
+    return cfg
 
 
 def config_dict(cfg: TrainConfig) -> dict:

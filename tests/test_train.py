@@ -131,6 +131,11 @@ def test_config_profiles_and_errors():
         load_config("gpu-cluster")
     with pytest.raises(ValueError, match="key.sub=value"):
         load_config("smoke", ["method.rho"])
+    cpu = load_config("cpu")
+    assert cpu.sft.demonstrator == "shopper" and cpu.eval_temperature == 0.4 and cpu.method.scale == "relative"
+    with pytest.raises(ValueError, match="sft.demonstrator=expert"):
+        load_config("cpu", **{"env.name": "alfworld"})
+    assert load_config("cpu", ["sft.demonstrator=expert"], **{"env.name": "alfworld"}).sft.demonstrator == "expert"
 
 
 def _cli(out, *extra):
