@@ -77,7 +77,8 @@ def mcnemar_exact_p(gained: int, lost: int) -> float:
 def paired_outcomes(start_episodes: str | Path, final_episodes: str | Path) -> dict:
     """Task-by-task comparison of two evaluations of the same held-out tasks
     (``eval_episodes.jsonl`` files): tasks solved only after RL (``gained``), only
-    before (``lost``), the exact McNemar p-value and the mean score change."""
+    before (``lost``), the exact McNemar p-value, the mean score change and a sign test
+    on the scores (tasks whose score rose / fell, exact two-sided p)."""
     def by_task(path):
         eps = [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip()]
         return {e["task_id"]: e for e in eps}
@@ -88,9 +89,12 @@ def paired_outcomes(start_episodes: str | Path, final_episodes: str | Path) -> d
         raise ValueError(f"{start_episodes} and {final_episodes} share no task: not a paired evaluation")
     gained = sum(b[t]["success"] and not a[t]["success"] for t in common)
     lost = sum(a[t]["success"] and not b[t]["success"] for t in common)
+    up = sum(b[t]["score"] > a[t]["score"] for t in common)
+    down = sum(b[t]["score"] < a[t]["score"] for t in common)
     return {"paired_tasks": len(common), "gained": gained, "lost": lost,
             "mcnemar_p": mcnemar_exact_p(gained, lost),
-            "score_change": sum(b[t]["score"] - a[t]["score"] for t in common) / len(common)}
+            "score_change": sum(b[t]["score"] - a[t]["score"] for t in common) / len(common),
+            "score_up": up, "score_down": down, "score_sign_p": mcnemar_exact_p(up, down)}
 
 
 def before_after(run_dirs: Sequence[str | Path]) -> pd.DataFrame:

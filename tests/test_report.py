@@ -30,6 +30,7 @@ def test_paired_outcomes_counts_task_by_task(tmp_path):
     assert res["paired_tasks"] == 4 and res["gained"] == 2 and res["lost"] == 1
     assert res["score_change"] == pytest.approx((0 + 0.5 + 1.0 - 0.5) / 4)
     assert res["mcnemar_p"] == pytest.approx(1.0)
+    assert (res["score_up"], res["score_down"]) == (2, 1) and res["score_sign_p"] == pytest.approx(1.0)
     other = tmp_path / "c.jsonl"
     other.write_text(json.dumps({"task_id": "x", "success": True, "score": 1.0}) + "\n")
     with pytest.raises(ValueError, match="share no task"):
