@@ -42,7 +42,7 @@ def _config(run_dir: Path) -> TrainConfig:
 
 def load_metrics(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
     """One row per (run, iteration): the ``metrics.jsonl`` columns plus ``env``,
-    ``method``, ``seed``, ``profile`` and ``run``."""
+    ``method``, ``seed``, ``profile``, ``temperature`` (of the rollouts) and ``run``."""
     frames = []
     for d in map(Path, run_dirs):
         cfg = _config(d)
@@ -55,6 +55,7 @@ def load_metrics(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
         df.insert(2, "method", cfg.method.name)
         df.insert(3, "seed", cfg.seed)
         df.insert(4, "profile", cfg.profile)
+        df.insert(5, "temperature", cfg.rollout.temperature)
         frames.append(df)
     if not frames:
         raise ValueError(f"no metrics in {list(map(str, run_dirs))}: train first (python -m sprpo_lib.train ...)")
@@ -138,10 +139,16 @@ def plot_training(metrics: pd.DataFrame, summary: pd.DataFrame | None, path: str
     fig, axes = plt.subplots(1, 3 if has_eval else 2, figsize=(13 if has_eval else 9, 3.4))
     for run, df in metrics.groupby("run"):
         label = f"{df['method'].iloc[0]} s{df['seed'].iloc[0]}"
-        axes[0].plot(df["iteration"], df["success"], marker="o", ms=3, label=label)
-        axes[1].plot(df["iteration"], df["valid_rate"], marker="o", ms=3, label=label)
-    axes[0].set(xlabel="iteration", ylabel="rollout success", title="success (training tasks, T=1)", ylim=(-0.02, 1.02))
-    axes[1].set(xlabel="iteration", ylabel="valid-action rate", title="response format", ylim=(-0.02, 1.02))
+        line = axes[0].plot(df["iteration"], df["success"], marker="o", ms=3, label=label)[0]
+        axes[1].plot(df["iteration"], df["score"], marker="o", ms=3, color=line.get_color(), label=f"{label} score")
+        axes[1].plot(df["iteration"], df["valid_rate"], ls="--", color=line.get_color(), label=f"{label} valid")
+    temps = sorted(set(metrics["temperature"])) if "temperature" in metrics else []
+    t = f", T={temps[0]:g}" if len(temps) == 1 else ""
+    axes[0].set(xlabel="iteration", ylabel="rollout success", title=f"success (rollouts on training tasks{t})",
+                ylim=(-0.02, 1.02))
+    axes[1].set(xlabel="iteration", ylabel="mean score / valid-action rate",
+                title="score (solid), valid actions (dashed)", ylim=(-0.02, 1.02))
+    axes[1].legend(fontsize=6)
     axes[0].legend(fontsize=7)
     if has_eval:
         ax = axes[2]
