@@ -552,8 +552,7 @@ def evaluate_warm_start(policy, pool, cfg: TrainConfig, agent: AgentConfig, out:
 
     idx = held_out_tasks(cfg, pool.splits()[cfg.sft.split], cfg.sft.eval_tasks if count is None else count)
     r = cfg.rollout
-    temperature = eval_temperature(cfg)
-    gen = GenerationConfig(temperature=temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+    gen = GenerationConfig(temperature=eval_temperature(cfg), top_p=r.top_p, max_new_tokens=r.max_new_tokens,
                            batch_size=r.gen_batch, seed=cfg.sft.seed)
     (out / "eval_episodes.jsonl").unlink(missing_ok=True)  # a killed evaluation starts over
     res = evaluate_format(policy, pool, cfg.sft.split, idx, agent, gen, max_steps=cfg.env.max_steps,

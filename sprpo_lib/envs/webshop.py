@@ -588,15 +588,16 @@ def visible_shopper_action(
     clicks = [a for a in (_click_arg(x) for x in admissible) if a is not None]
     pieces = [p.strip() for p in observation.split(" [SEP] ")]
     if f"click[{BUY_NOW}]" in adm:  # item page
-        since_open = []
+        since_open = set()  # option values clicked since this product page was opened
         for act in reversed(actions):
             arg = _click_arg(act)
-            if arg is not None and arg not in _ITEM_BUTTONS and arg in clicks:
-                since_open.append(arg)
-            elif arg is not None and arg not in _ITEM_BUTTONS:
-                break  # the product click that opened this page
-            elif act.strip().startswith("search[") or arg in (BACK_TO_SEARCH, PREV_PAGE):
-                break
+            if arg is None:
+                if act.strip().startswith("search["):
+                    break
+            elif arg in (BACK_TO_SEARCH, PREV_PAGE) or (arg not in _ITEM_BUTTONS and arg not in clicks):
+                break  # left the page, or the product click that opened it
+            elif arg not in _ITEM_BUTTONS:
+                since_open.add(arg)
         values = [c for c in clicks if c not in _ITEM_BUTTONS and _mentions(instr, c.lower())]
         values = [v for v in values if not any(v != w and _mentions(w.lower(), v.lower()) for w in values)]
         for value in values:
