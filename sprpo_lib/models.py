@@ -98,12 +98,25 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """Map ``"float32" | "bfloat16" | "float16"`` (or a torch dtype) to a torch dtype."""
+def resolve_dtype(dtype: str | torch.dtype, shapes=None, device: str | torch.device = "cpu",
+                  info: dict | None = None) -> torch.dtype:
+    """Map ``"float32" | "bfloat16" | "float16" | "float64"`` (or a torch dtype) to a torch
+    dtype.  ``"auto"`` measures the faster of float32 and bfloat16 for linears of
+    ``shapes`` on ``device`` (:func:`sprpo_lib.hardware.fast_dtype`, cached per machine);
+    the probe's numbers are stored in ``info`` when one is given."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto":
+        from .hardware import fast_dtype
+
+        if not shapes:
+            raise ValueError("dtype='auto' needs the model's linear shapes to probe")
+        chosen, probe = fast_dtype(shapes, device)
+        if info is not None:
+            info.update(probe)
+        return chosen
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not supported; expected one of {sorted(_DTYPES)}")
+        raise ValueError(f"dtype={dtype!r} is not supported; expected one of {['auto'] + sorted(_DTYPES)}")
     return _DTYPES[dtype]
 
 
@@ -256,7 +269,7 @@ def _looks_like_hub_id(spec: str) -> bool:
 def load_policy(
     spec: str = DEFAULT_MODEL,
     *,
-    dtype: str | torch.dtype | None = None,
+    dtype: str | torch.dtype | None = "auto",
     device: str | torch.device = "cpu",
     seed: int = 0,
     trust_remote_code: bool = False,
@@ -268,9 +281,13 @@ def load_policy(
         spec: ``"smollm2-135m"`` (default), ``"tiny-qwen2"``, ``"tiny-llama"``, a local
             HF directory, or a hub id (``"Qwen/Qwen2.5-1.5B-Instruct"``).  Hub ids resolve
             through the local HF cache; nothing is downloaded when ``HF_HUB_OFFLINE=1``.
-        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.  Default: float32 for the
-            tiny models (exact tests), bfloat16 otherwise (CPUs with AMX run bf16 linears
-            5-10x faster than fp32; see shared/notes/offline-probes.md).
+        dtype: ``"auto"`` (default), ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+            ``"auto"`` is float32 for the tiny models (exact tests; their speed does not
+            matter) and otherwise the faster of float32 and bfloat16 on this machine,
+            measured at the model's linear shapes (:mod:`sprpo_lib.hardware`; bfloat16 on
+            CUDA): CPUs with AVX512-BF16 or AMX run bfloat16 linears faster, AVX2-only
+            CPUs several times slower.  ``meta["dtype"]`` records the choice and
+            ``meta["dtype_probe"]`` the measurement behind it.
         device: torch device for the model.
         seed: initialisation seed of the tiny models (ignored otherwise).
         trust_remote_code: forwarded to transformers; off unless asked for.
@@ -286,7 +303,7 @@ def load_policy(
     if spec in TINY_SPECS:
         model, tok = build_tiny(spec, seed=seed, cfg=tiny)
         source = "random-init"
-        torch_dtype = resolve_dtype(dtype or "float32")
+        torch_dtype = resolve_dtype("float32" if dtype in (None, "auto") else dtype)
         model = model.to(torch_dtype)
     else:
         if spec == DEFAULT_MODEL:
@@ -303,8 +320,8 @@ def load_policy(
                 f"{', '.join(TINY_SPECS)}), an existing directory, nor a hub id 'org/name'. "
                 "Point it at a local copy of the weights, e.g. --model /data/Qwen2.5-1.5B-Instruct"
             )
-        torch_dtype = resolve_dtype(dtype or "bfloat16")
         try:
+            torch_dtype = _real_model_dtype(dtype or "auto", path, device, trust_remote_code, meta)
             tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
             model = AutoModelForCausalLM.from_pretrained(
                 str(path), dtype=torch_dtype, trust_remote_code=trust_remote_code
@@ -328,6 +345,24 @@ def load_policy(
     meta.update(dtype=str(torch_dtype).replace("torch.", ""), load_seconds=round(time.time() - t0, 2))
     ffn_modules(model)  # fail early on architectures without a gated FFN
     return Policy(model=model, tokenizer=tok, spec=spec, source=source, meta=meta)
+
+
+def _real_model_dtype(dtype, path, device, trust_remote_code: bool, meta: dict) -> torch.dtype:
+    """Resolve a real model's dtype; ``"auto"`` reads the linear shapes from the config
+    (no weights loaded) and records the probe in ``meta["dtype_probe"]``."""
+    if dtype != "auto":
+        return resolve_dtype(dtype)
+    from transformers import AutoConfig
+
+    from .hardware import linear_shapes
+
+    config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    config = getattr(config, "text_config", None) or config
+    probe: dict = {}
+    chosen = resolve_dtype("auto", linear_shapes(config), device, probe)
+    meta["dtype_requested"] = "auto"
+    meta["dtype_probe"] = probe
+    return chosen
 
 
 def ffn_modules(model: nn.Module) -> list[nn.Module]:

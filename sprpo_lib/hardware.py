@@ -1,0 +1,302 @@
+"""What this machine is good at: the faster compute dtype, measured, and a description
+for manifests.
+
+CPUs differ in which dtype their matmuls favour: with AVX512-BF16 or AMX, bfloat16
+linears run faster than float32; with AVX2 only, torch's bfloat16 kernels are several
+times slower.  So ``dtype: auto`` measures instead of guessing: :func:`fast_dtype` times
+``F.linear`` at the model's own shapes in float32 and bfloat16 (a prefill-like batch of
+tokens and a decode-like few rows) and picks the dtype with the higher throughput.  The
+result is cached per machine (CPU model, instruction set torch dispatches to, torch
+version, threads, shapes) in ``<cache root>/hardware/dtype-probe.json``, so the probe
+costs a few seconds once.  On CUDA the answer is bfloat16 without a probe.
+
+The probe calls ``F.linear(x, W)`` (``x @ W^T``), the call ``nn.Linear`` makes: a plain
+``a @ b`` with a non-transposed bfloat16 right operand can take a much slower kernel
+and would misjudge bfloat16.
+
+:func:`prefill_flops` / :func:`decode_flops` count the work of a forward pass, so that a
+benchmark can report its wall time against the floor ``flops / measured GFLOP/s``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+PREFILL_ROWS = 256  # tokens in one prefill-like matmul
+DECODE_ROWS = 16  # rows of one decode step (a rollout batch)
+PROBE_DTYPES = ("float32", "bfloat16")
+AUTO = "auto"
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "neon", "sve")
+_CACHE_FILE = ("hardware", "dtype-probe.json")
+
+Shape = tuple[int, int]  # (in_features, out_features) of a linear layer
+
+
+# ----------------------------------------------------------------------------- machine
+def _cpuinfo() -> dict[str, str]:
+    """First processor block of /proc/cpuinfo (empty off Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            block = f.read().split("\n\n", 1)[0]
+    except OSError:
+        return {}
+    out = {}
+    for line in block.splitlines():
+        if ":" in line:
+            k, v = line.split(":", 1)
+            out[k.strip()] = v.strip()
+    return out
+
+
+def _physical_cores() -> int | None:
+    """Distinct (physical id, core id) pairs in /proc/cpuinfo; None when unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            blocks = f.read().strip().split("\n\n")
+    except OSError:
+        return None
+    cores = set()
+    for b in blocks:
+        d = dict((k.strip(), v.strip()) for k, v in (ln.split(":", 1) for ln in b.splitlines() if ":" in ln))
+        if "core id" in d:
+            cores.add((d.get("physical id", "0"), d["core id"]))
+    return len(cores) or None
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``platform.processor()`` off Linux)."""
+    info = _cpuinfo()
+    return info.get("model name") or info.get("Model") or platform.processor() or platform.machine()
+
+
+def machine_info() -> dict:
+    """CPU model, the instruction set torch dispatches to, flags that decide the fast
+    dtype, core and thread counts and the torch version: what a manifest needs to say
+    where a timing was taken."""
+    flags = set(_cpuinfo().get("flags", _cpuinfo().get("Features", "")).split())
+    info = {
+        "cpu_model": cpu_model(),
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "flags": {f: f in flags for f in CPU_FLAGS},
+        "physical_cores": _physical_cores(),
+        "logical_cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+# ----------------------------------------------------------------------------- shapes and work
+def linear_shapes(config) -> list[Shape]:
+    """The distinct linear shapes of a Llama/Qwen2-style config: FFN up/gate
+    (hidden -> FFN), FFN down (FFN -> hidden) and attention q/o (hidden -> hidden)."""
+    h, f = int(config.hidden_size), int(config.intermediate_size)
+    return [(h, f), (f, h), (h, h)]
+
+
+def _attn_dims(config) -> tuple[int, int]:
+    """(query width, key/value width) = (heads x head_dim, kv_heads x head_dim)."""
+    heads = int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    kv = int(getattr(config, "num_key_value_heads", None) or heads)
+    return heads * head_dim, kv * head_dim
+
+
+def layer_params(config) -> int:
+    """Weights of one decoder layer's linears: q, k, v, o and the gated FFN (gate, up,
+    down); norms and biases are negligible."""
+    h, f = int(config.hidden_size), int(config.intermediate_size)
+    q, kv = _attn_dims(config)
+    return h * q + 2 * h * kv + q * h + 3 * h * f
+
+
+def prefill_flops(config, prompt_lengths: Sequence[int], lm_head: bool = True) -> float:
+    """FLOPs to prefill prompts of the given token lengths, without padding.
+
+    Per prompt of n tokens over L layers:
+      ``2 * P_layer * L * n``            (every linear, 2 FLOPs per multiply-add)
+    + ``2 * q_width * L * n * (n + 1)``  (causal attention: token t scores and mixes
+                                          t + 1 keys, ``4 * q_width * (t + 1)`` FLOPs)
+    + ``2 * hidden * vocab``             (logits of the last position only, if ``lm_head``).
+    Embedding lookups, norms, activations and softmax are left out (a few percent).
+    """
+    L, P = int(config.num_hidden_layers), layer_params(config)
+    q, _ = _attn_dims(config)
+    head = 2 * int(config.hidden_size) * int(config.vocab_size) if lm_head else 0
+    return float(sum(2 * P * L * n + 2 * q * L * n * (n + 1) + head for n in prompt_lengths))
+
+
+def decode_flops(config, context: int) -> float:
+    """FLOPs to generate one token at ``context`` cached positions: every linear, the
+    attention over ``context + 1`` keys and the full-vocabulary logits."""
+    L, P = int(config.num_hidden_layers), layer_params(config)
+    q, _ = _attn_dims(config)
+    return float(2 * P * L + 4 * q * L * (context + 1) + 2 * int(config.hidden_size) * int(config.vocab_size))
+
+
+# ----------------------------------------------------------------------------- probes
+def _linear_case(rows: int, shape: Shape, dtypes: Sequence[torch.dtype], device: torch.device,
+                 min_s: float, rounds: int) -> list[float]:
+    """GFLOP/s of ``F.linear(x, W)`` (x [rows, in], W [out, in]) for each dtype.
+
+    Each dtype's calls are timed in blocks of about ``min_s`` seconds; the dtypes' blocks
+    alternate for ``rounds`` rounds and the best block counts, so a burst of load from
+    other processes hits both dtypes alike and rarely hits every block."""
+    fan_in, fan_out = shape
+    g = torch.Generator().manual_seed(0)
+    x32 = torch.randn(rows, fan_in, generator=g)
+    w32 = torch.randn(fan_out, fan_in, generator=g) / fan_in**0.5
+    args = [(x32.to(device=device, dtype=d), w32.to(device=device, dtype=d)) for d in dtypes]
+    flops = 2.0 * rows * fan_in * fan_out
+
+    def block(x, w, reps: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            F.linear(x, w)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    reps = []
+    for x, w in args:  # warm-up (kernel choice, packing), then size a block to ~min_s
+        block(x, w, 1)
+        n, dt = 1, block(x, w, 1)
+        while dt < min_s / 4 and n < 1 << 16:
+            n *= 4
+            dt = block(x, w, n)
+        reps.append(max(1, int(n * min_s / max(dt, 1e-9))))
+    best = [0.0] * len(args)
+    for _ in range(rounds):
+        for i, ((x, w), n) in enumerate(zip(args, reps)):
+            best[i] = max(best[i], flops * n / block(x, w, n) / 1e9)
+    return best
+
+
+def probe_bandwidth(mbytes: int = 128, device: str | torch.device = "cpu", repeats: int = 5) -> float:
+    """Memory bandwidth in GB/s: the best of ``repeats`` copies of an ``mbytes`` float32
+    tensor (each copy reads and writes it: 2 x mbytes of traffic).  Decoding at small
+    batch streams every weight once per step, so this bounds it."""
+    device = torch.device(device)
+    n = mbytes * (1 << 20) // 4
+    src = torch.ones(n, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = max(best, 2 * n * 4 / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def probe_matmul(shapes: Sequence[Shape], dtypes: Sequence[str] = PROBE_DTYPES, device: str | torch.device = "cpu",
+                 rows: Sequence[int] = (PREFILL_ROWS, DECODE_ROWS), min_s: float = 0.03, rounds: int = 5) -> dict:
+    """Time ``F.linear`` for every rows x shape, the dtypes side by side.
+
+    Returns ``{dtype: {"cases": {"<rows>x<in>x<out>": GFLOP/s}, "gflops": overall}}``,
+    where ``overall`` is total FLOPs over total time of one call of each case (the rate
+    at which a forward pass made of these linears would run)."""
+    device = torch.device(device)
+    torch_dtypes = [resolve_probe_dtype(d) for d in dtypes]
+    out: dict = {d: {"cases": {}, "flops": 0.0, "secs": 0.0} for d in dtypes}
+    for r in rows:
+        for shape in shapes:
+            rates = _linear_case(r, tuple(shape), torch_dtypes, device, min_s, rounds)
+            f = 2.0 * r * shape[0] * shape[1]
+            for d, rate in zip(dtypes, rates):
+                out[d]["cases"][f"{r}x{shape[0]}x{shape[1]}"] = round(rate, 2)
+                out[d]["flops"] += f
+                out[d]["secs"] += f / (rate * 1e9)
+    return {d: {"cases": v["cases"], "gflops": round(v["flops"] / v["secs"] / 1e9, 2)} for d, v in out.items()}
+
+
+def resolve_probe_dtype(name: str) -> torch.dtype:
+    if name not in PROBE_DTYPES:
+        raise ValueError(f"probe dtype {name!r} is not one of {PROBE_DTYPES}")
+    return getattr(torch, name)
+
+
+def pick_dtype(matmul: dict) -> str:
+    """The dtype with the higher overall GFLOP/s in a :func:`probe_matmul` result
+    (float32 on a tie: it is the exact one)."""
+    return max(PROBE_DTYPES, key=lambda d: (matmul[d]["gflops"], d == "float32"))
+
+
+# ----------------------------------------------------------------------------- cached decision
+def cache_key(shapes: Sequence[Shape]) -> dict:
+    """What the fast dtype depends on: CPU, instruction set, torch version, threads, shapes."""
+    return {
+        "cpu_model": cpu_model(),
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "shapes": [list(map(int, s)) for s in shapes],
+    }
+
+
+def _cache_path():
+    from .models import cache_dir
+
+    return cache_dir().joinpath(*_CACHE_FILE)
+
+
+def _read_cache(path) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}  # missing or unreadable: probe again and rewrite
+
+
+def fast_dtype(shapes: Sequence[Shape], device: str | torch.device = "cpu", *, cache: bool = True,
+               probe: Callable[[Sequence[Shape]], dict] | None = None) -> tuple[torch.dtype, dict]:
+    """The faster of float32 and bfloat16 for linears of these shapes on ``device``.
+
+    Returns ``(dtype, info)`` where ``info`` has the probe's numbers (``matmul``: GFLOP/s
+    per dtype and case, ``bandwidth_gbs``), the ``choice``, the ``key`` it was cached under
+    and ``source``: ``"probe"`` (measured now), ``"cache"`` (measured earlier on a machine
+    with the same key) or ``"cuda"`` (bfloat16 on a GPU, not probed).  ``probe`` replaces
+    the measurement (tests)."""
+    device = torch.device(device)
+    if not shapes:
+        raise ValueError("fast_dtype needs at least one (in_features, out_features) shape")
+    if device.type == "cuda":
+        return torch.bfloat16, {"choice": "bfloat16", "source": "cuda"}
+    if device.type != "cpu":
+        raise ValueError(f"dtype 'auto' supports cpu and cuda devices, got {device}")
+    key = cache_key(shapes)
+    skey = json.dumps(key, sort_keys=True)
+    path = _cache_path()
+    if cache:
+        hit = _read_cache(path).get(skey)
+        if hit is not None:
+            return getattr(torch, hit["choice"]), {**hit, "key": key, "source": "cache"}
+    t0 = time.perf_counter()
+    matmul = (probe or _default_probe)(shapes)
+    info = {"matmul": matmul["matmul"], "bandwidth_gbs": matmul.get("bandwidth_gbs"),
+            "choice": pick_dtype(matmul["matmul"]), "probe_s": round(time.perf_counter() - t0, 2),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if cache:
+        from .manifest import atomic_write_json
+
+        data = _read_cache(path)
+        data[skey] = info
+        atomic_write_json(path, data)
+    return getattr(torch, info["choice"]), {**info, "key": key, "source": "probe"}
+
+
+def _default_probe(shapes: Sequence[Shape]) -> dict:
+    """The measurement behind :func:`fast_dtype`: matmul GFLOP/s and bandwidth on the CPU."""
+    return {"matmul": probe_matmul(shapes), "bandwidth_gbs": round(probe_bandwidth(), 1)}

@@ -1,0 +1,122 @@
+"""dtype 'auto': the matmul probe, its per-machine cache, the decision, and the FLOP counts."""
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+import torch
+
+from sprpo_lib import hardware
+from sprpo_lib.models import load_policy, resolve_dtype
+
+SHAPES = [(64, 128), (128, 64), (64, 64)]
+
+
+@pytest.fixture(autouse=True)
+def _cache_root(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPRPO_CACHE", str(tmp_path / "cache"))
+
+
+def _fake_probe(fp32: float, bf16: float, calls: list):
+    def probe(shapes):
+        calls.append(list(shapes))
+        return {"matmul": {"float32": {"cases": {}, "gflops": fp32}, "bfloat16": {"cases": {}, "gflops": bf16}},
+                "bandwidth_gbs": 10.0}
+
+    return probe
+
+
+def test_real_probe_measures_both_dtypes_and_picks_one():
+    dtype, info = hardware.fast_dtype(SHAPES)
+    assert dtype in (torch.float32, torch.bfloat16)
+    assert info["source"] == "probe" and info["choice"] == str(dtype).replace("torch.", "")
+    for d in ("float32", "bfloat16"):
+        cases = info["matmul"][d]["cases"]
+        assert len(cases) == 2 * len(SHAPES)  # prefill-like and decode-like rows
+        assert all(v > 0 for v in cases.values()) and info["matmul"][d]["gflops"] > 0
+    assert info["bandwidth_gbs"] > 0
+    assert dtype == getattr(torch, hardware.pick_dtype(info["matmul"]))
+
+
+def test_cache_hit_returns_the_same_numbers_without_probing(monkeypatch, tmp_path):
+    calls: list = []
+    monkeypatch.setattr(hardware, "_default_probe", _fake_probe(100.0, 300.0, calls))
+    d1, i1 = hardware.fast_dtype(SHAPES)
+    d2, i2 = hardware.fast_dtype(SHAPES)
+    assert len(calls) == 1 and d1 == d2 == torch.bfloat16
+    assert (i1["source"], i2["source"]) == ("probe", "cache")
+    assert i1["matmul"] == i2["matmul"] and i1["key"] == i2["key"]
+    path = tmp_path / "cache" / "hardware" / "dtype-probe.json"
+    assert json.loads(path.read_text())  # written where models.cache_dir() points
+    hardware.fast_dtype(SHAPES[:2])  # other shapes: another key, another probe
+    assert len(calls) == 2
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads != 1 else 2)
+        hardware.fast_dtype(SHAPES)  # thread count is part of the key
+    finally:
+        torch.set_num_threads(threads)
+    assert len(calls) == 3
+    hardware.fast_dtype(SHAPES, cache=False)
+    assert len(calls) == 4
+
+
+def test_decision_follows_the_larger_throughput(monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(hardware, "_default_probe", _fake_probe(120.0, 15.0, calls))
+    assert hardware.fast_dtype(SHAPES, cache=False)[0] == torch.float32
+    monkeypatch.setattr(hardware, "_default_probe", _fake_probe(120.0, 400.0, calls))
+    assert hardware.fast_dtype(SHAPES, cache=False)[0] == torch.bfloat16
+    assert hardware.pick_dtype({"float32": {"gflops": 5.0}, "bfloat16": {"gflops": 5.0}}) == "float32"
+
+
+def test_cuda_is_bfloat16_without_probe(monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(hardware, "_default_probe", _fake_probe(1.0, 1.0, calls))
+    dtype, info = hardware.fast_dtype(SHAPES, "cuda")
+    assert dtype == torch.bfloat16 and info["source"] == "cuda" and not calls
+
+
+def test_bad_dtype_strings_give_one_clear_error():
+    with pytest.raises(ValueError, match=r"dtype='bf16' is not supported; expected one of .*'auto'.*'bfloat16'"):
+        resolve_dtype("bf16")
+    with pytest.raises(ValueError, match="expected one of"):
+        load_policy("tiny-qwen2", dtype="fp32")
+    with pytest.raises(ValueError, match="at least one"):
+        hardware.fast_dtype([])
+
+
+def test_tiny_auto_is_float32_and_real_auto_is_probed(monkeypatch, tmp_path):
+    calls: list = []
+    monkeypatch.setattr(hardware, "_default_probe", _fake_probe(10.0, 20.0, calls))
+    assert load_policy("tiny-qwen2").dtype == torch.float32 and not calls
+    src = load_policy("tiny-llama", seed=1)
+    src.model.save_pretrained(tmp_path / "m")
+    src.tokenizer.save_pretrained(tmp_path / "m")
+    pol = load_policy(str(tmp_path / "m"))  # a real model directory: dtype auto
+    cfg = pol.model.config
+    assert calls == [[(64, 128), (128, 64), (64, 64)]] == [hardware.linear_shapes(cfg)]
+    assert pol.dtype == torch.bfloat16 and pol.meta["dtype"] == "bfloat16"
+    assert pol.meta["dtype_probe"]["matmul"]["bfloat16"]["gflops"] == 20.0
+    assert load_policy(str(tmp_path / "m"), dtype="float32").dtype == torch.float32 and len(calls) == 1
+
+
+def test_flop_counts_match_the_formula():
+    smol = types.SimpleNamespace(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                 num_attention_heads=9, num_key_value_heads=3, vocab_size=49152)
+    per_layer = 576 * 576 * 2 + 2 * 576 * 192 + 3 * 576 * 1536
+    assert hardware.layer_params(smol) == per_layer
+    n = 500
+    expect = 2 * per_layer * 30 * n + 2 * 576 * 30 * n * (n + 1)
+    assert hardware.prefill_flops(smol, [n], lm_head=False) == expect
+    assert hardware.prefill_flops(smol, [n, n]) == 2 * (expect + 2 * 576 * 49152)
+    assert 0.2e9 < expect / n < 0.26e9  # about 0.23 GFLOP per prompt token
+    assert hardware.decode_flops(smol, 0) == 2 * per_layer * 30 + 4 * 576 * 30 + 2 * 576 * 49152
+
+
+def test_machine_info_names_the_cpu_and_flags():
+    info = hardware.machine_info()
+    assert info["capability"] == torch.backends.cpu.get_cpu_capability()
+    assert set(info["flags"]) >= {"avx2", "avx512f", "avx512_bf16", "amx_bf16"}
+    assert info["torch"] == torch.__version__ and info["cpu_model"]
