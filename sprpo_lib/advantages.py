@@ -48,6 +48,8 @@ from typing import Callable, Hashable, Sequence
 
 import torch
 
+from .registry import Registry
+
 __all__ = [
     "StepSample",
     "AdvantageConfig",
@@ -76,9 +78,12 @@ class StepSample:
         anchor: the environment observation the step's action was taken from (the
             anchor state; the raw observation, not the prompt with history).  Steps of
             one group with identical ``anchor`` form a step-level group.
-        reward: step reward ``r_t`` (task reward plus e.g. the -0.1 format penalty of
-            App. B "Reward"), used for the discounted step returns.
-        episode_reward: the episode's total reward ``R(tau)``; equal on all its steps.
+        reward: the environment's step reward ``r_t``, used for the discounted step
+            returns.
+        episode_reward: the episode's task reward ``R(tau)``; equal on all its steps.
+        penalty: this step's own penalty (the -0.1 format penalty of App. B "Reward"
+            when the response had no valid action, else 0); where it enters is
+            :attr:`AdvantageConfig.penalty_placement`.
     """
 
     episode: Hashable
@@ -87,6 +92,7 @@ class StepSample:
     anchor: str
     reward: float
     episode_reward: float
+    penalty: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -110,6 +116,12 @@ class AdvantageConfig:
             ``"step"`` (over step records, verl-agent's ``compute_mean_std_cross_steps``).
         singleton_episode: ``"zero"`` (A_E = 0 for a one-rollout group) or ``"raw"``
             (verl's mean 0 / std 1, i.e. A_E = R, or R / (1 + eps) with ``mean_std``).
+        penalty_placement: where a step's ``penalty`` enters.  ``"step"`` (default,
+            verl-agent's ``apply_invalid_action_penalty``): it is added to that step's
+            own copy of the episode score and to its own step return *after*
+            discounting, so it never leaks into earlier steps or other steps' episode
+            values.  ``"return"``: it is part of the step reward, summed into the
+            episode return and discounted into earlier steps' returns.
     """
 
     gamma: float = 0.95
@@ -118,6 +130,7 @@ class AdvantageConfig:
     eps: float = 1e-6
     episode_stats: str = "episode"
     singleton_episode: str = "zero"
+    penalty_placement: str = "step"
 
     def __post_init__(self):
         if self.norm not in ("mean_std", "mean"):
@@ -126,6 +139,8 @@ class AdvantageConfig:
             raise ValueError(f"episode_stats must be 'episode' or 'step', got {self.episode_stats!r}")
         if self.singleton_episode not in ("zero", "raw"):
             raise ValueError(f"singleton_episode must be 'zero' or 'raw', got {self.singleton_episode!r}")
+        if self.penalty_placement not in ("step", "return"):
+            raise ValueError(f"penalty_placement must be 'step' or 'return', got {self.penalty_placement!r}")
         if not 0.0 <= self.gamma <= 1.0:
             raise ValueError(f"gamma must be in [0, 1], got {self.gamma}")
         if not self.eps > 0:
@@ -156,28 +171,10 @@ class AdvantageOutput:
 AdvantageFn = Callable[[Sequence[StepSample], AdvantageConfig], AdvantageOutput]
 
 #: name -> estimator ``fn(steps, config) -> AdvantageOutput``; add one with
-#: :func:`register_advantage`.
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {}
-
-
-def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
-    """Decorator adding ``fn(steps, config) -> AdvantageOutput`` to
-    :data:`ADVANTAGE_ESTIMATORS` under ``name`` (a second, different fn under a taken
-    name raises)."""
-
-    def deco(fn: AdvantageFn) -> AdvantageFn:
-        if name in ADVANTAGE_ESTIMATORS and ADVANTAGE_ESTIMATORS[name] is not fn:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        ADVANTAGE_ESTIMATORS[name] = fn
-        return fn
-
-    return deco
-
-
-def get_advantage_estimator(name: str) -> AdvantageFn:
-    if name not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {name!r}; expected one of {sorted(ADVANTAGE_ESTIMATORS)}")
-    return ADVANTAGE_ESTIMATORS[name]
+#: ``@register_advantage("name")``.
+ADVANTAGE_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator", "update.estimator")
+register_advantage = ADVANTAGE_ESTIMATORS.register
+get_advantage_estimator = ADVANTAGE_ESTIMATORS.get
 
 
 def compute_advantages(
@@ -225,7 +222,7 @@ def _check(steps: Sequence[StepSample]) -> dict[Hashable, list[int]]:
         raise ValueError("no steps")
     rows: dict[Hashable, list[int]] = defaultdict(list)
     for i, s in enumerate(steps):
-        if not (math.isfinite(s.reward) and math.isfinite(s.episode_reward)):
+        if not (math.isfinite(s.reward) and math.isfinite(s.episode_reward) and math.isfinite(s.penalty)):
             raise ValueError(f"non-finite reward in step {i}: {s}")
         rows[s.episode].append(i)
     for ep, idx in rows.items():
@@ -250,30 +247,57 @@ def _episode_advantages(steps, rows, cfg: AdvantageConfig) -> tuple[list[float],
     for ep, idx in rows.items():
         by_group[steps[idx[0]].group].append(ep)
     singletons = 0
+    value = _episode_values(steps, rows, cfg)
     for eps_in_group in by_group.values():
         if cfg.episode_stats == "episode":
-            units = [(rows[ep], steps[rows[ep][0]].episode_reward) for ep in eps_in_group]
+            units = [rows[ep] for ep in eps_in_group]
+            values = [value[rows[ep][0]] - _own_penalty(steps, rows[ep][0], cfg) for ep in eps_in_group]
         else:  # one unit per step record (verl-agent compute_mean_std_cross_steps)
-            units = [([i], steps[i].episode_reward) for ep in eps_in_group for i in rows[ep]]
-        values = [v for _, v in units]
+            units = [[i] for ep in eps_in_group for i in rows[ep]]
+            values = [value[i] for ep in eps_in_group for i in rows[ep]]
         if len(values) == 1:
             singletons += 1
             if cfg.singleton_episode == "raw":
-                a = values[0] if cfg.norm == "mean" else values[0] / (1.0 + cfg.eps)
-                normed = [a]
+                normed = [values[0] if cfg.norm == "mean" else values[0] / (1.0 + cfg.eps)]
             else:
                 normed = [0.0]
+            scale = 1.0 if cfg.norm == "mean" else 1.0 + cfg.eps
         else:
             normed = group_normalise(values, cfg.norm, cfg.eps)
-        for (idx, _), a in zip(units, normed):
+            scale = _group_scale(values, cfg)
+        for idx, a in zip(units, normed):
             for i in idx:
-                adv[i] = a
+                # a row's own penalty shifts its own value only ("step" placement)
+                adv[i] = a + _own_penalty(steps, i, cfg) / scale if cfg.episode_stats == "episode" else a
     stats = {
         "episode_groups": float(len(by_group)),
         "episode_group_size_mean": len(rows) / len(by_group),
         "episode_singleton_groups": float(singletons),
     }
     return adv, stats
+
+
+def _own_penalty(steps, i: int, cfg: AdvantageConfig) -> float:
+    return steps[i].penalty if cfg.penalty_placement == "step" else 0.0
+
+
+def _episode_values(steps, rows, cfg: AdvantageConfig) -> list[float]:
+    """Per row, the episode value it carries: ``R`` plus its own penalty ("step"
+    placement, verl-agent) or plus all the episode's penalties ("return")."""
+    out = [0.0] * len(steps)
+    for idx in rows.values():
+        total = math.fsum(steps[i].penalty for i in idx)
+        for i in idx:
+            out[i] = steps[i].episode_reward + (steps[i].penalty if cfg.penalty_placement == "step" else total)
+    return out
+
+
+def _group_scale(values: Sequence[float], cfg: AdvantageConfig) -> float:
+    """The divisor :func:`group_normalise` used for a group of >= 2 values."""
+    if cfg.norm == "mean" or max(values) == min(values):
+        return 1.0
+    mean = math.fsum(values) / len(values)
+    return math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (len(values) - 1)) + cfg.eps
 
 
 def _as_tensor(x: Sequence[float], dtype=torch.float32) -> torch.Tensor:
@@ -290,8 +314,14 @@ def gigpo_advantages(steps: Sequence[StepSample], config: AdvantageConfig | None
 
     returns = [0.0] * len(steps)
     for idx in rows.values():
-        for i, g in zip(idx, discounted_returns([steps[i].reward for i in idx], cfg.gamma)):
-            returns[i] = g
+        if cfg.penalty_placement == "step":  # discount the env rewards, then add each step's own penalty
+            rs = [steps[i].reward for i in idx]
+            pen = [steps[i].penalty for i in idx]
+        else:  # the penalty is part of the reward and is discounted into earlier steps
+            rs = [steps[i].reward + steps[i].penalty for i in idx]
+            pen = [0.0] * len(idx)
+        for i, g, p in zip(idx, discounted_returns(rs, cfg.gamma), pen):
+            returns[i] = g + p
 
     # anchor-state grouping: identical observation within the same task group (Eq. 6)
     key_to_gid: dict[tuple, int] = {}

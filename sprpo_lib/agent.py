@@ -2,20 +2,25 @@
 "Reward").
 
 * :func:`build_prompt` renders the paper's prompt: ``Task`` / ``Interaction context``
-  (the last ``history_len`` steps, default 2) / ``Current observation`` /
+  (the last ``history_len`` previous steps, each the observation acted on and the
+  action taken, as verl-agent's history; default 2) / ``Current observation`` /
   ``Available actions`` / ``Response: Output the next action in <action>...</action>.``
   (no-thinking setting: the policy answers with the action only);
+* :func:`fit_prompt` keeps a prompt within a token budget (Table 2's prompt length):
+  it cuts the interaction context first, then the current observation, never the
+  task or the action list;
 * :func:`chat_text` wraps it in the model's chat template (one user turn);
 * :func:`extract_action` parses the response and flags format validity;
-* :func:`step_reward` adds the step-level format penalty (-0.1) to the environment
-  reward, which is sparse: ALFWorld's success reward / WebShop's task score on the
-  final step, as in GiGPO.
+* the step-level format penalty (-0.1, ``AgentConfig.format_penalty``) is recorded
+  per step beside the sparse environment reward (ALFWorld's success reward / WebShop's
+  task score on the final step, as in GiGPO); where it enters the advantages is
+  :attr:`sprpo_lib.advantages.AdvantageConfig.penalty_placement`.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, NamedTuple, Sequence
 
 ACTION_RE = re.compile(r"<action>(.*?)</action>", re.DOTALL)
 RESPONSE_INSTRUCTION = "Output the next action in <action>...</action>."
@@ -27,8 +32,8 @@ class AgentConfig:
     """Prompt and reward shaping of the agent (App. B).
 
     Attributes:
-        history_len: number of recent (action, observation) steps shown as interaction
-            context (default 2).
+        history_len: number of previous steps (observation acted on, action taken)
+            shown as interaction context (default 2).
         format_penalty: added to a step's reward when the response has no valid
             ``<action>...</action>`` (App. B "Reward": -0.1).
         max_obs_chars: observations longer than this are cut (with a marker) in the
@@ -44,6 +49,8 @@ class AgentConfig:
             prompt's ``Task:`` line already states, so a character budget is spent on
             the page itself (offline CPU profile); the paper keeps observations whole.
         system_prompt: optional system message; ``None`` sends only the user turn.
+        max_prompt_tokens: token budget of the templated prompt (Table 2: 4,096 for
+            WebShop, 3,072 for ALFWorld); ``None``: no budget.  See :func:`fit_prompt`.
     """
 
     history_len: int = 2
@@ -52,6 +59,7 @@ class AgentConfig:
     history_obs_chars: int | None = None
     echo_instruction: bool = True
     system_prompt: str | None = None
+    max_prompt_tokens: int | None = None
 
     def __post_init__(self):
         if self.history_len < 0:
@@ -60,6 +68,17 @@ class AgentConfig:
             raise ValueError(f"max_obs_chars must be >= 16 or None, got {self.max_obs_chars}")
         if self.history_obs_chars is not None and self.history_obs_chars < 16:
             raise ValueError(f"history_obs_chars must be >= 16 or None, got {self.history_obs_chars}")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 64:
+            raise ValueError(f"max_prompt_tokens must be >= 64 or None, got {self.max_prompt_tokens}")
+
+
+class HistoryStep(NamedTuple):
+    """One previous step of the interaction context: the observation the agent acted
+    on, the action it took, and whether the environment rejected that action."""
+
+    observation: str
+    action: str
+    invalid: bool = False
 
 
 @dataclass
@@ -92,16 +111,11 @@ def extract_action(response: str) -> ParsedAction:
     return ParsedAction(raw, False)
 
 
-def step_reward(env_reward: float, valid: bool, cfg: AgentConfig) -> float:
-    """Environment reward plus the format penalty for an invalid response."""
-    return float(env_reward) + (0.0 if valid else cfg.format_penalty)
-
-
 def _cut(text: str, limit: int | None) -> str:
     text = text.strip()
     if limit is None or len(text) <= limit:
         return text
-    return text[: limit - 6].rstrip() + " [...]"
+    return text[: max(0, limit - len(CUT_MARK))].rstrip() + CUT_MARK
 
 
 def _without_echo(text: str, instruction: str) -> str:
@@ -111,12 +125,18 @@ def _without_echo(text: str, instruction: str) -> str:
     return text[len(head):] if text.startswith(head) else text
 
 
+CUT_MARK = " [...]"
+
+
 def build_prompt(
     instruction: str,
     observation: str,
     admissible: Sequence[str],
-    history: Sequence[tuple[str, str]] = (),
+    history: Sequence[HistoryStep] = (),
     cfg: AgentConfig | None = None,
+    *,
+    obs_chars: int | None = None,
+    shown: int | None = None,
 ) -> str:
     """The paper's prompt (App. B "Observation").
 
@@ -124,11 +144,15 @@ def build_prompt(
         instruction: the task instruction.
         observation: the current environment observation.
         admissible: the currently admissible actions.
-        history: all previous steps as ``(action, observation after it)``; the last
-            ``cfg.history_len`` are shown, numbered by their step in the episode.
+        history: all previous steps (:class:`HistoryStep`); the last
+            ``cfg.history_len`` are shown, numbered by their step in the episode.  The
+            current observation is never repeated there.
+        obs_chars, shown: tighter limits used by :func:`fit_prompt` (characters of
+            the current observation; number of history steps shown).
     """
     cfg = cfg or AgentConfig()
-    recent = list(history)[-cfg.history_len :] if cfg.history_len else []
+    n = cfg.history_len if shown is None else min(shown, cfg.history_len)
+    recent = list(history)[-n:] if n else []
     first = len(history) - len(recent) + 1
 
     def view(text: str, limit: int | None) -> str:
@@ -136,19 +160,59 @@ def build_prompt(
 
     hist_limit = cfg.max_obs_chars if cfg.history_obs_chars is None else cfg.history_obs_chars
     if recent:
-        context = "\n".join(
-            f"[Step {first + i}] Action: {a} -> Observation: {view(o, hist_limit)}" for i, (a, o) in enumerate(recent)
-        )
+        lines = [f"[Step {first + i}] Observation: {view(h.observation, hist_limit)} -> Action: {h.action}"
+                 + (" (invalid: the environment did not accept it)" if h.invalid else "")
+                 for i, h in enumerate(recent)]
+        context = "\n".join(([f"[Steps 1-{first - 1} omitted]"] if first > 1 and shown is not None else []) + lines)
+    elif history:
+        context = f"[Steps 1-{len(history)} omitted]"
     else:
         context = "None (this is the first step)."
+    limit = cfg.max_obs_chars if obs_chars is None else min(obs_chars, cfg.max_obs_chars or obs_chars)
     actions = "\n".join(f"- {a}" for a in admissible) if admissible else "(none listed)"
     return (
         f"Task: {instruction.strip()}\n\n"
         f"Interaction context:\n{context}\n\n"
-        f"Current observation: {view(observation, cfg.max_obs_chars)}\n\n"
+        f"Current observation: {view(observation, limit)}\n\n"
         f"Available actions:\n{actions}\n\n"
         f"Response: {RESPONSE_INSTRUCTION}"
     )
+
+
+def fit_prompt(
+    instruction: str,
+    observation: str,
+    admissible: Sequence[str],
+    history: Sequence[HistoryStep],
+    cfg: AgentConfig,
+    count_tokens: Callable[[str], int] | None,
+) -> str:
+    """:func:`build_prompt` within ``cfg.max_prompt_tokens`` as counted by
+    ``count_tokens`` (the templated prompt's token count).
+
+    Over budget, the interaction context loses its oldest steps first (a marker says
+    which were omitted), then the current observation is cut from the end (marker
+    ``[...]``); the task and the action list are never cut.  If they alone exceed the
+    budget the shortest prompt is returned (it is over budget, which the caller sees).
+    """
+    prompt = build_prompt(instruction, observation, admissible, history, cfg)
+    if cfg.max_prompt_tokens is None or count_tokens is None or count_tokens(prompt) <= cfg.max_prompt_tokens:
+        return prompt
+    budget = cfg.max_prompt_tokens
+    for shown in range(min(len(history), cfg.history_len) - 1, -1, -1):
+        prompt = build_prompt(instruction, observation, admissible, history, cfg, shown=shown)
+        if count_tokens(prompt) <= budget:
+            return prompt
+    lo, hi = 16, len(observation)  # longest observation cut that fits: binary search on characters
+    best = build_prompt(instruction, observation, admissible, history, cfg, shown=0, obs_chars=lo)
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        cand = build_prompt(instruction, observation, admissible, history, cfg, shown=0, obs_chars=mid)
+        if count_tokens(cand) <= budget:
+            best, lo = cand, mid + 1
+        else:
+            hi = mid - 1
+    return best
 
 
 def chat_text(tokenizer, prompt: str, cfg: AgentConfig | None = None) -> str:

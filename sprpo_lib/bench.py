@@ -3,6 +3,8 @@
     python -m sprpo_lib.bench perturb [--model smollm2-135m] [--n-calib 128] [--calib-len 256]
     python -m sprpo_lib.bench envs
     python -m sprpo_lib.bench train [--profile cpu] [--env webshop] [key=value ...]
+    python -m sprpo_lib.bench machine [--model smollm2-135m]
+    python -m sprpo_lib.bench generate [--model smollm2-135m] [--prompts 16] [--engines hf_generator,hf]
 
 Speed claims are ratios measured side by side in one run (e.g. generation with and
 without the perturbation hook, interleaved, median of repeats).  Results go to
@@ -166,29 +168,22 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 2, ov
     """Seconds per iteration split into rollout / update / sensitivity for Vanilla and
     SPrPO (exact replay and one-pass) on the same rollout batch, side by side.
 
-    One rollout batch is collected (timed, under SPrPO's initial xi, with the hook); then
-    each method's update runs from the same starting adapter and optimizer state,
-    interleaved ``repeats`` times (median).  The ratio is SPrPO's total over Vanilla's,
-    counting the same rollout time for both (the hook's cost is in the rollout)."""
+    One rollout batch is collected with :meth:`Trainer.collect` (timed, under SPrPO's
+    initial xi); then each method's :meth:`Trainer.update` runs from the same adapter
+    and optimizer state, interleaved ``repeats`` times (median).  The ratio is SPrPO's
+    total over Vanilla's, counting the same rollout time for both."""
     import copy
 
+    from .batch import build_batch
     from .methods import MethodConfig, make_method
-    from .rollout import run_groups
-    from .train import Trainer, build_batch, load_config
+    from .train import Trainer, load_config
 
     cfg = load_config(profile, list(overrides or []) + [f"env.name={env}", "method.name=sprpo"])
-    tr = Trainer(cfg, progress=False)
-    xi = tr.method.rollout_xi(0)
-    tr.fc.set(xi=xi)
-    t0 = time.perf_counter()
-    with tr.fc:
-        eps, rst = run_groups(tr.envs, tr.sample_tasks(0), cfg.rollout.group_size, tr.gen, tr.agent,
-                              cfg.env.max_steps, progress=True)
-    t_roll = time.perf_counter() - t0
-    tr.fc.clear()
-    batch, _ = build_batch(eps, cfg.update.adv, cfg.update.estimator, cfg.update.micro_batch)
-    params0 = [p.detach().clone() for p in tr.params]
-    opt0 = copy.deepcopy(tr.opt.state_dict())
+    tr = Trainer(cfg, progress=True)
+    eps, xi, rst = tr.collect(0)
+    batch, _ = build_batch(eps, cfg.update.adv, cfg.update.estimator)
+    params0 = [p.detach().clone() for p in tr.actor.params]
+    opt0 = copy.deepcopy(tr.actor.opt.state_dict())
     variants = {
         "vanilla": MethodConfig(name="vanilla"),
         "sprpo_replay": MethodConfig(name="sprpo", sensitivity="replay"),
@@ -199,21 +194,20 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 2, ov
     for _ in range(repeats):
         for name, mcfg in variants.items():
             with torch.no_grad():
-                for p, v in zip(tr.params, params0):
+                for p, v in zip(tr.actor.params, params0):
                     p.copy_(v)
-            tr.opt.load_state_dict(copy.deepcopy(opt0))
+            tr.actor.opt.load_state_dict(copy.deepcopy(opt0))
             tr.method = make_method(mcfg, tr.shape, cfg.seed)
-            tr.timers = {"update_s": 0.0, "extra_s": 0.0}
-            batch.old.clear()
-            tr.method.update(tr, batch, 0, None if name == "vanilla" else xi)
+            st = tr.update(batch.without_old(), None if name == "vanilla" else xi, 0)
             if name != "vanilla":
                 states[name] = (tr.method.S_hat.clone(), tr.method.m_hat, tr.method.sigma())
-            times[name]["update_s"].append(tr.timers["update_s"])
-            times[name]["sensitivity_s"].append(tr.timers["extra_s"])
+            times[name]["update_s"].append(st["update_s"])
+            times[name]["sensitivity_s"].append(st["sensitivity_s"])
     tr.envs.close()
-    res = {"profile": profile, "env": env, "episodes": len(eps), "samples": len(batch.samples),
-           "response_tokens": batch.n_tokens, "rollout_s": round(t_roll, 2),
-           "generate_s": round(rst["generate_s"], 2), "env_s": round(rst["env_s"], 3)}
+    t_roll = rst["rollout_s"]
+    res = {"profile": profile, "env": env, "overrides": list(overrides or []), "dtype": tr.dtype,
+           "episodes": len(eps), "samples": len(batch.samples), "response_tokens": batch.n_tokens,
+           "rollout_s": round(t_roll, 2), "generate_s": round(rst["generate_s"], 2), "env_s": round(rst["env_s"], 3)}
     totals = {}
     for name, t in times.items():
         u, sens = statistics.median(t["update_s"]), statistics.median(t["sensitivity_s"])
@@ -231,6 +225,138 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 2, ov
     }
     res["update_ratio_replay"] = round((res["sprpo_replay"]["update_s"] + res["sprpo_replay"]["sensitivity_s"])
                                        / res["vanilla"]["update_s"], 3)
+    return res
+
+
+def shape_config(model: str = "smollm2-135m"):
+    """A model's config (layer shapes, vocabulary) without loading its weights where
+    possible: the tiny specs' configs are built, the embedded model's cached converted
+    directory and local directories / hub ids are read with ``AutoConfig``; the embedded
+    model is converted first (minutes, once) if it has not been yet."""
+    from transformers import AutoConfig, Qwen2Config
+
+    from .models import DEFAULT_MODEL, QWEN25_15B_SHAPE, TINY_SPECS, TinyConfig, cache_dir, load_policy
+
+    if model in TINY_SPECS:
+        shape = QWEN25_15B_SHAPE if model == "random-qwen2.5-1.5b" else TinyConfig()
+        return Qwen2Config(vocab_size=259, **vars(shape))  # the byte tokenizer: 256 bytes + 3 specials
+    if model == DEFAULT_MODEL:
+        path = cache_dir() / "models" / "smollm2-135m-instruct"
+        if not (path / "config.json").is_file():
+            return load_policy(model, dtype="float32").model.config
+        return AutoConfig.from_pretrained(str(path))
+    return AutoConfig.from_pretrained(model)
+
+
+def _shape_summary(config) -> dict:
+    return {"hidden": config.hidden_size, "ffn": config.intermediate_size, "layers": config.num_hidden_layers,
+            "heads": config.num_attention_heads, "kv_heads": getattr(config, "num_key_value_heads", None),
+            "vocab": config.vocab_size}
+
+
+def bench_machine(model: str = "smollm2-135m", context: int = 500) -> dict:
+    """Matmul GFLOP/s per dtype at ``model``'s linear shapes (prefill-like 256 rows and
+    decode-like 16 rows), memory bandwidth, the faster dtype, and the work per token:
+    FLOPs per prompt token at a ``context``-token prompt (:func:`hardware.prefill_flops`)
+    and per generated token, with the floors they imply on this machine (prefill at the
+    256-row rate; a decode step reads every weight once, at the measured bandwidth)."""
+    from . import hardware as hw
+
+    config = shape_config(model)
+    matmul = hw.probe_matmul(hw.linear_shapes(config))
+    bandwidth = hw.probe_bandwidth()
+    per_prompt_token = hw.prefill_flops(config, [context], lm_head=False) / context
+    per_new_token = hw.decode_flops(config, context)
+    weights = hw.layer_params(config) * config.num_hidden_layers + config.hidden_size * config.vocab_size
+    res: dict = {"model": model, "shapes": _shape_summary(config), "machine": hw.machine_info(),
+                 "matmul_gflops": {d: v["gflops"] for d, v in matmul.items()},
+                 "prefill_gflops": {d: v["gflops_by_rows"][str(hw.PREFILL_ROWS)] for d, v in matmul.items()},
+                 "decode_gflops": {d: v["gflops_by_rows"][str(hw.DECODE_ROWS)] for d, v in matmul.items()},
+                 "cases": {d: v["cases"] for d, v in matmul.items()},
+                 "bandwidth_gbs": round(bandwidth, 1), "fast_dtype": hw.pick_dtype(matmul),
+                 "context_tokens": context, "gflop_per_prompt_token": round(per_prompt_token / 1e9, 4),
+                 "gflop_per_generated_token": round(per_new_token / 1e9, 4)}
+    res["prefill_floor_s_per_1k_tokens"] = {d: round(1000 * per_prompt_token / (g * 1e9), 3)
+                                            for d, g in res["prefill_gflops"].items()}
+    res["decode_step_weights_floor_ms"] = {d: round(1e3 * weights * getattr(torch, d).itemsize / (bandwidth * 1e9), 2)
+                                           for d in matmul}
+    return res
+
+
+def webshop_prompts(n: int = 16, max_steps: int = 3, seed: int = 0) -> list[str]:
+    """``n`` real WebShop prompts as a rollout builds them (test tasks 0..n-1, the cpu
+    profile's prompt settings); prompt i is taken after ``i % (max_steps + 1)`` steps of
+    the visible-information shopper, so search, results and item pages all appear."""
+    from .agent import AgentConfig, HistoryStep, build_prompt
+    from .envs.webshop import make_webshop_pool, visible_shopper_action
+
+    agent = AgentConfig(history_len=2, max_obs_chars=1000, history_obs_chars=120, echo_instruction=False)
+    pool = make_webshop_pool(seed=seed)
+    out = []
+    for i in range(n):
+        ep = pool.open("test", i).spawn()
+        obs, history, actions = ep.reset(), [], []
+        for _ in range(i % (max_steps + 1)):
+            act = visible_shopper_action(ep.instruction, obs.text, obs.admissible, actions)
+            if act is None:
+                break
+            nxt = ep.step(act)
+            if nxt.done:
+                break
+            history.append(HistoryStep(obs.text, act, bool(nxt.info.get("invalid"))))
+            actions.append(act)
+            obs = nxt
+        out.append(build_prompt(ep.instruction, obs.text, obs.admissible, history, agent))
+        ep.close()
+    return out
+
+
+GENERATE_ENGINES = ("hf_generator", "hf")  # the reference rollout.HFGenerator, then registry engines
+
+
+def bench_generate(model: str = "smollm2-135m", n_prompts: int = 16, new_tokens: int = 48,
+                   engines: tuple[str, ...] = GENERATE_ENGINES, dtypes: tuple[str, ...] = ("float32", "bfloat16"),
+                   temperatures: tuple[float, ...] = (0.0, 0.4), batch_size: int = 16, max_steps: int = 3) -> dict:
+    """Generation engines x dtypes side by side on the same real WebShop prompts.
+
+    Per (dtype, temperature, engine): wall seconds, prompt and generated tokens, and the
+    wall time over the prefill floor (FLOPs of the unpadded prompts at this machine's
+    256-row matmul rate for the dtype).  Greedy runs are compared token for token with
+    the first engine's (``greedy_equal``).  ``hf_generator`` is rollout.HFGenerator (the
+    reference); other names come from :data:`sprpo_lib.engines.ENGINES`."""
+    from . import hardware as hw
+    from .agent import AgentConfig
+    from .engines import make_engine
+    from .models import load_policy
+    from .rollout import GenerationConfig, HFGenerator
+
+    prompts = webshop_prompts(n_prompts, max_steps)
+    agent = AgentConfig(history_len=2, max_obs_chars=1000, history_obs_chars=120, echo_instruction=False)
+    config = shape_config(model)
+    matmul = hw.probe_matmul(hw.linear_shapes(config), dtypes=dtypes)
+    res: dict = {"model": model, "machine": hw.machine_info(), "prompts": n_prompts, "new_tokens": new_tokens,
+                 "batch_size": batch_size, "prefill_gflops": {}}
+    for dtype in dtypes:
+        pol = load_policy(model, dtype=dtype)
+        outs: dict = {}
+        for temp in temperatures:
+            cfg = GenerationConfig(temperature=temp, max_new_tokens=new_tokens, batch_size=batch_size, seed=0)
+            for name in engines:
+                gen = HFGenerator(pol, cfg, agent) if name == "hf_generator" else make_engine(name, pol, cfg, agent)
+                wall, out = _timed(gen, prompts)
+                outs[(temp, name)] = out
+                lengths = [len(g.prompt_ids) for g in out]
+                rate = matmul[dtype]["gflops_by_rows"][str(hw.PREFILL_ROWS)]
+                floor = hw.prefill_flops(config, lengths) / (rate * 1e9)
+                row = {"wall_s": round(wall, 2), "prompt_tokens": sum(lengths),
+                       "generated_tokens": sum(len(g.response_ids) for g in out),
+                       "prefill_floor_s": round(floor, 2), "wall_over_prefill_floor": round(wall / floor, 2)}
+                if temp == 0 and name != engines[0]:
+                    ref = outs[(temp, engines[0])]
+                    row["greedy_equal"] = f"{sum(a.response_ids == b.response_ids for a, b in zip(ref, out))}/{len(out)}"
+                res.setdefault(dtype, {}).setdefault(f"T{temp:g}", {})[name] = row
+        res["prefill_gflops"][dtype] = matmul[dtype]["gflops_by_rows"][str(hw.PREFILL_ROWS)]
+        del pol
     return res
 
 
@@ -266,7 +392,19 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--env", default="webshop")
     t.add_argument("--repeats", type=int, default=2)
     t.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. rollout.tasks_per_step=4")
-    for sp in (p, e, t):
+    m = sub.add_parser("machine", help="matmul GFLOP/s per dtype at a model's shapes, bandwidth, prefill floor")
+    m.add_argument("--model", default="smollm2-135m", help="shapes from this model's config (weights not loaded)")
+    m.add_argument("--context", type=int, default=500, help="prompt length for the FLOPs per token")
+    g = sub.add_parser("generate", help="generation engines x dtypes on real WebShop prompts, side by side")
+    g.add_argument("--model", default="smollm2-135m")
+    g.add_argument("--prompts", type=int, default=16)
+    g.add_argument("--new-tokens", type=int, default=48)
+    g.add_argument("--batch", type=int, default=16)
+    g.add_argument("--engines", default=",".join(GENERATE_ENGINES), help="hf_generator (reference) and/or engine names")
+    g.add_argument("--dtypes", default="float32,bfloat16")
+    g.add_argument("--temperatures", default="0,0.4")
+    g.add_argument("--max-steps", type=int, default=3, help="prompts after 0..max-steps shopper steps")
+    for sp in (p, e, t, m, g):
         sp.add_argument("--threads", type=int, default=2, help="torch threads (set explicitly: 2 cores here)")
         sp.add_argument("--out", type=Path, help="JSON path (default runs/bench/<what>.json)")
     args = ap.parse_args(argv)
@@ -275,6 +413,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.what == "perturb":
         res = bench_perturb(args.model, args.n_calib, args.calib_len, args.batch, args.new_tokens, args.repeats,
                             not args.no_sparsegpt, args.device, args.dtype)
+    elif args.what == "machine":
+        res = bench_machine(args.model, args.context)
+    elif args.what == "generate":
+        res = bench_generate(args.model, args.prompts, args.new_tokens, tuple(args.engines.split(",")),
+                             tuple(args.dtypes.split(",")), tuple(float(x) for x in args.temperatures.split(",")),
+                             args.batch, args.max_steps)
     elif args.what == "envs":
         res = bench_envs(args.episodes, args.model or None, args.tasks, args.group, args.max_steps)
     else:

@@ -23,6 +23,8 @@ agent-interaction sequences from a Vanilla policy, App. C).
 """
 from __future__ import annotations
 
+import inspect
+
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,6 +36,7 @@ from tqdm.auto import tqdm
 
 from .models import decoder_layers, ffn_modules
 from .perturb import FFNChannels, dropout_mask, sample_xi
+from .registry import Registry
 
 Calibration = Sequence[Sequence[int]]
 
@@ -401,20 +404,28 @@ class Applied:
         self.restore()
 
 
-def _gaussian(model, sigma, seed, **_):
+# Every family takes the common keywords (calib, pad_id, batch_size: a sweep passes the
+# same ones to all) plus its own; any other keyword is an error, never silently dropped.
+PERTURBATIONS: Registry[Callable] = Registry("perturbation family", "family")
+
+
+@PERTURBATIONS.register("gaussian")
+def _gaussian(model, sigma, seed, *, calib=None, pad_id=0, batch_size=8):
     fc = FFNChannels(model)
     fc.set(xi=sample_xi(float(sigma), fc.shape, seed=seed)).attach()
     return fc.detach, {}
 
 
-def _dropout(model, p, seed, **_):
+@PERTURBATIONS.register("dropout")
+def _dropout(model, p, seed, *, calib=None, pad_id=0, batch_size=8):
     fc = FFNChannels(model)
     keep = dropout_mask(float(p), fc.shape, seed=seed)
     fc.set(mask=keep).attach()
     return fc.detach, {"dropped": int((keep == 0).sum())}
 
 
-def _fisher(model, r, seed, calib=None, scores=None, scope="global", batch_size=8, pad_id=0, **_):
+@PERTURBATIONS.register("fisher")
+def _fisher(model, r, seed, *, calib=None, pad_id=0, batch_size=8, scores=None, scope="global"):
     if scores is None:
         if calib is None:
             raise ValueError("fisher pruning needs calib=<list of token sequences> or scores=<[L, C] tensor>")
@@ -423,26 +434,20 @@ def _fisher(model, r, seed, calib=None, scores=None, scope="global", batch_size=
     return prune_channels(model, keep).restore, {"dropped": int((keep == 0).sum()), "scope": scope}
 
 
-def _sparsegpt(model, r, seed, calib=None, batch_size=8, pad_id=0, blocksize=128, percdamp=0.01, **_):
+@PERTURBATIONS.register("sparsegpt")
+def _sparsegpt(model, r, seed, *, calib=None, pad_id=0, batch_size=8, blocksize=128, percdamp=0.01):
     if calib is None:
         raise ValueError("sparsegpt needs calib=<list of token sequences> (App. C: 128 sequences)")
     snap = sparsegpt_prune(model, calib, float(r), blocksize, percdamp, batch_size, pad_id)
     return snap.restore, {}
 
 
-def _rtn(model, bits, seed, group_size=128, **_):
+@PERTURBATIONS.register("rtn")
+def _rtn(model, bits, seed, *, calib=None, pad_id=0, batch_size=8, group_size=128):
     if float(bits) != int(bits):
         raise ValueError(f"rtn strength is a bit width (2..8), got {bits}")
     return rtn_quantize(model, int(bits), group_size).restore, {"group_size": group_size}
 
-
-PERTURBATIONS: dict[str, Callable] = {
-    "gaussian": _gaussian,
-    "dropout": _dropout,
-    "fisher": _fisher,
-    "sparsegpt": _sparsegpt,
-    "rtn": _rtn,
-}
 
 # App. C sweep levels (SparseGPT's differ per environment).
 PAPER_LEVELS: dict[str, dict[str, list[float]]] = {
@@ -468,7 +473,12 @@ def apply_perturbation(model: nn.Module, family: str, strength: float, seed: int
         return Applied("none", 0.0, lambda: None, {})
     if family not in PERTURBATIONS:
         raise ValueError(f"unknown perturbation {family!r}; expected one of {['none', *PERTURBATIONS]}")
-    undo, info = PERTURBATIONS[family](model, strength, seed, **kwargs)
+    fn = PERTURBATIONS.get(family)
+    valid = [n for n, p in inspect.signature(fn).parameters.items() if p.kind is p.KEYWORD_ONLY]
+    bad = sorted(set(kwargs) - set(valid))
+    if bad:
+        raise ValueError(f"perturbation {family!r} takes no keyword(s) {bad}; valid: {valid}")
+    undo, info = fn(model, strength, seed, **kwargs)
     return Applied(family, float(strength), undo, info)
 
 

@@ -32,6 +32,8 @@ from typing import Callable
 
 import torch
 
+from .registry import Registry
+
 __all__ = [
     "PPOLossConfig",
     "POLICY_LOSSES",
@@ -42,6 +44,7 @@ __all__ = [
     "ppo_dual_clip_loss",
     "token_logprobs",
     "token_entropy",
+    "kl_penalty",
 ]
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -91,27 +94,10 @@ class PPOLossConfig:
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 
 #: name -> ``fn(logp, old_logp, advantages, response_mask, entropy=None, config=None)
-#: -> (scalar loss to minimise, stats)``; add one with :func:`register_policy_loss`.
-POLICY_LOSSES: dict[str, PolicyLossFn] = {}
-
-
-def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator adding a policy loss to :data:`POLICY_LOSSES` under ``name`` (a second,
-    different fn under a taken name raises)."""
-
-    def deco(fn: PolicyLossFn) -> PolicyLossFn:
-        if name in POLICY_LOSSES and POLICY_LOSSES[name] is not fn:
-            raise ValueError(f"policy loss {name!r} is already registered")
-        POLICY_LOSSES[name] = fn
-        return fn
-
-    return deco
-
-
-def get_policy_loss(name: str) -> PolicyLossFn:
-    if name not in POLICY_LOSSES:
-        raise ValueError(f"unknown policy loss {name!r}; expected one of {sorted(POLICY_LOSSES)}")
-    return POLICY_LOSSES[name]
+#: -> (scalar loss to minimise, stats)``; add one with ``@register_policy_loss("name")``.
+POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss", "update.loss_name")
+register_policy_loss = POLICY_LOSSES.register
+get_policy_loss = POLICY_LOSSES.get
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -220,6 +206,26 @@ def ppo_dual_clip_loss(
         if ent is not None:
             stats["entropy"] = ent.item()
     return loss, stats
+
+
+KL_ESTIMATORS = ("low_var_kl", "k1", "mse")
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "low_var_kl") -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from sampled tokens (verl's ``kl_penalty``).
+
+    ``low_var_kl`` (k3, Schulman): ``exp(ref - logp) - (ref - logp) - 1``, >= 0, clamped
+    to [-10, 10] as verl; ``k1``: ``logp - ref``; ``mse``: ``(logp - ref)^2 / 2``.
+    """
+    d = ref_logp.detach().to(logp.dtype) - logp
+    if kind == "low_var_kl":
+        d = d.clamp(-20.0, 20.0)
+        return (torch.exp(d) - d - 1.0).clamp(-10.0, 10.0)
+    if kind == "k1":
+        return -d
+    if kind == "mse":
+        return 0.5 * d.pow(2)
+    raise ValueError(f"update.kl_type must be one of {KL_ESTIMATORS}, got {kind!r}")
 
 
 # ----------------------------------------------------------------------------- from logits

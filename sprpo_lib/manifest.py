@@ -56,6 +56,40 @@ def atomic_write_json(path: str | Path, obj: Any) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 
 
+class JsonLines:
+    """An append-only JSON-lines file: each :meth:`append` writes whole lines and
+    fsyncs; :meth:`read` ignores a torn last line of a killed writer; :meth:`truncate`
+    atomically keeps the rows a predicate accepts (e.g. iterations before a resume)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def append(self, *rows: dict) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            f.write("".join(json.dumps(r, default=str) + "\n" for r in rows))
+            f.flush()
+            os.fsync(f.fileno())
+
+    def read(self) -> list[dict]:
+        if not self.path.is_file():
+            return []
+        out = []
+        with open(self.path) as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    break  # torn final line of a killed run
+        return out
+
+    def truncate(self, keep) -> None:
+        if self.path.is_file():
+            atomic_write_text(self.path, "".join(json.dumps(r, default=str) + "\n" for r in self.read() if keep(r)))
+
+
 def write_manifest(
     artifact: str | Path, config: dict, seed: int | None, wall_seconds: float, extra: dict | None = None
 ) -> Path:

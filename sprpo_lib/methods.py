@@ -1,8 +1,10 @@
 """Training-time perturbation methods, one registry entry each (App. B, Algs. 1-4).
 
 A method decides (i) the FFN-channel perturbation ``xi`` under which the policy collects
-its rollouts, (ii) the perturbation of the update, and (iii) what it learns from the
-update.  The training loop (:mod:`sprpo_lib.train`) is the same for all:
+its rollouts (:meth:`Method.rollout_xi`) and (ii) its update (:meth:`Method.update`),
+written with the explicit-tensor operations of :class:`sprpo_lib.actor.Actor`, so each
+``update`` can be read next to its algorithm box.  The training loop
+(:mod:`sprpo_lib.train`) is the same for all:
 
 =============  ========================  ===================================  ========================
 method         rollout (Alg. line)       update                                after the update
@@ -26,11 +28,12 @@ draws the same perturbations as an uninterrupted one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
 
 import torch
 
+from .actor import SURROGATE, Actor
 from .perturb import sample_xi
+from .registry import Registry
 
 
 @dataclass
@@ -80,8 +83,7 @@ class MethodConfig:
     scale: str = "raw"
 
     def __post_init__(self):
-        if self.name not in METHODS:
-            raise ValueError(f"unknown method {self.name!r}; expected one of {sorted(METHODS)}")
+        METHODS.get(self.name)  # an unknown name lists the valid ones
         if self.sensitivity not in ("replay", "one_pass"):
             raise ValueError(f"method.sensitivity must be 'replay' or 'one_pass', got {self.sensitivity!r}")
         if self.scale not in ("raw", "relative"):
@@ -91,23 +93,13 @@ class MethodConfig:
                 raise ValueError(f"method.{k} must be >= 0, got {getattr(self, k)}")
 
 
-class UpdateHost(Protocol):
-    """What a method needs from the trainer."""
-
-    shape: tuple[int, int]
-
-    def backward(self, batch, xi: torch.Tensor | None = None, *, xi_grad: bool = False,
-                 gain: bool = False, use_old: bool = False) -> dict: ...
-
-    def step(self) -> None: ...
-
-    def zero_grad(self) -> None: ...
-
-    def grad_norm_sq(self) -> float: ...
-
-
 def _gen(seed: int, k: int) -> torch.Generator:
     return torch.Generator().manual_seed(int(seed) * 1_000_003 + int(k) * 7919 + 17)
+
+
+def _leaf(t: torch.Tensor, actor: Actor) -> torch.Tensor:
+    """A fresh leaf copy of ``t`` whose ``.grad`` a backward pass fills."""
+    return t.detach().to(actor.fc.device, actor.fc.dtype).clone().requires_grad_(True)
 
 
 class Method:
@@ -122,11 +114,9 @@ class Method:
         """The perturbation under which iteration ``k`` collects rollouts."""
         return None
 
-    def update(self, host: UpdateHost, batch, k: int, xi: torch.Tensor | None) -> dict:
-        """One policy update on ``batch`` (rollouts of iteration k under ``xi``)."""
-        stats = host.backward(batch, xi)
-        host.step()
-        return stats
+    def update(self, actor: Actor, batch, k: int, xi: torch.Tensor | None) -> dict:
+        """Alg. 2 line 4: theta_{k+1} = theta_k + eta grad L_k(theta_k)."""
+        return actor.ppo_update(batch, xi)
 
     def sigma_stats(self) -> dict:
         return {}
@@ -138,30 +128,20 @@ class Method:
         pass
 
 
-METHODS: dict[str, type[Method]] = {}
-
-
-def register_method(name: str) -> Callable[[type[Method]], type[Method]]:
-    def deco(cls: type[Method]) -> type[Method]:
-        if name in METHODS and METHODS[name] is not cls:
-            raise ValueError(f"method {name!r} is already registered")
-        cls.name = name
-        METHODS[name] = cls
-        return cls
-
-    return deco
-
-
-register_method("vanilla")(Method)
+METHODS: Registry[type[Method]] = Registry("method", "method.name")
+register_method = METHODS.register
+METHODS.register("vanilla")(Method)
 
 
 @register_method("gaussian")
 class Gaussian(Method):
     """Isotropic multiplicative noise, xi = sigma z, z ~ N(0, I), held through the
-    rollout and the update (Alg. 3)."""
+    rollout and the update (Alg. 3 lines 2-5; the update is the base class's)."""
+
+    name = "gaussian"
 
     def rollout_xi(self, k: int) -> torch.Tensor:
-        return sample_xi(self.cfg.sigma, self.shape, generator=_gen(self.seed, k))
+        return sample_xi(self.cfg.sigma, self.shape, generator=_gen(self.seed, k))  # Alg. 3 lines 2-3
 
     def sigma_stats(self) -> dict:
         return {"sigma_mean": self.cfg.sigma, "sigma_min": self.cfg.sigma, "sigma_max": self.cfg.sigma}
@@ -169,78 +149,89 @@ class Gaussian(Method):
 
 @register_method("sam")
 class SAM(Method):
-    """FFN-channel SAM (Alg. 4): unperturbed rollout; one extra backward for the channel
-    gain gradient g = dL/du at u = 1; xi = -rho g / ||g||_2; replay the batch under xi and
-    update.  With loss = -L, ``-g = dloss/du`` so ``xi = rho * dloss/du / ||dloss/du||``."""
+    """FFN-channel SAM (Alg. 4): unperturbed rollout (line 2), channel gradient of the
+    surrogate at u = 1 (line 3), xi = -rho g / ||g|| (line 4), replay under xi (line 5)."""
 
-    def update(self, host: UpdateHost, batch, k: int, xi: torch.Tensor | None) -> dict:
-        gstats = host.backward(batch, None, gain=True)
-        dloss_du = gstats.pop("gain_grad")
-        host.zero_grad()
-        norm = dloss_du.norm()
-        adv_xi = self.cfg.sam_rho * dloss_du / norm if norm > 0 else torch.zeros(self.shape)
-        stats = host.backward(batch, adv_xi)
-        host.step()
-        stats.update(sam_g_norm=float(norm), sam_xi_norm=float(adv_xi.norm()))
+    name = "sam"
+
+    def update(self, actor: Actor, batch, k: int, xi: torch.Tensor | None) -> dict:
+        u = torch.ones(self.shape, device=actor.fc.device, dtype=actor.fc.dtype, requires_grad=True)
+        with actor.timing("sensitivity_s"):
+            actor.zero_grad()
+            actor.backward(batch, gain=u, terms=SURROGATE)  # line 3: u.grad = dloss/du = -dL/du = -g
+            actor.zero_grad()
+        g = -u.grad.detach().float().cpu()
+        norm = g.norm()
+        adv_xi = -self.cfg.sam_rho * g / norm if norm > 0 else torch.zeros(self.shape)  # line 4
+        stats = actor.ppo_update(batch.without_old(), adv_xi)  # line 5: ratios under xi_k
         self.last_xi = adv_xi
-        return stats
+        return {**stats, "sam_g_norm": float(norm), "sam_xi_norm": float(adv_xi.norm())}
 
 
 @register_method("sprpo")
 class SPrPO(Method):
     """Stable Perturbation-Robust Policy Optimization (Alg. 1).
 
-    State: ``S_hat`` ``[L, C]`` and ``m_hat`` (both 1 at start, Alg. 1 line 1).
-    ``sigma = rho * m_hat * S_hat^(-alpha/2)`` (line 3), guarded by ``s_floor`` and
-    ``sigma_max`` (see :class:`MethodConfig`); xi ~ N(0, sigma^2) (line 4) is held through
-    the rollout and the update (lines 5-6); afterwards S_hat = (dL/dxi)^2 and
-    m_hat = ||grad_theta L||^2 at theta_{k+1} under the same xi and batch (line 7;
-    ``sensitivity="one_pass"`` takes both from the update's backward at theta_k).
-    ``schedule=False`` keeps m_hat = 1.
+    State: ``S_hat`` ``[L, C]`` and ``m_hat`` (both 1 at start, line 1).  ``sigma`` is
+    line 3 (with the guards and the ``scale`` option of :class:`MethodConfig`), xi is
+    drawn in line 4 and held through the rollout (line 5) and the update (line 6);
+    line 7 replays the batch at theta_{k+1} under the same xi, old log-probs fixed at
+    theta_k, and reads ``S_hat = (dL_k/dxi)^2`` and ``m_hat = ||grad_theta L_k||^2``
+    from that one backward pass of the surrogate.  ``sensitivity="one_pass"`` reads
+    both from the surrogate's gradient at theta_k instead (one step stale; the step
+    itself then uses that gradient, plus the regularisers' when they are non-zero).
     """
+
+    name = "sprpo"
 
     def __init__(self, cfg: MethodConfig, shape: tuple[int, int], seed: int = 0):
         super().__init__(cfg, shape, seed)
-        self.S_hat = torch.ones(self.shape, dtype=torch.float64)
+        self.S_hat = torch.ones(self.shape, dtype=torch.float64)  # line 1
         self.m_hat = 1.0
         self.m_ref = 0.0  # first measured m_hat (scale="relative"); 0 = not measured yet
 
     def sigma(self) -> torch.Tensor:
+        """Line 3: sigma = rho * m_hat * S_hat^(-alpha/2)."""
         c = self.cfg
-        S = self.S_hat
-        floor = max(float(S.mean()) * c.s_floor, 1e-30)
-        S = S.clamp_min(floor)
+        S = self.S_hat.clamp_min(max(float(self.S_hat.mean()) * c.s_floor, 1e-30))
         m = self.m_hat if c.schedule else 1.0
         if c.scale == "relative":
             S = S / S.log().mean().exp()  # geometric mean (see MethodConfig.scale)
             if c.schedule and self.m_ref > 0:
                 m = self.m_hat / self.m_ref
-        sig = c.rho * m * S.pow(-c.alpha / 2.0)
-        return sig.clamp(max=c.sigma_max).float()
+        return (c.rho * m * S.pow(-c.alpha / 2.0)).clamp(max=c.sigma_max).float()
 
     def rollout_xi(self, k: int) -> torch.Tensor:
-        return sample_xi(self.sigma(), self.shape, generator=_gen(self.seed, k))
+        return sample_xi(self.sigma(), self.shape, generator=_gen(self.seed, k))  # line 4
 
-    def update(self, host: UpdateHost, batch, k: int, xi: torch.Tensor | None) -> dict:
-        one_pass = self.cfg.sensitivity == "one_pass"
-        stats = host.backward(batch, xi, xi_grad=one_pass)
-        if one_pass:
-            dxi = stats.pop("xi_grad")
-            m = host.grad_norm_sq()
-        host.step()
-        if not one_pass:  # replay D_k at theta_{k+1} under the same xi (Alg. 1 line 7)
-            host.zero_grad()
-            rstats = host.backward(batch, xi, xi_grad=True, use_old=True)
-            dxi = rstats.pop("xi_grad")
-            m = host.grad_norm_sq()
-            host.zero_grad()
-            stats["replay_loss"] = rstats["loss"]
-        self.S_hat = dxi.double().pow(2)
-        self.m_hat = float(m)
+    def update(self, actor: Actor, batch, k: int, xi: torch.Tensor | None) -> dict:
+        if self.cfg.sensitivity == "one_pass":
+            return self._update_one_pass(actor, batch, xi)
+        stats = actor.ppo_update(batch, xi)  # line 6: theta_{k+1}
+        xi_leaf = _leaf(xi, actor)
+        with actor.timing("sensitivity_s"):  # line 7: replay D_k at theta_{k+1} under xi_k
+            actor.zero_grad()
+            replay = actor.backward(batch, xi_leaf, terms=SURROGATE)
+            self._record(xi_leaf.grad, actor.grad_norm_sq())
+            actor.zero_grad()
+        return {**stats, "replay_loss": replay["loss"], "S_hat_mean": float(self.S_hat.mean()), "m_hat": self.m_hat}
+
+    def _update_one_pass(self, actor: Actor, batch, xi: torch.Tensor) -> dict:
+        xi_leaf = _leaf(xi, actor)
+        actor.zero_grad()
+        stats = actor.backward(batch, xi_leaf, terms=SURROGATE)  # grad of L_k at theta_k
+        self._record(xi_leaf.grad, actor.grad_norm_sq())
+        if actor.loss_cfg.entropy_coeff or actor.kl_coef:  # the step's objective: add the regularisers' gradient
+            actor.backward(batch, xi, terms=frozenset({"entropy", "kl"}))
+        actor.step()  # line 6
+        return {**stats, "S_hat_mean": float(self.S_hat.mean()), "m_hat": self.m_hat}
+
+    def _record(self, dloss_dxi: torch.Tensor, grad_norm_sq: float) -> None:
+        """Line 7: S_hat = |dL/dxi|^2 (the sign of loss = -L does not matter), m_hat = ||grad||^2."""
+        self.S_hat = dloss_dxi.detach().double().cpu().pow(2)
+        self.m_hat = float(grad_norm_sq)
         if self.m_ref <= 0:
             self.m_ref = self.m_hat
-        stats.update(S_hat_mean=float(self.S_hat.mean()), m_hat=self.m_hat)
-        return stats
 
     def sigma_stats(self) -> dict:
         s = self.sigma()
@@ -258,4 +249,4 @@ class SPrPO(Method):
 
 
 def make_method(cfg: MethodConfig, shape: tuple[int, int], seed: int = 0) -> Method:
-    return METHODS[cfg.name](cfg, shape, seed)
+    return METHODS.get(cfg.name)(cfg, shape, seed)

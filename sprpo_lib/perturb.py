@@ -89,22 +89,28 @@ class FFNChannels:
             raise ValueError(f"{name} contains NaN or inf")
         return t.to(device=self.device, dtype=self.dtype)
 
-    def set(self, xi: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> "FFNChannels":
-        """Set (replace) the noise ``xi`` and the channel ``mask``; None clears one.
+    def set(self, xi: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+            gain: torch.Tensor | None | object = ...) -> "FFNChannels":
+        """Set (replace) the noise ``xi``, the channel ``mask`` and a differentiable
+        ``gain`` (a leaf of ones: its ``.grad`` is dL/du at u = 1); None clears one,
+        an omitted ``gain`` keeps the current one (e.g. inside :meth:`gain`).
 
+        A leaf ``xi`` that requires grad gets ``xi.grad = dL/dxi`` from a backward pass.
         Without gradients the per-layer factors are formed here once, so call ``set``
         again after changing a tensor in place."""
-        self.xi = self._check("xi", xi)
+        self.xi = _keep_leaf(xi, self._check("xi", xi))
         self.mask = self._check("mask", mask)
+        if gain is not ...:
+            self._gain = _keep_leaf(gain, self._check("gain", gain))
         self._static = None
         self._delta: dict = {}
-        if not any(t is not None and t.requires_grad for t in (self.xi, self.mask)):
+        if not any(t is not None and t.requires_grad for t in (self.xi, self.mask, self._gain)):
             # the common inference case: form each layer's factor once, not per forward
             self._static = [self.factor(i) for i in range(self.shape[0])]
         return self
 
     def clear(self) -> "FFNChannels":
-        return self.set(None, None)
+        return self.set(None, None, None)
 
     @property
     def active(self) -> bool:
@@ -203,6 +209,53 @@ class FFNChannels:
                 yield u
         finally:
             self._gain = prev
+
+
+def _keep_leaf(given: torch.Tensor | None, checked: torch.Tensor | None) -> torch.Tensor | None:
+    """A leaf that requires grad is used as given (so its ``.grad`` fills); a cast
+    copy would be a non-leaf whose gradient is lost."""
+    if given is not None and given.requires_grad:
+        if checked is not None and checked.dtype != given.dtype:
+            raise ValueError(f"a perturbation leaf that requires grad must be {checked.dtype} "
+                             f"(this model's perturbation dtype), got {given.dtype}")
+        return given
+    return checked
+
+
+def resolution(dtype: torch.dtype) -> float:
+    """Relative rounding of ``dtype`` (half its machine epsilon): 2^-8 for bfloat16,
+    2^-11 for float16."""
+    return torch.finfo(dtype).eps / 2
+
+
+def below_resolution(xi: torch.Tensor | None, dtype: torch.dtype) -> bool:
+    """True when a multiplicative perturbation would mostly round away in ``dtype``:
+    the RMS of ``xi`` is below the dtype's relative rounding (SAM's rho = 5e-3 spread
+    over all FFN channels gives |xi| ~ 1e-5, far below bfloat16's 2^-8)."""
+    if xi is None or dtype in (torch.float32, torch.float64):
+        return False
+    return float(xi.detach().double().pow(2).mean().sqrt()) < resolution(dtype)
+
+
+@contextmanager
+def float32_compute(model: nn.Module, enabled: bool = True) -> Iterator[None]:
+    """Run the forward/backward in float32: the frozen 16-bit parameters are cast to
+    float32 inside the block and back on exit (bit-exact: bf16 -> f32 -> bf16 is
+    lossless); trainable parameters are left alone.  Used when a perturbation is below
+    the model dtype's resolution, so it is carried through the residual stream instead
+    of being rounded away at every matmul input."""
+    if not enabled:
+        yield
+        return
+    cast = [(p, p.dtype) for p in model.parameters()
+            if not p.requires_grad and p.dtype in (torch.bfloat16, torch.float16)]
+    for p, _ in cast:
+        p.data = p.data.float()
+    try:
+        yield
+    finally:
+        for p, dt in cast:
+            p.data = p.data.to(dt)
 
 
 def sample_xi(

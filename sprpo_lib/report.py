@@ -16,7 +16,8 @@ from typing import Sequence
 
 import pandas as pd
 
-from .train import ROOT, TrainConfig, agent_config, default_out_dir, load_config, train, warm_start_key
+from .config import TrainConfig, config_from_dict
+from .train import ROOT, default_out_dir, load_config, train, warm_start_key
 
 __all__ = ["run_grid", "load_metrics", "before_after", "paired_outcomes", "mcnemar_exact_p", "plot_training"]
 
@@ -35,9 +36,7 @@ def run_grid(profile: str, env: str, methods: Sequence[str], seeds: Sequence[int
 
 
 def _config(run_dir: Path) -> TrainConfig:
-    from .train import _build
-
-    return _build(TrainConfig, json.loads((run_dir / "config.json").read_text())["config"], "")
+    return config_from_dict(json.loads((run_dir / "config.json").read_text())["config"])
 
 
 def load_metrics(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
@@ -55,7 +54,7 @@ def load_metrics(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
         df.insert(2, "method", cfg.method.name)
         df.insert(3, "seed", cfg.seed)
         df.insert(4, "profile", cfg.profile)
-        df.insert(5, "temperature", cfg.rollout.temperature)
+        df.insert(5, "temperature", cfg.rollout.generation.temperature)
         frames.append(df)
     if not frames:
         raise ValueError(f"no metrics in {list(map(str, run_dirs))}: train first (python -m sprpo_lib.train ...)")
@@ -112,7 +111,7 @@ def before_after(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
                "rollout_success_last": m["success"].iloc[-1],
                "rollout_success_first_half": m["success"].iloc[: max(1, len(m) // 2)].mean(),
                "rollout_success_second_half": m["success"].iloc[len(m) // 2:].mean()}
-        start = ROOT / "runs" / "sft" / f"{cfg.env.name}-{warm_start_key(cfg, agent_config(cfg.rollout))}" / "eval.json"
+        start = ROOT / "runs" / "sft" / f"{cfg.env.name}-{warm_start_key(cfg, cfg.rollout.agent)}" / "eval.json"
         final = d / "final" / "eval.json"
         for name, path in (("start", start), ("final", final)):
             if cfg.warm_start or name == "final":

@@ -28,8 +28,9 @@ from typing import Callable, Protocol, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from .agent import AgentConfig, build_prompt, chat_text, extract_action, step_reward
+from .agent import AgentConfig, HistoryStep, chat_text, extract_action, fit_prompt
 from .envs.base import Observation, TaskPool
+from .manifest import JsonLines
 
 
 # ----------------------------------------------------------------------------- generation
@@ -83,6 +84,11 @@ class HFGenerator:
                 return ids[:i]
         return ids
 
+    def count_tokens(self, prompt: str) -> int:
+        """Tokens of ``prompt`` once templated: what a prompt budget counts."""
+        return len(self.policy.tokenizer(chat_text(self.policy.tokenizer, prompt, self.agent),
+                                          add_special_tokens=False)["input_ids"])
+
     @torch.no_grad()
     def __call__(self, prompts: Sequence[str]) -> list[Generation]:
         tok, model, cfg = self.policy.tokenizer, self.policy.model, self.cfg
@@ -117,7 +123,7 @@ class StepRecord:
     action: str
     valid: bool
     env_reward: float
-    reward: float  # env_reward + format penalty
+    penalty: float  # the format penalty of this step (App. B "Reward": -0.1 without a valid <action>)
     done: bool
     prompt_ids: list[int] = field(default_factory=list, repr=False)
     response_ids: list[int] = field(default_factory=list, repr=False)
@@ -155,30 +161,20 @@ class EpisodeRecord:
 
 
 class EpisodeLog:
-    """Append-only JSON-lines log of finished episodes (one line each, flushed)."""
+    """Append-only JSON-lines log of finished episodes (one line each, fsynced; a torn
+    last line of a killed run is ignored on reading)."""
 
     def __init__(self, path: str | Path, with_ids: bool = False):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.lines = JsonLines(path)
+        self.path = self.lines.path
         self.with_ids = with_ids
 
     def write(self, episodes: Sequence[EpisodeRecord]) -> None:
-        with open(self.path, "a") as f:
-            for ep in episodes:
-                f.write(json.dumps(ep.to_json(self.with_ids)) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        self.lines.append(*(ep.to_json(self.with_ids) for ep in episodes))
 
     @staticmethod
     def read(path: str | Path) -> list[dict]:
-        out = []
-        with open(path) as f:
-            for line in f:
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    break  # torn final line of a killed run
-        return out
+        return JsonLines(path).read()
 
 
 # ----------------------------------------------------------------------------- env executors
@@ -345,6 +341,7 @@ def run_groups(
     and resetting the episodes, ``steps``).
     """
     agent = agent or AgentConfig()
+    count_tokens = getattr(generate, "count_tokens", None) if agent.max_prompt_tokens else None
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     pool = envs.pool
@@ -363,7 +360,7 @@ def run_groups(
     stats["env_s"] += stats["open_s"]
     records: dict[int, EpisodeRecord] = {}
     current: dict[int, Observation] = {}
-    history: dict[int, list[tuple[str, str]]] = {}
+    history: dict[int, list[HistoryStep]] = {}
     for eid, obs, task_id, instruction in opened:
         g, r, split, idx = eids[eid]
         records[eid] = EpisodeRecord(pool.name, split, idx, task_id, g, r, instruction)
@@ -373,8 +370,8 @@ def run_groups(
     for step in range(max_steps):
         if not live:
             break
-        prompts = [build_prompt(records[e].instruction, current[e].text, current[e].admissible, history[e], agent)
-                   for e in live]
+        prompts = [fit_prompt(records[e].instruction, current[e].text, current[e].admissible, history[e], agent,
+                              count_tokens) for e in live]
         t0 = time.perf_counter()
         gens = generate(prompts)
         stats["generate_s"] += time.perf_counter() - t0
@@ -389,12 +386,12 @@ def run_groups(
             done = obs.done or step + 1 >= max_steps
             rec = records[e]
             rec.steps.append(StepRecord(step, current[e].text, prompt, gen.text, p.action, p.valid, obs.reward,
-                                        step_reward(obs.reward, p.valid, agent), done, gen.prompt_ids,
+                                        0.0 if p.valid else agent.format_penalty, done, gen.prompt_ids,
                                         gen.response_ids))
             rec.env_seconds += secs
             rec.score += obs.reward
             rec.success = rec.success or obs.success
-            history[e].append((p.action, obs.text))
+            history[e].append(HistoryStep(current[e].text, p.action, bool(obs.info.get("invalid"))))
             current[e] = obs
             if done:
                 finished.append(e)

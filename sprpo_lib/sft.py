@@ -64,10 +64,10 @@ from typing import Iterable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from .agent import AgentConfig, build_prompt, chat_text, extract_action
+from .agent import AgentConfig, HistoryStep, build_prompt, chat_text, extract_action
 from .envs.base import TaskPool
 from .losses import token_logprobs
-from .manifest import atomic_write_json
+from .manifest import JsonLines, atomic_write_json
 from .models import LoraSettings, Policy, add_lora, lora_on_last_layers
 
 log = logging.getLogger(__name__)
@@ -175,14 +175,14 @@ def collect_demonstrations(
         rng = random.Random(f"{seed}:{split}:{idx}")
         try:
             obs = ep.reset()
-            history: list[tuple[str, str]] = []
+            history: list[HistoryStep] = []
             score, success = 0.0, False
             if demonstrator == "shopper" and not hasattr(ep, "shopper_action"):
                 raise ValueError(f"sft.demonstrator='shopper': {type(ep).__name__} has no shopper_action() "
                                  f"(only WebShop has one); use sft.demonstrator=expert")
             for step in range(limit):
                 if demonstrator == "shopper":
-                    expert = ep.shopper_action([a for a, _ in history])
+                    expert = ep.shopper_action([h.action for h in history])
                 else:
                     expert = ep.expert_action()
                 if expert is None:
@@ -197,7 +197,7 @@ def collect_demonstrations(
                 # run_groups steps the env with the *parsed* action and keeps it in the history
                 action = extract_action(executed).action
                 nxt = ep.step(action)
-                history.append((action, nxt.text))
+                history.append(HistoryStep(obs.text, action, bool(nxt.info.get("invalid"))))
                 score += nxt.reward
                 success = success or nxt.success
                 obs = nxt
@@ -407,24 +407,6 @@ def _lr_at(step: int, total: int, cfg: SFTConfig) -> float:
     return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * frac))
 
 
-class _JsonLines:
-    """Append-only JSON lines, flushed and fsynced per line (a kill loses at most one)."""
-
-    def __init__(self, path: Path | None):
-        self.path = path
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text("")  # a fresh run starts a fresh file
-
-    def write(self, row: dict) -> None:
-        if self.path is None:
-            return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-
-
 def save_adapter(policy: Policy, path: str | Path) -> Path:
     """Save the peft adapter (safetensors) to ``path``, replacing it atomically."""
     path = Path(path)
@@ -520,7 +502,9 @@ def train_sft(
     total = min(planned, cfg.max_steps) if cfg.max_steps else planned
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     rng = random.Random(cfg.seed)
-    metrics = _JsonLines(out / "metrics.jsonl" if out else None)
+    metrics = JsonLines(out / "metrics.jsonl") if out else None
+    if metrics is not None:
+        metrics.truncate(lambda row: False)  # a fresh run starts a fresh file
 
     step, n_tok_all, stopped = 0, 0, "done"
     first_loss = final_loss = None
@@ -562,7 +546,8 @@ def train_sft(
                     row = {"step": step, "epoch": epoch, "loss": round(final_loss, 6), "tokens": win_tok,
                            "lr": lr, "grad_norm": None if grad_norm is None else round(grad_norm, 6),
                            "elapsed_s": round(elapsed, 2)}
-                    metrics.write(row)
+                    if metrics is not None:
+                        metrics.append(row)
                     bar.set_postfix(loss=f"{final_loss:.4f}")
                     win_nll, win_tok = 0.0, 0
                 bar.update(1)

@@ -5,7 +5,7 @@ from functools import partial
 
 import pytest
 
-from sprpo_lib.agent import AgentConfig, build_prompt, chat_text, extract_action, step_reward
+from sprpo_lib.agent import AgentConfig, HistoryStep, build_prompt, chat_text, extract_action, fit_prompt
 from sprpo_lib.envs.webshop import make_webshop_pool
 from sprpo_lib.rollout import (
     EpisodeLog,
@@ -20,20 +20,21 @@ from sprpo_lib.rollout import (
 
 
 def test_prompt_matches_paper_structure():
-    hist = [("go to desk 1", "On the desk 1, you see a pen 1."), ("take pen 1 from desk 1", "You pick up the pen 1."),
-            ("go to shelf 1", "On the shelf 1, you see nothing.")]
+    hist = [HistoryStep("You are in the middle of a room.", "go to desk 1"),
+            HistoryStep("On the desk 1, you see a pen 1.", "take pen 1 from desk 1"),
+            HistoryStep("You pick up the pen 1.", "go to shelf 1")]
     p = build_prompt("put a pen on shelf.", "On the shelf 1, you see nothing.", ["put pen 1 in/on shelf 1", "look"], hist)
-    assert p == (
+    assert p == (  # previous steps: the observation acted on, then the action; never the current one again
         "Task: put a pen on shelf.\n\n"
         "Interaction context:\n"
-        "[Step 2] Action: take pen 1 from desk 1 -> Observation: You pick up the pen 1.\n"
-        "[Step 3] Action: go to shelf 1 -> Observation: On the shelf 1, you see nothing.\n\n"
+        "[Step 2] Observation: On the desk 1, you see a pen 1. -> Action: take pen 1 from desk 1\n"
+        "[Step 3] Observation: You pick up the pen 1. -> Action: go to shelf 1\n\n"
         "Current observation: On the shelf 1, you see nothing.\n\n"
         "Available actions:\n- put pen 1 in/on shelf 1\n- look\n\n"
         "Response: Output the next action in <action>...</action>."
     )
     p0 = build_prompt("t", "o", ["a"], hist, AgentConfig(history_len=0))
-    assert "None (this is the first step)." in p0
+    assert "[Steps 1-3 omitted]" in p0 and "None (this is the first step)." in build_prompt("t", "o", ["a"], ())
     long = build_prompt("t", "x" * 500, ["a"], (), AgentConfig(max_obs_chars=50))
     assert "x" * 44 + " [...]" in long and "x" * 45 not in long
     with pytest.raises(ValueError, match="history_len"):
@@ -43,14 +44,14 @@ def test_prompt_matches_paper_structure():
 def test_prompt_echo_removal_and_history_cut():
     instr = "i need a red mug, and price lower than 20.00 dollars"
     page = f"Instruction: [SEP] {instr} [SEP] Back to Search [SEP] Page 1 (Total results: 50) [SEP] B0AAAA [SEP] Red Mug"
-    hist = [("search[red mug]", page)]
+    hist = [HistoryStep(page, "click[b0aaaa]")]
     full = build_prompt(instr, page, ["click[b0aaaa]"], hist)
     assert full.count(instr) == 3  # task line + two echoes: the paper's (and WebShop's) format
     cfg = AgentConfig(echo_instruction=False, max_obs_chars=200, history_obs_chars=20)
     p = build_prompt(instr, page, ["click[b0aaaa]"], hist, cfg)
     assert p.count(instr) == 1
     assert "Current observation: Back to Search [SEP] Page 1 (Total results: 50) [SEP] B0AAAA [SEP] Red Mug\n" in p
-    assert "-> Observation: Back to Search [...]\n" in p  # 20 characters for history observations
+    assert "[Step 1] Observation: Back to Search [...] -> Action: click[b0aaaa]\n" in p  # 20 characters in history
     other = "Instruction: [SEP] another task [SEP] Back to Search"
     assert f"Current observation: {other}" in build_prompt(instr, other, [], (), cfg)  # only its own echo goes
     with pytest.raises(ValueError, match="history_obs_chars"):
@@ -75,11 +76,8 @@ def test_extract_action(resp, action, valid):
     assert (p.action, p.valid) == (action, valid)
 
 
-def test_format_penalty():
-    cfg = AgentConfig()
-    assert step_reward(0.0, False, cfg) == pytest.approx(-0.1)
-    assert step_reward(1.0, True, cfg) == 1.0
-    assert step_reward(0.5, False, AgentConfig(format_penalty=-0.5)) == 0.0
+def test_format_penalty_default():
+    assert AgentConfig().format_penalty == pytest.approx(-0.1)  # App. B "Reward"
 
 
 def _webshop_envs(workers=0):
@@ -102,7 +100,7 @@ def test_runner_groups_log_and_penalty(tmp_path):
         assert e.success == (e.score == 1.0)
     assert stats["steps"] == sum(e.length for e in eps)
     rows = EpisodeLog.read(log.path)
-    assert len(rows) == 6 and {"observation", "response", "action", "reward", "valid"} <= set(rows[0]["steps"][0])
+    assert len(rows) == 6 and {"observation", "response", "action", "env_reward", "penalty", "valid"} <= set(rows[0]["steps"][0])
     with open(log.path, "a") as f:
         f.write('{"torn": ')  # a killed run's partial line
     assert len(EpisodeLog.read(log.path)) == 6
@@ -117,7 +115,7 @@ def test_malformed_outputs_never_crash_and_are_penalised():
     for e in eps:
         assert e.length == 4 and e.score == 0.0 and not e.success
         for s in e.steps:
-            assert s.reward == pytest.approx(s.env_reward + (0 if s.valid else -0.1))
+            assert s.penalty == (0.0 if s.valid else -0.1) and s.env_reward == 0.0
     assert sum(not s.valid for e in eps for s in e.steps) == 16
 
 
@@ -130,7 +128,7 @@ def test_process_workers_match_serial():
         par, _ = run_groups(envs, tasks, 2, RandomAdmissibleGenerator(3), progress=False)
     finally:
         envs.close()
-    strip = lambda eps: [(e.task_id, [(s.action, s.reward, s.observation) for s in e.steps]) for e in eps]  # noqa: E731
+    strip = lambda eps: [(e.task_id, [(s.action, s.env_reward, s.observation) for s in e.steps]) for e in eps]  # noqa: E731
     assert strip(serial) == strip(par)
 
 

@@ -76,7 +76,7 @@ def test_demos_reproduce_run_groups_prompts(pool, demos):
     assert all(e.success and e.valid_rate == 1.0 for e in eps)
     assert demos[0].response.startswith("<action>search[") and demos[-1].response == "<action>click[buy now]</action>"
     # the history of a later step shows the previous actions exactly as RL would
-    assert "[Step 1] Action: " + demos[0].response[8:-9] in demos[1].prompt
+    assert "-> Action: " + demos[0].response[8:-9] + "\n" in demos[1].prompt
 
 
 def test_prompt_tokens_match_hf_generator(demos):

@@ -14,7 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sprpo_lib.train import Trainer, build_batch, load_config, train
+from sprpo_lib.actor import SURROGATE
+from sprpo_lib.batch import build_batch
+from sprpo_lib.methods import _leaf
+from sprpo_lib.train import Trainer, load_config, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,19 +28,11 @@ def _trainer(tmp_path, *overrides, name="t"):
 
 
 def _rollout_batch(tr, k=0):
-    xi = tr.method.rollout_xi(k)
-    tr.gen.cfg.seed, tr.gen.calls = 11, 0
-    tr.fc.set(xi=xi)
-    from sprpo_lib.rollout import run_groups
-
-    with tr.fc:
-        eps, _ = run_groups(tr.envs, tr.sample_tasks(k), tr.cfg.rollout.group_size, tr.gen, tr.agent,
-                            tr.cfg.env.max_steps, progress=False)
-    tr.fc.clear()
+    eps, xi, _ = tr.collect(k)
     # give the batch non-trivial advantages (a random tiny model gets no reward signal)
     for i, e in enumerate(eps):
-        e.steps[-1].reward += float(i % 3)
-    batch, _ = build_batch(eps, tr.cfg.update.adv, "gigpo", tr.cfg.update.micro_batch)
+        e.steps[-1].env_reward += float(i % 3)
+    batch, _ = build_batch(eps, tr.cfg.update.adv, "gigpo")
     return batch, xi
 
 
@@ -56,12 +51,13 @@ def test_sensitivity_matches_finite_differences(tmp_path):
     tr = _trainer(tmp_path, "model.dtype=float64", "method.name=sprpo", "update.loss.entropy_coeff=0.0")
     _f64(tr)
     batch, xi = _rollout_batch(tr)
-    tr.backward(batch, xi)  # stores old log-probs at theta_k
-    tr.step()
-    tr.zero_grad()
-    st = tr.backward(batch, xi, xi_grad=True, use_old=True)
-    g = st["xi_grad"].double()
-    tr.zero_grad()
+    a = tr.actor
+    a.backward(batch, xi)  # stores old log-probs at theta_k
+    a.step()
+    leaf = _leaf(xi, a)
+    a.backward(batch, leaf, terms=SURROGATE)
+    g = leaf.grad.double()
+    a.zero_grad()
     assert g.abs().max() > 0
     eps = 1e-6
     for (l, c) in [(0, 3), (1, int(g[1].abs().argmax()))]:
@@ -69,8 +65,8 @@ def test_sensitivity_matches_finite_differences(tmp_path):
         for sgn in (1, -1):
             x = xi.double().clone()
             x[l, c] += sgn * eps
-            vals.append(tr.backward(batch, x, use_old=True)["loss"])
-            tr.zero_grad()
+            vals.append(a.backward(batch, x, terms=SURROGATE)["loss"])
+            a.zero_grad()
         fd = (vals[0] - vals[1]) / (2 * eps)
         assert g[l, c].item() == pytest.approx(fd, rel=1e-4, abs=1e-9)
 
@@ -79,7 +75,7 @@ def test_sprpo_update_sets_state_from_replay(tmp_path):
     tr = _trainer(tmp_path, "method.name=sprpo")
     batch, xi = _rollout_batch(tr)
     assert torch.equal(tr.method.sigma(), torch.full(tr.shape, 0.2))  # S = m = 1 at start, sigma = rho
-    st = tr.method.update(tr, batch, 0, xi)
+    st = tr.method.update(tr.actor, batch, 0, xi)
     assert tr.method.S_hat.shape == tr.shape and tr.method.m_hat == pytest.approx(st["m_hat"])
     S = tr.method.S_hat.clamp_min(tr.method.S_hat.mean() * 1e-6)
     expect = (0.2 * tr.method.m_hat * S.pow(-0.5)).clamp(max=1.0).float()
@@ -106,9 +102,11 @@ def test_zero_sigma_gives_vanillas_update_exactly(tmp_path):
 def test_sam_xi_points_against_gain_gradient(tmp_path):
     tr = _trainer(tmp_path, "method.name=sam", "method.sam_rho=0.05")
     batch, _ = _rollout_batch(tr)
-    ref = tr.backward(batch, None, gain=True)["gain_grad"]  # dloss/du at theta_k, u = 1
-    tr.zero_grad()
-    tr.method.update(tr, batch, 0, None)
+    u = torch.ones(tr.shape, requires_grad=True)
+    tr.actor.backward(batch, gain=u, terms=SURROGATE)
+    ref = u.grad.clone()  # dloss/du at theta_k, u = 1
+    tr.actor.zero_grad()
+    tr.method.update(tr.actor, batch.without_old(), 0, None)
     xi = tr.method.last_xi
     dL_du = -ref  # L = -loss
     assert xi.norm().item() == pytest.approx(0.05, rel=1e-5)
@@ -120,7 +118,7 @@ def test_config_profiles_and_errors():
     paper = load_config("paper")
     assert (paper.rollout.tasks_per_step, paper.rollout.group_size, paper.iterations) == (16, 8, 200)
     assert paper.update.lr == 3e-6 and paper.update.loss.clip_ratio_c == 3.0 and paper.update.adv.gamma == 0.95
-    assert (paper.model.lora_rank, paper.model.lora_alpha) == (64, 64)
+    assert (paper.model.lora.rank, paper.model.lora.alpha) == (64, 64)
     cfg = load_config("smoke", ["method.name=sprpo", "method.alpha=0", "rollout.group_size=3"])
     assert cfg.method.alpha == 0 and cfg.rollout.group_size == 3
     with pytest.raises(ValueError, match="unknown config key 'method.rhoo'"):
@@ -212,12 +210,14 @@ def test_warm_start_and_final_eval_on_same_held_out_tasks(tmp_path, monkeypatch)
     assert sorted(e["task_index"] for e in eps) == [2, 3, 4]
     assert start["temperature"] == final["temperature"] == 0.4  # Table 3 validation temperature
     cfg = load_config("smoke", ov)
-    assert T.eval_is_current(out / "final" / "eval.json", cfg, 3)
-    assert not T.eval_is_current(out / "final" / "eval.json", cfg, 4)  # other task count: redo
-    hot = load_config("smoke", ov + ["eval_temperature=null", "rollout.temperature=0.9"])
-    assert T.eval_temperature(hot) == 0.9 and not T.eval_is_current(out / "final" / "eval.json", hot, 3)
-    longer = load_config("smoke", ov + ["rollout.max_new_tokens=9"])
-    assert not T.eval_is_current(out / "final" / "eval.json", longer, 3)  # generation settings changed: redo
+    import sprpo_lib.evaluate as E
+
+    assert E.eval_is_current(out / "final" / "eval.json", cfg, 3)
+    assert not E.eval_is_current(out / "final" / "eval.json", cfg, 4)  # other task count: redo
+    hot = load_config("smoke", ov + ["eval_temperature=null", "rollout.generation.temperature=0.9"])
+    assert E.eval_temperature(hot) == 0.9 and not E.eval_is_current(out / "final" / "eval.json", hot, 3)
+    longer = load_config("smoke", ov + ["rollout.generation.max_new_tokens=9"])
+    assert not E.eval_is_current(out / "final" / "eval.json", longer, 3)  # generation settings changed: redo
 
 
 def test_sprpo_sigma_scales_closed_form():

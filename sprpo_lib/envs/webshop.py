@@ -18,8 +18,8 @@ templates used by GiGPO's verl-agent copy):
   factor) re-implemented below; ``success`` means reward == 1.0;
 * episodes end on purchase or after 15 steps (App. B).
 
-Invalid or malformed actions are ordinary steps: the page is unchanged, the
-observation starts with an "Invalid action" note, no reward.
+Invalid or malformed actions are ordinary steps: the page is unchanged (the same
+observation text), no reward; ``info["invalid"]`` flags them.
 
 Choices where the original is ambiguous or not reproducible here are listed in the
 docstrings of :class:`WebShopEpisode` and :func:`title_nouns`.
@@ -292,7 +292,9 @@ class WebShopEpisode:
       ``search[...]`` is executed from any page although only the search page lists it;
     * the done page shows ``Thank you for shopping with us!`` and the score (the
       original's done page also prints hidden goal details, omitted here);
-    * an invalid step keeps the page and prefixes ``Invalid action: ...`` to its text.
+    * an invalid step returns the unchanged page (as the original ``WebAgentTextEnv``),
+      so GiGPO's anchor groups are not split by an error text; ``info["invalid"]`` and
+      ``info["problem"]`` say why, and the agent's history marks the action invalid.
     """
 
     def __init__(
@@ -413,9 +415,8 @@ class WebShopEpisode:
         if not self._done and self._steps >= self.max_steps:
             self._done = True
             return self._observation(reward, invalid=problem is not None, truncated=True)
-        if problem is not None:
-            note = f"Invalid action: {problem}. The page is unchanged. [SEP] {self._text}"
-            return self._observation(reward, text=note, invalid=True)
+        if problem is not None:  # the unchanged page, as the original WebAgentTextEnv
+            return self._observation(reward, invalid=True, problem=problem)
         return self._observation(reward, invalid=False)
 
     def _apply(self, action: str) -> tuple[float, str | None]:

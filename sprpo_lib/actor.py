@@ -1,0 +1,194 @@
+"""The actor: the operations every method's update is written with (verl's actor).
+
+All of them take explicit tensors.  ``xi`` is the FFN-channel perturbation of the pass
+(``None``: unperturbed); a leaf ``xi`` (or ``gain``) that requires grad receives
+``dloss/dxi`` (``dloss/du`` at u = 1) from :meth:`Actor.backward`.  ``loss`` is the
+negative of the paper's objective, so ``dL/dv = -dloss/dv``.
+
+``terms`` says what is differentiated:
+
+* ``SURROGATE``: the clipped surrogate ``L_k`` alone (Sec. 5; Alg. 1 line 7; Alg. 4
+  line 3): what SPrPO's sensitivity and gradient norm and SAM's channel gradient are
+  defined on;
+* ``TRAIN`` = surrogate + entropy bonus + KL-to-reference loss (when their
+  coefficients are non-zero): what the optimizer steps on (verl's actor loss).
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import torch
+
+from .batch import Batch, MicroBatch
+from .losses import PPOLossConfig, agg_loss, get_policy_loss, kl_penalty, token_entropy, token_logprobs
+from .perturb import FFNChannels, below_resolution, float32_compute
+
+SURROGATE = frozenset({"surrogate"})
+TRAIN = frozenset({"surrogate", "entropy", "kl"})
+
+
+class Actor:
+    """Policy model + Adam over its trainable (LoRA) parameters + the FFN channels.
+
+    Args:
+        model: the (peft) causal LM; ``pad_id`` its tokenizer's pad token.
+        opt: optimizer over ``params``; ``grad_clip``: global-norm clip before a step.
+        loss_name, loss_cfg: the policy loss (:data:`sprpo_lib.losses.POLICY_LOSSES`).
+        micro_batch: samples per forward/backward (gradients accumulate; exact for
+            the token-mean).
+        kl_coef, kl_type: KL loss to the reference policy (the model with its adapter
+            disabled), verl's ``use_kl_loss``; 0 disables.
+        mini_batch, epochs: :meth:`ppo_update`'s optimizer steps (verl's
+            ``ppo_mini_batch_size``, ``ppo_epochs``).
+    """
+
+    def __init__(self, model, pad_id: int, opt: torch.optim.Optimizer, *, grad_clip: float = 1.0,
+                 loss_name: str = "ppo_dual_clip", loss_cfg: PPOLossConfig | None = None, micro_batch: int = 8,
+                 kl_coef: float = 0.0, kl_type: str = "low_var_kl", mini_batch: int | None = None, epochs: int = 1):
+        self.model, self.pad_id, self.opt = model, pad_id, opt
+        self.params = [p for g in opt.param_groups for p in g["params"]]
+        self.grad_clip = grad_clip
+        self.loss_fn = get_policy_loss(loss_name)
+        self.loss_cfg = loss_cfg or PPOLossConfig()
+        self.micro_batch = micro_batch
+        self.kl_coef, self.kl_type = kl_coef, kl_type
+        self.mini_batch, self.epochs = mini_batch, epochs
+        self.fc = FFNChannels(model)
+        self.shape = self.fc.shape
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.timers: dict[str, float] = {}
+        self._timer = "update_s"
+
+    # ------------------------------------------------------------------ timing
+    @contextmanager
+    def timing(self, name: str):
+        """Seconds of the passes inside the block are added to ``timers[name]``."""
+        prev, self._timer = self._timer, name
+        try:
+            yield
+        finally:
+            self._timer = prev
+
+    def _tick(self, t0: float) -> None:
+        self.timers[self._timer] = self.timers.get(self._timer, 0.0) + time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ forward
+    def _logits(self, mb: MicroBatch) -> torch.Tensor:
+        R = mb.tgt.shape[1]
+        return self.model(input_ids=mb.ids, attention_mask=mb.att, use_cache=False,
+                          logits_to_keep=R + 1).logits[:, :-1]
+
+    @torch.no_grad()
+    def log_probs(self, batch: Batch, xi: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Per-sample response-token log-probs under ``xi`` (no gradient)."""
+        t0 = time.perf_counter()
+        out = []
+        self.model.eval()
+        self.fc.set(xi=xi)
+        with self.fc, float32_compute(self.model, below_resolution(xi, self.dtype)):
+            for mb in batch.micro_batches(self.micro_batch, self.pad_id, self.device):
+                lp = token_logprobs(self._logits(mb), mb.tgt)
+                out += [lp[j, lp.shape[1] - s.n_resp:].float().cpu() for j, s in enumerate(mb.samples)]
+        self.fc.clear()
+        self._tick(t0)
+        return out
+
+    def fill_old_log_probs(self, batch: Batch, xi: torch.Tensor | None) -> None:
+        """``old_logp`` of every sample at the current parameters (theta_k) under ``xi``."""
+        for s, lp in zip(batch.samples, self.log_probs(batch, xi)):
+            s.old_logp = lp
+
+    def fill_ref_log_probs(self, batch: Batch) -> None:
+        """``ref_logp``: the reference policy (adapter disabled), unperturbed (verl's ref)."""
+        todo = Batch([s for s in batch.samples if s.ref_logp is None])
+        if not todo.samples:
+            return
+        with self.model.disable_adapter():
+            lps = self.log_probs(todo, None)
+        for s, lp in zip(todo.samples, lps):
+            s.ref_logp = lp
+
+    # ------------------------------------------------------------------ backward
+    def backward(self, batch: Batch, xi: torch.Tensor | None = None, *, gain: torch.Tensor | None = None,
+                 terms: frozenset = TRAIN) -> dict[str, float]:
+        """Accumulate the gradient of ``loss = -(L_k [+ regularisers])`` over ``batch``.
+
+        Old log-probs: a sample without ``old_logp`` takes this pass's own log-probs
+        (ratio 1): correct only at theta_k under this ``xi``, which is where the first
+        pass over a batch happens; :meth:`ppo_update` fills them beforehand whenever it
+        takes more than one step.  Returns token-weighted loss statistics.
+        """
+        t0 = time.perf_counter()
+        self.model.train()
+        self.fc.set(xi=xi, gain=gain)
+        need_ent = "entropy" in terms and self.loss_cfg.entropy_coeff != 0
+        need_kl = "kl" in terms and self.kl_coef != 0
+        if need_kl:
+            self.fill_ref_log_probs(batch)
+        n_total = max(1, batch.n_tokens)
+        acc: dict[str, float] = {}
+        with torch.enable_grad(), self.fc, float32_compute(self.model, below_resolution(xi, self.dtype)):
+            for mb in batch.micro_batches(self.micro_batch, self.pad_id, self.device):
+                logits = self._logits(mb)
+                logp = token_logprobs(logits, mb.tgt)
+                old = mb.field("old_logp")
+                if old is None:
+                    mb.store("old_logp", logp)
+                    old = logp.detach()
+                pg, st = self.loss_fn(logp, old, mb.adv, mb.mask, None, self.loss_cfg)
+                loss = pg if "surrogate" in terms else torch.zeros((), device=pg.device, dtype=pg.dtype)
+                if need_ent:
+                    ent = agg_loss(token_entropy(logits), mb.mask, self.loss_cfg.loss_agg_mode)
+                    loss = loss - self.loss_cfg.entropy_coeff * ent
+                    st["entropy"] = ent.item()
+                if need_kl:
+                    kl = agg_loss(kl_penalty(logp, mb.field("ref_logp"), self.kl_type), mb.mask,
+                                  self.loss_cfg.loss_agg_mode)
+                    loss = loss + self.kl_coef * kl
+                    st["kl"] = kl.item()
+                st["loss"] = loss.item()
+                w = float(mb.mask.sum()) / n_total
+                if loss.requires_grad:
+                    (loss * w).backward()
+                for k, v in st.items():
+                    acc[k] = acc.get(k, 0.0) + float(v) * w
+        self.fc.clear()
+        self.model.eval()
+        self._tick(t0)
+        return acc
+
+    def grad_norm_sq(self) -> float:
+        """``||grad_theta||_2^2`` of the accumulated gradient (float64)."""
+        return float(sum(p.grad.double().pow(2).sum() for p in self.params if p.grad is not None))
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+
+    def step(self) -> None:
+        """Clip (global norm) and take one optimizer step; gradients are cleared."""
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+        self.opt.step()
+        self.zero_grad()
+
+    def ppo_update(self, batch: Batch, xi: torch.Tensor | None) -> dict[str, float]:
+        """theta_{k+1} from theta_k on ``batch`` under ``xi`` (Alg. 1 line 6; Algs. 2-4):
+        ``epochs`` passes of one optimizer step per mini-batch, against old log-probs
+        fixed at theta_k.  Returns the statistics of the first step (at theta_k) and
+        the number of steps."""
+        minis = batch.mini_batches(self.mini_batch)
+        if len(minis) * self.epochs > 1:
+            self.fill_old_log_probs(Batch([s for s in batch.samples if s.old_logp is None]), xi)
+        first: dict[str, float] = {}
+        last: dict[str, float] = {}
+        for _ in range(self.epochs):
+            for mb in minis:
+                self.zero_grad()
+                last = self.backward(mb, xi)
+                first = first or last
+                self.step()
+        first.update(ppo_steps=float(len(minis) * self.epochs),
+                     **{f"last_{k}": v for k, v in last.items() if k in ("clipfrac", "approx_kl", "ratio_max")})
+        return first

@@ -1,0 +1,243 @@
+"""The run configuration: one nested dataclass tree, YAML profiles, dotted overrides.
+
+    cfg = load_config("cpu", ["method.name=sprpo", "rollout.generation.temperature=0.8"])
+
+A profile is ``sprpo_lib/configs/<profile>.yaml``: overrides of the dataclass defaults.
+Its optional ``per_env`` section holds overrides that depend on the environment (the
+paper's prompt budget is 4,096 tokens for WebShop and 3,072 for ALFWorld, verl-agent's
+scripts normalise GiGPO by ``mean`` for WebShop and ``mean_std`` for ALFWorld); they
+apply after ``env.name`` is known and before command-line overrides.  Sub-configs are
+the library's own dataclasses (:class:`GenerationConfig`, :class:`AgentConfig`,
+:class:`LoraSettings`, :class:`AdvantageConfig`, :class:`PPOLossConfig`,
+:class:`MethodConfig`, :class:`SFTConfig`), nested rather than copied field by field.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .advantages import AdvantageConfig
+from .agent import AgentConfig
+from .losses import KL_ESTIMATORS, PPOLossConfig
+from .methods import MethodConfig
+from .models import LoraSettings
+from .rollout import GenerationConfig
+from .sft import SFTConfig
+
+PROFILES_DIR = Path(__file__).resolve().parent / "configs"
+
+
+@dataclass
+class ModelConfig:
+    """The policy: base model, dtype, and the RL LoRA (App. B "Base model", Table 2).
+
+    ``dtype``: ``auto`` (the faster of float32 / bfloat16 on this machine, measured;
+    bfloat16 on CUDA), ``float32``, ``bfloat16``; ``None``: the loader's default.
+    ``lora_layers``: LoRA on the last N decoder layers only (CPU profiles; backprop
+    stops there); ``None``: all layers (paper).  ``init_adapter``: continue training
+    a saved peft adapter."""
+
+    spec: str = "smollm2-135m"
+    dtype: str | None = None
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    lora_layers: int | None = None
+    init_adapter: str | None = None
+
+
+@dataclass
+class EnvConfig:
+    """Environment and task pool (App. B "Environment Details").
+
+    ``data_dir``: the real data (else ``$WEBSHOP_DATA`` / ``$ALFWORLD_DATA``, else the
+    offline default); ``max_steps``: ``None`` = the environment's (50 ALFWorld, 15
+    WebShop); ``workers``: environment worker processes (0: in-process)."""
+
+    name: str = "webshop"
+    seed: int = 0
+    data_dir: str | None = None
+    split: str = "train"
+    max_steps: int | None = None
+    workers: int = 0
+
+
+@dataclass
+class RolloutConfig:
+    """Rollout batch (Table 2: 16 tasks x 8 rollouts per step), the generation engine
+    and its sampling settings, and the agent's prompt settings."""
+
+    tasks_per_step: int = 16
+    group_size: int = 8
+    engine: str = "hf"
+    generation: GenerationConfig = field(default_factory=lambda: GenerationConfig(batch_size=128))
+    agent: AgentConfig = field(default_factory=AgentConfig)
+
+
+@dataclass
+class UpdateConfig:
+    """The PPO update (App. B, Table 2; verl's actor where the paper is silent).
+
+    ``ppo_mini_batch_size``: step samples per optimizer step (``None``: the whole
+    batch, one step per epoch: Alg. 1 line 6's single update); ``ppo_epochs`` passes
+    over the batch.  Old log-probs are taken once, at theta_k, before the first step
+    (verl's ``old_log_prob``).  verl-agent's scripts use ``ppo_mini_batch_size`` 64-128
+    step rows, 1 epoch, and a ``low_var_kl`` loss to the reference policy with
+    ``kl_coef`` 0.01; the paper states neither, so the defaults are one step and no
+    KL.  ``micro_batch``: samples per forward/backward (gradient accumulation, exact
+    for the token-mean)."""
+
+    lr: float = 3e-6
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    micro_batch: int = 8
+    ppo_mini_batch_size: int | None = None
+    ppo_epochs: int = 1
+    kl_coef: float = 0.0
+    kl_type: str = "low_var_kl"
+    estimator: str = "gigpo"
+    adv: AdvantageConfig = field(default_factory=AdvantageConfig)
+    loss_name: str = "ppo_dual_clip"
+    loss: PPOLossConfig = field(default_factory=PPOLossConfig)
+
+    def __post_init__(self):
+        if self.ppo_mini_batch_size is not None and self.ppo_mini_batch_size < 1:
+            raise ValueError(f"update.ppo_mini_batch_size must be >= 1 or null, got {self.ppo_mini_batch_size}")
+        if self.ppo_epochs < 1 or self.micro_batch < 1:
+            raise ValueError("update.ppo_epochs and update.micro_batch must be >= 1")
+        if self.kl_coef < 0:
+            raise ValueError(f"update.kl_coef must be >= 0, got {self.kl_coef}")
+        if self.kl_type not in KL_ESTIMATORS:
+            raise ValueError(f"update.kl_type must be one of {KL_ESTIMATORS}, got {self.kl_type!r}")
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run depends on; profiles are YAML files of overrides.
+
+    ``warm_start``: behaviour cloning on demonstrations first (offline profiles; the
+    paper starts from an instruct model).  ``eval_tasks``: after training, score the
+    final policy on the warm start's held-out tasks; ``eval_temperature``: the
+    held-out evaluations' temperature (Table 2 "Validation temperature" 0.4; ``None``:
+    the rollout's)."""
+
+    profile: str = "paper"
+    iterations: int = 200
+    seed: int = 0
+    threads: int | None = None
+    out_dir: str | None = None
+    log_episodes: bool = True
+    warm_start: bool = False
+    eval_tasks: int = 0
+    eval_temperature: float | None = 0.4
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    update: UpdateConfig = field(default_factory=UpdateConfig)
+    method: MethodConfig = field(default_factory=MethodConfig)
+
+    def __post_init__(self):
+        if self.method.name == "sprpo" and self.method.sensitivity == "one_pass" and (
+                self.update.ppo_mini_batch_size is not None or self.update.ppo_epochs != 1):
+            raise ValueError("method.sensitivity=one_pass reads S_hat and m_hat from the single update step at "
+                             "theta_k: it needs update.ppo_mini_batch_size=null and update.ppo_epochs=1 "
+                             "(or use method.sensitivity=replay)")
+
+
+def build(cls, data: dict, where: str = ""):
+    """A (nested) dataclass from a mapping; unknown keys are an error listing the valid ones."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where or 'config'}: expected a mapping, got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for k, v in data.items():
+        if k not in fields:
+            raise ValueError(f"unknown config key {where + k!r}; valid keys here: {sorted(fields)}")
+        default = _default(fields[k])
+        if dataclasses.is_dataclass(default) and isinstance(v, dict):
+            kwargs[k] = build(type(default), {**_shallow(default), **v}, f"{where}{k}.")
+        elif isinstance(default, tuple) and isinstance(v, list):
+            kwargs[k] = tuple(v)
+        else:
+            kwargs[k] = v
+    try:
+        return cls(**kwargs)
+    except TypeError as err:
+        raise ValueError(f"{where or 'config'}: {err}") from err
+
+
+def _default(f: dataclasses.Field):
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None if f.default is dataclasses.MISSING else f.default
+
+
+def _shallow(obj) -> dict:
+    """A dataclass's own field values (sub-dataclasses kept as objects, not dicts)."""
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+
+
+def _set_dotted(d: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    for p in parts[:-1]:
+        d = d.setdefault(p, {})
+        if not isinstance(d, dict):
+            raise ValueError(f"override {key!r}: {p!r} is not a section")
+    d[parts[-1]] = value
+
+
+def _as_plain(d):
+    """Dataclass objects inside a partially built mapping -> dicts (for merging)."""
+    if dataclasses.is_dataclass(d):
+        return {f.name: _as_plain(getattr(d, f.name)) for f in dataclasses.fields(d)}
+    if isinstance(d, dict):
+        return {k: _as_plain(v) for k, v in d.items()}
+    return d
+
+
+def load_config(profile: str = "paper", overrides: list[str] | None = None, **top) -> TrainConfig:
+    """Profile YAML + its ``per_env`` section for the chosen env + ``key.sub=value``
+    overrides (``top``: keyword overrides such as ``**{"env.name": "alfworld"}``)."""
+    path = PROFILES_DIR / f"{profile}.yaml"
+    if not path.is_file():
+        avail = sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
+        raise ValueError(f"unknown profile {profile!r}; expected one of {avail}")
+    data = yaml.safe_load(path.read_text()) or {}
+    per_env = data.pop("per_env", {}) or {}
+    data["profile"] = profile
+    pairs: list[tuple[str, Any]] = [(k, v) for k, v in top.items() if v is not None]
+    for ov in overrides or []:
+        if "=" not in ov:
+            raise ValueError(f"override {ov!r} must look like key.sub=value (e.g. method.rho=0.1)")
+        k, v = ov.split("=", 1)
+        pairs.append((k.strip(), yaml.safe_load(v)))
+    env = next((v for k, v in reversed(pairs) if k == "env.name"), (data.get("env") or {}).get("name", "webshop"))
+    for k, v in (per_env.get(env) or {}).items():
+        _set_dotted(data, k, v)
+    for k, v in pairs:
+        _set_dotted(data, k, v)
+    cfg = build(TrainConfig, data)
+    if cfg.warm_start and cfg.sft.demonstrator == "shopper" and cfg.env.name != "webshop":
+        raise ValueError(f"sft.demonstrator=shopper exists for WebShop only (env.name={cfg.env.name!r}); "
+                         f"add the override sft.demonstrator=expert (and env.max_steps=50 for ALFWorld)")
+    return cfg
+
+
+def config_dict(cfg) -> dict:
+    """A config as plain JSON-able data (what ``config.json`` and checkpoints store)."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg), default=list))
+
+
+def config_from_dict(data: dict) -> TrainConfig:
+    """Inverse of :func:`config_dict` (keys added since take their defaults)."""
+    return build(TrainConfig, data)
+
+
+def config_hash(cfg) -> str:
+    return hashlib.sha256(json.dumps(config_dict(cfg), sort_keys=True).encode()).hexdigest()[:12]

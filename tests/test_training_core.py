@@ -1,0 +1,330 @@
+"""The training core against independent references: penalty placement by hand, the
+exact prompt of a scripted episode, SAM-sized perturbations in bf16 against a float32
+reference, surrogate-only statistics, PPO mini-batches/epochs, the replay at
+theta_{k+1}, micro-batch accumulation, the KL loss and the prompt budget."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from sprpo_lib.actor import SURROGATE, Actor
+from sprpo_lib.advantages import StepSample, compute_advantages
+from sprpo_lib.agent import AgentConfig, HistoryStep, build_prompt, fit_prompt
+from sprpo_lib.batch import Batch, Sample, build_batch
+from sprpo_lib.envs.base import Observation
+from sprpo_lib.losses import PPOLossConfig, kl_penalty, ppo_dual_clip_loss, token_logprobs
+from sprpo_lib.methods import _leaf
+from sprpo_lib.models import LoraSettings, add_lora, load_policy
+from sprpo_lib.rollout import Generation, SerialEnvs, run_groups
+from sprpo_lib.train import Trainer, load_config
+
+
+# ============================================================================ penalty placement
+def _penalty_batch():
+    """Group G, gamma 0.5.  e1: anchors a,b,c, env rewards 0,0,1, penalties 0,-0.1,0
+    (R = 1); e2: anchors a,d, env rewards 0,0, penalties -0.1,0 (R = 0)."""
+    return [StepSample("e1", "G", 0, "a", 0.0, 1.0, 0.0), StepSample("e1", "G", 1, "b", 0.0, 1.0, -0.1),
+            StepSample("e1", "G", 2, "c", 1.0, 1.0, 0.0),
+            StepSample("e2", "G", 0, "a", 0.0, 0.0, -0.1), StepSample("e2", "G", 1, "d", 0.0, 0.0, 0.0)]
+
+
+def _close(t, expected):
+    torch.testing.assert_close(t, torch.tensor(expected, dtype=torch.float32), atol=1e-6, rtol=0)
+
+
+def test_penalty_on_its_own_step_as_verl_agent():
+    """"step": returns [.25, .5, 1] + own penalty -> [.25, .4, 1]; e2 [-.1, 0].  Row
+    values (stats over rows): 1, .9, 1, -.1, 0, mean .56.  Step group a: .25, -.1, mean
+    .075 -> +-.175; b, c, d singletons."""
+    out = compute_advantages(_penalty_batch(), "gigpo", gamma=0.5, norm="mean", episode_stats="step",
+                             penalty_placement="step")
+    _close(out.step_returns, [0.25, 0.4, 1.0, -0.1, 0.0])
+    _close(out.episode_advantages, [0.44, 0.34, 0.44, -0.66, -0.56])
+    _close(out.advantages, [0.615, 0.34, 0.44, -0.835, -0.56])
+
+
+def test_penalty_in_the_return_is_the_option():
+    """"return": rewards 0, -.1, 1 -> G = .2, .4, 1; e2 -.1, 0.  Episode values .9 (x3),
+    -.1 (x2): mean .5.  Step group a: .2, -.1 -> +-.15."""
+    out = compute_advantages(_penalty_batch(), "gigpo", gamma=0.5, norm="mean", episode_stats="step",
+                             penalty_placement="return")
+    _close(out.step_returns, [0.2, 0.4, 1.0, -0.1, 0.0])
+    _close(out.advantages, [0.55, 0.4, 0.4, -0.75, -0.6])
+
+
+def test_penalty_with_per_episode_statistics():
+    """GiGPO Eq. 3 statistics over episodes (R = 1, 0: +-.5), each row shifted by its own penalty."""
+    out = compute_advantages(_penalty_batch(), "gigpo", gamma=0.5, norm="mean", episode_stats="episode")
+    _close(out.episode_advantages, [0.5, 0.4, 0.5, -0.6, -0.5])
+
+
+# ============================================================================ history
+class _Episode:
+    """page n after n accepted actions; the action "bad" is rejected (page unchanged)."""
+
+    instruction, max_steps = "fake task", 10
+
+    def __init__(self):
+        self.n = 0
+
+    def reset(self):
+        return Observation(f"page {self.n}", ["a0"])
+
+    def step(self, action):
+        if action == "bad":
+            return Observation(f"page {self.n}", ["a0"], info={"invalid": True})
+        self.n += 1
+        return Observation(f"page {self.n}", ["a0"], done=self.n >= 5)
+
+    def close(self):
+        pass
+
+
+class _Pool:
+    name, max_steps = "fake", 10
+
+    def splits(self):
+        return {"train": 1}
+
+    def open(self, split, index):
+        class H:
+            task_id, instruction = "fake/0", "fake task"
+
+            def spawn(self):
+                return _Episode()
+
+        return H()
+
+
+def test_history_shows_previous_steps_not_the_current_page():
+    script = iter(["a0", "bad", "a2", "a3", "a4", "a5"])
+
+    def gen(prompts):
+        return [Generation(f"<action>{next(script)}</action>", [], []) for _ in prompts]
+
+    eps, _ = run_groups(SerialEnvs(_Pool), [("train", 0)], 1, gen, AgentConfig(history_len=2), progress=False)
+    assert eps[0].steps[3].prompt == (
+        "Task: fake task\n\n"
+        "Interaction context:\n"
+        "[Step 2] Observation: page 1 -> Action: bad (invalid: the environment did not accept it)\n"
+        "[Step 3] Observation: page 1 -> Action: a2\n\n"
+        "Current observation: page 2\n\n"
+        "Available actions:\n- a0\n\n"
+        "Response: Output the next action in <action>...</action>."
+    )
+    assert [s.observation for s in eps[0].steps[:4]] == ["page 0", "page 1", "page 1", "page 2"]
+
+
+# ============================================================================ prompt budget
+def test_prompt_budget_cuts_history_then_observation_never_task_or_actions():
+    words = lambda text: len(text.split())  # noqa: E731  (a token counter for the test)
+    hist = [HistoryStep(f"old page {i} " + "w " * 30, f"click[{i}]") for i in range(4)]
+    obs = " ".join(f"o{i}" for i in range(200))
+    actions = ["click[x]", "click[y]"]
+    cfg = AgentConfig(history_len=2, max_prompt_tokens=10_000)
+    full = fit_prompt("the task", obs, actions, hist, cfg, words)
+    assert full == build_prompt("the task", obs, actions, hist, cfg)  # within budget: unchanged
+    one = fit_prompt("the task", obs, actions, hist, dataclasses.replace(cfg, max_prompt_tokens=words(full) - 30),
+                     words)
+    assert "[Steps 1-3 omitted]" in one and "[Step 4]" in one and "[Step 3]" not in one and obs in one
+    tight = dataclasses.replace(cfg, max_prompt_tokens=120)
+    cut = fit_prompt("the task", obs, actions, hist, tight, words)
+    assert words(cut) <= 120 and "[Steps 1-4 omitted]" in cut and "Observation:" not in cut.split("Current")[0]
+    assert cut.startswith("Task: the task\n\n") and "Available actions:\n- click[x]\n- click[y]\n\n" in cut
+    shown = cut.split("Current observation: ")[1].split("\n\n")[0]
+    assert shown.endswith(" [...]") and obs.startswith(shown[:-6].rstrip())
+    longest = shown[:-6].rstrip().split()[-1]
+    assert words(cut) > 120 - 3, f"observation cut too early (last word {longest})"
+
+
+# ============================================================================ SAM in bf16
+def _token_batch(n=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return Batch([Sample(torch.randint(3, 250, (30,), generator=g).tolist(), 8, 1.0) for _ in range(n)])
+
+
+def _actor(model, **kw):
+    params = [p for p in model.parameters() if p.requires_grad] or [torch.nn.Parameter(torch.zeros(1))]
+    return Actor(model, 0, torch.optim.Adam(params, lr=1e-3), **kw)
+
+
+def test_sam_sized_xi_survives_bf16_and_matches_float32():
+    pol = load_policy("tiny-qwen2", seed=0, dtype="bfloat16")
+    add_lora(pol, LoraSettings(rank=4, alpha=8), seed=0)
+    ref = copy.deepcopy(pol.model).float()  # the same (bf16-rounded) weights, computed in float32
+    a16, a32 = _actor(pol.model), _actor(ref)
+    direction = torch.randn(a16.shape, generator=torch.Generator().manual_seed(1))
+    xi = 5e-3 * direction / direction.norm()  # SAM's rho spread over all channels (Alg. 4 line 4)
+    batch = _token_batch()
+    lp32 = torch.cat(a32.log_probs(batch, xi))
+    effect = (lp32 - torch.cat(a32.log_probs(batch, None))).norm()
+    assert effect > 1e-5  # the perturbation does move the policy
+    lp16 = torch.cat(a16.log_probs(batch, xi))
+    assert (lp16 - lp32).norm() <= 0.05 * effect  # the bf16 model's perturbed policy is the reference's
+    # without carrying the perturbation in float32, bf16 rounding swamps it (what the fix is for)
+    import sprpo_lib.actor as A
+
+    orig = A.below_resolution
+    A.below_resolution = lambda xi, dtype: False
+    try:
+        raw = torch.cat(a16.log_probs(batch, xi))
+    finally:
+        A.below_resolution = orig
+    assert (raw - lp32).norm() > 2 * effect
+    for p in pol.model.parameters():  # frozen weights are back in bf16, bit for bit
+        assert p.dtype == torch.bfloat16 or p.requires_grad
+
+
+# ============================================================================ trainer-level
+def _trainer(tmp_path, *overrides, name="t"):
+    return Trainer(load_config("smoke", list(overrides)), tmp_path / name, progress=False)
+
+
+def _batch(tr, k=0):
+    eps, xi, _ = tr.collect(k)
+    for i, e in enumerate(eps):
+        e.steps[-1].env_reward += float(i % 3)  # a random tiny model earns no reward: give the batch signal
+    batch, _ = build_batch(eps, tr.cfg.update.adv, "gigpo")
+    return batch, xi
+
+
+def _snapshot(tr):
+    return [p.detach().clone() for p in tr.actor.params], copy.deepcopy(tr.actor.opt.state_dict())
+
+
+def _restore(tr, snap):
+    with torch.no_grad():
+        for p, v in zip(tr.actor.params, snap[0]):
+            p.copy_(v)
+    tr.actor.opt.load_state_dict(copy.deepcopy(snap[1]))
+
+
+def _direct_surrogate_grads(tr, batch, xi):
+    """Gradient of the token-mean clipped surrogate, sample by sample without padding or
+    micro-batches, by torch.autograd.grad: an independent re-computation."""
+    a = tr.actor
+    leaf = _leaf(xi, a)
+    a.fc.set(xi=leaf)
+    logps, olds, advs = [], [], []
+    with torch.enable_grad(), a.fc:
+        for s in batch.samples:
+            ids = torch.tensor([s.ids])
+            logits = a.model(input_ids=ids, use_cache=False).logits[0, -s.n_resp - 1:-1]
+            logps.append(token_logprobs(logits, torch.tensor(s.ids[-s.n_resp:])))
+            olds.append(s.old_logp)
+            advs.append(torch.full((s.n_resp,), s.adv))
+    a.fc.clear()
+    lp, old, adv = torch.cat(logps)[None], torch.cat(olds)[None], torch.cat(advs)[None]
+    loss, _ = ppo_dual_clip_loss(lp, old, adv, torch.ones_like(lp), None, PPOLossConfig(entropy_coeff=0.0))
+    grads = torch.autograd.grad(loss, a.params + [leaf])
+    return grads[-1], float(sum(g.double().pow(2).sum() for g in grads[:-1]))
+
+
+def test_replay_runs_at_theta_k_plus_1_and_m_hat_is_the_gradient_norm(tmp_path):
+    tr = _trainer(tmp_path, "method.name=sprpo", "update.loss.entropy_coeff=0.01")
+    batch, xi = _batch(tr)
+    tr.actor.fill_old_log_probs(batch, xi)
+    S_k, _ = _direct_surrogate_grads(tr, batch, xi)  # at theta_k
+    tr.method.update(tr.actor, batch, 0, xi)
+    S_k1, m_k1 = _direct_surrogate_grads(tr, batch, xi)  # at theta_{k+1}
+    torch.testing.assert_close(tr.method.S_hat, S_k1.double().pow(2), rtol=1e-4, atol=1e-12)
+    assert tr.method.m_hat == pytest.approx(m_k1, rel=1e-4)
+    assert not torch.allclose(tr.method.S_hat, S_k.double().pow(2), rtol=1e-3, atol=0)
+
+
+def test_statistics_exclude_the_entropy_bonus(tmp_path):
+    """SAM's channel gradient and one-pass S_hat / m_hat are of L_k alone (Alg. 4 line 3,
+    Alg. 1 line 7): the same with entropy_coeff 0.05 as with 0."""
+    tr = _trainer(tmp_path, "method.name=sam", "method.sam_rho=0.05")
+    batch, _ = _batch(tr)
+    snap = _snapshot(tr)
+    out = {}
+    for coef in (0.0, 0.05):
+        _restore(tr, snap)
+        tr.actor.loss_cfg = dataclasses.replace(tr.actor.loss_cfg, entropy_coeff=coef)
+        st = tr.method.update(tr.actor, batch.without_old(), 0, None)
+        out[coef] = (st["sam_g_norm"], tr.method.last_xi.clone())
+    assert out[0.0][0] == pytest.approx(out[0.05][0], rel=1e-6)
+    torch.testing.assert_close(out[0.0][1], out[0.05][1])
+    from sprpo_lib.methods import MethodConfig, make_method
+
+    xi = 0.1 * torch.randn(tr.shape, generator=torch.Generator().manual_seed(0))
+    stats = {}
+    for coef in (0.0, 0.05):
+        _restore(tr, snap)
+        tr.actor.loss_cfg = dataclasses.replace(tr.actor.loss_cfg, entropy_coeff=coef)
+        m = make_method(MethodConfig(name="sprpo", sensitivity="one_pass"), tr.shape)
+        m.update(tr.actor, batch.without_old(), 0, xi)
+        stats[coef] = (m.S_hat.clone(), m.m_hat)
+    torch.testing.assert_close(stats[0.0][0], stats[0.05][0], rtol=1e-5, atol=1e-14)
+    assert stats[0.0][1] == pytest.approx(stats[0.05][1], rel=1e-6)
+
+
+def test_ppo_mini_batches_and_epochs_keep_old_log_probs_of_theta_k(tmp_path):
+    tr = _trainer(tmp_path, "update.ppo_mini_batch_size=2", "update.ppo_epochs=2")
+    batch, _ = _batch(tr)
+    n = len(batch.samples)
+    assert n >= 3
+    at_k = tr.actor.log_probs(batch, None)
+    st = tr.actor.ppo_update(batch, None)
+    assert st["ppo_steps"] == 2 * math.ceil(n / 2)
+    steps = {int(s["step"]) for s in tr.actor.opt.state_dict()["state"].values()}
+    assert steps == {2 * math.ceil(n / 2)}
+    for s, lp in zip(batch.samples, at_k):
+        torch.testing.assert_close(s.old_logp, lp)  # fixed before the first step, never refreshed
+    after = tr.actor.log_probs(batch, None)
+    assert any(not torch.allclose(a, b) for a, b in zip(at_k, after))
+
+
+def test_micro_batch_accumulation_equals_one_full_batch(tmp_path):
+    tr = _trainer(tmp_path)
+    batch, _ = _batch(tr)
+    grads = {}
+    for mb in (1, len(batch.samples)):
+        tr.actor.micro_batch = mb
+        tr.actor.zero_grad()
+        tr.actor.backward(batch, None)
+        grads[mb] = [p.grad.clone() for p in tr.actor.params]
+    tr.actor.zero_grad()
+    for a, b in zip(grads[1], grads[len(batch.samples)]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+
+
+def test_kl_loss_low_var_kl(tmp_path):
+    logp, ref = torch.tensor([-1.0, -2.0, -0.5]), torch.tensor([-1.5, -1.0, -0.5])
+    expect = [math.exp(r - lp) - (r - lp) - 1 for lp, r in zip(logp.tolist(), ref.tolist())]
+    torch.testing.assert_close(kl_penalty(logp, ref), torch.tensor(expect))
+    tr = _trainer(tmp_path, "update.kl_coef=0.01")
+    batch, _ = _batch(tr)
+    st = tr.actor.backward(batch, None)  # at theta_k the fresh LoRA (B = 0) is the reference policy
+    assert st["kl"] == 0.0
+    assert all(s.ref_logp is not None for s in batch.samples)
+    tr.actor.step()
+    tr.actor.zero_grad()
+    assert tr.actor.backward(batch, None)["kl"] > 0
+
+
+def test_config_errors_and_paper_defaults():
+    paper = load_config("paper")
+    a = paper.update.adv
+    assert (a.episode_stats, a.singleton_episode, a.penalty_placement, a.norm) == ("step", "raw", "step", "mean")
+    assert paper.rollout.agent.max_prompt_tokens == 4096
+    alf = load_config("paper", **{"env.name": "alfworld"})
+    assert alf.update.adv.norm == "mean_std" and alf.rollout.agent.max_prompt_tokens == 3072
+    assert load_config("paper", ["update.adv.norm=mean_std"]).update.adv.norm == "mean_std"  # CLI wins
+    with pytest.raises(ValueError, match="one_pass"):
+        load_config("smoke", ["method.name=sprpo", "method.sensitivity=one_pass", "update.ppo_epochs=2"])
+    with pytest.raises(ValueError, match=r"unknown method 'ppo' \(method.name\); expected one of"):
+        load_config("smoke", ["method.name=ppo"])
+
+
+def test_perturbation_keywords_are_checked():
+    from sprpo_lib.compress import apply_perturbation
+
+    pol = load_policy("tiny-qwen2", seed=0)
+    with pytest.raises(ValueError, match=r"takes no keyword\(s\) \['group_sise'\]; valid: .*group_size"):
+        apply_perturbation(pol.model, "rtn", 4, group_sise=64)
