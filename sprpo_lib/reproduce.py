@@ -30,6 +30,7 @@ PROFILES: dict[str, dict] = {
         "notebooks": {
             "00_quickstart": {"model": "tiny-qwen2", "n_calib": 4, "max_new_tokens": 6},
             "01_training": {"profile": "smoke", "env": "webshop", "methods": ["vanilla", "sprpo"], "seeds": [0]},
+            "02_theory": {"preset": "smoke"},
         },
     },
     "cpu": {
@@ -37,6 +38,7 @@ PROFILES: dict[str, dict] = {
         "notebooks": {
             "00_quickstart": {"model": "smollm2-135m", "n_calib": 32, "max_new_tokens": 24},
             "01_training": {"profile": "cpu", "env": "webshop", "methods": ["vanilla"], "seeds": [0, 1]},
+            "02_theory": {"preset": "cpu"},
         },
     },
     "paper": {
@@ -45,6 +47,7 @@ PROFILES: dict[str, dict] = {
             "00_quickstart": {"model": "Qwen/Qwen2.5-1.5B-Instruct", "n_calib": 128, "max_new_tokens": 32},
             "01_training": {"profile": "paper", "env": "alfworld", "methods": ["vanilla", "gaussian", "sam", "sprpo"],
                             "seeds": [0, 1, 2]},
+            "02_theory": {"preset": "paper"},
         },
     },
 }
