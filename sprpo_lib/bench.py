@@ -141,20 +141,160 @@ def env_vs_generation(pool_factory, split: str, model: str, n_tasks: int = 4, gr
             "env_over_generate": round(st["env_s"] / st["generate_s"], 4)}
 
 
+# ----------------------------------------------------------------------------- environments
+def bench_webshop(n_episodes: int = 200, seed: int = 0,
+                  n_products: int | None = None) -> dict:
+    """Throughput of the offline environment with the oracle policy.
+
+    Returns catalogue generation time (uncached), mean reset time (open + spawn +
+    reset), environment steps per second (``step`` only, and including the oracle's
+    decisions), and the oracle's mean reward / success rate over the episodes.
+    """
+    t0 = time.perf_counter()
+    from .envs.webshop import DEFAULT_N_PRODUCTS, WebShopPool, generate_catalogue
+
+    catalogue = generate_catalogue(seed, n_products or DEFAULT_N_PRODUCTS)
+    gen_s = time.perf_counter() - t0
+    pool = WebShopPool(catalogue)
+    n_test = pool.splits()["test"]
+    reset_s = step_s = total_s = 0.0
+    steps, rewards, successes = 0, [], 0
+    for i in range(n_episodes):
+        t0 = time.perf_counter()
+        episode = pool.open("test", i % n_test).spawn()
+        obs = episode.reset()
+        t1 = time.perf_counter()
+        reset_s += t1 - t0
+        while not obs.done:
+            action = episode.expert_action()
+            t2 = time.perf_counter()
+            obs = episode.step(action)
+            step_s += time.perf_counter() - t2
+            steps += 1
+        total_s += time.perf_counter() - t1
+        rewards.append(obs.reward)
+        successes += obs.success
+    return {
+        "catalogue_generation_s": gen_s,
+        "n_products": len(catalogue.products),
+        "n_goals": len(catalogue.goals),
+        "episodes": n_episodes,
+        "reset_ms_mean": 1000 * reset_s / n_episodes,
+        "env_steps_per_s": steps / step_s,
+        "oracle_steps_per_s": steps / total_s,
+        "steps_per_episode": steps / n_episodes,
+        "oracle_mean_reward": sum(rewards) / n_episodes,
+        "oracle_success_rate": successes / n_episodes,
+    }
+
+
+def _median(xs) -> float:
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+def bench_alfworld(pool=None, split: str = "valid_seen", n_tasks: int = 3,
+                   group_size: int = 8, n_generate: int = 50, n_materialise: int = 3) -> dict:
+    """Timings of the ALFWorld environment with the expert policy (seconds unless named).
+
+    * ``prepare_s``: grounding a cached game (``pool.open``), median over ``n_tasks``;
+    * ``episode_reset_s``: ``spawn() + reset()`` of one episode of a grounded task;
+    * ``group_reset_s``: ``open`` + ``group_size`` x ``spawn/reset`` (a GiGPO group),
+      against ``naive_group_reset_s`` = ``group_size`` x TextWorld's ``PddlEnv`` load +
+      reset (ALFWorld's per-rollout cost; measured once per task, scaled);
+    * ``steps_per_s`` / ``step_ms``: ``Episode.step`` with expert actions;
+    * ``expert_replan_s``: ``expert_action()`` right after an off-plan action;
+    * ``generate_spec_s_per_1000``: sampling game specs only, measured on ``n_generate``
+      games and scaled; ``materialise_s_per_1000``: the full generator (spec, grounding,
+      expert plan, verification, atomic write) measured on ``n_materialise`` games of
+      a fresh temporary cache and scaled.
+    """
+    import tempfile
+
+    import textworld
+    from textworld.envs import PddlEnv
+
+    from .envs import alfworld_gen
+    from .envs.alfworld import make_alfworld_pool
+
+    pool = pool or make_alfworld_pool()
+    indices = list(range(n_tasks))
+    for i in indices:  # measure cached games only
+        pool.open(split, i).close()
+    prepare, ep_reset, group, naive, replans = [], [], [], [], []
+    n_steps, step_time, solved = 0, 0.0, 0
+    for i in indices:
+        t0 = time.perf_counter()
+        task = pool.open(split, i)
+        prepare.append(time.perf_counter() - t0)
+        episodes = []
+        for _ in range(group_size):
+            t1 = time.perf_counter()
+            episode = task.spawn()
+            episode.reset()
+            ep_reset.append(time.perf_counter() - t1)
+            episodes.append(episode)
+        group.append(time.perf_counter() - t0)
+        obs = episodes[0].reset()
+        while not obs.done:
+            action = episodes[0].expert_action()
+            t1 = time.perf_counter()
+            obs = episodes[0].step(action)
+            step_time += time.perf_counter() - t1
+            n_steps += 1
+        solved += obs.success
+        obs = episodes[1].step("inventory")  # valid and off the walkthrough
+        episodes[1].step(obs.admissible[0])
+        t1 = time.perf_counter()
+        episodes[1].expert_action()
+        replans.append(time.perf_counter() - t1)
+        task.close()
+        t0 = time.perf_counter()
+        env = PddlEnv(textworld.EnvInfos(admissible_commands=True, won=True))
+        env.load(str(pool.game_file(split, i)))
+        env.reset()
+        naive.append(time.perf_counter() - t0)
+    out = {
+        "source": pool.source, "split": split, "n_tasks": n_tasks, "group_size": group_size,
+        "prepare_s": _median(prepare),
+        "episode_reset_s": _median(ep_reset),
+        "group_reset_s": _median(group),
+        "naive_reset_s": _median(naive),
+        "naive_group_reset_s": _median(naive) * group_size,
+        "steps": n_steps,
+        "steps_per_s": n_steps / step_time if step_time else float("nan"),
+        "step_ms": 1000.0 * step_time / max(n_steps, 1),
+        "expert_success": solved / n_tasks,
+        "expert_replan_s": _median(replans),
+    }
+    t0 = time.perf_counter()
+    for i in range(n_generate):
+        alfworld_gen.sample_game(pool.seed, "train", i)
+    out["generate_spec_s_per_1000"] = (time.perf_counter() - t0) / n_generate * 1000
+    if n_materialise:
+        with tempfile.TemporaryDirectory() as tmp:
+            fresh = make_alfworld_pool(seed=pool.seed, cache_dir=tmp)
+            t0 = time.perf_counter()
+            for i in range(n_materialise):
+                fresh.open("train", i).close()
+            out["materialise_s_per_1000"] = (time.perf_counter() - t0) / n_materialise * 1000
+        out["materialise_measured_on"] = n_materialise
+    return out
+
+
 def bench_envs(n_episodes: int = 200, model: str | None = "smollm2-135m", n_tasks: int = 4, group_size: int = 4,
                max_steps: int = 10) -> dict:
     """Environment throughput with scripted policies (see each environment's helper)
     and, with ``model``, environment vs. generation time for one rollout batch."""
     from functools import partial
 
-    from .envs.webshop import bench_webshop, make_webshop_pool
+    from .envs.webshop import make_webshop_pool
 
     vs = dict(n_tasks=n_tasks, group_size=group_size, max_steps=max_steps)
     res = {"webshop": bench_webshop(n_episodes=n_episodes)}
     if model:
         res["webshop"]["vs_model"] = env_vs_generation(partial(make_webshop_pool, seed=0), "test", model, **vs)
     try:
-        from .envs.alfworld import bench_alfworld, make_alfworld_pool
+        from .envs.alfworld import make_alfworld_pool
     except ImportError as err:  # the alfworld package is optional for WebShop-only users
         res["alfworld"] = {"skipped": f"alfworld not importable: {err}"}
     else:
@@ -316,14 +456,18 @@ GENERATE_ENGINES = ("hf_generator", "hf")  # the reference rollout.HFGenerator, 
 
 def bench_generate(model: str = "smollm2-135m", n_prompts: int = 16, new_tokens: int = 48,
                    engines: tuple[str, ...] = GENERATE_ENGINES, dtypes: tuple[str, ...] = ("float32", "bfloat16"),
-                   temperatures: tuple[float, ...] = (0.0, 0.4), batch_size: int = 16, max_steps: int = 3) -> dict:
+                   temperatures: tuple[float, ...] = (0.0, 0.4), batch_size: int = 16, max_steps: int = 3,
+                   repeats: int = 2) -> dict:
     """Generation engines x dtypes side by side on the same real WebShop prompts.
 
-    Per (dtype, temperature, engine): wall seconds, prompt and generated tokens, and the
+    Per (dtype, temperature, engine): median wall seconds over ``repeats`` interleaved
+    rounds (machine load drifts alike over all), prompt and generated tokens, and the
     wall time over the prefill floor (FLOPs of the unpadded prompts at this machine's
     256-row matmul rate for the dtype).  Greedy runs are compared token for token with
-    the first engine's (``greedy_equal``).  ``hf_generator`` is rollout.HFGenerator (the
-    reference); other names come from :data:`sprpo_lib.engines.ENGINES`."""
+    the first engine's (``greedy_equal``); ``repeat_equal`` says whether every round gave
+    the same outputs (same seed, fresh generator).  ``hf_generator`` is
+    rollout.HFGenerator (the reference); other names come from
+    :data:`sprpo_lib.engines.ENGINES`."""
     from . import hardware as hw
     from .agent import AgentConfig
     from .engines import make_engine
@@ -334,29 +478,42 @@ def bench_generate(model: str = "smollm2-135m", n_prompts: int = 16, new_tokens:
     agent = AgentConfig(history_len=2, max_obs_chars=1000, history_obs_chars=120, echo_instruction=False)
     config = shape_config(model)
     matmul = hw.probe_matmul(hw.linear_shapes(config), dtypes=dtypes)
-    res: dict = {"model": model, "machine": hw.machine_info(), "prompts": n_prompts, "new_tokens": new_tokens,
-                 "batch_size": batch_size, "prefill_gflops": {}}
-    for dtype in dtypes:
-        pol = load_policy(model, dtype=dtype)
-        outs: dict = {}
-        for temp in temperatures:
+    policies = {d: load_policy(model, dtype=d) for d in dtypes}
+    runs = [(d, t, e) for d in dtypes for t in temperatures for e in engines]
+    walls: dict = {r: [] for r in runs}
+    outs: dict = {}
+    same: dict = {r: True for r in runs}
+    for _ in range(repeats):
+        for run in runs:
+            dtype, temp, name = run
+            pol = policies[dtype]
             cfg = GenerationConfig(temperature=temp, max_new_tokens=new_tokens, batch_size=batch_size, seed=0)
-            for name in engines:
-                gen = HFGenerator(pol, cfg, agent) if name == "hf_generator" else make_engine(name, pol, cfg, agent)
-                wall, out = _timed(gen, prompts)
-                outs[(temp, name)] = out
-                lengths = [len(g.prompt_ids) for g in out]
-                rate = matmul[dtype]["gflops_by_rows"][str(hw.PREFILL_ROWS)]
-                floor = hw.prefill_flops(config, lengths) / (rate * 1e9)
-                row = {"wall_s": round(wall, 2), "prompt_tokens": sum(lengths),
-                       "generated_tokens": sum(len(g.response_ids) for g in out),
-                       "prefill_floor_s": round(floor, 2), "wall_over_prefill_floor": round(wall / floor, 2)}
-                if temp == 0 and name != engines[0]:
-                    ref = outs[(temp, engines[0])]
-                    row["greedy_equal"] = f"{sum(a.response_ids == b.response_ids for a, b in zip(ref, out))}/{len(out)}"
-                res.setdefault(dtype, {}).setdefault(f"T{temp:g}", {})[name] = row
-        res["prefill_gflops"][dtype] = matmul[dtype]["gflops_by_rows"][str(hw.PREFILL_ROWS)]
-        del pol
+            gen = HFGenerator(pol, cfg, agent) if name == "hf_generator" else make_engine(name, pol, cfg, agent)
+            wall, out = _timed(gen, prompts)
+            walls[run].append(wall)
+            if run in outs:
+                same[run] &= [g.response_ids for g in out] == [g.response_ids for g in outs[run]]
+            else:
+                outs[run] = out
+    res: dict = {"model": model, "machine": hw.machine_info(), "prompts": n_prompts, "new_tokens": new_tokens,
+                 "batch_size": batch_size, "repeats": repeats,
+                 "prefill_gflops": {d: matmul[d]["gflops_by_rows"][str(hw.PREFILL_ROWS)] for d in dtypes}}
+    for run in runs:
+        dtype, temp, name = run
+        out, wall = outs[run], statistics.median(walls[run])
+        lengths = [len(g.prompt_ids) for g in out]
+        floor = hw.prefill_flops(config, lengths) / (res["prefill_gflops"][dtype] * 1e9)
+        row = {"wall_s": round(wall, 2), "walls_s": [round(w, 2) for w in walls[run]],
+               "prompt_tokens": sum(lengths), "generated_tokens": sum(len(g.response_ids) for g in out),
+               "prefill_floor_s": round(floor, 2), "wall_over_prefill_floor": round(wall / floor, 2),
+               "repeat_equal": same[run]}
+        if temp == 0 and name != engines[0]:
+            ref = outs[(dtype, temp, engines[0])]
+            row["greedy_equal"] = f"{sum(a.response_ids == b.response_ids for a, b in zip(ref, out))}/{len(out)}"
+        res.setdefault(dtype, {}).setdefault(f"T{temp:g}", {})[name] = row
+    if len(dtypes) > 1 and 0.0 in temperatures:
+        a, b = outs[(dtypes[0], 0.0, engines[0])], outs[(dtypes[1], 0.0, engines[0])]
+        res[f"greedy_equal_{dtypes[0]}_vs_{dtypes[1]}"] = f"{sum(x.response_ids == y.response_ids for x, y in zip(a, b))}/{len(a)}"
     return res
 
 
@@ -404,6 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--dtypes", default="float32,bfloat16")
     g.add_argument("--temperatures", default="0,0.4")
     g.add_argument("--max-steps", type=int, default=3, help="prompts after 0..max-steps shopper steps")
+    g.add_argument("--repeats", type=int, default=2, help="interleaved rounds (median wall time)")
     for sp in (p, e, t, m, g):
         sp.add_argument("--threads", type=int, default=2, help="torch threads (set explicitly: 2 cores here)")
         sp.add_argument("--out", type=Path, help="JSON path (default runs/bench/<what>.json)")
@@ -418,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.what == "generate":
         res = bench_generate(args.model, args.prompts, args.new_tokens, tuple(args.engines.split(",")),
                              tuple(args.dtypes.split(",")), tuple(float(x) for x in args.temperatures.split(",")),
-                             args.batch, args.max_steps)
+                             args.batch, args.max_steps, args.repeats)
     elif args.what == "envs":
         res = bench_envs(args.episodes, args.model or None, args.tasks, args.group, args.max_steps)
     else:

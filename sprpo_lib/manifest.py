@@ -2,14 +2,22 @@
 date, wall time) beside each figure and table."""
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
 import platform
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
+
+
+def cache_dir() -> Path:
+    """The user cache root, read here only: ``$SPRPO_CACHE`` or ``~/.cache/sprpo``
+    (converted models, generated ALFWorld games, the dtype probe)."""
+    return Path(os.environ.get("SPRPO_CACHE") or os.path.join(Path.home(), ".cache", "sprpo"))
 
 
 def git_commit(repo: str | Path | None = None) -> str:
@@ -46,6 +54,22 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
             os.unlink(tmp)
         raise
     return path
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | Path):
+    """Build a directory under a temporary name (yielded) and rename it over ``path``
+    only when the block succeeds: a killed writer leaves the old directory or none."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        yield tmp
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:

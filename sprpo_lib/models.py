@@ -33,15 +33,14 @@ import dataclasses
 import importlib.util
 import json
 import logging
-import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from .manifest import atomic_dir, cache_dir  # cache_dir: re-exported, the one cache root
 
 log = logging.getLogger(__name__)
 
@@ -90,12 +89,6 @@ class Policy:
     @property
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
-
-
-def cache_dir() -> Path:
-    """User cache root: ``$SPRPO_CACHE`` or ``~/.cache/sprpo``."""
-    root = os.environ.get("SPRPO_CACHE") or os.path.join(Path.home(), ".cache", "sprpo")
-    return Path(root)
 
 
 def resolve_dtype(dtype: str | torch.dtype, shapes=None, device: str | torch.device = "cpu",
@@ -169,17 +162,11 @@ def convert_smollm2(target: Path | None = None) -> Path:
     )
     _strip_gguf_quantizer(model)
     tok.chat_template = CHATML_TEMPLATE
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
-    try:
+    with atomic_dir(target) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        with open(tmp / "sprpo_source.json", "w") as f:
-            json.dump({"gguf": gguf.name, "convert_seconds": round(time.time() - t0, 1)}, f)
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "sprpo_source.json").write_text(json.dumps({"gguf": gguf.name,
+                                                           "convert_seconds": round(time.time() - t0, 1)}))
     return target
 
 

@@ -17,9 +17,7 @@ them all (issue 3, item 4; Alg. 1 line 5 "Collect D_k").
 """
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -409,9 +407,8 @@ def run_groups(
 
 # ----------------------------------------------------------------------------- baselines
 class RandomAdmissibleGenerator:
-    """The floor every trained policy must beat: a uniformly random admissible action,
-    read off the prompt's "Available actions" list.  WebShop's free-form
-    ``search[<your query>]`` is filled with the task instruction."""
+    """The random admissible-action agent (:func:`sprpo_lib.envs.baselines.random_action`)
+    as a generator: it reads the actions off the prompt's "Available actions" list."""
 
     def __init__(self, seed: int = 0):
         import random
@@ -419,13 +416,12 @@ class RandomAdmissibleGenerator:
         self.rng = random.Random(seed)
 
     def __call__(self, prompts: Sequence[str]) -> list[Generation]:
+        from .envs.baselines import random_action
+
         out = []
         for p in prompts:
             block = p.split("Available actions:\n", 1)[1].split("\n\nResponse:", 1)[0]
             actions = [line[2:] for line in block.splitlines() if line.startswith("- ")]
-            act = self.rng.choice(actions) if actions else "look"
-            if act.startswith("search[<"):
-                task = p.split("Task: ", 1)[1].split("\n\n", 1)[0]
-                act = f"search[{task}]"
-            out.append(Generation(f"<action>{act}</action>", [], []))
+            task = p.split("Task: ", 1)[1].split("\n\n", 1)[0]
+            out.append(Generation(f"<action>{random_action(actions, task, self.rng)}</action>", [], []))
         return out

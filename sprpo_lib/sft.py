@@ -51,13 +51,10 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import random
 import re
-import shutil
-import tempfile
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -66,9 +63,11 @@ from tqdm.auto import tqdm
 
 from .agent import AgentConfig, HistoryStep, build_prompt, chat_text, extract_action
 from .envs.base import TaskPool
+from .envs.baselines import random_action
 from .losses import token_logprobs
-from .manifest import JsonLines, atomic_write_json
+from .manifest import JsonLines, atomic_dir, atomic_write_json
 from .models import LoraSettings, Policy, add_lora, lora_on_last_layers
+from .registry import Registry
 
 log = logging.getLogger(__name__)
 
@@ -112,13 +111,23 @@ class Demo:
     step: int
 
 
-DEMONSTRATORS = ("expert", "shopper")
+#: who labels demonstrations: ``fn(episode, history) -> next action or None``.
+DEMONSTRATORS: Registry = Registry("demonstrator", "sft.demonstrator")
 
 
-def _fill_template(action: str, instruction: str) -> str:
-    """``name[<placeholder>]`` -> ``name[instruction]`` (what a random agent can type)."""
-    m = _TEMPLATE_RE.match(action)
-    return f"{m.group(1)}[{instruction.strip()}]" if m else action
+@DEMONSTRATORS.register("expert")
+def _expert(ep, history: Sequence[HistoryStep]) -> str | None:
+    """The environment's expert / oracle (ALFWorld's planner, WebShop's goal oracle)."""
+    return ep.expert_action()
+
+
+@DEMONSTRATORS.register("shopper")
+def _shopper(ep, history: Sequence[HistoryStep]) -> str | None:
+    """WebShop's visible-information shopper (a function of what the agent sees)."""
+    if not hasattr(ep, "shopper_action"):
+        raise ValueError(f"sft.demonstrator='shopper': {type(ep).__name__} has no shopper_action() "
+                         f"(only WebShop has one); use sft.demonstrator=expert")
+    return ep.shopper_action([h.action for h in history])
 
 
 def collect_demonstrations(
@@ -162,8 +171,7 @@ def collect_demonstrations(
     """
     if not 0.0 <= expert_prob <= 1.0:
         raise ValueError(f"expert_prob must be in [0, 1], got {expert_prob}")
-    if demonstrator not in DEMONSTRATORS:
-        raise ValueError(f"sft.demonstrator must be one of {DEMONSTRATORS}, got {demonstrator!r}")
+    label = DEMONSTRATORS.get(demonstrator)
     agent = agent or AgentConfig()
     limit = max_steps or pool.max_steps
     demos: list[Demo] = []
@@ -177,14 +185,8 @@ def collect_demonstrations(
             obs = ep.reset()
             history: list[HistoryStep] = []
             score, success = 0.0, False
-            if demonstrator == "shopper" and not hasattr(ep, "shopper_action"):
-                raise ValueError(f"sft.demonstrator='shopper': {type(ep).__name__} has no shopper_action() "
-                                 f"(only WebShop has one); use sft.demonstrator=expert")
             for step in range(limit):
-                if demonstrator == "shopper":
-                    expert = ep.shopper_action([h.action for h in history])
-                else:
-                    expert = ep.expert_action()
+                expert = label(ep, history)
                 if expert is None:
                     n_none += 1
                     break
@@ -193,7 +195,7 @@ def collect_demonstrations(
                 demos.append(Demo(prompt, response, handle.task_id, step))
                 executed = response
                 if expert_prob < 1.0 and obs.admissible and rng.random() >= expert_prob:
-                    executed = f"<action>{_fill_template(rng.choice(obs.admissible), ep.instruction)}</action>"
+                    executed = f"<action>{random_action(obs.admissible, ep.instruction.strip(), rng)}</action>"
                 # run_groups steps the env with the *parsed* action and keeps it in the history
                 action = extract_action(executed).action
                 nxt = ep.step(action)
@@ -311,8 +313,7 @@ class SFTConfig:
             raise ValueError(f"schedule must be one of {_SCHEDULES}, got {self.schedule!r}")
         if not 0.0 <= self.expert_prob <= 1.0:
             raise ValueError(f"expert_prob must be in [0, 1], got {self.expert_prob}")
-        if self.demonstrator not in DEMONSTRATORS:
-            raise ValueError(f"sft.demonstrator must be one of {DEMONSTRATORS}, got {self.demonstrator!r}")
+        DEMONSTRATORS.get(self.demonstrator)  # an unknown name lists the valid ones
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ValueError("max_prompt_tokens must be >= 1 or None")
         if self.lora_layers is not None and self.lora_layers < 1:
@@ -409,17 +410,8 @@ def _lr_at(step: int, total: int, cfg: SFTConfig) -> float:
 
 def save_adapter(policy: Policy, path: str | Path) -> Path:
     """Save the peft adapter (safetensors) to ``path``, replacing it atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
+    with atomic_dir(path) as tmp:
         policy.model.save_pretrained(str(tmp), safe_serialization=True)
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 

@@ -23,7 +23,6 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import os
 import random
 import shutil
 import sys
@@ -40,7 +39,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .config import TrainConfig, config_dict, load_config
 from .envs import make_pool
 from .evaluate import eval_is_current, evaluate_policy
-from .manifest import JsonLines, atomic_write_json, atomic_write_text, git_commit
+from .manifest import JsonLines, atomic_dir, atomic_write_json, git_commit
 from .methods import make_method
 from .models import add_lora, load_policy, lora_on_last_layers
 from .rollout import EpisodeLog, HFGenerator, ProcessEnvs, SerialEnvs, run_groups
@@ -203,11 +202,8 @@ def default_out_dir(cfg: TrainConfig) -> Path:
 
 
 def _publish_adapter(model, final: Path) -> None:
-    tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp / "adapter", safe_serialization=True)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
+    with atomic_dir(final) as tmp:
+        model.save_pretrained(tmp / "adapter", safe_serialization=True)
 
 
 def train(cfg: TrainConfig, out_dir: str | Path | None = None, fresh: bool = False, progress: bool = True) -> Path:

@@ -5,7 +5,7 @@ from functools import partial
 
 import pytest
 
-from sprpo_lib.agent import AgentConfig, HistoryStep, build_prompt, chat_text, extract_action, fit_prompt
+from sprpo_lib.agent import AgentConfig, HistoryStep, build_prompt, chat_text, extract_action
 from sprpo_lib.envs.webshop import make_webshop_pool
 from sprpo_lib.rollout import (
     EpisodeLog,

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from sprpo_lib.actor import SURROGATE, Actor
+from sprpo_lib.actor import Actor
 from sprpo_lib.advantages import StepSample, compute_advantages
 from sprpo_lib.agent import AgentConfig, HistoryStep, build_prompt, fit_prompt
 from sprpo_lib.batch import Batch, Sample, build_batch

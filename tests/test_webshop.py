@@ -16,7 +16,6 @@ from sprpo_lib.envs.webshop import (
     SEARCH_PLACEHOLDER,
     WebShopDataError,
     WebShopEpisode,
-    evaluate_random_agent,
     fuzzy_match_score,
     make_webshop_pool,
     normalize_color,
@@ -471,9 +470,15 @@ def test_title_nouns_heuristic_without_spacy_model():
     assert nouns == ["set", "bar", "stools", "gray"]
 
 
-def test_random_agent_runs(pool):
-    result = evaluate_random_agent(pool, n_goals=10)
-    assert result["episodes"] == 10 and 0.0 <= result["mean_reward"] <= 1.0
+def test_random_and_expert_agents(pool):
+    from sprpo_lib.envs.baselines import play, random_action
+
+    rnd = play(pool, "test", range(10), "random", progress=False)
+    assert rnd["episodes"] == 10 and 0.0 <= rnd["mean_score"] <= 1.0 and rnd["success_rate"] < 0.5
+    assert play(pool, "test", range(10), "expert", progress=False)["success_rate"] == 1.0  # the oracle
+    import random
+
+    assert random_action(["search[<your query>]"], "red shoes", random.Random(0)) == "search[red shoes]"
 
 
 # ---------------------------------------------------------------------------

@@ -57,13 +57,9 @@ import copy
 import ctypes
 import json
 import os
-import random
 import re
-import statistics
 import sys
-import tempfile
 import threading
-import time
 import weakref
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -75,7 +71,6 @@ from textworld.core import GameState
 from textworld.envs import PddlEnv
 from textworld.envs.pddl import logic as pddl_logic
 from textworld.generator.game import EntityInfo
-from tqdm.auto import tqdm
 
 from sprpo_lib.envs import alfworld_gen
 from sprpo_lib.envs.base import Observation, check_split
@@ -711,172 +706,3 @@ def make_alfworld_pool(data_dir: str | os.PathLike | None = None, seed: int = 0,
     """
     return AlfworldPool(data_dir=data_dir, seed=seed, sizes=sizes, cache_dir=cache_dir,
                         success_reward=success_reward)
-
-
-# --------------------------------------------------------------------------- measurements
-def _median(xs: Sequence[float]) -> float:
-    return float(statistics.median(xs)) if xs else float("nan")
-
-
-def bench_alfworld(pool: AlfworldPool | None = None, split: str = "valid_seen", n_tasks: int = 3,
-                   group_size: int = 8, n_generate: int = 50, n_materialise: int = 3) -> dict:
-    """Timings of the ALFWorld environment with the expert policy (seconds unless named).
-
-    * ``prepare_s``: grounding a cached game (``pool.open``), median over ``n_tasks``;
-    * ``episode_reset_s``: ``spawn() + reset()`` of one episode of a grounded task;
-    * ``group_reset_s``: ``open`` + ``group_size`` x ``spawn/reset`` (a GiGPO group),
-      against ``naive_group_reset_s`` = ``group_size`` x TextWorld's ``PddlEnv`` load +
-      reset (ALFWorld's per-rollout cost; measured once per task, scaled);
-    * ``steps_per_s`` / ``step_ms``: ``Episode.step`` with expert actions;
-    * ``expert_replan_s``: ``expert_action()`` right after an off-plan action;
-    * ``generate_spec_s_per_1000``: sampling game specs only, measured on ``n_generate``
-      games and scaled; ``materialise_s_per_1000``: the full generator (spec, grounding,
-      expert plan, verification, atomic write) measured on ``n_materialise`` games of
-      a fresh temporary cache and scaled.
-    """
-    pool = pool or make_alfworld_pool()
-    indices = list(range(n_tasks))
-    for i in indices:  # measure cached games only
-        pool.open(split, i).close()
-    prepare, ep_reset, group, naive, replans = [], [], [], [], []
-    n_steps, step_time, solved = 0, 0.0, 0
-    for i in indices:
-        t0 = time.perf_counter()
-        task = pool.open(split, i)
-        prepare.append(time.perf_counter() - t0)
-        episodes = []
-        for _ in range(group_size):
-            t1 = time.perf_counter()
-            episode = task.spawn()
-            episode.reset()
-            ep_reset.append(time.perf_counter() - t1)
-            episodes.append(episode)
-        group.append(time.perf_counter() - t0)
-        obs = episodes[0].reset()
-        while not obs.done:
-            action = episodes[0].expert_action()
-            t1 = time.perf_counter()
-            obs = episodes[0].step(action)
-            step_time += time.perf_counter() - t1
-            n_steps += 1
-        solved += obs.success
-        obs = episodes[1].step("inventory")  # valid and off the walkthrough
-        episodes[1].step(obs.admissible[0])
-        t1 = time.perf_counter()
-        episodes[1].expert_action()
-        replans.append(time.perf_counter() - t1)
-        task.close()
-        t0 = time.perf_counter()
-        env = PddlEnv(textworld.EnvInfos(admissible_commands=True, won=True))
-        env.load(str(pool.game_file(split, i)))
-        env.reset()
-        naive.append(time.perf_counter() - t0)
-    out = {
-        "source": pool.source, "split": split, "n_tasks": n_tasks, "group_size": group_size,
-        "prepare_s": _median(prepare),
-        "episode_reset_s": _median(ep_reset),
-        "group_reset_s": _median(group),
-        "naive_reset_s": _median(naive),
-        "naive_group_reset_s": _median(naive) * group_size,
-        "steps": n_steps,
-        "steps_per_s": n_steps / step_time if step_time else float("nan"),
-        "step_ms": 1000.0 * step_time / max(n_steps, 1),
-        "expert_success": solved / n_tasks,
-        "expert_replan_s": _median(replans),
-    }
-    t0 = time.perf_counter()
-    for i in range(n_generate):
-        alfworld_gen.sample_game(pool.seed, "train", i)
-    out["generate_spec_s_per_1000"] = (time.perf_counter() - t0) / n_generate * 1000
-    if n_materialise:
-        with tempfile.TemporaryDirectory() as tmp:
-            fresh = make_alfworld_pool(seed=pool.seed, cache_dir=tmp)
-            t0 = time.perf_counter()
-            for i in range(n_materialise):
-                fresh.open("train", i).close()
-            out["materialise_s_per_1000"] = (time.perf_counter() - t0) / n_materialise * 1000
-        out["materialise_measured_on"] = n_materialise
-    return out
-
-
-def expert_solve_rates(pool: AlfworldPool, split: str = "train", per_type: int = 100,
-                       seed: int = 0) -> dict[str, dict]:
-    """Expert success per task type on a seeded random sample of ``per_type`` games each."""
-    rng = random.Random(seed)
-    by_type: dict[str, list[int]] = collections.defaultdict(list)
-    for i in range(pool.splits()[split]):
-        by_type[pool.task_type(split, i)].append(i)
-    result = {}
-    for task_type in TASK_TYPES:
-        chosen = sorted(rng.sample(by_type[task_type], min(per_type, len(by_type[task_type]))))
-        wins, lengths = 0, []
-        for i in chosen:
-            task = pool.open(split, i)
-            ep = task.spawn()
-            obs = ep.reset()
-            while not obs.done:
-                action = ep.expert_action()
-                if action is None:
-                    break
-                obs = ep.step(action)
-            wins += bool(obs.success)
-            lengths.append(len(ep.actions))
-            task.close()
-        result[task_type] = {"games": len(chosen), "solved": wins, "rate": wins / max(len(chosen), 1),
-                             "mean_steps": sum(lengths) / max(len(lengths), 1)}
-    return result
-
-
-def random_agent_success(pool: AlfworldPool, split: str, n_games: int = 50, seed: int = 0,
-                         rollouts: int = 1) -> dict:
-    """Success of a uniformly random admissible-action agent over the first ``n_games``
-    of ``split``, ``rollouts`` episodes per game (sharing one grounding), with the
-    success count per task type."""
-    rng = random.Random(seed)
-    wins, t0 = 0, time.perf_counter()
-    per_type: dict[str, list[int]] = {}
-    n = min(n_games, pool.splits()[split])
-    for i in tqdm(range(n), desc=f"random agent {split}", leave=False):
-        task = pool.open(split, i)
-        counts = per_type.setdefault(task.task_type, [0, 0])
-        for _ in range(rollouts):
-            ep = task.spawn()
-            obs = ep.reset()
-            while not obs.done:
-                obs = ep.step(rng.choice(obs.admissible))
-            wins += bool(obs.success)
-            counts[0] += bool(obs.success)
-            counts[1] += 1
-        task.close()
-    episodes = n * rollouts
-    return {"split": split, "games": n, "rollouts_per_game": rollouts, "episodes": episodes, "successes": wins,
-            "rate": wins / max(episodes, 1), "per_type": {k: {"successes": v[0], "episodes": v[1]}
-                                                          for k, v in sorted(per_type.items())},
-            "seconds": time.perf_counter() - t0}
-
-
-def _main(argv: Sequence[str] | None = None) -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(description="ALFWorld environment measurements (sprpo)")
-    parser.add_argument("what", choices=["bench", "expert", "random"])
-    parser.add_argument("--data-dir", default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--cache-dir", default=None)
-    parser.add_argument("--per-type", type=int, default=100)
-    parser.add_argument("--games", type=int, default=50)
-    parser.add_argument("--rollouts", type=int, default=1, help="random-agent episodes per game")
-    args = parser.parse_args(argv)
-    pool = make_alfworld_pool(data_dir=args.data_dir, seed=args.seed, cache_dir=args.cache_dir)
-    if args.what == "bench":
-        result = bench_alfworld(pool)
-    elif args.what == "expert":
-        result = expert_solve_rates(pool, "train", args.per_type, seed=args.seed)
-    else:
-        result = {s: random_agent_success(pool, s, args.games, seed=args.seed, rollouts=args.rollouts)
-                  for s in SPLITS}
-    print(json.dumps(result, indent=2))
-
-
-if __name__ == "__main__":
-    _main()

@@ -56,16 +56,17 @@ from __future__ import annotations
 import json
 import os
 import random
-import tempfile
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 import alfworld.gen.constants as C
 import alfworld.gen.goal_library as glib
+
+from sprpo_lib.manifest import atomic_write_json, cache_dir
 
 GENERATOR_VERSION = 1
 
@@ -470,24 +471,9 @@ def _problem_text(task_id: str, receptacles: list[Receptacle],
 
 
 # --------------------------------------------------------------------------- files
-def atomic_write_json(path: Path, data: Mapping) -> None:
-    """Write JSON next to ``path`` then rename it into place (readers never see halves)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def default_cache_root() -> Path:
-    """``$SPRPO_CACHE/alfworld`` or ``~/.cache/sprpo/alfworld``."""
-    base = os.environ.get("SPRPO_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "sprpo")
-    return Path(base) / "alfworld"
+    """``<cache root>/alfworld`` (:func:`sprpo_lib.manifest.cache_dir`)."""
+    return cache_dir() / "alfworld"
 
 
 class AlfworldGenerator:

@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import functools
 import os
-import random
 import re
-import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
@@ -42,7 +40,6 @@ from sprpo_lib.envs.webshop_catalog import (
     DEFAULT_N_PRODUCTS,
     WebShopCatalogue,
     WebShopDataError,
-    generate_catalogue,
     get_catalogue,
 )
 
@@ -54,8 +51,6 @@ __all__ = [
     "WebShopEpisode",
     "WebShopPool",
     "WebShopTask",
-    "bench_webshop",
-    "evaluate_random_agent",
     "fuzzy_match_score",
     "get_reward",
     "make_webshop_pool",
@@ -720,81 +715,3 @@ def make_webshop_pool(
         WebShopDataError: ``data_dir``/``$WEBSHOP_DATA`` is missing or incomplete.
     """
     return WebShopPool(get_catalogue(data_dir, seed, n_products), n_test)
-
-
-# ---------------------------------------------------------------------------
-# Benchmark and baseline
-# ---------------------------------------------------------------------------
-
-
-def bench_webshop(n_episodes: int = 200, seed: int = 0,
-                  n_products: int = DEFAULT_N_PRODUCTS) -> dict:
-    """Throughput of the offline environment with the oracle policy.
-
-    Returns catalogue generation time (uncached), mean reset time (open + spawn +
-    reset), environment steps per second (``step`` only, and including the oracle's
-    decisions), and the oracle's mean reward / success rate over the episodes.
-    """
-    t0 = time.perf_counter()
-    catalogue = generate_catalogue(seed, n_products)
-    gen_s = time.perf_counter() - t0
-    pool = WebShopPool(catalogue)
-    n_test = pool.splits()["test"]
-    reset_s = step_s = total_s = 0.0
-    steps, rewards, successes = 0, [], 0
-    for i in range(n_episodes):
-        t0 = time.perf_counter()
-        episode = pool.open("test", i % n_test).spawn()
-        obs = episode.reset()
-        t1 = time.perf_counter()
-        reset_s += t1 - t0
-        while not obs.done:
-            action = episode.expert_action()
-            t2 = time.perf_counter()
-            obs = episode.step(action)
-            step_s += time.perf_counter() - t2
-            steps += 1
-        total_s += time.perf_counter() - t1
-        rewards.append(obs.reward)
-        successes += obs.success
-    return {
-        "catalogue_generation_s": gen_s,
-        "n_products": len(catalogue.products),
-        "n_goals": len(catalogue.goals),
-        "episodes": n_episodes,
-        "reset_ms_mean": 1000 * reset_s / n_episodes,
-        "env_steps_per_s": steps / step_s,
-        "oracle_steps_per_s": steps / total_s,
-        "steps_per_episode": steps / n_episodes,
-        "oracle_mean_reward": sum(rewards) / n_episodes,
-        "oracle_success_rate": successes / n_episodes,
-    }
-
-
-def evaluate_random_agent(pool: WebShopPool | None = None, n_goals: int = 200,
-                          seed: int = 0, split: str = "test") -> dict:
-    """Uniformly random admissible-action agent on the first ``n_goals`` goals.
-
-    ``search[<your query>]`` is filled with the instruction text (the only sensible
-    query a random agent has); every other choice is uniform over the admissible list.
-    """
-    pool = pool or make_webshop_pool()
-    rng = random.Random(seed)
-    n = min(n_goals, pool.splits()[split])
-    rewards, successes = [], 0
-    for i in range(n):
-        episode = pool.open(split, i).spawn()
-        obs = episode.reset()
-        while not obs.done:
-            action = rng.choice(obs.admissible)
-            if action == SEARCH_PLACEHOLDER:
-                action = f"search[{episode.instruction}]"
-            obs = episode.step(action)
-        rewards.append(obs.reward)
-        successes += obs.success
-    return {"episodes": n, "success_rate": successes / n, "mean_reward": sum(rewards) / n}
-
-
-if __name__ == "__main__":
-    print(bench_webshop())
-    print(evaluate_random_agent())
