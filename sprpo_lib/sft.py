@@ -265,7 +265,7 @@ class SFTConfig:
             (the first ``n_tasks`` tasks of ``split``).
         demonstrator: who labels the demonstrations: ``"expert"`` (the environment's
             oracle; default) or ``"shopper"`` (WebShop only: a scripted shopper that uses
-            only the information in the prompt, ~72% success on the offline catalogue;
+            only the information in the prompt (its success rate is in the README);
             the oracle clicks the goal's hidden product id, a choice a cloned policy
             cannot infer from the page).  See :func:`collect_demonstrations`.
         log_every: optimizer steps between lines of ``metrics.jsonl`` (and the progress

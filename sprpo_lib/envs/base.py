@@ -9,7 +9,7 @@ branch on the environment:
 * opening a task gives a :class:`TaskHandle` whose ``spawn()`` returns independent
   :class:`Episode` objects that all play the same task.  The G rollouts of one
   GiGPO group share the task's (possibly expensive) preparation, e.g. ALFWorld's
-  PDDL grounding, instead of paying it G times (issue 3, item 1);
+  PDDL grounding, instead of paying it G times;
 * an :class:`Episode` is a plain state machine: ``reset() -> Observation``,
   ``step(action) -> Observation``.  It never raises on a malformed action: an
   invalid action is an ordinary step with an explanatory observation.
