@@ -960,7 +960,8 @@ def summary_table(lem: dict, thm1: dict, cor1: dict, thm2: dict) -> pd.DataFrame
 
     p, s = lem["pairs"], lem["search"]
     add("Lemma 1", "Delta J >= L - 4 gamma A_max alpha^2/(1-gamma)^2 (random pairs)", len(p), (p.slack < -1e-10).sum(),
-        p.slack.min(), "return", f"max (L-DJ)/penalty {p.tightness.max():.3f}; slack ~ alpha^{lem['slope_slack']:.2f}")
+        p.slack.min(), "return", f"max (L-DJ)/penalty {p.tightness.max():.3f}; slack ~ alpha^{lem['slope_slack']:.2f},"
+        f" |DJ-L| ~ alpha^{lem['slope_gap']:.2f} (alpha < 0.05)")
     add("Lemma 1", "same, adversarial search over MDP and policies", s.evaluated.sum(), (s.tightness > 1).sum(),
         s.slack.min(), "return", f"max (L-DJ)/penalty {s.tightness.max():.3f} over {len(s)} restarts")
     t = thm1["table"]
@@ -995,9 +996,12 @@ def summary_table(lem: dict, thm1: dict, cor1: dict, thm2: dict) -> pd.DataFrame
             len(g0), (g0.sd > g0.sd_bound + 1e-12).sum(), (g0.sd_bound - g0.sd).min(), "return",
             f"sd {g0.sd.iloc[0]:.4f} -> {g0.sd.iloc[-1]:.4f}, max {g0.sd.max():.4f}")
         r = thm2["robustness"].set_index("run").loc[run]
+        q = thm2["requirements"]
         add(f"Theorem 2 ({run})", "final policy (delta, eps, beta_bar)-robust: P(J >= J_bar - eps) >= 1-beta_bar", 1,
             int(r.violated), r.p - (1 - r.beta_bar), "probability",
-            f"eps={r.eps:.3f}, beta_bar={r.beta_bar}; CP 95% [{r.lo:.4f}, {r.hi:.4f}]")
+            f"eps={r.eps:.3f}, beta_bar={r.beta_bar}; CP 95% [{r.lo:.4f}, {r.hi:.4f}]; hypotheses: beta "
+            f"{q['beta_used']:g} vs required <= {q['beta_required']:.1e} ({'met' if q['beta_ok'] else 'NOT met'}), "
+            f"Assumption 1 {'met' if q['assumption1_ok'] else 'NOT met'}")
     return pd.DataFrame(rows)
 
 
@@ -1038,6 +1042,8 @@ def plot_lemma1(lem: dict):
     ax[0].plot(lim, lim, "k--", lw=1, label="Delta J = bound")
     ax[0].set_xscale("symlog", linthresh=1e-3)
     ax[0].set_yscale("symlog", linthresh=1e-3)
+    ticks = [t for t in (-1e3, -1e1, -1e-1, 0.0, 1e-1, 1e1) if lim[0] - 1 <= t <= lim[1] + 1]
+    ax[0].set_xticks(ticks, [f"{t:g}" for t in ticks], fontsize=8)
     ax[0].set( xlabel="Lemma 1 bound  L - 4 gamma A_max alpha^2/(1-gamma)^2",
               ylabel="Delta J = J(pi') - J(pi)", title=f"Lemma 1: {len(p)} random pairs, min slack {p.slack.min():.2e}")
     ax[0].legend(fontsize=8, loc="upper left")
@@ -1074,6 +1080,7 @@ def plot_theorem1(thm1: dict):
             a.axvline(r.m_nu.iloc[0], color="r", label="m_nu (Thm 1)")
         for thr in r.thr_mu:
             a.axvline(thr, color="C0", ls=":", lw=1)
+        a.xaxis.set_major_locator(plt.MaxNLocator(5))
         a.axvline(0, color="k", ls="--", lw=0.8)
         a.set(xlabel="Delta J_xi", ylabel="count",
               title=f"{name} (step {r.step.iloc[0]:.3g}): m_nu={r.m_nu.iloc[0]:.3g},"
