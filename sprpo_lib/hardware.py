@@ -144,41 +144,29 @@ def decode_flops(config, context: int) -> float:
 
 
 # ----------------------------------------------------------------------------- probes
-def _linear_case(rows: int, shape: Shape, dtypes: Sequence[torch.dtype], device: torch.device,
-                 min_s: float, rounds: int) -> list[float]:
-    """GFLOP/s of ``F.linear(x, W)`` (x [rows, in], W [out, in]) for each dtype.
+def _block(x: torch.Tensor, w: torch.Tensor, reps: int) -> float:
+    """Seconds for ``reps`` calls of ``F.linear(x, w)``."""
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        F.linear(x, w)
+    if x.device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
 
-    Each dtype's calls are timed in blocks of about ``min_s`` seconds; the dtypes' blocks
-    alternate for ``rounds`` rounds and the best block counts, so a burst of load from
-    other processes hits both dtypes alike and rarely hits every block."""
+
+def _prepare_case(rows: int, shape: Shape, dtype: torch.dtype, device: torch.device, min_s: float):
+    """Operands of one probe case, warmed up (kernel choice, packing), and the number of
+    calls that makes a block of about ``min_s`` seconds."""
     fan_in, fan_out = shape
     g = torch.Generator().manual_seed(0)
-    x32 = torch.randn(rows, fan_in, generator=g)
-    w32 = torch.randn(fan_out, fan_in, generator=g) / fan_in**0.5
-    args = [(x32.to(device=device, dtype=d), w32.to(device=device, dtype=d)) for d in dtypes]
-    flops = 2.0 * rows * fan_in * fan_out
-
-    def block(x, w, reps: int) -> float:
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            F.linear(x, w)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0
-
-    reps = []
-    for x, w in args:  # warm-up (kernel choice, packing), then size a block to ~min_s
-        block(x, w, 1)
-        n, dt = 1, block(x, w, 1)
-        while dt < min_s / 4 and n < 1 << 16:
-            n *= 4
-            dt = block(x, w, n)
-        reps.append(max(1, int(n * min_s / max(dt, 1e-9))))
-    best = [0.0] * len(args)
-    for _ in range(rounds):
-        for i, ((x, w), n) in enumerate(zip(args, reps)):
-            best[i] = max(best[i], flops * n / block(x, w, n) / 1e9)
-    return best
+    x = torch.randn(rows, fan_in, generator=g).to(device=device, dtype=dtype)
+    w = (torch.randn(fan_out, fan_in, generator=g) / fan_in**0.5).to(device=device, dtype=dtype)
+    _block(x, w, 1)
+    n, dt = 1, _block(x, w, 1)
+    while dt < min_s / 4 and n < 1 << 16:
+        n *= 4
+        dt = _block(x, w, n)
+    return x, w, max(1, int(n * min_s / max(dt, 1e-9)))
 
 
 def probe_bandwidth(mbytes: int = 128, device: str | torch.device = "cpu", repeats: int = 5) -> float:
@@ -202,23 +190,42 @@ def probe_bandwidth(mbytes: int = 128, device: str | torch.device = "cpu", repea
 
 def probe_matmul(shapes: Sequence[Shape], dtypes: Sequence[str] = PROBE_DTYPES, device: str | torch.device = "cpu",
                  rows: Sequence[int] = (PREFILL_ROWS, DECODE_ROWS), min_s: float = 0.03, rounds: int = 5) -> dict:
-    """Time ``F.linear`` for every rows x shape, the dtypes side by side.
+    """Time ``F.linear`` for every rows x shape x dtype.
 
-    Returns ``{dtype: {"cases": {"<rows>x<in>x<out>": GFLOP/s}, "gflops": overall}}``,
-    where ``overall`` is total FLOPs over total time of one call of each case (the rate
-    at which a forward pass made of these linears would run)."""
+    Each case is timed in blocks of about ``min_s`` seconds; all cases take turns for
+    ``rounds`` rounds and each keeps its best block, so a burst of load from other
+    processes hits the dtypes alike and rarely hits every block of a case.
+
+    Returns ``{dtype: {"cases": {"<rows>x<in>x<out>": GFLOP/s}, "gflops": overall,
+    "gflops_by_rows": {rows: overall}}}``, where an overall rate is total FLOPs over total
+    time of one call of each case (the rate of a forward pass made of these linears)."""
     device = torch.device(device)
-    torch_dtypes = [resolve_probe_dtype(d) for d in dtypes]
-    out: dict = {d: {"cases": {}, "flops": 0.0, "secs": 0.0} for d in dtypes}
-    for r in rows:
-        for shape in shapes:
-            rates = _linear_case(r, tuple(shape), torch_dtypes, device, min_s, rounds)
-            f = 2.0 * r * shape[0] * shape[1]
-            for d, rate in zip(dtypes, rates):
-                out[d]["cases"][f"{r}x{shape[0]}x{shape[1]}"] = round(rate, 2)
-                out[d]["flops"] += f
-                out[d]["secs"] += f / (rate * 1e9)
-    return {d: {"cases": v["cases"], "gflops": round(v["flops"] / v["secs"] / 1e9, 2)} for d, v in out.items()}
+    cases = [(r, tuple(shape), d) for r in rows for shape in shapes for d in dtypes]
+    prepared = [_prepare_case(r, shape, resolve_probe_dtype(d), device, min_s) for r, shape, d in cases]
+    best = [0.0] * len(cases)
+    for _ in range(rounds):
+        for i, ((r, shape, _), (x, w, n)) in enumerate(zip(cases, prepared)):
+            best[i] = max(best[i], 2.0 * r * shape[0] * shape[1] * n / _block(x, w, n) / 1e9)
+    out: dict = {d: {"cases": {}} for d in dtypes}
+    for (r, shape, d), rate in zip(cases, best):
+        out[d]["cases"][f"{r}x{shape[0]}x{shape[1]}"] = round(rate, 2)
+    for d, v in out.items():
+        v["gflops"] = _overall(v["cases"], None)
+        v["gflops_by_rows"] = {str(r): _overall(v["cases"], r) for r in rows}
+    return out
+
+
+def _overall(cases: dict[str, float], rows: int | None) -> float:
+    """Total FLOPs over total time of one call of each case (with ``rows`` rows, or all)."""
+    flops = secs = 0.0
+    for name, rate in cases.items():
+        r, fan_in, fan_out = map(int, name.split("x"))
+        if rows is None or r == rows:
+            f = 2.0 * r * fan_in * fan_out
+            flops, secs = flops + f, secs + f / (rate * 1e9)
+    if secs == 0:
+        raise ValueError(f"no probe case with {rows} rows in {sorted(cases)}")
+    return round(flops / secs / 1e9, 2)
 
 
 def resolve_probe_dtype(name: str) -> torch.dtype:
@@ -284,9 +291,11 @@ def fast_dtype(shapes: Sequence[Shape], device: str | torch.device = "cpu", *, c
         if hit is not None:
             return getattr(torch, hit["choice"]), {**hit, "key": key, "source": "cache"}
     t0 = time.perf_counter()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     matmul = (probe or _default_probe)(shapes)
     info = {"matmul": matmul["matmul"], "bandwidth_gbs": matmul.get("bandwidth_gbs"),
             "choice": pick_dtype(matmul["matmul"]), "probe_s": round(time.perf_counter() - t0, 2),
+            "loadavg_1min": load,  # other processes' load at probe time (the numbers assume an idle machine)
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if cache:
         from .manifest import atomic_write_json

@@ -250,3 +250,20 @@ def test_registry_names_valid_engines():
     with pytest.raises(ValueError, match="unknown generation engine 'vllm'; valid names: hf"):
         make_engine("vllm", pol)
     assert "hf" in ENGINES
+
+
+def test_bench_generate_compares_engines_on_webshop_prompts(tmp_path):
+    import json
+
+    from sprpo_lib import bench
+
+    out = tmp_path / "generate.json"
+    argv = ["generate", "--model", "tiny-llama", "--prompts", "3", "--new-tokens", "6", "--repeats", "2",
+            "--dtypes", "float32", "--out", str(out)]
+    assert bench.main(argv) == 0
+    res = json.loads(out.read_text())["results"]["float32"]
+    assert res["T0"]["hf"]["greedy_equal"] == "3/3"
+    for t in ("T0", "T0.4"):
+        for name in ("hf_generator", "hf"):
+            row = res[t][name]
+            assert row["repeat_equal"] and row["prompt_tokens"] > 0 and row["wall_over_prefill_floor"] > 0

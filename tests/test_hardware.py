@@ -120,3 +120,16 @@ def test_machine_info_names_the_cpu_and_flags():
     assert info["capability"] == torch.backends.cpu.get_cpu_capability()
     assert set(info["flags"]) >= {"avx2", "avx512f", "avx512_bf16", "amx_bf16"}
     assert info["torch"] == torch.__version__ and info["cpu_model"]
+
+
+def test_bench_machine_reports_rates_and_floors(tmp_path):
+    from sprpo_lib import bench
+
+    out = tmp_path / "machine.json"
+    assert bench.main(["machine", "--model", "tiny-qwen2", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())["results"]
+    assert res["shapes"]["hidden"] == 64 and res["fast_dtype"] in ("float32", "bfloat16")
+    for d in ("float32", "bfloat16"):
+        assert res["prefill_gflops"][d] > 0 and res["decode_gflops"][d] > 0
+        assert res["prefill_floor_s_per_1k_tokens"][d] > 0
+    assert res["bandwidth_gbs"] > 0 and res["machine"]["capability"]
