@@ -1,0 +1,323 @@
+"""Robustness evaluation (App. C): zero strength is clean, the content-keyed cell cache
+(hits generate nothing, an adapter edit misses, a killed sweep resumes to the same
+table), any model and adapter by path, the shared calibration pool, clear errors."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pandas as pd
+import pytest
+import torch
+
+import sprpo_lib.evaluate as E
+from sprpo_lib.agent import AgentConfig
+from sprpo_lib.compress import perturbation
+from sprpo_lib.engines import ENGINES, HFEngine
+from sprpo_lib.envs import make_pool
+
+AGENT = AgentConfig(max_obs_chars=100, history_len=1)  # short prompts for the byte-level tiny model
+EPISODE = ["env", "split", "task_index", "task_id", "seed", "success", "score", "length", "valid_rate", "trace"]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    return make_pool("webshop", None, 0)
+
+
+@pytest.fixture(scope="module")
+def sharp(tmp_path_factory):
+    """A tiny Qwen2 saved as a HF folder (safetensors) with a dominant FFN and peaked
+    next-token distributions, so that FFN perturbations visibly change its episodes
+    (the plain random tiny model samples from nearly flat distributions)."""
+    from sprpo_lib.models import load_policy
+
+    pol = load_policy("tiny-qwen2")
+    with torch.no_grad():
+        for layer in pol.model.model.layers:
+            layer.mlp.down_proj.weight.mul_(20)
+            layer.mlp.up_proj.weight.mul_(3)
+        pol.model.lm_head.weight.mul_(5)
+    path = tmp_path_factory.mktemp("sharp") / "model"
+    pol.model.save_pretrained(path, safe_serialization=True)
+    pol.tokenizer.save_pretrained(path)
+    return {"model": str(path), "dtype": "float32"}
+
+
+def config(cache, **kw) -> E.EvalConfig:
+    base = dict(model="tiny-qwen2", env="webshop", tasks=3, max_steps=2, max_new_tokens=12, batch_size=8,
+                agent=AGENT, cache_dir=str(cache))
+    base.update(kw)
+    return E.EvalConfig(**base)
+
+
+class Counter:
+    """Stands in for the ``hf`` engine: counts engines made and generation calls, and
+    can fail after ``fail_after`` engines (one engine per cell: a killed sweep)."""
+
+    def __init__(self, fail_after: int | None = None):
+        self.engines = 0
+        self.calls = 0
+        self.fail_after = fail_after
+
+    def __call__(self, policy, gen, agent):
+        if self.fail_after is not None and self.engines >= self.fail_after:
+            raise RuntimeError("killed")
+        self.engines += 1
+        counter = self
+
+        class Counting(HFEngine):
+            def __call__(self, prompts):
+                counter.calls += 1
+                return super().__call__(prompts)
+
+        return Counting(policy, gen, agent)
+
+
+@pytest.fixture
+def counter(monkeypatch):
+    c = Counter()
+    monkeypatch.setitem(ENGINES, "hf", c)
+    return c
+
+
+# ----------------------------------------------------------------------------- protocol
+def test_zero_strength_is_clean_exactly(tmp_path, pool, counter, sharp):
+    clean = E.evaluate(config(tmp_path, seeds=(0, 1), **sharp), pool=pool, progress=False)
+    made = counter.engines
+    gauss = E.evaluate(config(tmp_path, family="gaussian", strengths=(0.0, 0.1), seeds=(0, 1), **sharp), pool=pool,
+                       progress=False)
+    zero = gauss[gauss["strength"] == 0].reset_index(drop=True)
+    assert set(zero["family"]) == {"gaussian"} and len(zero) == len(clean) == 6
+    pd.testing.assert_frame_equal(zero[EPISODE], clean[EPISODE])
+    assert counter.engines == made + 2  # sigma = 0 is the clean cell: only the two sigma = 0.1 cells ran
+    noisy = gauss[gauss["strength"] == 0.1].reset_index(drop=True)
+    assert (noisy["trace"] != clean["trace"]).any()  # the comparison can fail: noise changes behaviour
+    assert not (clean[clean["seed"] == 0]["trace"].to_numpy() == clean[clean["seed"] == 1]["trace"].to_numpy()).all()
+
+
+def test_zero_strength_hooks_keep_the_generation_stream(pool, sharp):
+    """Applying sigma = 0 / p = 0 for real (hooks on every FFN) gives the clean
+    episodes: perturbing never moves the generation seed, so cells are paired."""
+    cfg = config("unused", tasks=2, **sharp)
+    src = E.ModelSource(cfg)
+    pol = src.policy()
+    tasks = E.select_tasks(pool, "webshop", None, 2)
+    ref = E.play_cell(pol, pool, tasks, cfg, seed=3)
+    for family in ("gaussian", "dropout"):
+        with perturbation(pol.model, family, 0.0, seed=3):
+            assert E.play_cell(pol, pool, tasks, cfg, seed=3) == ref
+    for family, s in (("gaussian", 0.05), ("dropout", 0.05)):
+        with perturbation(pol.model, family, s, seed=3):
+            assert E.play_cell(pol, pool, tasks, cfg, seed=3) != ref
+
+
+def test_held_out_sets_of_app_c(pool):
+    assert E.select_tasks(pool, "webshop") == [("test", i) for i in range(500)]
+    assert E.select_tasks(pool, "webshop", None, 4) == [("test", i) for i in range(4)]
+
+    class Alf:  # the ALFWorld pool's sizes, without loading games
+        name = "alfworld"
+
+        def splits(self):
+            return {"train": 3553, "valid_seen": 140, "valid_unseen": 134}
+
+    tasks = E.select_tasks(Alf(), "alfworld")
+    assert len(tasks) == 274 and tasks[0] == ("valid_seen", 0) and tasks[140] == ("valid_unseen", 0)
+    assert E.select_tasks(Alf(), "alfworld", None, 2) == [("valid_seen", 0), ("valid_seen", 1),
+                                                          ("valid_unseen", 0), ("valid_unseen", 1)]
+    cfg = E.EvalConfig(model="tiny-qwen2", family="sparsegpt", env="alfworld", calibration=__file__)
+    assert cfg.resolved_strengths() == (0.10, 0.30, 0.50, 0.70) and cfg.temperature == 0.4
+    assert cfg.generation(7).seed == 7
+
+
+# ----------------------------------------------------------------------------- cache
+def test_cache_hit_returns_identical_rows_without_generating(tmp_path, pool, counter):
+    cfg = config(tmp_path, family="dropout", strengths=(0.2,), seeds=(0, 1))
+    first = E.evaluate(cfg, pool=pool, progress=False)
+    assert counter.engines == 2 and counter.calls > 0
+    before = counter.calls
+    again = E.evaluate(cfg, pool=pool, progress=False)
+    assert counter.engines == 2 and counter.calls == before
+    pd.testing.assert_frame_equal(first, again)
+    files = sorted((tmp_path / "cells" / "webshop-dropout").glob("*.json"))
+    assert len(files) == 2
+    stored = json.loads(files[0].read_text())
+    assert stored["fields"]["evaluator"] == E.EVALUATOR_VERSION
+    assert stored["fields"]["perturbation"] == {"family": "dropout", "strength": 0.2, "options": {},
+                                               "calibration": None}
+    # a changed generation setting is another cell
+    E.evaluate(config(tmp_path, family="dropout", strengths=(0.2,), seeds=(0,), max_new_tokens=11), pool=pool,
+               progress=False)
+    assert counter.engines == 3
+
+
+def test_killed_sweep_resumes_to_the_same_table(tmp_path, pool, monkeypatch):
+    cfg = dict(family="gaussian", strengths=(0.1, 0.3), seeds=(0, 1))
+    monkeypatch.setitem(ENGINES, "hf", Counter())
+    whole = E.evaluate(config(tmp_path / "a", **cfg), pool=pool, progress=False)
+    monkeypatch.setitem(ENGINES, "hf", Counter(fail_after=2))
+    with pytest.raises(RuntimeError, match="killed"):
+        E.evaluate(config(tmp_path / "b", **cfg), pool=pool, progress=False)
+    assert len(list((tmp_path / "b" / "cells").rglob("*.json"))) == 2
+    resumed = Counter()
+    monkeypatch.setitem(ENGINES, "hf", resumed)
+    table = E.evaluate(config(tmp_path / "b", **cfg), pool=pool, progress=False)
+    assert resumed.engines == 2  # only the missing cells
+    pd.testing.assert_frame_equal(table, whole)
+
+
+def _save_tiny(tmp_path):
+    from sprpo_lib.models import LoraSettings, add_lora, load_policy
+
+    base = tmp_path / "base"
+    pol = load_policy("tiny-qwen2")
+    pol.model.save_pretrained(base, safe_serialization=True)
+    pol.tokenizer.save_pretrained(base)
+    lora = add_lora(load_policy("tiny-qwen2"), LoraSettings(rank=4, alpha=8), seed=1)
+    with torch.no_grad():
+        for n, w in lora.model.named_parameters():
+            if "lora_B" in n:
+                w.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(len(n)))
+    adapter = tmp_path / "adapter"
+    lora.model.save_pretrained(adapter, safe_serialization=True)
+    return base, adapter
+
+
+def test_any_model_and_adapter_by_path(tmp_path, pool, counter):
+    base, adapter = _save_tiny(tmp_path)
+    named = E.evaluate(config(tmp_path / "c"), pool=pool, progress=False)
+    by_path = E.evaluate(config(tmp_path / "c", model=str(base), dtype="float32"), pool=pool, progress=False)
+    assert list(by_path["trace"]) == list(named["trace"])  # same weights from the folder: same episodes
+    merged = E.evaluate(config(tmp_path / "c", model=str(base), dtype="float32", adapters=(str(adapter),),
+                               family="rtn", strengths=(8,), tags={"method": "x", "train_seed": 0}),
+                        pool=pool, progress=False)
+    assert list(merged["trace"]) != list(named["trace"])  # the adapter is merged and acts
+    assert set(merged["adapters"]) == {str(adapter)} and merged["adapter_hash"].str.len().eq(12).all()
+    assert set(merged["method"]) == {"x"} and set(merged["strength"]) == {8.0}
+
+
+def test_changing_one_adapter_weight_invalidates_the_cache(tmp_path, pool, counter):
+    from safetensors.torch import load_file, save_file
+
+    base, adapter = _save_tiny(tmp_path)
+    cfg = config(tmp_path / "c", model=str(base), dtype="float32", adapters=(str(adapter),))
+    first = E.evaluate(cfg, pool=pool, progress=False)
+    E.evaluate(cfg, pool=pool, progress=False)
+    assert counter.engines == 1
+    path = adapter / "adapter_model.safetensors"
+    tensors = load_file(str(path))
+    name = sorted(k for k in tensors if "lora_B" in k)[0]
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[0] += 1.0  # one weight, same file size
+    size = path.stat().st_size
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    assert path.stat().st_size == size
+    second = E.evaluate(cfg, pool=pool, progress=False)
+    assert counter.engines == 2
+    assert set(first["cell"]).isdisjoint(second["cell"])
+    assert set(first["adapter_hash"]) != set(second["adapter_hash"])
+
+
+def test_file_digest_memo(tmp_path, monkeypatch):
+    f, memo = tmp_path / "w.safetensors", tmp_path / "memo.json"
+    f.write_bytes(b"abc")
+    calls = []
+    real = E._sha256_file
+    monkeypatch.setattr(E, "_sha256_file", lambda p: calls.append(p) or real(p))
+    monkeypatch.setattr(E, "_MEMO", {})
+    d1 = E.file_digest(f, memo)
+    E.file_digest(f, memo)
+    assert len(calls) == 2 and not memo.exists()  # just written: too fresh to trust its mtime
+    old = time.time() - 60
+    os.utime(f, (old, old))
+    E.file_digest(f, memo)
+    monkeypatch.setattr(E, "_MEMO", {})  # a new process: the memo file serves
+    assert E.file_digest(f, memo) == d1 and len(calls) == 3 and memo.exists()
+    f.write_bytes(b"abcd")
+    os.utime(f, (old, old))
+    assert E.file_digest(f, memo) != d1 and len(calls) == 4  # size changed: hashed again
+
+
+# ----------------------------------------------------------------------------- calibration
+def test_calibration_pool_and_calibrated_families(tmp_path, pool, counter, sharp):
+    cfg = config(tmp_path, tasks=2, **sharp)
+    pol = E.ModelSource(cfg).policy()
+    calib = E.build_calibration_pool(pol, pool, AGENT, n=6, per_episode=2, max_new_tokens=8, max_steps=2,
+                                     tasks_per_batch=2, progress=False)
+    assert len(calib) == 6 and all(len(s) > 10 for s in calib.sequences)
+    assert {tuple(o[:1]) for o in calib.source["steps"]} == {("train",)}
+    path = E.save_calibration(tmp_path / "calib.json", calib)
+    back = E.load_calibration(path)
+    assert back.sequences == calib.sequences and back.hash == calib.hash
+    data = json.loads(path.read_text())
+    data["sequences"][0][0] += 1
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="hash"):
+        E.load_calibration(tmp_path / "bad.json")
+
+    rows = {}
+    for family, s in (("fisher", 0.1), ("sparsegpt", 0.3)):
+        rows[family] = E.evaluate(config(tmp_path, tasks=2, family=family, strengths=(s,), calibration=str(path),
+                                         **sharp), pool=pool, progress=False)
+        assert len(rows[family]) == 2 and set(rows[family]["family"]) == {family}
+    assert len(list((tmp_path / "fisher").glob("*.safetensors"))) == 1  # scores of this model, cached
+    cell = json.loads(next((tmp_path / "cells" / "webshop-fisher").glob("*.json")).read_text())
+    assert cell["fields"]["perturbation"]["calibration"] == calib.hash
+    clean = E.evaluate(config(tmp_path, tasks=2, **sharp), pool=pool, progress=False)
+    assert list(rows["fisher"]["trace"]) != list(clean["trace"])
+    assert list(rows["sparsegpt"]["trace"]) != list(clean["trace"])
+
+
+# ----------------------------------------------------------------------------- errors
+@pytest.mark.parametrize("kw, option, expected", [
+    ({"family": "noise"}, "--family", "expected one of"),
+    ({"family": "dropout", "strengths": (1.5,)}, "--strength", "0 <= p < 1"),
+    ({"family": "rtn", "strengths": (1,)}, "--strength", "2..8"),
+    ({"family": "rtn", "strengths": (4.5,)}, "--strength", "2..8"),
+    ({"family": "gaussian", "strengths": (-0.1,)}, "--strength", "0 <= sigma"),
+    ({"family": "clean", "strengths": (0.1,)}, "--strength", "no perturbation"),
+    ({"adapters": ("/nonexistent/adapter",)}, "--adapter", "adapter_config.json"),
+    ({"tasks": 0}, "--tasks", "positive count"),
+    ({"seeds": ()}, "--seeds", "--seeds 0 1 2"),
+    ({"family": "fisher", "strengths": (0.1,)}, "--calibration", "--build-calibration"),
+    ({"engine": "vllm"}, "--engine", "expected one"),
+    ({"model": "/nonexistent/model"}, "--model", "local copy"),
+])
+def test_bad_input_is_one_clear_error(tmp_path, kw, option, expected):
+    with pytest.raises(ValueError) as err:
+        config(tmp_path, **kw)
+    assert option in str(err.value) and expected in str(err.value)
+
+
+def test_bad_input_more(tmp_path, pool, capsys):
+    (tmp_path / "empty_adapter").mkdir()
+    with pytest.raises(ValueError, match="--adapter.*adapter_model.safetensors"):
+        config(tmp_path, adapters=(str(tmp_path / "empty_adapter"),))
+    (tmp_path / "pickled").mkdir()
+    (tmp_path / "pickled" / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="--model.*safetensors"):
+        config(tmp_path, model=str(tmp_path / "pickled"))
+    with pytest.raises(ValueError, match="--split.*expected some of"):
+        E.evaluate(config(tmp_path, splits=("valid_seen",)), pool=pool, progress=False)
+    with pytest.raises(SystemExit) as ex:
+        E.main(["--model", "tiny-qwen2", "--family", "dropout", "--strength", "1.5"])
+    assert ex.value.code == 2
+    msg = capsys.readouterr().err
+    assert "--strength" in msg and "0 <= p < 1" in msg and "Fix" in msg
+    with pytest.raises(SystemExit):
+        E.main(["--family", "clean"])
+    assert "--model" in capsys.readouterr().err
+
+
+def test_cli_writes_rows(tmp_path, capsys):
+    out = tmp_path / "rows.csv"
+    rc = E.main(["--model", "tiny-qwen2", "--env", "webshop", "--family", "gaussian", "--strength", "0.1",
+                 "--seeds", "0", "1", "--tasks", "2", "--max-steps", "1", "--max-new-tokens", "6",
+                 "--cache-dir", str(tmp_path / "cache"), "--out", str(out), "--tag", "method=vanilla",
+                 "--no-progress"])
+    assert rc == 0
+    rows = pd.read_csv(out)
+    assert len(rows) == 4 and set(rows["seed"]) == {0, 1} and set(rows["method"]) == {"vanilla"}
+    assert "gaussian" in capsys.readouterr().out
