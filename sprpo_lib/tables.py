@@ -1,0 +1,230 @@
+"""The paper's results tables from :func:`sprpo_lib.stats.summarize` output: LaTeX in
+the paper's layout (booktabs) and CSV with the same numbers.
+
+* :func:`main_table`: Table 1: one block per environment, methods as rows, a few
+  settings as columns, ``mean +- std (retention)``;
+* :func:`appendix_table`: App. "More Experiment Results": (perturbation, strength) as
+  rows, methods as columns, optionally in column groups (ALFWorld ID / OOD).
+
+Both mark the best mean of each column (Table 1) or row (appendix) in bold, ties
+included, comparing means as printed (``digits`` decimals: what the reader sees), and
+print std = NaN (a single training seed) as the mean alone.  :func:`main_frame` and
+:func:`appendix_frame` are the same tables as tidy DataFrames (one row per printed
+cell, with the ``best`` flag); :func:`to_csv` writes them.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import pandas as pd
+
+from .manifest import atomic_write_text
+
+__all__ = ["FAMILY_LABELS", "METHOD_LABELS", "ENV_LABELS", "strength_label", "meanstd", "best_flags", "main_frame",
+           "main_table", "appendix_frame", "appendix_table", "default_levels", "to_csv", "write_text"]
+
+FAMILY_ORDER = ("clean", "gaussian", "dropout", "fisher", "sparsegpt", "rtn")
+FAMILY_LABELS = {"clean": "Clean", "gaussian": "Gaussian", "dropout": "Dropout", "fisher": "Structured pruning",
+                 "sparsegpt": "Unstructured pruning", "rtn": "Quantization"}
+METHOD_LABELS = {"vanilla": "Vanilla", "gaussian": "Gaussian", "sam": "SAM", "sprpo": "SPrPO"}
+ENV_LABELS = {"webshop": "WebShop", "alfworld": "ALFWorld"}
+_SYMBOLS = {"gaussian": r"\sigma", "dropout": "p", "fisher": "r", "sparsegpt": "r"}
+MACROS = (r"\providecommand{\meanstd}[2]{\ensuremath{#1\,{\scriptstyle\pm\,#2}}}" "\n"
+          r"\providecommand{\bestmeanstd}[2]{\ensuremath{\mathbf{#1}\,{\scriptstyle\pm\,#2}}}" "\n")
+
+
+def strength_label(family: str, strength: float, short: bool = False, clean_label: str = "BF16") -> str:
+    """``$\\sigma=0.02$``, ``$p=0.01$``, ``$r=0.05$``, ``INT8``, or ``clean_label``;
+    ``short`` drops the leading zero (``$\\sigma=.20$``, Table 1's headers)."""
+    if family == "clean":
+        return clean_label
+    if family == "rtn":
+        return f"INT{int(strength)}"
+    v = f"{strength:.2f}"
+    if short and v.startswith("0."):
+        v = v[1:]
+    return f"${_SYMBOLS.get(family, 's')}={v}$"
+
+
+def _num(x: float, digits: int) -> str:
+    return f"{x:.{digits}f}"
+
+
+def meanstd(mean: float, std: float, bold: bool = False, digits: int = 2, macro: bool = False) -> str:
+    """``\\ensuremath{m\\,{\\scriptstyle\\pm\\,s}}`` (bold mean when ``bold``), or the
+    ``\\meanstd{m}{s}`` / ``\\bestmeanstd{m}{s}`` macros of Table 1; ``--`` for a missing mean."""
+    if mean is None or (isinstance(mean, float) and math.isnan(mean)):
+        return "--"
+    m = _num(mean, digits)
+    if std is None or (isinstance(std, float) and math.isnan(std)):
+        return rf"\ensuremath{{\mathbf{{{m}}}}}" if bold else rf"\ensuremath{{{m}}}"
+    s = _num(std, digits)
+    if macro:
+        return rf"\bestmeanstd{{{m}}}{{{s}}}" if bold else rf"\meanstd{{{m}}}{{{s}}}"
+    mm = rf"\mathbf{{{m}}}" if bold else m
+    return rf"\ensuremath{{{mm}\,{{\scriptstyle\pm\,{s}}}}}"
+
+
+def best_flags(means: Sequence[float], digits: int = 2) -> list[bool]:
+    """True for every mean equal (as printed) to the highest one; NaN is never best."""
+    shown = [None if m is None or math.isnan(m) else float(_num(m, digits)) for m in means]
+    top = max((v for v in shown if v is not None), default=None)
+    return [v is not None and v == top for v in shown]
+
+
+def _row(summary: pd.DataFrame, where: Mapping) -> pd.Series | None:
+    sel = summary
+    for k, v in where.items():
+        sel = sel[sel[k] == v]
+    if len(sel) > 1:
+        raise ValueError(f"tables: {len(sel)} summary rows match {dict(where)}; summarise by these keys first")
+    return None if sel.empty else sel.iloc[0]
+
+
+def _cell(summary: pd.DataFrame, where: Mapping) -> dict:
+    r = _row(summary, where)
+    get = (lambda k: float(r[k]) if r is not None and k in r.index and pd.notna(r[k]) else float("nan"))
+    return {"mean": get("mean"), "std": get("std"), "n": get("n"), "retention": get("retention")}
+
+
+# ----------------------------------------------------------------------------- Table 1
+def main_frame(summary: pd.DataFrame, settings: Mapping[str, Sequence[tuple[str, float]]], methods: Sequence[str],
+               *, method: str = "method", digits: int = 2) -> pd.DataFrame:
+    """Table 1 as tidy rows: for each env (keys of ``settings``, in order), method and
+    column ``(family, strength)``: ``mean, std, n, retention, best``."""
+    out = []
+    for env, cols in settings.items():
+        for j, (fam, s) in enumerate(cols):
+            cells = [_cell(summary, {"env": env, method: m, "family": fam, "strength": s}) for m in methods]
+            for m, c, b in zip(methods, cells, best_flags([c["mean"] for c in cells], digits)):
+                out.append({"env": env, "method": m, "column": j, "family": fam, "strength": s, **c, "best": b})
+    return pd.DataFrame(out, columns=["env", "method", "column", "family", "strength", "mean", "std", "n",
+                                      "retention", "best"])
+
+
+def main_table(summary: pd.DataFrame, settings: Mapping[str, Sequence[tuple[str, float]]], methods: Sequence[str],
+               *, method: str = "method", highlight: str | None = "sprpo", method_labels: Mapping | None = None,
+               env_labels: Mapping | None = None, digits: int = 2, retention_digits: int = 1) -> str:
+    """Table 1's LaTeX (``tabular`` with booktabs rules and the ``\\meanstd`` macros,
+    defined with ``\\providecommand``): per env a header row (italic env name, column
+    titles), then one row per method, ``mean +- std`` and, off the clean column, the
+    retention in parentheses; the best mean of each column bold (ties included); the
+    ``highlight`` method's row shaded (``\\rowcolor``, needs ``colortbl``) and labelled
+    "(Ours)".  Every env must have the same number of columns."""
+    frame = main_frame(summary, settings, methods, method=method, digits=digits)
+    labels = {**METHOD_LABELS, **(method_labels or {})}
+    envs = {**ENV_LABELS, **(env_labels or {})}
+    widths = {len(c) for c in settings.values()}
+    if len(widths) != 1:
+        raise ValueError(f"main_table: every env needs the same number of columns, got {sorted(widths)}")
+    lines = [MACROS.rstrip("\n"), rf"\begin{{tabular}}{{@{{}}l{'c' * widths.pop()}@{{}}}}", r"\toprule"]
+    for i, (env, cols) in enumerate(settings.items()):
+        if i:
+            lines.append(r"\midrule")
+        head = [rf"\textit{{{envs.get(env, env)}}}"]
+        for fam, s in cols:
+            name = FAMILY_LABELS.get(fam, fam).replace(" pruning", " Pruning")
+            head.append(name if fam == "clean" else
+                        rf"\shortstack{{{name}\\({strength_label(fam, s, short=True)})}}")
+        lines.append("\n& ".join(head) + r" \\")
+        lines.append(r"\midrule")
+        for m in methods:
+            sub = frame[(frame["env"] == env) & (frame["method"] == m)].sort_values("column")
+            name = labels.get(m, m)
+            row = []
+            if m == highlight:
+                row.append(r"\rowcolor{blue!8}")
+                name = rf"\textbf{{{name} (Ours)}}"
+            cells = [name]
+            for _, c in sub.iterrows():
+                txt = meanstd(c["mean"], c["std"], bool(c["best"]), digits, macro=True)
+                if c["family"] != "clean" and not math.isnan(c["retention"]):
+                    txt += f"~({_num(c['retention'], retention_digits)})"
+                cells.append(txt)
+            row.append("\n& ".join(cells) + r" \\")
+            lines.extend(row)
+    lines += [r"\bottomrule", r"\end{tabular}"]
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- appendix tables
+def default_levels(summary: pd.DataFrame, env: str | None = None) -> list[tuple[str, float]]:
+    """Rows of an appendix table: clean first, then each family's strengths present in
+    ``summary`` (ascending; RTN from 8 bits down, as the paper)."""
+    sel = summary if env is None else summary[summary["env"] == env]
+    pairs = set(zip(sel["family"], sel["strength"]))
+    out = [p for p in pairs if p[0] == "clean"][:1]
+    known = [f for f in FAMILY_ORDER if f != "clean"] + sorted({f for f, _ in pairs} - set(FAMILY_ORDER))
+    for f in known:
+        out += sorted((p for p in pairs if p[0] == f), key=lambda p: -p[1] if f == "rtn" else p[1])
+    return out
+
+
+def appendix_frame(summary: pd.DataFrame, env: str, methods: Sequence[str], *, method: str = "method",
+                   groups: Sequence[tuple[str, str]] | None = None, group_col: str = "split",
+                   levels: Sequence[tuple[str, float]] | None = None, digits: int = 2) -> pd.DataFrame:
+    """An appendix table as tidy rows: for each level ``(family, strength)``, group
+    (``(value of group_col, title)``, e.g. ``("valid_seen", "ID")``; ``None``: one
+    group) and method: ``mean, std, n, retention, best`` (best within the row and group)."""
+    levels = list(levels) if levels is not None else default_levels(summary, env)
+    out = []
+    for fam, s in levels:
+        for gval, gtitle in (groups or [(None, "")]):
+            where = {"env": env, "family": fam, "strength": s}
+            if gval is not None:
+                where[group_col] = gval
+            cells = [_cell(summary, {**where, method: m}) for m in methods]
+            for m, c, b in zip(methods, cells, best_flags([c["mean"] for c in cells], digits)):
+                out.append({"env": env, "group": gtitle, "family": fam, "strength": s, "method": m, **c, "best": b})
+    return pd.DataFrame(out, columns=["env", "group", "family", "strength", "method", "mean", "std", "n",
+                                      "retention", "best"])
+
+
+def appendix_table(summary: pd.DataFrame, env: str, methods: Sequence[str], *, method: str = "method",
+                   groups: Sequence[tuple[str, str]] | None = None, group_col: str = "split",
+                   levels: Sequence[tuple[str, float]] | None = None, highlight: str | None = "sprpo",
+                   method_labels: Mapping | None = None, clean_label: str = "BF16", digits: int = 2) -> str:
+    """An appendix table's LaTeX: ``Perturbation & Strength & <methods>`` (the
+    ``highlight`` method's header bold), a ``\\midrule`` between families, the family
+    name on its first row only, ``mean +- std`` cells with the row's best mean bold
+    (ties included); ``groups`` repeats the method columns under ``\\multicolumn``
+    titles with ``\\cmidrule``s (ALFWorld ID / OOD)."""
+    frame = appendix_frame(summary, env, methods, method=method, groups=groups, group_col=group_col, levels=levels,
+                           digits=digits)
+    labels = {**METHOD_LABELS, **(method_labels or {})}
+    heads = [rf"\textbf{{{labels.get(m, m)}}}" if m == highlight else labels.get(m, m) for m in methods]
+    ngroups = len(groups) if groups else 1
+    k = len(methods)
+    lines = [rf"\begin{{tabular}}{{@{{}}ll{'c' * (k * ngroups)}@{{}}}}", r"\toprule"]
+    if groups:
+        lines.append(r"\multicolumn{2}{c}{} & " + " & ".join(rf"\multicolumn{{{k}}}{{c}}{{{t}}}" for _, t in groups)
+                     + r" \\")
+        lines.append("".join(rf"\cmidrule(lr){{{3 + i * k}-{2 + (i + 1) * k}}}" for i in range(ngroups)))
+    lines.append(" & ".join(["Perturbation", "Strength", *heads * ngroups]) + r" \\")
+    prev = None
+    for fam, s in (list(levels) if levels is not None else default_levels(summary, env)):
+        if fam != prev:
+            lines.append(r"\midrule")
+        sub = frame[(frame["family"] == fam) & (frame["strength"] == s)]
+        cells = [meanstd(c["mean"], c["std"], bool(c["best"]), digits) for _, c in sub.iterrows()]
+        first = "" if fam == prev else FAMILY_LABELS.get(fam, fam)
+        lines.append(" & ".join([first, strength_label(fam, s, clean_label=clean_label), *cells]) + r" \\")
+        prev = fam
+    lines += [r"\bottomrule", r"\end{tabular}"]
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- files
+def to_csv(frame: pd.DataFrame, path: str | Path | None = None, digits: int | None = None) -> str:
+    """CSV text of a table frame (or a summary); written atomically to ``path`` if given."""
+    text = (frame.round(digits) if digits is not None else frame).to_csv(index=False)
+    if path is not None:
+        atomic_write_text(path, text)
+    return text
+
+
+def write_text(path: str | Path, text: str) -> Path:
+    """Write a LaTeX table atomically."""
+    return atomic_write_text(path, text)

@@ -1,0 +1,213 @@
+"""Statistics and tables on crafted data with closed-form answers: seed mean and sample
+std, retention, paired bootstrap intervals, bold-best with ties, the paper's layouts."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from sprpo_lib import stats, tables
+
+
+def episodes(method: str, train_seed: int, family: str, strength: float, successes: list[int],
+             env: str = "webshop", split: str = "test", eval_seeds=(0,)) -> list[dict]:
+    return [{"method": method, "train_seed": train_seed, "env": env, "split": split, "task_index": i,
+             "family": family, "strength": strength, "seed": s, "success": bool(v), "score": float(v)}
+            for s in eval_seeds for i, v in enumerate(successes)]
+
+
+def k_of(n: int, k: int) -> list[int]:
+    return [1] * k + [0] * (n - k)
+
+
+# ----------------------------------------------------------------------------- mean, std, retention
+def test_seed_mean_and_sample_std_reproduce_the_paper():
+    """ALFWorld Vanilla clean 87.59 +- 0.97: 238, 239, 243 of 274 tasks (ddof = 1)."""
+    rows = pd.DataFrame([r for seed, k in enumerate((238, 239, 243))
+                         for r in episodes("vanilla", seed, "clean", 0.0, k_of(274, k), env="alfworld")])
+    s = stats.summarize(rows)
+    assert len(s) == 1 and s["n"].iloc[0] == 3
+    assert f"{s['mean'].iloc[0]:.2f}" == "87.59" and f"{s['std'].iloc[0]:.2f}" == "0.97"
+    rates = np.array([238, 239, 243]) / 274 * 100
+    assert s["std"].iloc[0] == pytest.approx(rates.std(ddof=1))
+    assert s["retention"].iloc[0] == pytest.approx(100.0)
+
+
+def test_policy_success_pools_eval_seeds_and_splits():
+    rows = pd.DataFrame(episodes("m", 0, "clean", 0.0, [1, 0, 0, 0], split="valid_seen", eval_seeds=(0, 1))
+                        + episodes("m", 0, "clean", 0.0, [1, 1], split="valid_unseen", eval_seeds=(0, 1)))
+    overall = stats.policy_success(rows)
+    assert overall["success"].iloc[0] == pytest.approx(100 * 6 / 12) and overall["episodes"].iloc[0] == 12
+    by_split = stats.policy_success(rows, by=("env", "split")).set_index("split")["success"]
+    assert by_split["valid_seen"] == pytest.approx(25.0) and by_split["valid_unseen"] == pytest.approx(100.0)
+
+
+def test_retention_is_the_ratio_of_seed_means():
+    rows = []
+    for seed, (clean, pert) in enumerate(((10, 5), (6, 1))):  # of 10 tasks
+        rows += episodes("vanilla", seed, "clean", 0.0, k_of(10, clean))
+        rows += episodes("vanilla", seed, "gaussian", 0.2, k_of(10, pert))
+    s = stats.summarize(pd.DataFrame(rows)).set_index("family")
+    assert s.loc["gaussian", "mean"] == pytest.approx(30.0)
+    assert s.loc["gaussian", "retention"] == pytest.approx(100 * 30 / 80)  # 37.5, not mean(50, 16.7) = 33.3
+    per = stats.policy_retention(stats.policy_success(pd.DataFrame(rows)))
+    got = per[per["family"] == "gaussian"].set_index("train_seed")["retention"]
+    assert got[0] == pytest.approx(50.0) and got[1] == pytest.approx(100 / 6)
+    # Table 1, WebShop Vanilla, Gaussian sigma = .20: 18.73 / 57.00 -> (32.9)
+    summary = pd.DataFrame([{"method": "v", "env": "w", "family": "clean", "strength": 0.0, "mean": 57.00},
+                            {"method": "v", "env": "w", "family": "gaussian", "strength": 0.2, "mean": 18.73}])
+    assert f"{stats.add_retention(summary)['retention'].iloc[1]:.1f}" == "32.9"
+
+
+def test_single_seed_has_no_std():
+    s = stats.summarize(pd.DataFrame(episodes("m", 0, "clean", 0.0, [1, 0])))
+    assert s["n"].iloc[0] == 1 and math.isnan(s["std"].iloc[0])
+
+
+# ----------------------------------------------------------------------------- paired bootstrap
+def paired(a_clean, a_pert, b_clean, b_pert, seeds=(0,)):
+    rows = []
+    for s in seeds:
+        rows += episodes("a", s, "clean", 0.0, a_clean) + episodes("a", s, "rtn", 4.0, a_pert)
+        rows += episodes("b", s, "clean", 0.0, b_clean) + episodes("b", s, "rtn", 4.0, b_pert)
+    return pd.DataFrame(rows)
+
+
+def test_bootstrap_degenerate_and_two_task_closed_forms():
+    n = 8
+    res = stats.paired_bootstrap(paired([1] * n, [1] * n, [1] * n, [0] * n), "a", "b", "rtn", 4.0, n_resamples=500)
+    assert res["success"] == 100.0 and res["success_ci"] == (100.0, 100.0)
+    assert res["retention"] == 100.0 and res["retention_ci"] == (100.0, 100.0)
+    # two tasks, per-task difference (0, 100): resampled means are 0, 50, 100 with
+    # probabilities 1/4, 1/2, 1/4, so the 95% percentile interval is [0, 100]
+    res = stats.paired_bootstrap(paired([1, 1], [1, 1], [1, 1], [1, 0]), "a", "b", "rtn", 4.0, n_resamples=4000)
+    assert res["success"] == 50.0 and res["success_ci"] == (0.0, 100.0) and res["tasks"] == 2
+
+
+def test_bootstrap_standard_error_matches_the_closed_form():
+    """The bootstrap distribution of a mean of T per-task differences d_t has standard
+    deviation sqrt(mean((d - mean d)^2) / T)."""
+    rng = np.random.default_rng(1)
+    t = 60
+    a = rng.integers(0, 2, t).tolist()
+    b = rng.integers(0, 2, t).tolist()
+    res = stats.paired_bootstrap(paired([1] * t, a, [1] * t, b), "a", "b", "rtn", 4.0, n_resamples=20_000, seed=3)
+    d = 100.0 * (np.array(a) - np.array(b))
+    assert res["success"] == pytest.approx(d.mean())
+    assert res["success_se"] == pytest.approx(math.sqrt(d.var() / t), rel=0.03)
+    lo, hi = res["success_ci"]
+    assert lo < d.mean() < hi
+    assert hi - lo == pytest.approx(2 * 1.96 * math.sqrt(d.var() / t), rel=0.08)  # normal approximation
+
+
+def test_bootstrap_retention_difference_and_seeding():
+    # a keeps 3 of its 4 clean successes (75%), b keeps 1 of 2 (50%): +25 points
+    df = paired([1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 0, 0], [1, 0, 0, 0], seeds=(0, 1))
+    res = stats.paired_bootstrap(df, "a", "b", "rtn", 4.0, n_resamples=300, seed=5)
+    assert res["retention"] == pytest.approx(25.0) and res["success"] == pytest.approx(50.0)
+    assert res["episodes_per_method"] == 8 and res["n_resamples"] == 300
+    again = stats.paired_bootstrap(df, "a", "b", "rtn", 4.0, n_resamples=300, seed=5)
+    other = stats.paired_bootstrap(df, "a", "b", "rtn", 4.0, n_resamples=300, seed=6)
+    assert again == res  # seeded: reproducible
+    assert other["success_se"] != res["success_se"]  # another seed draws other resamples
+    assert res["retention_undefined"] > 0  # resamples with only task 2 and 3 leave b without clean successes
+
+
+def test_bootstrap_refuses_unpaired_data():
+    df = paired([1, 1], [1, 0], [1, 1], [0, 0])
+    df = df[~((df["method"] == "b") & (df["family"] == "rtn") & (df["task_index"] == 1))]
+    with pytest.raises(ValueError, match="same tasks"):
+        stats.paired_bootstrap(df, "a", "b", "rtn", 4.0)
+    with pytest.raises(ValueError, match="no rows"):
+        stats.paired_bootstrap(df, "a", "c", "rtn", 4.0)
+
+
+# ----------------------------------------------------------------------------- tables
+def summary_of(cells: dict) -> pd.DataFrame:
+    """{(method, family, strength): (mean, std)} -> a summary with retention."""
+    rows = [{"method": m, "env": "webshop", "family": f, "strength": s, "mean": mu, "std": sd, "n": 3}
+            for (m, f, s), (mu, sd) in cells.items()]
+    return stats.add_retention(pd.DataFrame(rows))
+
+
+CRAFTED = summary_of({
+    ("vanilla", "clean", 0.0): (57.0, 4.39), ("sam", "clean", 0.0): (60.004, 1.0), ("sprpo", "clean", 0.0): (60.0, 0.72),
+    ("vanilla", "gaussian", 0.2): (18.73, 3.03), ("sam", "gaussian", 0.2): (15.2, 2.65),
+    ("sprpo", "gaussian", 0.2): (30.13, 1.81),
+    ("vanilla", "rtn", 8.0): (56.67, 4.67), ("sam", "rtn", 8.0): (float("nan"), float("nan")),
+    ("sprpo", "rtn", 8.0): (9.87, 5.46), ("vanilla", "rtn", 4.0): (9.6, 2.31), ("sam", "rtn", 4.0): (9.87, 5.46),
+    ("sprpo", "rtn", 4.0): (8.2, 2.42),
+})
+METHODS = ["vanilla", "sam", "sprpo"]
+
+
+def test_best_flags_include_ties_at_printed_precision():
+    assert tables.best_flags([60.0, 60.004, 59.99]) == [True, True, False]  # 60.00 twice
+    assert tables.best_flags([1.0, float("nan"), 0.5]) == [True, False, False]
+    assert tables.best_flags([60.0, 60.006]) == [False, True]  # 60.00 < 60.01
+
+
+def test_main_table_layout_bold_ties_and_retention():
+    tex = tables.main_table(CRAFTED, {"webshop": [("clean", 0.0), ("gaussian", 0.2), ("rtn", 4.0)]}, METHODS)
+    lines = tex.splitlines()
+    assert lines[2] == r"\begin{tabular}{@{}lccc@{}}" and lines[3] == r"\toprule" and lines[-1] == r"\end{tabular}"
+    assert r"\providecommand{\meanstd}" in tex and lines[-2] == r"\bottomrule"
+    assert r"\textit{WebShop}" in tex and r"& \shortstack{Gaussian\\($\sigma=.20$)}" in tex
+    assert r"\shortstack{Quantization\\(INT4)} \\" in tex
+    assert r"& \meanstd{57.00}{4.39}" in lines and r"& \meanstd{18.73}{3.03}~(32.9)" in lines
+    assert r"& \bestmeanstd{60.00}{1.00}" in lines and r"& \bestmeanstd{60.00}{0.72}" in lines  # tie: both bold
+    assert r"& \bestmeanstd{30.13}{1.81}~(50.2)" in lines
+    assert r"& \bestmeanstd{9.87}{5.46}~(16.4) \\" in lines  # the best of a column need not be ours
+    i = lines.index(r"\rowcolor{blue!8}")
+    assert lines[i + 1] == r"\textbf{SPrPO (Ours)}"
+    assert sum(ln.startswith(r"& \bestmeanstd") for ln in lines) == 4
+
+
+def test_main_table_stacks_envs():
+    two = pd.concat([CRAFTED, CRAFTED.assign(env="alfworld")], ignore_index=True)
+    tex = tables.main_table(two, {"webshop": [("clean", 0.0), ("gaussian", 0.2)],
+                                  "alfworld": [("clean", 0.0), ("rtn", 8.0)]}, METHODS, highlight=None)
+    assert tex.count(r"\midrule") == 3 and r"\textit{ALFWorld}" in tex and r"\rowcolor" not in tex
+    with pytest.raises(ValueError, match="same number of columns"):
+        tables.main_table(two, {"webshop": [("clean", 0.0)], "alfworld": [("clean", 0.0), ("rtn", 8.0)]}, METHODS)
+
+
+def test_appendix_table_layout():
+    tex = tables.appendix_table(CRAFTED, "webshop", METHODS)
+    lines = tex.splitlines()
+    assert lines[:3] == [r"\begin{tabular}{@{}llccc@{}}", r"\toprule",
+                         r"Perturbation & Strength & Vanilla & SAM & \textbf{SPrPO} \\"]
+    body = [ln for ln in lines if "&" in ln][1:]
+    assert [ln.split(" & ")[:2] for ln in body] == [["Clean", "BF16"], ["Gaussian", r"$\sigma=0.20$"],
+                                                    ["Quantization", "INT8"], ["", "INT4"]]
+    assert lines.count(r"\midrule") == 3
+    assert body[0].count(r"\mathbf") == 2  # 60.00 tie
+    assert r"\ensuremath{\mathbf{56.67}\,{\scriptstyle\pm\,4.67}} & -- & \ensuremath{9.87" in body[2]
+    assert body[3].count(r"\mathbf{9.87}") == 1
+
+
+def test_appendix_groups_and_csv(tmp_path):
+    split = pd.concat([CRAFTED.assign(split="valid_seen"), CRAFTED.assign(split="valid_unseen",
+                                                                          mean=CRAFTED["mean"] - 1)],
+                      ignore_index=True).assign(env="alfworld")
+    groups = [("valid_seen", "ID"), ("valid_unseen", "OOD")]
+    tex = tables.appendix_table(split, "alfworld", METHODS, groups=groups)
+    assert r"\multicolumn{2}{c}{} & \multicolumn{3}{c}{ID} & \multicolumn{3}{c}{OOD} \\" in tex
+    assert r"\cmidrule(lr){3-5}\cmidrule(lr){6-8}" in tex and "{@{}llcccccc@{}}" in tex
+    frame = tables.appendix_frame(split, "alfworld", METHODS, groups=groups)
+    assert len(frame) == 4 * 2 * 3 and frame["best"].sum() == 2 * (2 + 1 + 1 + 1)
+    text = tables.to_csv(frame, tmp_path / "t.csv")
+    back = pd.read_csv(tmp_path / "t.csv")
+    assert text.startswith("env,group,family,strength,method,mean,std,n,retention,best")
+    pd.testing.assert_frame_equal(back, frame, check_dtype=False)
+
+
+def test_strength_labels():
+    assert tables.strength_label("gaussian", 0.2) == r"$\sigma=0.20$"
+    assert tables.strength_label("gaussian", 0.2, short=True) == r"$\sigma=.20$"
+    assert tables.strength_label("dropout", 0.05) == "$p=0.05$"
+    assert tables.strength_label("sparsegpt", 0.4, short=True) == "$r=.40$"
+    assert tables.strength_label("rtn", 6.0) == "INT6" and tables.strength_label("clean", 0.0) == "BF16"
+    assert tables.default_levels(CRAFTED) == [("clean", 0.0), ("gaussian", 0.2), ("rtn", 8.0), ("rtn", 4.0)]
