@@ -40,6 +40,21 @@ App. C protocol, as implemented here:
 A zero strength is the identity perturbation: such a cell *is* the clean cell (same
 key, same rows, computed once) and its rows are labelled with the requested family and
 strength.
+
+Cache layout (``cache_dir``, default ``runs/eval_cache/``)::
+
+    cells/<env>-<family>/<key>.json   one cell: {"key", "fields", "rows", "seconds", "commit", "date"}
+    fisher/<hash>.safetensors         Fisher scores of one model on one calibration pool
+    file_hashes.json                  memo of file digests per (path, size, mtime, inode)
+
+``key`` is the SHA-256 of ``fields`` (:func:`cell_fields`): :data:`EVALUATOR_VERSION`;
+the model (digest of the base folder's safetensors, config and tokenizer files, or of
+the tensors of a tiny model; digest of each adapter folder, in order; dtype; device
+type); the env (name, data source, pool seed, step limit, the ``(split, index)`` task
+list, a digest of the WebShop goals); generation (engine, temperature, top-p, response
+length, batch size, stop string); the agent's prompt settings; the perturbation
+(family, strength, options, and the calibration pool's hash for fisher / sparsegpt);
+the evaluation seed.  Tags (method, training seed) are not part of it.
 """
 from __future__ import annotations
 

@@ -321,3 +321,25 @@ def test_cli_writes_rows(tmp_path, capsys):
     rows = pd.read_csv(out)
     assert len(rows) == 4 and set(rows["seed"]) == {0, 1} and set(rows["method"]) == {"vanilla"}
     assert "gaussian" in capsys.readouterr().out
+
+
+def test_config_from_a_training_run(tmp_path, pool, counter):
+    """A run folder gives the base model (tiny models: the run's seed), the RL adapter,
+    the profile's prompt settings and step limit, and the method / seed tags."""
+    from sprpo_lib.config import config_dict, load_config
+    from sprpo_lib.models import LoraSettings, add_lora, load_policy
+    from sprpo_lib.manifest import atomic_write_json
+
+    tc = load_config("smoke", **{"method.name": "sprpo", "seed": 1})
+    run = tmp_path / "webshop-sprpo-smoke-seed1"
+    atomic_write_json(run / "config.json", {"config": config_dict(tc), "dtype": "float32"})
+    add_lora(load_policy("tiny-qwen2", seed=1), LoraSettings(rank=4, alpha=8)).model.save_pretrained(
+        run / "final" / "adapter", safe_serialization=True)
+    cfg = E.config_from_run(run, tasks=1, cache_dir=str(tmp_path / "cache"))
+    assert cfg.model == "tiny-qwen2" and cfg.model_seed == 1 and cfg.dtype == "float32"
+    assert cfg.adapters == (str(run / "final" / "adapter"),) and cfg.agent == tc.rollout.agent
+    assert cfg.max_steps == tc.env.max_steps and cfg.max_new_tokens == tc.rollout.generation.max_new_tokens
+    rows = E.evaluate(cfg, pool=pool, progress=False)
+    assert list(rows["method"]) == ["sprpo"] and list(rows["train_seed"]) == [1] and rows["length"].iloc[0] <= 3
+    with pytest.raises(ValueError, match="--run.*config.json"):
+        E.config_from_run(tmp_path)
