@@ -225,6 +225,64 @@ def _select(logits: torch.Tensor, seen: torch.Tensor | None, penalty: float, cfg
 
 
 # ----------------------------------------------------------------------------- HF engine
+def _room_layer():
+    """The class of :func:`_room_cache`'s layers (transformers imported on first use)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class RoomLayer(DynamicLayer):
+        """A KV cache layer with room for the tokens still to come: a decode step writes
+        its keys and values in place, where ``DynamicLayer`` copies the whole cache.
+        ``keys`` / ``values`` are views of the filled part."""
+
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int):
+            super().__init__()
+            self.lazy_initialization(keys, values)
+            b, h, n, _ = keys.shape
+            self._k = keys.new_empty(b, h, n + room, keys.shape[-1])
+            self._v = values.new_empty(b, h, n + room, values.shape[-1])
+            self._k[:, :, :n], self._v[:, :, :n] = keys, values
+            self._n = n
+            self._show()
+
+        def _show(self) -> None:
+            self.keys, self.values = self._k[:, :, : self._n], self._v[:, :, : self._n]
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            m = key_states.shape[-2]
+            if self._n + m > self._k.shape[-2]:  # out of room: grow (not expected)
+                extra = max(m, self._k.shape[-2] // 2)
+                self._k = torch.cat([self._k, self._k.new_empty(*self._k.shape[:2], extra, self._k.shape[-1])], -2)
+                self._v = torch.cat([self._v, self._v.new_empty(*self._v.shape[:2], extra, self._v.shape[-1])], -2)
+            self._k[:, :, self._n : self._n + m] = key_states
+            self._v[:, :, self._n : self._n + m] = value_states
+            self._n += m
+            self._show()
+            return self.keys, self.values
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            self._k, self._v = self._k[indices], self._v[indices]
+            self._show()
+
+        def trim_left(self, n: int) -> None:
+            """Forget the first ``n`` positions (columns no remaining row attends to)."""
+            self._k, self._v = self._k[:, :, n:], self._v[:, :, n:]
+            self._n -= n
+            self._show()
+
+        def crop(self, tokens_to_remove: int) -> None:
+            raise NotImplementedError("RoomLayer is for HFEngine's decode loop only")
+
+    return RoomLayer
+
+
+def _room_cache(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], room: int):
+    """A cache holding these per-layer keys/values with ``room`` free positions each."""
+    from transformers.cache_utils import Cache
+
+    cls = _room_layer()
+    return Cache(layers=[cls(k, v, room) for k, v in kv])
+
+
 class HFEngine:
     """:class:`~sprpo_lib.rollout.HFGenerator`'s results, computed with less waste.
 
@@ -233,7 +291,8 @@ class HFEngine:
       similar length of at most ``prefill_tokens`` padded tokens, with only the last
       position's logits, and the groups' KV caches are joined (left-padded) for decoding.
     * The decode loop drops finished rows from the batch and the KV cache, and trims
-      cache columns that only the dropped rows used, so no finished row is computed.
+      cache columns that only the dropped rows used, so no finished row is computed;
+      the cache has room for the new tokens, so a step does not copy it.
     * Stop strings are matched on each new token's text against a short tail, per row.
 
     It runs the model's own forward: ``FFNChannels`` hooks and peft adapters on
@@ -346,7 +405,7 @@ class HFEngine:
                 vs.append(nn.functional.pad(v, (0, 0, width - w, 0)))
             att[r : r + len(group), width - w:] = a
             r += len(group)
-        joined = DynamicCache(ddp_cache_data=[(torch.cat(ks), torch.cat(vs)) for ks, vs in layers])
+        joined = _room_cache([(torch.cat(ks), torch.cat(vs)) for ks, vs in layers], self.cfg.max_new_tokens)
         next_pos = torch.tensor([len(p) for p in prompts], device=device)
         return torch.cat(logits), joined, att, next_pos
 
@@ -385,7 +444,7 @@ class HFEngine:
                     att = att[:, lead:]
                     seen = seen[:, lead:] if seen is not None else None
                     for layer in cache.layers:
-                        layer.keys, layer.values = layer.keys[:, :, lead:], layer.values[:, :, lead:]
+                        layer.trim_left(lead)
             att = torch.cat([att, att.new_ones(len(alive), 1)], dim=1)
             if seen is not None:
                 seen = torch.cat([seen, nxt[:, None]], dim=1)
