@@ -215,6 +215,28 @@ def fit_prompt(
     return best
 
 
+PROMPT_SECTIONS = ("task", "interaction context", "current observation", "available actions", "template")
+
+
+def prompt_sections(prompt: str) -> dict[str, str]:
+    """Split a :func:`build_prompt` prompt into its sections (for token budgets): the
+    text of each field, and ``template`` = the headers and the response instruction."""
+    heads = [("task", "Task: "), ("interaction context", "\n\nInteraction context:\n"),
+             ("current observation", "\n\nCurrent observation: "), ("available actions", "\n\nAvailable actions:\n"),
+             ("end", "\n\nResponse: ")]
+    pos = []
+    at = 0
+    for name, head in heads:
+        i = prompt.find(head, at)
+        if i < 0:
+            raise ValueError(f"not a build_prompt prompt: no {head.strip()!r} section")
+        pos.append((name, i, i + len(head)))
+        at = i + len(head)
+    out = {name: prompt[body:pos[k + 1][1]] for k, (name, _, body) in enumerate(pos[:-1])}
+    out["template"] = "".join(head for _, head in heads) + RESPONSE_INSTRUCTION
+    return out
+
+
 def chat_text(tokenizer, prompt: str, cfg: AgentConfig | None = None) -> str:
     """``prompt`` as a user turn in the model's chat template, ready for generation."""
     cfg = cfg or AgentConfig()

@@ -152,3 +152,16 @@ def test_runner_with_tiny_model_end_to_end(tiny):
     eps, stats = run_groups(_webshop_envs(), [("train", 0)], 2, gen, max_steps=2, progress=False)
     assert all(e.length == 2 and not any(s.valid for s in e.steps) for e in eps)  # random model: no tags
     assert stats["generate_s"] > 0
+
+
+def test_prompt_sections_partition_the_prompt():
+    from sprpo_lib.agent import prompt_sections
+
+    hist = [HistoryStep("page one", "click[a]"), HistoryStep("page two", "click[b]")]
+    p = build_prompt("buy a mug", "the page\nwith lines", ["click[x]", "click[y]"], hist)
+    parts = prompt_sections(p)
+    assert parts["task"] == "buy a mug" and parts["current observation"] == "the page\nwith lines"
+    assert parts["available actions"] == "- click[x]\n- click[y]" and "click[b]" in parts["interaction context"]
+    assert sum(len(v) for v in parts.values()) == len(p)
+    with pytest.raises(ValueError, match="not a build_prompt prompt"):
+        prompt_sections("hello")
