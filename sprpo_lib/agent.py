@@ -237,6 +237,15 @@ def prompt_sections(prompt: str) -> dict[str, str]:
     return out
 
 
+def token_counter(tokenizer, cfg: AgentConfig | None = None) -> Callable[[str], int]:
+    """``prompt -> number of tokens once templated``: what a prompt budget counts."""
+
+    def count(prompt: str) -> int:
+        return len(tokenizer(chat_text(tokenizer, prompt, cfg), add_special_tokens=False)["input_ids"])
+
+    return count
+
+
 def chat_text(tokenizer, prompt: str, cfg: AgentConfig | None = None) -> str:
     """``prompt`` as a user turn in the model's chat template, ready for generation."""
     cfg = cfg or AgentConfig()

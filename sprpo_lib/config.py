@@ -77,6 +77,13 @@ class RolloutConfig:
     generation: GenerationConfig = field(default_factory=lambda: GenerationConfig(batch_size=128))
     agent: AgentConfig = field(default_factory=AgentConfig)
 
+    def __post_init__(self):
+        from .engines import ENGINES
+
+        if self.engine not in ENGINES:
+            raise ValueError(f"unknown generation engine {self.engine!r} (rollout.engine); "
+                             f"expected one of {sorted(ENGINES)}")
+
 
 @dataclass
 class UpdateConfig:

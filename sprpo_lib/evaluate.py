@@ -94,7 +94,7 @@ def eval_settings(cfg) -> dict:
     """What a held-out evaluation's numbers depend on besides the policy and the tasks."""
     g = cfg.rollout.generation
     return {"temperature": eval_temperature(cfg), "top_p": g.top_p, "max_new_tokens": g.max_new_tokens,
-            "max_steps": cfg.env.max_steps}
+            "max_steps": cfg.env.max_steps, "engine": cfg.rollout.engine}
 
 
 def eval_is_current(path: Path, cfg, count: int) -> bool:
@@ -118,7 +118,7 @@ def evaluate_policy(policy, pool, cfg, agent, out: Path, count: int, progress: b
     gen = replace(cfg.rollout.generation, temperature=eval_temperature(cfg), seed=cfg.sft.seed)
     (out / "eval_episodes.jsonl").unlink(missing_ok=True)
     res = evaluate_format(policy, pool, cfg.sft.split, idx, agent, gen, max_steps=cfg.env.max_steps,
-                          log_path=out / "eval_episodes.jsonl", progress=progress)
+                          log_path=out / "eval_episodes.jsonl", progress=progress, engine=cfg.rollout.engine)
     res.update(split=cfg.sft.split, indices=[idx[0], idx[-1]] if idx else [], **eval_settings(cfg))
     atomic_write_json(out / "eval.json", res)
     return res
@@ -512,6 +512,7 @@ def build_calibration_pool(policy, pool, agent: AgentConfig | None = None, *, n:
     kept step gives ``prompt_ids + response_ids``, the templated prompt and the
     response exactly as generated.  Stops as soon as ``n`` sequences are collected.
     """
+    from .agent import token_counter
     from .engines import make_engine
     from .rollout import GenerationConfig, SerialEnvs, run_groups
 
@@ -536,7 +537,8 @@ def build_calibration_pool(policy, pool, agent: AgentConfig | None = None, *, n:
                                  "raise per_episode or lower n")
             batch = [(split, i) for i in range(task, min(size, task + tasks_per_batch))]
             task += len(batch)
-            episodes, _ = run_groups(envs, batch, 1, eng, agent, max_steps, progress=progress)
+            episodes, _ = run_groups(envs, batch, 1, eng, agent, max_steps, progress=progress,
+                                     count_tokens=token_counter(policy.tokenizer, agent))
             for ep in episodes:
                 steps = [s for s in ep.steps if s.prompt_ids and s.response_ids]
                 for s in sorted(rng.sample(steps, min(per_episode, len(steps))), key=lambda s: s.step):
@@ -774,10 +776,13 @@ def play_cell(policy, pool, tasks: Sequence[tuple[str, int]], cfg: EvalConfig, s
     from .engines import make_engine
     from .rollout import SerialEnvs, run_groups
 
+    from .agent import token_counter
+
     eng = make_engine(cfg.engine, policy, cfg.generation(seed), cfg.agent)
     envs = SerialEnvs(lambda: pool)
     try:
-        records, _ = run_groups(envs, list(tasks), 1, eng, cfg.agent, cfg.max_steps, progress=progress)
+        records, _ = run_groups(envs, list(tasks), 1, eng, cfg.agent, cfg.max_steps, progress=progress,
+                                count_tokens=token_counter(policy.tokenizer, cfg.agent))
     finally:
         envs.close()
     return episode_rows(records)

@@ -82,11 +82,6 @@ class HFGenerator:
                 return ids[:i]
         return ids
 
-    def count_tokens(self, prompt: str) -> int:
-        """Tokens of ``prompt`` once templated: what a prompt budget counts."""
-        return len(self.policy.tokenizer(chat_text(self.policy.tokenizer, prompt, self.agent),
-                                          add_special_tokens=False)["input_ids"])
-
     @torch.no_grad()
     def __call__(self, prompts: Sequence[str]) -> list[Generation]:
         tok, model, cfg = self.policy.tokenizer, self.policy.model, self.cfg
@@ -330,16 +325,22 @@ def run_groups(
     max_steps: int | None = None,
     log: EpisodeLog | None = None,
     progress: bool = True,
+    count_tokens: Callable[[str], int] | None = None,
 ) -> tuple[list[EpisodeRecord], dict]:
     """Play ``group_size`` rollouts of every task; all live episodes share each
     generation call.
+
+    ``count_tokens`` counts a prompt's templated tokens; needed when the agent has a
+    prompt budget (:func:`sprpo_lib.agent.fit_prompt`).
 
     Returns the episode records (ordered by group, then rollout) and timing stats
     (``generate_s``, ``env_s`` wall seconds, of which ``open_s`` for opening the tasks
     and resetting the episodes, ``steps``).
     """
     agent = agent or AgentConfig()
-    count_tokens = getattr(generate, "count_tokens", None) if agent.max_prompt_tokens else None
+    if agent.max_prompt_tokens and count_tokens is None:
+        raise ValueError("rollout.agent.max_prompt_tokens is set: run_groups needs count_tokens "
+                         "(e.g. sprpo_lib.agent.token_counter(tokenizer, agent))")
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     pool = envs.pool

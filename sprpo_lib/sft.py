@@ -635,11 +635,12 @@ def evaluate_format(
     max_steps: int | None = None,
     log_path: str | Path | None = None,
     progress: bool = True,
+    engine: str = "hf",
 ) -> dict:
     """Success, score and response-format statistics of ``policy`` on tasks.
 
-    Plays the tasks with :func:`rollout.run_groups` and :class:`rollout.HFGenerator`,
-    the code path of RL rollouts and validation.
+    Plays the tasks with :func:`rollout.run_groups` and the generation ``engine``
+    (:func:`sprpo_lib.engines.make_engine`), the code path of RL rollouts.
 
     Args:
         gen: a :class:`rollout.GenerationConfig` (default: temperature 0.4, the paper's
@@ -654,7 +655,9 @@ def evaluate_format(
         episodes with every response valid), ``first_valid_rate`` (first step valid),
         ``mean_length``, ``steps``, ``generate_s``, ``env_s``, ``seconds``.
     """
-    from .rollout import EpisodeLog, GenerationConfig, HFGenerator, SerialEnvs, run_groups
+    from .agent import token_counter
+    from .engines import make_engine
+    from .rollout import EpisodeLog, GenerationConfig, SerialEnvs, run_groups
 
     agent = agent or AgentConfig()
     gen = gen or GenerationConfig(temperature=0.4)
@@ -663,8 +666,9 @@ def evaluate_format(
     envs = SerialEnvs(lambda: pool)
     try:
         policy.model.eval()
-        episodes, st = run_groups(envs, tasks, group_size, HFGenerator(policy, gen, agent), agent, max_steps,
-                                  EpisodeLog(log_path) if log_path else None, progress)
+        episodes, st = run_groups(envs, tasks, group_size, make_engine(engine, policy, gen, agent), agent, max_steps,
+                                  EpisodeLog(log_path) if log_path else None, progress,
+                                  count_tokens=token_counter(policy.tokenizer, agent))
     finally:
         envs.close()
     steps = [s for e in episodes for s in e.steps]

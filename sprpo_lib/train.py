@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from .actor import Actor
-from .agent import AgentConfig
+from .agent import AgentConfig, token_counter
 from .batch import build_batch
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import TrainConfig, config_dict, load_config
@@ -42,7 +42,8 @@ from .evaluate import eval_is_current, evaluate_policy
 from .manifest import JsonLines, atomic_dir, atomic_write_json, git_commit
 from .methods import make_method
 from .models import add_lora, load_policy, lora_on_last_layers
-from .rollout import EpisodeLog, HFGenerator, ProcessEnvs, SerialEnvs, run_groups
+from .engines import make_engine
+from .rollout import EpisodeLog, ProcessEnvs, SerialEnvs, run_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,7 +82,9 @@ class Trainer:
                            kl_type=u.kl_type, mini_batch=u.ppo_mini_batch_size, epochs=u.ppo_epochs)
         self.shape = self.actor.shape
         self.method = make_method(cfg.method, self.shape, cfg.seed)
-        self.gen = HFGenerator(self.policy, dataclasses.replace(cfg.rollout.generation, seed=cfg.seed), self.agent)
+        self.gen = make_engine(cfg.rollout.engine, self.policy, dataclasses.replace(cfg.rollout.generation, seed=cfg.seed),
+                               self.agent)
+        self.count_tokens = token_counter(self.policy.tokenizer, self.agent)
 
     @property
     def dtype(self) -> str:
@@ -105,7 +108,8 @@ class Trainer:
         t0 = time.perf_counter()
         with self.actor.fc:
             episodes, st = run_groups(self.envs, self.sample_tasks(k), self.cfg.rollout.group_size, self.gen,
-                                      self.agent, self.cfg.env.max_steps, progress=self.progress)
+                                      self.agent, self.cfg.env.max_steps, progress=self.progress,
+                                      count_tokens=self.count_tokens)
         self.actor.fc.clear()
         st["rollout_s"] = time.perf_counter() - t0
         return episodes, xi, st
