@@ -19,6 +19,7 @@ is a weight edit (LoRA merges, FFN channel factors fold into ``W_down``'s column
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
@@ -225,6 +226,7 @@ def _select(logits: torch.Tensor, seen: torch.Tensor | None, penalty: float, cfg
 
 
 # ----------------------------------------------------------------------------- HF engine
+@functools.cache
 def _room_layer():
     """The class of :func:`_room_cache`'s layers (transformers imported on first use)."""
     from transformers.cache_utils import DynamicLayer
@@ -299,8 +301,9 @@ class HFEngine:
     ``policy.model`` apply.  After :meth:`load_weights` the engine decodes with its own
     plain copy of the architecture holding the given (baked) weights instead.
 
-    Greedy decoding agrees with ``HFGenerator`` token for token up to floating-point
-    ties (batch shapes differ, so sums round differently).  Sampling draws from one
+    Greedy decoding agrees with ``HFGenerator`` token for token unless rounding flips a
+    near tie: batch shapes differ, so sums round differently (rarely in float32, more
+    often in bfloat16).  Sampling draws from one
     generator seeded by ``(cfg.seed, calls)``: reproducible, but not the same draws as
     ``HFGenerator``'s.  A stop string lying strictly inside one token with other text
     before it stops here; transformers' matcher misses that case.

@@ -79,7 +79,8 @@ def machine_info() -> dict:
     """CPU model, the instruction set torch dispatches to, flags that decide the fast
     dtype, core and thread counts and the torch version: what a manifest needs to say
     where a timing was taken."""
-    flags = set(_cpuinfo().get("flags", _cpuinfo().get("Features", "")).split())
+    cpu = _cpuinfo()
+    flags = set(cpu.get("flags", cpu.get("Features", "")).split())  # x86 / ARM spelling
     info = {
         "cpu_model": cpu_model(),
         "capability": torch.backends.cpu.get_cpu_capability(),
@@ -242,9 +243,12 @@ def pick_dtype(matmul: dict) -> str:
 
 # ----------------------------------------------------------------------------- cached decision
 def cache_key(shapes: Sequence[Shape]) -> dict:
-    """What the fast dtype depends on: CPU, instruction set, torch version, threads, shapes."""
+    """What the fast dtype depends on: CPU (model name and the flags that matter: virtual
+    machines may report a generic name), instruction set, torch version, threads, shapes."""
+    flags = machine_info()["flags"]
     return {
         "cpu_model": cpu_model(),
+        "cpu_flags": sorted(f for f, present in flags.items() if present),
         "capability": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
