@@ -313,6 +313,7 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 2, ov
     and optimizer state, interleaved ``repeats`` times (median).  The ratio is SPrPO's
     total over Vanilla's, counting the same rollout time for both."""
     import copy
+    import dataclasses
 
     from .batch import build_batch
     from .methods import MethodConfig, make_method
@@ -324,10 +325,10 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 2, ov
     batch, _ = build_batch(eps, cfg.update.adv, cfg.update.estimator)
     params0 = [p.detach().clone() for p in tr.actor.params]
     opt0 = copy.deepcopy(tr.actor.opt.state_dict())
-    variants = {
+    variants = {  # the profile's method settings (e.g. its sigma scale), one sensitivity mode each
         "vanilla": MethodConfig(name="vanilla"),
-        "sprpo_replay": MethodConfig(name="sprpo", sensitivity="replay"),
-        "sprpo_one_pass": MethodConfig(name="sprpo", sensitivity="one_pass"),
+        "sprpo_replay": dataclasses.replace(cfg.method, name="sprpo", sensitivity="replay"),
+        "sprpo_one_pass": dataclasses.replace(cfg.method, name="sprpo", sensitivity="one_pass"),
     }
     times: dict[str, dict[str, list[float]]] = {v: {"update_s": [], "sensitivity_s": []} for v in variants}
     states: dict[str, tuple] = {}
