@@ -49,3 +49,13 @@ def tiny64():
 def calib():
     rng = random.Random(0)
     return [[rng.randrange(3, 250) for _ in range(rng.randrange(12, 40))] for _ in range(12)]
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Single-threaded torch for a module of many small ops, which two threads on a
+    shared 2-core machine run several times slower (and whose numerics this pins)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

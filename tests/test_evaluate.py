@@ -21,14 +21,7 @@ AGENT = AgentConfig(max_obs_chars=100, history_len=1)  # short prompts for the b
 EPISODE = ["env", "split", "task_index", "task_id", "seed", "success", "score", "length", "valid_rate", "trace"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Single-threaded: tiny models are many small ops, which two threads on a shared
-    machine run several times slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # many small ops: one thread is faster on a shared machine
 
 
 @pytest.fixture(scope="module")

@@ -35,14 +35,7 @@ AGENT = AgentConfig(max_obs_chars=100)  # short prompts: the tiny model's tokeni
 SMALL_LORA = LoraSettings(rank=8, alpha=8)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Single-threaded: the loops here are many small ops, which two threads on a shared
-    machine run several times slower (and the overfit run's numerics get pinned)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # many small ops: one thread is faster on a shared machine
 
 
 @pytest.fixture(scope="module")
