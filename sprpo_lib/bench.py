@@ -519,6 +519,42 @@ def bench_generate(model: str = "smollm2-135m", n_prompts: int = 16, new_tokens:
     return res
 
 
+def bench_update(model: str = "smollm2-135m", dtypes: tuple[str, ...] = ("float32", "bfloat16"),
+                 samples: int = 8, prompt_len: int = 500, response_len: int = 24, lora_layers: int | None = 8,
+                 repeats: int = 2) -> dict:
+    """One PPO forward/backward (the actor's ``backward``) per dtype on the same batch of
+    random token sequences, interleaved ``repeats`` rounds (best): does training run at
+    the speed of the dtype ``dtype: auto`` picks for generation?"""
+    from .actor import Actor
+    from .batch import Batch, Sample
+    from .models import LoraSettings, add_lora, load_policy, lora_on_last_layers
+
+    g = torch.Generator().manual_seed(0)
+    batch = Batch([Sample(torch.randint(3, 4000, (prompt_len + response_len,), generator=g).tolist(), response_len,
+                          1.0 if i % 2 else -1.0) for i in range(samples)])
+    actors = {}
+    for dt in dtypes:
+        pol = load_policy(model, dtype=dt)
+        add_lora(pol, lora_on_last_layers(pol.model, LoraSettings(rank=16, alpha=32), lora_layers), seed=0)
+        params = [p for p in pol.model.parameters() if p.requires_grad]
+        actors[dt] = Actor(pol.model, pol.tokenizer.pad_token_id, torch.optim.Adam(params, lr=1e-4), micro_batch=4)
+    walls: dict[str, list[float]] = {dt: [] for dt in dtypes}
+    for _ in range(repeats):
+        for dt, a in actors.items():
+            a.zero_grad()
+            t0 = time.perf_counter()
+            a.backward(batch.without_old(), None)
+            walls[dt].append(round(time.perf_counter() - t0, 2))
+            a.zero_grad()
+    res = {"model": model, "samples": samples, "prompt_len": prompt_len, "response_len": response_len,
+           "lora_layers": lora_layers, "auto_dtype": load_policy(model).meta.get("dtype")}
+    for dt in dtypes:
+        res[dt] = {"backward_s": min(walls[dt]), "walls_s": walls[dt]}
+    if len(dtypes) == 2:
+        res["ratio_" + "_over_".join(dtypes)] = round(res[dtypes[0]]["backward_s"] / res[dtypes[1]]["backward_s"], 3)
+    return res
+
+
 def _print_table(res: dict, prefix: str = "") -> None:
     for k, v in res.items():
         if isinstance(v, dict):
@@ -554,6 +590,13 @@ def main(argv: list[str] | None = None) -> int:
     m = sub.add_parser("machine", help="matmul GFLOP/s per dtype at a model's shapes, bandwidth, prefill floor")
     m.add_argument("--model", default="smollm2-135m", help="shapes from this model's config (weights not loaded)")
     m.add_argument("--context", type=int, default=500, help="prompt length for the FLOPs per token")
+    u = sub.add_parser("update", help="one PPO forward/backward per dtype on the same batch, side by side")
+    u.add_argument("--model", default="smollm2-135m")
+    u.add_argument("--dtypes", default="float32,bfloat16")
+    u.add_argument("--samples", type=int, default=8)
+    u.add_argument("--prompt-len", type=int, default=500)
+    u.add_argument("--lora-layers", type=int, default=8, help="LoRA on the last N layers (0: all, the paper)")
+    u.add_argument("--repeats", type=int, default=2)
     g = sub.add_parser("generate", help="generation engines x dtypes on real WebShop prompts, side by side")
     g.add_argument("--model", default="smollm2-135m")
     g.add_argument("--prompts", type=int, default=16)
@@ -564,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--temperatures", default="0,0.4")
     g.add_argument("--max-steps", type=int, default=3, help="prompts after 0..max-steps shopper steps")
     g.add_argument("--repeats", type=int, default=2, help="interleaved rounds (best wall time)")
-    for sp in (p, e, t, m, g):
+    for sp in (p, e, t, m, g, u):
         sp.add_argument("--threads", type=int, default=2, help="torch threads (set explicitly: 2 cores here)")
         sp.add_argument("--out", type=Path, help="JSON path (default runs/bench/<what>.json)")
     args = ap.parse_args(argv)
@@ -579,6 +622,9 @@ def main(argv: list[str] | None = None) -> int:
         res = bench_generate(args.model, args.prompts, args.new_tokens, tuple(args.engines.split(",")),
                              tuple(args.dtypes.split(",")), tuple(float(x) for x in args.temperatures.split(",")),
                              args.batch, args.max_steps, args.repeats)
+    elif args.what == "update":
+        res = bench_update(args.model, tuple(args.dtypes.split(",")), args.samples, args.prompt_len,
+                           response_len=24, lora_layers=args.lora_layers or None, repeats=args.repeats)
     elif args.what == "envs":
         res = bench_envs(args.episodes, args.model or None, args.tasks, args.group, args.max_steps)
     else:
