@@ -199,15 +199,6 @@ def _set_dotted(d: dict, key: str, value: Any) -> None:
     d[parts[-1]] = value
 
 
-def _as_plain(d):
-    """Dataclass objects inside a partially built mapping -> dicts (for merging)."""
-    if dataclasses.is_dataclass(d):
-        return {f.name: _as_plain(getattr(d, f.name)) for f in dataclasses.fields(d)}
-    if isinstance(d, dict):
-        return {k: _as_plain(v) for k, v in d.items()}
-    return d
-
-
 def load_config(profile: str = "paper", overrides: list[str] | None = None, **top) -> TrainConfig:
     """Profile YAML + its ``per_env`` section for the chosen env + ``key.sub=value``
     overrides (``top``: keyword overrides such as ``**{"env.name": "alfworld"}``)."""
