@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import pandas as pd
 
@@ -22,13 +22,21 @@ from .train import ROOT, default_out_dir, load_config, train, warm_start_key
 __all__ = ["run_grid", "load_metrics", "before_after", "paired_outcomes", "mcnemar_exact_p", "plot_training"]
 
 
-def run_grid(profile: str, env: str, methods: Sequence[str], seeds: Sequence[int],
+def run_grid(profile: str, env: str, methods: Sequence[str], seeds: Sequence[int] | Mapping[str, Sequence[int]],
              overrides: Sequence[str] = (), out_root: str | Path | None = None,
              progress: bool = True) -> list[Path]:
-    """Train (or resume, or just find) one run per (method, seed); returns the folders."""
-    dirs = []
-    for method in methods:
-        for seed in seeds:
+    """Train (or resume, or just find) one run per (method, seed), seed-major; returns the folders.
+    ``seeds`` is one list for every method or a ``{method: seeds}`` mapping (the ``cpu``
+    profile trains more seeds of Vanilla and SPrPO than of the other baselines)."""
+    if isinstance(seeds, Mapping):
+        missing = [m for m in methods if m not in seeds]
+        if missing:
+            raise ValueError(f"seeds: no training seeds given for method(s) {missing}; give a list per method "
+                             f"(e.g. {{'vanilla': [0, 1]}}) or one list for all")
+    per = {m: list(seeds[m] if isinstance(seeds, Mapping) else seeds) for m in methods}
+    dirs = []  # seed-major: every method's first seed before any second seed
+    for seed in sorted({s for v in per.values() for s in v}):
+        for method in (m for m in methods if seed in per[m]):
             cfg = load_config(profile, list(overrides), **{"env.name": env, "method.name": method, "seed": seed})
             out = Path(out_root) / default_out_dir(cfg).name if out_root else None
             dirs.append(train(cfg, out, progress=progress))

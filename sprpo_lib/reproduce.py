@@ -37,7 +37,8 @@ PROFILES: dict[str, dict] = {
         "out_dir": "figures",
         "notebooks": {
             "00_quickstart": {"model": "smollm2-135m", "n_calib": 32, "max_new_tokens": 24},
-            "01_training": {"profile": "cpu", "env": "webshop", "methods": ["vanilla"], "seeds": [0, 1]},
+            "01_training": {"profile": "cpu", "env": "webshop", "methods": ["vanilla", "sprpo", "gaussian", "sam"],
+                            "seeds": {"vanilla": [0, 1], "sprpo": [0, 1], "gaussian": [0], "sam": [0]}},
             "02_theory": {"preset": "cpu"},
         },
     },

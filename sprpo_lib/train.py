@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import os
 import random
 import shutil
 import sys
@@ -122,7 +123,7 @@ class Trainer:
 
     def iteration(self, k: int) -> dict:
         cfg = self.cfg
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         sig = self.method.sigma_stats()
         episodes, xi, rst = self.collect(k)
         batch, adv_stats = build_batch(episodes, cfg.update.adv, cfg.update.estimator)
@@ -144,6 +145,10 @@ class Trainer:
             **{k2: v for k2, v in ustats.items() if isinstance(v, (int, float))},
         }
         m["wall_s"] = round(time.perf_counter() - t0, 3)
+        # contention check: this process's CPU seconds per wall second (about the thread count
+        # when the machine is quiet) and the 1-minute load average of the machine
+        m["cpu_per_wall"] = round((time.process_time() - cpu0) / max(m["wall_s"], 1e-9), 3)
+        m["loadavg_1min"] = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
         if cfg.log_episodes:
             path = self.out / "episodes" / f"iter_{k:05d}.jsonl"
             path.unlink(missing_ok=True)
