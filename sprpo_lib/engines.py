@@ -14,8 +14,9 @@ is a weight edit (LoRA merges, FFN channel factors fold into ``W_down``'s column
   decode loop: prompts sorted by length, prefilled in similar-length groups without
   padding waste, finished rows dropped from the batch and the KV cache, stop strings
   checked on each new token's text only.
-* :func:`make_engine` / :data:`ENGINES`: the registry (``hf``; other back ends register
-  with :func:`register_engine`).
+* :func:`make_engine` / :data:`ENGINES`: the registry (``hf``; ``openvino``, the OpenVINO
+  CPU engine of :mod:`sprpo_lib.engine_openvino`, imported on first use; other back ends
+  register with :func:`register_engine`).
 """
 from __future__ import annotations
 
@@ -459,7 +460,22 @@ class HFEngine:
 
 # ----------------------------------------------------------------------------- registry
 EngineFactory = Callable[..., Engine]
-ENGINES: dict[str, EngineFactory] = {"hf": HFEngine}
+
+
+def _openvino_engine(policy, gen_cfg: GenerationConfig | None = None, agent_cfg: AgentConfig | None = None) -> Engine:
+    """:class:`sprpo_lib.engine_openvino.OpenVINOEngine`, imported on first use (the base
+    install does not need OpenVINO)."""
+    try:
+        import openvino  # noqa: F401
+    except ImportError as e:
+        raise ImportError("generation engine 'openvino' needs the OpenVINO runtime: "
+                          "pip install openvino==2026.4.1 (the version pinned in requirements.txt)") from e
+    from .engine_openvino import OpenVINOEngine
+
+    return OpenVINOEngine(policy, gen_cfg, agent_cfg)
+
+
+ENGINES: dict[str, EngineFactory] = {"hf": HFEngine, "openvino": _openvino_engine}
 
 
 def register_engine(name: str, factory: EngineFactory) -> None:
@@ -469,7 +485,8 @@ def register_engine(name: str, factory: EngineFactory) -> None:
 
 def make_engine(name: str, policy, gen_cfg: GenerationConfig | None = None,
                 agent_cfg: AgentConfig | None = None) -> Engine:
-    """The engine called ``name`` for ``policy`` (``"hf"``: :class:`HFEngine`)."""
+    """The engine called ``name`` for ``policy`` (``"hf"``: :class:`HFEngine`; ``"openvino"``:
+    :class:`~sprpo_lib.engine_openvino.OpenVINOEngine`, needs the ``openvino`` package)."""
     if name not in ENGINES:
         raise ValueError(f"unknown generation engine {name!r}; valid names: {', '.join(sorted(ENGINES))}")
     return ENGINES[name](policy, gen_cfg, agent_cfg)

@@ -1,0 +1,443 @@
+"""The ``openvino`` generation engine: the policy converted to an OpenVINO IR, decoded on the
+CPU by our own loop (float32 throughout).
+
+* Conversion uses only the ``openvino`` Python API inside this project's environment (no
+  optimum-intel): ``ov.convert_model`` traces a wrapper around the transformers model whose
+  past keys/values are explicit inputs and outputs; a ``beam_idx`` input gathers the cache
+  rows before each step, and ``apply_make_stateful_transformation`` hides the cache inside
+  the model as state (the layout OpenVINO GenAI expects, and the one the CPU plugin's
+  stateful attention kernels are written for).  The trace uses a copy of the architecture
+  with every parameter set to non-trivial values, so that no weight is folded away
+  (a zero bias or a unit norm would be); the real weights are then put into the named
+  weight constants.
+* The IR is cached under ``cache_dir()/openvino/<architecture hash>-<weights digest>``
+  (written atomically).  A policy with other weights of a cached architecture reuses that IR
+  with its own weights put in (no conversion, nothing written).
+* :meth:`OpenVINOEngine.load_weights` replaces the weight constants and recompiles (seconds;
+  no reconversion).
+* Decoding is :class:`~sprpo_lib.engines.HFEngine`'s: chat template, prompts sorted by length
+  and prefilled in similar-length groups whose caches are joined, finished rows dropped from
+  the batch (``beam_idx`` selects the surviving cache rows), stop strings checked on each new
+  token's text, token selection by :func:`~sprpo_lib.engines._select` (the model's repetition
+  penalty, greedy or temperature/top-p) with a torch generator seeded by
+  :func:`~sprpo_lib.engines.call_seed`.  Cache columns that only dropped rows used are not
+  trimmed (the state cannot be cut without copying it).
+
+The engine decodes with the weights it was given: at construction ``bake_weights(policy.model)``
+(LoRA merged; FFN hooks in force are *not* seen), afterwards whatever :meth:`load_weights` got
+(``bake_weights(model, xi, mask)``).  It always computes in float32 (KV cache, activations,
+weights), whatever the policy's dtype; the CPU plugin's defaults that quantise the KV cache
+and activations are switched off.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import time
+import warnings
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from .engines import HFEngine, _base_model, _select, bake_weights
+from .manifest import atomic_dir, cache_dir
+
+log = logging.getLogger(__name__)
+
+CONVERTER_VERSION = 1  # bump when the IR built here changes
+INSTALL_HINT = ("engine 'openvino' needs OpenVINO: pip install openvino==2026.4.1 "
+                "(pinned in requirements.txt)")
+# CPU plugin settings: float32 everywhere (its defaults quantise the KV cache to u8 and
+# activations dynamically on some CPUs), one stream, latency.
+CPU_PROPERTIES = {
+    "INFERENCE_PRECISION_HINT": "f32",
+    "EXECUTION_MODE_HINT": "ACCURACY",
+    "KV_CACHE_PRECISION": "f32",
+    "KEY_CACHE_PRECISION": "f32",
+    "VALUE_CACHE_PRECISION": "f32",
+    "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0",
+    "PERFORMANCE_HINT": "LATENCY",
+    "NUM_STREAMS": "1",
+}
+_WEIGHT = "sprpo_weight:"  # friendly-name prefix of the constants holding parameters
+
+
+def _ov():
+    try:
+        import openvino as ov
+    except ImportError as e:  # pragma: no cover - exercised only without the package
+        raise ImportError(INSTALL_HINT) from e
+    return ov
+
+
+# ----------------------------------------------------------------------------- conversion
+def _dims(config) -> tuple[int, int, int]:
+    """Layers, key/value heads, head size."""
+    heads = config.num_attention_heads
+    kvh = getattr(config, "num_key_value_heads", None) or heads
+    hd = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, kvh, hd
+
+
+def architecture_key(model: nn.Module) -> str:
+    """Hash of what the IR's graph depends on: the architecture class and config, and the
+    versions of the tools that build it."""
+    import transformers
+
+    ov = _ov()
+    base = _base_model(model)
+    cfg = base.config.to_dict()
+    for k in ("torch_dtype", "dtype", "transformers_version", "_name_or_path"):
+        cfg.pop(k, None)
+    blob = json.dumps({"class": type(base).__name__, "config": cfg, "openvino": ov.__version__,
+                       "transformers": transformers.__version__, "torch": torch.__version__.split("+")[0],
+                       "converter": CONVERTER_VERSION}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _as_f32(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
+
+
+def weights_digest(state_dict: Mapping[str, torch.Tensor]) -> str:
+    """Hash of the weights as the IR holds them (float32)."""
+    h = hashlib.blake2b(digest_size=10)
+    for k in sorted(state_dict):
+        a = _as_f32(state_dict[k])
+        h.update(f"{k}:{a.shape}".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+class _Wrapper(nn.Module):
+    """``(input_ids, attention_mask, position_ids, *past) -> (last logits, *present)``."""
+
+    def __init__(self, m: nn.Module):
+        super().__init__()
+        self.m = m
+
+    def forward(self, input_ids, attention_mask, position_ids, *past):
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.m.config)
+        for i, layer in enumerate(cache.layers):
+            layer.lazy_initialization(past[2 * i], past[2 * i + 1])
+            layer.keys, layer.values = past[2 * i], past[2 * i + 1]
+        out = self.m(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                     past_key_values=cache, use_cache=True, logits_to_keep=1)
+        flat = []
+        for layer in out.past_key_values.layers:
+            flat += [layer.keys, layer.values]
+        return (out.logits[:, -1],) + tuple(flat)
+
+
+def _tracing_copy(model: nn.Module) -> nn.Module:
+    """A float32 copy of the architecture (sdpa attention) with every parameter set to a
+    non-trivial value (no zeros, no ones), so conversion folds no weight away."""
+    base = _base_model(model)
+    config = copy.deepcopy(base.config)
+    try:
+        config._attn_implementation = "sdpa"
+    except Exception:  # noqa: BLE001 - keep the model's own attention
+        pass
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        fresh = type(base)(config).float().eval()
+        with torch.no_grad():
+            for p in fresh.parameters():
+                p.uniform_(0.02, 0.07)
+    return fresh
+
+
+def convert(model: nn.Module):
+    """The stateful IR of ``model``'s architecture (tracing weights, see :func:`_tracing_copy`)."""
+    ov = _ov()
+    from openvino import opset13 as op
+    from openvino._offline_transformations import apply_make_stateful_transformation
+
+    fresh = _tracing_copy(model)
+    n_layers, kvh, hd = _dims(fresh.config)
+    b, n, past = 2, 3, 4
+    mask = torch.ones(b, past + n, dtype=torch.long)
+    mask[0, :2] = 0  # a padded row: the traced mask code must take padding into account
+    example = [torch.randint(0, fresh.config.vocab_size, (b, n)), mask,
+               (mask.cumsum(-1) - 1).clamp_min(0)[:, past:]]
+    example += [torch.randn(b, kvh, past, hd) for _ in range(2 * n_layers)]
+    kv_in = [f"past_key_values.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
+    kv_out = [f"present.{i}.{kv}" for i in range(n_layers) for kv in ("key", "value")]
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)  # the mask code's branches;
+        # the trace is checked against transformers token for token in tests/test_engine_openvino.py
+        ovm = ov.convert_model(_Wrapper(fresh), example_input=tuple(example))
+    for port, name in zip(ovm.inputs, ["input_ids", "attention_mask", "position_ids"] + kv_in):
+        port.get_tensor().set_names({name})
+        port.get_node().set_partial_shape(ov.PartialShape([-1, kvh, -1, hd] if name in kv_in else [-1, -1]))
+    for port, name in zip(ovm.outputs, ["logits"] + kv_out):
+        port.get_tensor().set_names({name})
+    ovm.validate_nodes_and_infer_types()
+    # beam_idx: every step first gathers the cache rows it names (dropping finished rows)
+    beam = op.parameter(ov.PartialShape([-1]), ov.Type.i32, name="beam_idx")
+    beam.output(0).get_tensor().set_names({"beam_idx"})
+    ovm.add_parameters([beam])
+    for name in kv_in:
+        port = ovm.input(name)
+        users = list(port.get_target_inputs())
+        picked = op.gather(port, beam, op.constant(np.int64(0)))
+        for u in users:
+            u.replace_source_output(picked.output(0))
+    ovm.validate_nodes_and_infer_types()
+    apply_make_stateful_transformation(ovm, dict(zip(kv_in, kv_out)))
+    # the state starts empty: [batch of input_ids, heads, 0, head size]
+    batch = op.gather(op.shape_of(ovm.input("input_ids"), output_type="i64"), op.constant(np.array([0])),
+                      op.constant(np.int64(0)))
+    rest = op.constant(np.array([kvh, 0, hd], dtype=np.int64))
+    for node in ovm.get_ops():
+        if node.get_type_name() == "ReadValue":
+            zero = op.constant(np.zeros((), dtype=np.float32))
+            node.set_arguments([op.broadcast(zero, op.concat([batch, rest], 0))])
+    ovm.validate_nodes_and_infer_types()
+    _name_weights(ovm, fresh)
+    return ovm, fresh
+
+
+def _name_weights(ovm, fresh: nn.Module) -> None:
+    """Name the constants holding each parameter ``<_WEIGHT><key>`` (``#i`` for further
+    copies), found by content: conversion may reshape a constant ([n] -> [1, 1, n]) and
+    drop its name, and the tracing values are distinct random numbers."""
+    by_bytes: dict[bytes, list] = {}
+    for node in ovm.get_ops():
+        if node.get_type_name() == "Constant" and node.get_output_element_type(0) == _ov().Type.f32:
+            data = node.get_data()
+            if data.size > 1:
+                by_bytes.setdefault(hashlib.sha1(np.ascontiguousarray(data).tobytes()).digest(), []).append(node)
+    seen: set[int] = set()
+    for key, t in fresh.state_dict().items():
+        if t.data_ptr() in seen:  # tied to a key already named
+            continue
+        seen.add(t.data_ptr())
+        nodes = by_bytes.get(hashlib.sha1(_as_f32(t).tobytes()).digest(), [])
+        if not nodes:
+            raise RuntimeError(f"openvino engine: parameter {key!r} has no constant in the converted model "
+                               "(folded or transformed by conversion)")
+        for i, node in enumerate(nodes):
+            node.set_friendly_name(_WEIGHT + key + (f"#{i}" if i else ""))
+
+
+def weight_constants(ovm, template: nn.Module) -> dict[str, list]:
+    """State-dict key -> the IR's constants holding it (tied keys share one list)."""
+    named: dict[str, list] = {}
+    for node in ovm.get_ops():
+        name = node.get_friendly_name()
+        if node.get_type_name() == "Constant" and name.startswith(_WEIGHT):
+            named.setdefault(name[len(_WEIGHT):].split("#")[0], []).append(node)
+    out: dict[str, list] = {}
+    by_ptr: dict[int, list] = {}
+    sd = template.state_dict()
+    for k, t in sd.items():
+        if k in named:
+            by_ptr[t.data_ptr()] = out[k] = named[k]
+    for k, t in sd.items():
+        if k not in out:
+            if t.data_ptr() not in by_ptr:
+                raise RuntimeError(f"openvino engine: no weight constant for {k!r} in the converted model")
+            out[k] = by_ptr[t.data_ptr()]
+        for node in out[k]:
+            if int(np.prod(list(node.get_output_shape(0)))) != t.numel():
+                raise RuntimeError(f"openvino engine: constant for {k!r} has shape {list(node.get_output_shape(0))}; "
+                                   f"expected {list(t.shape)}")
+    return out
+
+
+# ----------------------------------------------------------------------------- engine
+class OpenVINOEngine(HFEngine):
+    """:class:`~sprpo_lib.engines.HFEngine`'s decoding on an OpenVINO CPU graph (float32).
+
+    ``policy``'s weights (LoRA merged by :func:`~sprpo_lib.engines.bake_weights`) are put into
+    the cached IR of its architecture at construction; :meth:`load_weights` swaps in new ones.
+    ``stats`` adds ``converted`` (this engine traced the model), ``convert_s``, ``load_s`` (read +
+    weights + compile at construction), ``reload_s`` (the last :meth:`load_weights`) and
+    ``ir`` (the cache folder)."""
+
+    def __init__(self, policy, cfg=None, agent=None, prefill_tokens: int = 2048, threads: int | None = None):
+        super().__init__(policy, cfg, agent, prefill_tokens)
+        ov = _ov()
+        t0 = time.perf_counter()
+        self.threads = threads or torch.get_num_threads()
+        self.core = ov.Core()
+        self.stats.update({"converted": False, "convert_s": 0.0})
+        base = _base_model(policy.model)
+        self._n_layers, self._kvh, self._hd = _dims(base.config)
+        self._template = None  # architecture copy naming the state-dict keys
+        weights = bake_weights(policy.model)
+        self._ovm, self.ir = self._open(policy.model, weights)
+        self._compile()
+        self.stats["load_s"] = round(time.perf_counter() - t0, 2)
+        self.stats["ir"] = str(self.ir)
+
+    # ------------------------------------------------------------- IR and weights
+    def _open(self, model: nn.Module, weights: Mapping[str, torch.Tensor]):
+        root = cache_dir() / "openvino"
+        arch = architecture_key(model)
+        target = root / f"{arch}-{weights_digest(weights)}"
+        self._template = _tracing_copy(model)
+        if (target / "model.xml").is_file():
+            ovm = self.core.read_model(str(target / "model.xml"))
+            self._consts = weight_constants(ovm, self._template)
+            return ovm, target
+        others = sorted(root.glob(f"{arch}-*/model.xml")) if root.is_dir() else []
+        if others:  # same architecture, other weights: reuse the graph, put these weights in
+            ovm = self.core.read_model(str(others[0]))
+            self._consts = weight_constants(ovm, self._template)
+            self._set_weights(ovm, weights)
+            return ovm, others[0].parent
+        t0 = time.perf_counter()
+        ovm, _ = convert(model)
+        self._consts = weight_constants(ovm, self._template)
+        self._set_weights(ovm, weights)
+        self.stats.update({"converted": True, "convert_s": round(time.perf_counter() - t0, 2)})
+        ov = _ov()
+        with atomic_dir(target) as tmp:
+            ov.save_model(ovm, str(Path(tmp) / "model.xml"), compress_to_fp16=False)
+            (Path(tmp) / "meta.json").write_text(json.dumps(
+                {"architecture": arch, "class": type(_base_model(model)).__name__, "openvino": ov.__version__,
+                 "converter": CONVERTER_VERSION, "convert_s": self.stats["convert_s"]}, indent=2) + "\n")
+        ovm = self.core.read_model(str(target / "model.xml"))  # weights memory-mapped from the cache
+        self._consts = weight_constants(ovm, self._template)
+        return ovm, target
+
+    def _set_weights(self, ovm, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Replace every weight constant by a float32 copy of the given tensor; every
+        parameter must be given (tied weights under either name), no other key."""
+        from openvino import opset13 as op
+
+        sd = dict(state_dict)
+        unexpected = [k for k in sd if k not in self._consts]
+        if unexpected:
+            raise KeyError(f"weights do not fit the model: unexpected {unexpected[:5]}")
+        groups: dict[int, list[str]] = {}
+        for k, nodes in self._consts.items():
+            groups.setdefault(id(nodes), []).append(k)
+        fresh: dict[str, list] = {}
+        for keys in groups.values():
+            given = [k for k in keys if k in sd]
+            if not given:
+                raise KeyError(f"weights do not fit the model: missing {keys[0]!r}")
+            for k in given[1:]:
+                if not torch.equal(sd[k], sd[given[0]]):
+                    raise ValueError(f"tied weights {given[0]!r} and {k!r} differ")
+            arr = _as_f32(sd[given[0]])
+            shape = tuple(self._template.state_dict()[given[0]].shape)
+            if arr.shape != shape:
+                raise ValueError(f"weight {given[0]!r} has shape {list(arr.shape)}; expected {list(shape)}")
+            new = []
+            for old in self._consts[keys[0]]:
+                # a copy (the caller may change its tensors later), in the constant's own shape
+                c = op.constant(arr.reshape(tuple(old.get_output_shape(0))).copy())
+                c.set_friendly_name(old.get_friendly_name())
+                old.output(0).replace(c.output(0))
+                new.append(c)
+            for k in keys:
+                fresh[k] = new
+        self._consts = fresh
+
+    def _compile(self) -> None:
+        props = dict(CPU_PROPERTIES, INFERENCE_NUM_THREADS=str(self.threads))
+        self._compiled = self.core.compile_model(self._ovm, "CPU", props)
+        self._request = self._compiled.create_infer_request()
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Decode with these plain weights (:func:`~sprpo_lib.engines.bake_weights`) from now
+        on: the IR's weight constants are replaced and the graph recompiled."""
+        t0 = time.perf_counter()
+        self._set_weights(self._ovm, state_dict)
+        self._compile()
+        self.stats["reload_s"] = round(time.perf_counter() - t0, 2)
+
+    # ------------------------------------------------------------- decoding
+    def _infer(self, ids: np.ndarray, att: np.ndarray, pos: np.ndarray, beam: np.ndarray) -> torch.Tensor:
+        self.stats["forwards"] += 1
+        req = self._request
+        req.infer({"input_ids": ids, "attention_mask": att, "position_ids": pos, "beam_idx": beam},
+                  share_inputs=True)
+        return torch.from_numpy(req.get_tensor("logits").data.copy())
+
+    def _prefill(self, model, prompts: list[list[int]]):
+        """Prefill rows (sorted by decreasing length) in groups of at most ``prefill_tokens``
+        padded tokens; several groups' states are joined, left-padded to the batch width."""
+        ov = _ov()
+        pad = self.policy.tokenizer.pad_token_id
+        width = len(prompts[0])
+        groups, start = [], 0
+        while start < len(prompts):
+            n = max(1, min(len(prompts) - start, self.prefill_tokens // max(1, len(prompts[start]))))
+            groups.append(prompts[start : start + n])
+            start += n
+        logits, states = [], None
+        att = np.zeros((len(prompts), width), dtype=np.int64)
+        r = 0
+        for group in groups:
+            w = len(group[0])
+            ids = np.full((len(group), w), pad, dtype=np.int64)
+            a = np.zeros((len(group), w), dtype=np.int64)
+            for j, p in enumerate(group):
+                ids[j, w - len(p):] = p
+                a[j, w - len(p):] = 1
+            pos = np.maximum(a.cumsum(-1) - 1, 0)
+            self.stats["prefill_tokens"] += ids.size
+            self._request.reset_state()
+            logits.append(self._infer(ids, a, pos, np.arange(len(group), dtype=np.int32)))
+            att[r : r + len(group), width - w:] = a
+            if len(groups) > 1:
+                if states is None:
+                    states = {s.name: np.zeros((len(prompts), self._kvh, width, self._hd), dtype=np.float32)
+                              for s in self._request.query_state()}
+                for s in self._request.query_state():
+                    states[s.name][r : r + len(group), :, width - w:] = s.state.data
+            r += len(group)
+        if states is not None:
+            for s in self._request.query_state():
+                s.state = ov.Tensor(states[s.name])
+        next_pos = np.array([len(p) for p in prompts], dtype=np.int64)
+        return torch.cat(logits), att, next_pos
+
+    def _generate(self, model, prompts: list[list[int]], tails: list[str], gen, penalty: float,
+                  eos: set[int]) -> list[list[int]]:
+        """Decode one batch (rows sorted by decreasing length); raw new tokens per row."""
+        cfg, pad = self.cfg, self.policy.tokenizer.pad_token_id
+        stop, keep_tail = cfg.stop, max(0, len(cfg.stop) - 1)
+        logits, att, pos = self._prefill(model, prompts)
+        alive = list(range(len(prompts)))
+        new: list[list[int]] = [[] for _ in prompts]
+        seen = None
+        if penalty != 1.0:  # generate() penalises every id in the sequence so far
+            seen = torch.tensor([[p[0]] * (att.shape[1] - len(p)) + p for p in prompts])
+        for step in range(cfg.max_new_tokens):
+            nxt = _select(logits, seen, penalty, cfg, gen)
+            keep = []
+            for j, t in enumerate(nxt.tolist()):
+                row = alive[j]
+                new[row].append(t)
+                window = tails[row] + self._piece(t) if stop else ""
+                if t in eos or t == pad or (stop and stop in window):
+                    continue
+                tails[row] = window[len(window) - keep_tail:] if keep_tail else ""
+                keep.append(j)
+            if not keep or step + 1 == cfg.max_new_tokens:
+                break
+            beam = np.asarray(keep, dtype=np.int32)
+            if len(keep) < len(alive):  # drop finished rows (the model gathers their cache rows)
+                att, pos, nxt = att[beam], pos[beam], nxt[torch.from_numpy(beam).long()]
+                seen = seen[torch.from_numpy(beam).long()] if seen is not None else None
+                alive = [alive[j] for j in keep]
+            att = np.concatenate([att, np.ones((len(alive), 1), dtype=np.int64)], axis=1)
+            if seen is not None:
+                seen = torch.cat([seen, nxt[:, None]], dim=1)
+            self.stats["decode_rows"] += len(alive)
+            logits = self._infer(nxt.numpy().astype(np.int64)[:, None], att, pos[:, None], beam)
+            pos = pos + 1
+        return new

@@ -1,0 +1,124 @@
+"""The OpenVINO engine against HFEngine (float32) on the tiny models: greedy tokens, baked
+perturbations, stop strings, seeded sampling, the conversion cache, the registry."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("openvino")
+
+from sprpo_lib.engines import Engine, HFEngine, bake_weights, make_engine  # noqa: E402
+from sprpo_lib.models import load_policy  # noqa: E402
+from sprpo_lib.perturb import FFNChannels, dropout_mask, sample_xi  # noqa: E402
+from sprpo_lib.rollout import GenerationConfig  # noqa: E402
+
+from test_engines import NEVER, PROMPTS, _greedy, _lora_policy, _same, _stop_that_splits  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _single_threaded(one_thread):
+    """Tiny models: two threads on the shared 2-core machine are many times slower."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ov_cache(tmp_path_factory):
+    """One conversion cache for the module (each architecture is converted once)."""
+    before = os.environ.get("SPRPO_CACHE")
+    root = tmp_path_factory.mktemp("cache")
+    os.environ["SPRPO_CACHE"] = str(root)
+    yield root
+    if before is None:
+        os.environ.pop("SPRPO_CACHE", None)
+    else:
+        os.environ["SPRPO_CACHE"] = before
+
+
+def _ov(pol, cfg, **kw):
+    from sprpo_lib.engine_openvino import OpenVINOEngine
+
+    return OpenVINOEngine(pol, cfg, **kw)
+
+
+def test_greedy_equals_hf_engine(tiny_spec):
+    pol = load_policy(tiny_spec)
+    ref = HFEngine(pol, _greedy())(PROMPTS)
+    eng = _ov(pol, _greedy(), prefill_tokens=300)  # several prefill groups per batch, joined states
+    got = eng(PROMPTS)
+    assert _same(ref, got) == len(PROMPTS)
+    assert isinstance(eng, Engine) and eng.calls == 1
+    assert sum(len(g.response_ids) - 1 for g in got) == eng.stats["decode_rows"]
+
+
+def test_baked_lora_and_perturbation_load_into_the_engine(tiny_spec):
+    pol = _lora_policy(tiny_spec)
+    fc = FFNChannels(pol.model)
+    xi, mask = sample_xi(0.3, fc.shape, seed=3), dropout_mask(0.3, fc.shape, seed=4)
+    hf = HFEngine(pol, _greedy())
+    lora = hf(PROMPTS)
+    with fc.set(xi=xi, mask=mask):
+        hooked = hf(PROMPTS)
+    assert _same(lora, hooked) < len(PROMPTS)  # the perturbation matters here
+    eng = _ov(pol, _greedy())  # LoRA merged at construction
+    assert _same(eng(PROMPTS), lora) == len(PROMPTS)
+    eng.load_weights(bake_weights(pol.model, xi=xi, mask=mask))
+    assert _same(eng(PROMPTS), hooked) == len(PROMPTS)
+    assert eng.stats["reload_s"] >= 0
+    eng.load_weights(bake_weights(pol.model))  # and back
+    assert _same(eng(PROMPTS), lora) == len(PROMPTS)
+    sd = bake_weights(pol.model)
+    sd.pop("model.layers.0.mlp.up_proj.weight")
+    with pytest.raises(KeyError, match="up_proj"):
+        eng.load_weights(sd)
+
+
+def test_stop_strings_match_hf_engine():
+    pol = load_policy("tiny-llama", seed=2)
+    free = HFEngine(pol, _greedy(stop=NEVER, max_new_tokens=32))(PROMPTS)
+    stop = _stop_that_splits([g.text for g in free])
+    cfg = _greedy(stop=stop, max_new_tokens=32)
+    ref = HFEngine(pol, cfg)(PROMPTS)
+    got = _ov(pol, cfg)(PROMPTS)
+    assert _same(ref, got) == len(PROMPTS)
+    stopped = [g for g in got if g.text.endswith(stop)]
+    assert 0 < len(stopped) < len(PROMPTS) and all(stop not in g.text[:-len(stop)] for g in stopped)
+
+
+def test_sampling_is_a_function_of_seed_and_calls():
+    pol = load_policy("tiny-llama")
+    cfg = GenerationConfig(temperature=0.7, top_p=0.9, max_new_tokens=16, batch_size=4, seed=5)
+    a, b = _ov(pol, cfg), _ov(pol, cfg)
+    a1, a2, b1 = a(PROMPTS), a(PROMPTS), b(PROMPTS)
+    assert _same(a1, b1) == len(PROMPTS)
+    assert _same(a1, a2) < len(PROMPTS)  # the next call draws new samples
+    b.calls = 1
+    assert _same(b(PROMPTS), a2) == len(PROMPTS)
+    other = _ov(pol, GenerationConfig(temperature=0.7, top_p=0.9, max_new_tokens=16, batch_size=4, seed=6))
+    assert _same(other(PROMPTS), a1) < len(PROMPTS)
+    before = torch.random.get_rng_state()
+    a(PROMPTS)
+    assert torch.equal(before, torch.random.get_rng_state())  # the global stream is left alone
+
+
+def test_conversion_is_cached(ov_cache):
+    pol = load_policy("tiny-qwen2", seed=7)
+    first = _ov(pol, _greedy())
+    irs = sorted(p.name for p in (ov_cache / "openvino").iterdir() if not p.name.startswith("."))
+    again = _ov(pol, _greedy())
+    assert not again.stats["converted"] and again.ir == first.ir
+    other = load_policy("tiny-qwen2", seed=8)  # same architecture, other weights: graph reused
+    eng = _ov(other, _greedy())
+    assert not eng.stats["converted"]
+    assert sorted(p.name for p in (ov_cache / "openvino").iterdir() if not p.name.startswith(".")) == irs
+    assert _same(eng(PROMPTS[:4]), HFEngine(other, _greedy())(PROMPTS[:4])) == 4
+
+
+def test_registry_builds_it_and_names_the_package(monkeypatch):
+    pol = load_policy("tiny-qwen2")
+    eng = make_engine("openvino", pol, _greedy())
+    assert type(eng).__name__ == "OpenVINOEngine" and eng.cfg.temperature == 0
+    monkeypatch.setitem(sys.modules, "openvino", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"pip install openvino=="):
+        make_engine("openvino", pol, _greedy())
