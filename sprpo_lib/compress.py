@@ -449,6 +449,24 @@ def _rtn(model, bits, seed, *, calib=None, pad_id=0, batch_size=8, group_size=12
     return rtn_quantize(model, int(bits), group_size).restore, {"group_size": group_size}
 
 
+def plane_directions(shape, direction_seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two fixed unit-variance channel directions ``xi_1, xi_2 ~ N(0, I)`` of the
+    reward-landscape plane (Sec. 5.2, Fig. 4): drawn from ``direction_seed`` alone, so
+    every method is evaluated on the same plane."""
+    base = 2 * int(direction_seed)
+    return sample_xi(1.0, shape, seed=base + 1_000_001), sample_xi(1.0, shape, seed=base + 1_000_002)
+
+
+@PERTURBATIONS.register("plane")
+def _plane(model, w1, seed, *, calib=None, pad_id=0, batch_size=8, w2=0.0, direction_seed=0):
+    """Reward-landscape point (Fig. 4): ``h <- h * (1 + w1 xi_1 + w2 xi_2)`` with the
+    fixed directions of :func:`plane_directions`; the evaluation seed plays no part."""
+    fc = FFNChannels(model)
+    d1, d2 = plane_directions(fc.shape, direction_seed)
+    fc.set(xi=float(w1) * d1 + float(w2) * d2).attach()
+    return fc.detach, {"w2": float(w2), "direction_seed": int(direction_seed)}
+
+
 # App. C sweep levels (SparseGPT's differ per environment).
 PAPER_LEVELS: dict[str, dict[str, list[float]]] = {
     "gaussian": {"alfworld": [0.02, 0.05, 0.10, 0.15, 0.20], "webshop": [0.02, 0.05, 0.10, 0.15, 0.20]},

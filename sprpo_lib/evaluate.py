@@ -44,6 +44,7 @@ strength.
 Cache layout (``cache_dir``, default ``runs/eval_cache/``)::
 
     cells/<env>-<family>/<key>.json   one cell: {"key", "fields", "rows", "seconds", "commit", "date"}
+    cells/<env>-<family>/<key>.episodes.jsonl   what the agent saw and did in each episode
     fisher/<hash>.safetensors         Fisher scores of one model on one calibration pool
     file_hashes.json                  memo of file digests per (path, size, mtime, inode)
 
@@ -73,7 +74,7 @@ from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 from .agent import AgentConfig
-from .manifest import atomic_write_bytes, atomic_write_json, git_commit
+from .manifest import atomic_write_bytes, atomic_write_json, atomic_write_text, git_commit
 
 # ============================================================================ held-out evaluation (training)
 
@@ -152,6 +153,8 @@ _RANGES = {
                   lambda s: 0 <= s < 1),
     "rtn": ("bits", "an integer bit width 2..8; App. C uses 8, 6, 4",
             lambda s: float(s).is_integer() and 2 <= s <= 8),
+    "plane": ("w1", "any finite weight of the first landscape direction (Fig. 4 grid); w2 is an option",
+              lambda s: math.isfinite(s)),
 }
 RANDOM_FAMILIES = ("gaussian", "dropout")
 CALIBRATED_FAMILIES = ("fisher", "sparsegpt")
@@ -619,6 +622,17 @@ def _tasks_digest(pool, tasks: Sequence[tuple[str, int]]) -> str | None:
     return canonical_hash([goal(s, i) for s, i in tasks])
 
 
+def episode_log(records, obs_chars: int = 600) -> list[dict]:
+    """What the agent saw and did, one dict per episode (observations cut to
+    ``obs_chars``): the source of the text examples (App. "Qualitative Examples")."""
+    return [{"split": r.split, "task_index": int(r.task_index), "task_id": r.task_id, "instruction": r.instruction,
+             "success": bool(r.success), "score": float(r.score),
+             "steps": [{"step": s.step, "observation": s.observation[:obs_chars], "response": s.response,
+                        "action": s.action, "valid": bool(s.valid), "reward": float(s.env_reward)}
+                       for s in r.steps]}
+            for r in records]
+
+
 def episode_rows(records) -> list[dict]:
     """One tidy row per episode (no model or perturbation columns).  ``trace`` is a
     short digest of the episode's responses: equal traces mean the same behaviour, so
@@ -651,10 +665,24 @@ class CellCache:
             return None  # unreadable: recomputed and rewritten
         return data["rows"] if data.get("key") == key else None
 
-    def put(self, key: str, fields: Mapping, rows: list[dict], seconds: float) -> Path:
+    def log_path(self, key: str, fields: Mapping) -> Path:
+        return self.path(key, fields).with_suffix(".episodes.jsonl")
+
+    def put(self, key: str, fields: Mapping, rows: list[dict], seconds: float, log: list[dict] | None = None) -> Path:
+        if log is not None:  # written first: a stored cell always has its log
+            atomic_write_text(self.log_path(key, fields), "".join(json.dumps(e) + "\n" for e in log))
         return atomic_write_json(self.path(key, fields), {
             "key": key, "fields": fields, "rows": rows, "seconds": round(seconds, 2), "commit": git_commit(),
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")})
+
+
+def load_episode_log(cache_dir: str | Path, cell: str) -> list[dict] | None:
+    """The episode log of the cell whose key starts with ``cell`` (the rows' ``cell``
+    column), or None when that cell was stored without one."""
+    hits = sorted(Path(cache_dir).glob(f"cells/*/{cell}*.episodes.jsonl"))
+    if not hits:
+        return None
+    return [json.loads(line) for line in hits[0].read_text().splitlines() if line.strip()]
 
 
 def cell_key(fields: Mapping) -> str:
@@ -769,10 +797,10 @@ def cell_fields(cfg: EvalConfig, identity: Mapping, env_fields: Mapping, cell: C
 
 
 def play_cell(policy, pool, tasks: Sequence[tuple[str, int]], cfg: EvalConfig, seed: int,
-              progress: bool = False) -> list[dict]:
+              progress: bool = False, with_log: bool = False):
     """Play one episode per task with evaluation seed ``seed`` under whatever
     perturbation is in force on ``policy.model``; a fresh engine, so generation
-    depends only on the seed."""
+    depends only on the seed.  Returns the rows, or ``(rows, episode_log)``."""
     from .engines import make_engine
     from .rollout import SerialEnvs, run_groups
 
@@ -785,7 +813,7 @@ def play_cell(policy, pool, tasks: Sequence[tuple[str, int]], cfg: EvalConfig, s
                                 count_tokens=token_counter(policy.tokenizer, cfg.agent))
     finally:
         envs.close()
-    return episode_rows(records)
+    return (episode_rows(records), episode_log(records)) if with_log else episode_rows(records)
 
 
 def _fisher_scores(policy, calib: CalibrationPool, store: Path, identity: Mapping, options: Mapping,
@@ -871,9 +899,9 @@ def evaluate(cfg: EvalConfig, *, progress: bool = True, pool=None) -> "pd.DataFr
             for c in cells:
                 bar.set_postfix_str(f"{c.family} {c.strength:g} seed {c.seed}")
                 t0 = time.perf_counter()
-                rows = play_cell(policy, pool, tasks, cfg, c.seed, progress=progress)
+                rows, log = play_cell(policy, pool, tasks, cfg, c.seed, progress=progress, with_log=True)
                 key, fields = keyed[c]
-                cache.put(key, fields, rows, time.perf_counter() - t0)
+                cache.put(key, fields, rows, time.perf_counter() - t0, log)
                 results[c] = rows
                 bar.update(1)
     bar.close()

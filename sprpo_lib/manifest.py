@@ -130,6 +130,13 @@ def write_manifest(
         "wall_seconds": round(float(wall_seconds), 2),
         "host": {"python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine()},
     }
+    try:  # CPU model and instruction set: where the numbers (and timings) were made
+        from .hardware import machine_info
+
+        manifest["host"].update({k: v for k, v in machine_info().items() if k in ("cpu_model", "capability",
+                                                                                "logical_cpus", "torch_threads")})
+    except Exception:  # noqa: BLE001 - a manifest is never lost for want of CPU details
+        pass
     if extra:
         manifest.update(extra)
     return atomic_write_json(artifact.with_name(artifact.name + ".manifest.json"), manifest)

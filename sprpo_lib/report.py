@@ -19,7 +19,7 @@ import pandas as pd
 from .config import TrainConfig, config_from_dict
 from .train import ROOT, default_out_dir, load_config, train, warm_start_key
 
-__all__ = ["run_grid", "load_metrics", "before_after", "paired_outcomes", "mcnemar_exact_p", "plot_training"]
+__all__ = ["run_grid", "find_runs", "load_metrics", "before_after", "paired_outcomes", "mcnemar_exact_p", "plot_training"]
 
 
 def run_grid(profile: str, env: str, methods: Sequence[str], seeds: Sequence[int] | Mapping[str, Sequence[int]],
@@ -33,13 +33,27 @@ def run_grid(profile: str, env: str, methods: Sequence[str], seeds: Sequence[int
         if missing:
             raise ValueError(f"seeds: no training seeds given for method(s) {missing}; give a list per method "
                              f"(e.g. {{'vanilla': [0, 1]}}) or one list for all")
+    return [train(cfg, out, progress=progress) for cfg, out in _grid(profile, env, methods, seeds, overrides, out_root)]
+
+
+def _grid(profile, env, methods, seeds, overrides, out_root):
     per = {m: list(seeds[m] if isinstance(seeds, Mapping) else seeds) for m in methods}
-    dirs = []  # seed-major: every method's first seed before any second seed
+    out = []  # seed-major: every method's first seed before any second seed
     for seed in sorted({s for v in per.values() for s in v}):
         for method in (m for m in methods if seed in per[m]):
             cfg = load_config(profile, list(overrides), **{"env.name": env, "method.name": method, "seed": seed})
-            out = Path(out_root) / default_out_dir(cfg).name if out_root else None
-            dirs.append(train(cfg, out, progress=progress))
+            out.append((cfg, Path(out_root) / default_out_dir(cfg).name if out_root else default_out_dir(cfg)))
+    return out
+
+
+def find_runs(profile: str, env: str, methods: Sequence[str], seeds: Sequence[int] | Mapping[str, Sequence[int]],
+              overrides: Sequence[str] = (), out_root: str | Path | None = None) -> list[Path]:
+    """The run folders :func:`run_grid` would train, without training (render-only);
+    a run that has logged no iteration is one clear error."""
+    dirs = [d for _, d in _grid(profile, env, methods, seeds, overrides, out_root)]
+    missing = [str(d) for d in dirs if not (d / "metrics.jsonl").is_file()]
+    if missing:
+        raise FileNotFoundError(f"no training run in {missing}; run the notebook with render_only=False to train")
     return dirs
 
 

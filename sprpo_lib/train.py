@@ -215,9 +215,28 @@ def _publish_adapter(model, final: Path) -> None:
         model.save_pretrained(tmp / "adapter", safe_serialization=True)
 
 
+def is_complete(cfg: TrainConfig, out: Path) -> bool:
+    """``out`` holds a finished run of exactly ``cfg``: same config, every iteration
+    logged, the final adapter published and (when asked for) its held-out evaluation
+    current.  Such a run is found without loading a model."""
+    meta, metrics = out / "config.json", out / "metrics.jsonl"
+    if not (meta.is_file() and metrics.is_file() and (out / "final" / "adapter").is_dir()):
+        return False
+    if json.loads(meta.read_text()).get("config") != config_dict(cfg):
+        return False
+    done = {json.loads(ln)["iteration"] for ln in metrics.read_text().splitlines() if ln.strip()}
+    if done != set(range(cfg.iterations)):
+        return False
+    return not cfg.eval_tasks or eval_is_current(out / "final" / "eval.json", cfg, cfg.eval_tasks)
+
+
 def train(cfg: TrainConfig, out_dir: str | Path | None = None, fresh: bool = False, progress: bool = True) -> Path:
     """Run (or resume, or extend) training; returns the output folder."""
     from tqdm.auto import tqdm
+
+    done = Path(out_dir or cfg.out_dir or default_out_dir(cfg))
+    if not fresh and is_complete(cfg, done):  # nothing to do: found without loading the model
+        return done
 
     tr = Trainer(cfg, out_dir, progress)
     out = tr.out

@@ -262,7 +262,7 @@ def test_every_family_changes_output_and_restores_bit_exactly(tiny, calib, famil
 
 def test_registry_errors(tiny, calib):
     m = tiny.model
-    assert set(PERTURBATIONS) == {"gaussian", "dropout", "fisher", "sparsegpt", "rtn"}
+    assert set(PERTURBATIONS) == {"gaussian", "dropout", "fisher", "sparsegpt", "rtn", "plane"}
     with pytest.raises(ValueError, match="unknown perturbation"):
         apply_perturbation(m, "int4", 4)
     with pytest.raises(ValueError, match="calib"):
@@ -274,3 +274,44 @@ def test_registry_errors(tiny, calib):
         apply_perturbation(tiny.model, "rtn", 4)
     with pytest.raises(TypeError, match="merge LoRA"):
         apply_perturbation(tiny.model, "sparsegpt", 0.5, calib=calib)
+
+
+def test_landscape_plane_is_the_fixed_two_direction_combination(tiny):
+    """Fig. 4: point (w1, w2) multiplies h by 1 + w1 xi_1 + w2 xi_2 with directions fixed by
+    direction_seed only: (0, 0) is the clean model, the eval seed changes nothing, and the
+    down-projection input is scaled by exactly that factor (a float64 re-computation)."""
+    from sprpo_lib.compress import plane_directions
+    from sprpo_lib.perturb import FFNChannels
+
+    m = tiny.model
+    ids = torch.tensor([[1, 5, 9, 3, 7, 2]])
+    with torch.no_grad():
+        base = m(ids).logits
+        with perturbation(m, "plane", 0.0, seed=5, w2=0.0):
+            assert torch.equal(m(ids).logits, base)
+        with perturbation(m, "plane", 0.3, seed=0, w2=-0.2, direction_seed=1):
+            a = m(ids).logits
+        with perturbation(m, "plane", 0.3, seed=9, w2=-0.2, direction_seed=1):
+            assert torch.equal(m(ids).logits, a)
+        assert not torch.equal(a, base)
+        with perturbation(m, "plane", 0.3, seed=0, w2=-0.2, direction_seed=2):
+            assert not torch.equal(m(ids).logits, a)
+    d1, d2 = plane_directions(FFNChannels(m).shape, 1)
+    assert d1.shape == d2.shape and not torch.equal(d1, d2)
+    assert abs(float(d1.double().std()) - 1) < 0.1  # unit-variance directions
+    seen = []
+    down = ffn_modules(m)[0].down_proj
+
+    def record(mod, args):
+        seen.append(args[0].detach().double())
+
+    with torch.no_grad():
+        hook = down.register_forward_pre_hook(record)
+        m(ids)
+        hook.remove()
+        with perturbation(m, "plane", 0.3, seed=0, w2=-0.2, direction_seed=1):
+            hook = down.register_forward_pre_hook(record)  # after the perturbation's hook: sees its output
+            m(ids)
+            hook.remove()
+    factor = 1 + 0.3 * d1[0].double() - 0.2 * d2[0].double()
+    torch.testing.assert_close(seen[1], seen[0] * factor, rtol=1e-5, atol=1e-6)

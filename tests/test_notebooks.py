@@ -62,3 +62,52 @@ def test_training_notebook_smoke(tmp_path):
     assert (out / "01_training_webshop.png").read_bytes()[:4] == b"\x89PNG"
     man = json.loads((out / "01_training_webshop.png.manifest.json").read_text())
     assert man["config"]["profile"] == "smoke" and set(man["run_commits"]) == set(runs)
+
+
+@pytest.mark.slow
+def test_result_notebooks_smoke_and_render_only(tmp_path):
+    """03-07 end to end on the tiny model (policies trained, cells evaluated and cached), then
+    --render-only redraws the same tables from the result CSVs without evaluating."""
+    import hashlib
+
+    from sprpo_lib.evaluate import load_episode_log
+
+    out = tmp_path / "figs"
+    recs = run("smoke", only=["03", "04", "05", "06", "07"], force=True, runs_dir=tmp_path / "runs", out_dir=str(out))
+    assert [r["status"] for r in recs] == ["ok"] * 5
+    rows = pd.read_csv(out / "04_robustness_webshop_rows.csv")
+    assert set(rows.method) == {"vanilla", "gaussian", "sam", "sprpo"}
+    per_cell = rows.groupby(["method", "family", "strength"]).size()
+    assert (per_cell == 2).all()  # smoke plan: 2 tasks, 1 evaluation seed, every policy on every setting
+    assert {("rtn", 6.0), ("sparsegpt", 0.4), ("fisher", 0.2), ("clean", 0.0)} <= set(zip(rows.family, rows.strength))
+    # the same tasks for every method (the paired design)
+    tasks = rows.groupby("method")["task_index"].apply(lambda s: tuple(sorted(set(s))))
+    assert tasks.nunique() == 1
+    # every stored cell has its episode log, agreeing with its rows
+    for cell, part in rows.groupby("cell"):
+        log = load_episode_log(tmp_path / "runs" / "smoke" / "eval_cache", cell)
+        assert log is not None and len(log) == len(part)
+        got = {(e["split"], e["task_index"]): e["success"] for e in log}
+        assert all(got[(r.split, r.task_index)] == r.success for r in part.itertuples())
+    tex = (out / "04_robustness_webshop_table1.tex").read_text()
+    assert "\\toprule" in tex and "SPrPO (Ours)" in tex and "\\shortstack{Quantization\\\\(INT6)}" in tex
+    paired = pd.read_csv(out / "04_robustness_webshop_paired.csv")
+    assert set(paired.baseline) == {"vanilla", "gaussian", "sam"} and len(paired) == 3 * 6
+    grid = pd.read_csv(out / "05_landscape_webshop_grid.csv")
+    assert len(grid) == 2 * 3 * 3 and set(grid.method) == {"vanilla", "sprpo"}
+    overhead = pd.read_csv(out / "06_overhead_webshop.csv")
+    assert list(overhead.method) == ["vanilla", "gaussian", "sam", "sprpo"] and (overhead.total > 0).all()
+    assert (out / "07_examples_webshop.md").is_file() and (out / "03_motivation_webshop.png").is_file()
+    head = json.loads((out / "headline_smoke.json").read_text())
+    assert set(head["webshop"]["methods"]) == {"vanilla", "gaussian", "sam", "sprpo"}
+    for name in ("04_robustness_webshop_table1.tex", "05_landscape_webshop.png", "headline_smoke.md"):
+        man = json.loads((out / f"{name}.manifest.json").read_text())
+        assert {"config", "commit", "date", "wall_seconds", "host"} <= set(man) and man["config"]["profile"] == "smoke"
+    digest = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.glob("*.tex")}
+    # render-only: nothing evaluated (an empty cache would fail any evaluation), same tables
+    import shutil
+
+    shutil.rmtree(tmp_path / "runs" / "smoke" / "eval_cache" / "cells")
+    again = run("smoke", only=["03", "04", "05", "06"], runs_dir=tmp_path / "runs", out_dir=str(out), render_only=True)
+    assert [r["status"] for r in again] == ["rendered"] * 4
+    assert digest == {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.glob("*.tex")}

@@ -1,0 +1,267 @@
+"""The paper's robustness experiments as plans and cached computations (the layer under
+notebooks 03-07).
+
+A :class:`Plan` says, for one training profile and environment, which policies exist
+(methods x training seeds, trained by :func:`sprpo_lib.report.run_grid`) and what is
+evaluated on them (App. C):
+
+* ``table``: Table 1's strong settings, every policy (clean is always included);
+* ``curves``: Fig. 3's strengths per family, on the policies of ``curve_seeds`` and
+  ``curve_methods``;
+  Fig. 1 (motivation) is Vanilla's part of the same cells;
+* ``landscape_grid``: Fig. 4's ``(w1, w2)`` grid on the plane of two fixed
+  multiplicative Gaussian directions (perturbation family ``plane``), for
+  ``landscape_methods`` at training seed ``landscape_seed``.
+
+Every evaluation goes through :func:`sprpo_lib.evaluate.evaluate`: one content-keyed
+cell per (policy, family, strength, evaluation seed), so a rerun computes only missing
+cells and a killed sweep resumes.  Every policy is evaluated on the same tasks with the
+same evaluation seeds (the paired design of :func:`sprpo_lib.stats.paired_bootstrap`).
+The calibration pool of App. C (Fisher, SparseGPT) is collected once from the first
+Vanilla policy's rollouts on training tasks and shared by every method.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import pandas as pd
+
+from .evaluate import (DEFAULT_CACHE, EvalConfig, ModelSource, build_calibration_pool, canonical_hash,
+                       config_from_run, evaluate, save_calibration)
+from .manifest import atomic_write_text
+
+__all__ = ["Plan", "PLANS", "plan", "policies", "calibration_pool", "robustness_rows", "landscape_rows",
+           "save_rows", "load_rows", "ROW_KEEP", "METHOD_ORDER"]
+
+METHOD_ORDER = ("vanilla", "gaussian", "sam", "sprpo")
+#: Columns kept in the committed result CSVs (one row per episode).
+ROW_KEEP = ("env", "split", "split_label", "task_index", "family", "strength", "w2", "seed", "method", "train_seed",
+            "success", "score", "length", "valid_rate", "trace", "cell")
+#: Table 1's strong settings (the paper's column headers).
+TABLE1 = {"webshop": (("gaussian", 0.20), ("dropout", 0.05), ("fisher", 0.20), ("sparsegpt", 0.40), ("rtn", 6)),
+          "alfworld": (("gaussian", 0.20), ("dropout", 0.05), ("fisher", 0.20), ("sparsegpt", 0.70), ("rtn", 6))}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one profile trains and evaluates on one environment (see the module doc).
+
+    Attributes:
+        profile, env: the training profile (``sprpo_lib/configs/<profile>.yaml``) and env.
+        methods, seeds: the trained policies: ``seeds[method]`` training seeds each.
+        overrides: training-config overrides (``key=value``) shared by every run.
+        tasks: the first N held-out tasks of each split (``None``: App. C's full sets).
+        eval_seeds: evaluation seeds (generation stream and random families' draw).
+        table: Table 1's (family, strength) columns after clean.
+        curves: Fig. 3's strengths per family.
+        curve_seeds: training seeds evaluated on the curves (``None``: all of them).
+        curve_methods: methods evaluated on the curves (``None``: all of them); the
+            others are evaluated clean and at the table settings only.
+        landscape_grid: the values of ``w1`` and of ``w2`` (Fig. 4); ``()`` skips it.
+        landscape_tasks: held-out tasks per landscape point (``None``: ``tasks``).
+        landscape_methods, landscape_seed: whose surface is drawn (training seed).
+        direction_seed: seed of the two shared directions of the plane.
+        calibration_size: App. C's calibration pool (128 sequences).
+        engine: generation engine of the evaluation (``None``: the training profile's).
+    """
+
+    profile: str
+    env: str
+    methods: tuple[str, ...] = METHOD_ORDER
+    seeds: Mapping[str, tuple[int, ...]] = field(default_factory=lambda: {m: (0, 1, 2) for m in METHOD_ORDER})
+    overrides: tuple[str, ...] = ()
+    tasks: int | None = None
+    eval_seeds: tuple[int, ...] = (0,)
+    table: tuple[tuple[str, float], ...] = ()
+    curves: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+    curve_seeds: tuple[int, ...] | None = None
+    curve_methods: tuple[str, ...] | None = None
+    landscape_grid: tuple[float, ...] = ()
+    landscape_tasks: int | None = None
+    landscape_methods: tuple[str, ...] = ("vanilla", "sprpo")
+    landscape_seed: int = 0
+    direction_seed: int = 0
+    calibration_size: int = 128
+    engine: str | None = None
+
+    def __post_init__(self):
+        missing = [m for m in self.methods if m not in self.seeds]
+        if missing:
+            raise ValueError(f"Plan.seeds: no training seeds for method(s) {missing}")
+        bad = [m for m in self.landscape_methods if m not in self.methods]
+        if bad:
+            raise ValueError(f"Plan.landscape_methods: {bad} are not trained in this plan ({list(self.methods)})")
+
+    def runs(self) -> list[tuple[str, int]]:
+        """(method, training seed) of every policy, seed-major as :func:`run_grid` trains them."""
+        seeds = sorted({s for m in self.methods for s in self.seeds[m]})
+        return [(m, s) for s in seeds for m in self.methods if s in self.seeds[m]]
+
+    def settings(self) -> list[tuple[str, float]]:
+        """Every (family, strength) evaluated on all curve policies, clean first."""
+        out = [("clean", 0.0)]
+        for fam, strengths in self.curves.items():
+            out += [(fam, float(s)) for s in strengths]
+        out += [(f, float(s)) for f, s in self.table]
+        return list(dict.fromkeys(out))
+
+    def as_dict(self) -> dict:
+        return json.loads(json.dumps(dataclasses.asdict(self), default=list))
+
+
+_PAPER_CURVES = {f: tuple(v) for f, v in {
+    "gaussian": (0.02, 0.05, 0.10, 0.15, 0.20), "dropout": (0.01, 0.02, 0.03, 0.04, 0.05),
+    "fisher": (0.05, 0.10, 0.15, 0.20), "rtn": (8, 6, 4)}.items()}
+
+#: Plans per profile and env.  ``smoke``: the tiny random model, seconds (tests).
+#: ``cpu``: the embedded SmolLM2 on the offline WebShop, sized for an overnight run on
+#: 2 cores (README "What the cpu profile runs").  ``paper``: App. C in full.
+PLANS: dict[str, dict[str, Plan]] = {
+    "smoke": {"webshop": Plan(
+        "smoke", "webshop", seeds={"vanilla": (0,), "gaussian": (0,), "sam": (0,), "sprpo": (0,)},
+        tasks=2, eval_seeds=(0,), table=TABLE1["webshop"], curves={"gaussian": (0.1, 0.2)},
+        landscape_grid=(-0.2, 0.0, 0.2), landscape_tasks=1, calibration_size=6)},
+    "cpu": {"webshop": Plan(
+        "cpu", "webshop", seeds={"vanilla": (0, 1), "gaussian": (0,), "sam": (0,), "sprpo": (0, 1)},
+        tasks=40, eval_seeds=(0,), table=TABLE1["webshop"],
+        curves={"gaussian": (0.10, 0.20), "dropout": (0.02, 0.05), "fisher": (0.10, 0.20),
+                "sparsegpt": (0.20, 0.40), "rtn": (8, 6, 4)},
+        curve_seeds=(0,), curve_methods=("vanilla", "sprpo"), landscape_grid=(-0.2, -0.1, 0.0, 0.1, 0.2),
+        landscape_tasks=12)},
+    "paper": {env: Plan(
+        "paper", env, tasks=None, eval_seeds=(0,), table=TABLE1[env],
+        curves={**_PAPER_CURVES, "sparsegpt": (0.10, 0.20, 0.30, 0.40) if env == "webshop" else (0.10, 0.30, 0.50, 0.70)},
+        landscape_grid=tuple(round(-0.3 + 0.05 * i, 2) for i in range(13)), landscape_tasks=None)
+        for env in ("alfworld", "webshop")},
+}
+
+
+def plan(profile: str, env: str, **changes) -> Plan:
+    """The plan of ``profile`` on ``env``, with fields replaced by ``changes``."""
+    if profile not in PLANS:
+        raise ValueError(f"profile: unknown profile {profile!r}; expected one of {sorted(PLANS)}")
+    if env not in PLANS[profile]:
+        raise ValueError(f"env: profile {profile!r} has no plan for {env!r} (it runs {sorted(PLANS[profile])}); "
+                         f"run the paper profile for the other environment")
+    p = PLANS[profile][env]
+    if changes.get("seeds") is not None:
+        changes["seeds"] = {m: tuple(v) for m, v in changes["seeds"].items()}
+    return dataclasses.replace(p, **{k: v for k, v in changes.items() if v is not None})
+
+
+# ----------------------------------------------------------------------------- policies
+def policies(p: Plan, runs_root: str | Path | None = None, progress: bool = True) -> dict[tuple[str, int], Path]:
+    """Train, resume or find every policy of the plan; ``{(method, seed): run folder}``."""
+    from .report import run_grid
+
+    dirs = run_grid(p.profile, p.env, p.methods, {m: list(p.seeds[m]) for m in p.methods}, list(p.overrides),
+                    out_root=runs_root, progress=progress)
+    return dict(zip(p.runs(), dirs))
+
+
+def _eval_config(p: Plan, run: Path, cache_dir: Path, **kw) -> EvalConfig:
+    extra = {"engine": p.engine} if p.engine else {}
+    return config_from_run(run, tasks=p.tasks, seeds=p.eval_seeds, cache_dir=str(cache_dir), **extra, **kw)
+
+
+def calibration_pool(p: Plan, runs: Mapping[tuple[str, int], Path], cache_dir: str | Path = DEFAULT_CACHE,
+                     progress: bool = True) -> Path:
+    """App. C's calibration pool: ``calibration_size`` sequences from the first Vanilla
+    policy's rollouts on training tasks, built once and stored under
+    ``<cache_dir>/calibration/`` (named by that policy's content hash), shared by every
+    method's Fisher scores and SparseGPT."""
+    from .envs import make_pool
+
+    vanilla = sorted(k for k in runs if k[0] == "vanilla")
+    if not vanilla:
+        raise ValueError("calibration pool: the plan trains no Vanilla policy (App. C collects the pool from one)")
+    cfg = _eval_config(p, runs[vanilla[0]], Path(cache_dir))
+    source = ModelSource(cfg, Path(cache_dir) / "file_hashes.json")
+    ident = source.identity()
+    key = canonical_hash({"model": ident, "env": p.env, "n": p.calibration_size, "agent": dataclasses.asdict(cfg.agent),
+                          "max_new_tokens": cfg.max_new_tokens, "max_steps": cfg.max_steps, "engine": cfg.engine})
+    path = Path(cache_dir) / "calibration" / f"{p.env}-{key[:16]}.json"
+    if not path.is_file():
+        pool = make_pool(cfg.env, cfg.data_dir, cfg.env_seed)
+        calib = build_calibration_pool(
+            source.policy(), pool, cfg.agent, n=p.calibration_size, temperature=cfg.temperature,
+            max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, max_steps=cfg.max_steps, seed=0,
+            engine=cfg.engine, progress=progress,
+            source={"model": cfg.model, "adapters": list(cfg.adapters), "model_identity": ident,
+                    "policy_run": str(runs[vanilla[0]])})
+        save_calibration(path, calib)
+    return path
+
+
+# ----------------------------------------------------------------------------- sweeps
+def _slim(rows: pd.DataFrame) -> pd.DataFrame:
+    for c in ROW_KEEP:
+        if c not in rows:
+            rows[c] = 0.0 if c == "w2" else None
+    return rows[list(ROW_KEEP)]
+
+
+def robustness_rows(p: Plan, runs: Mapping[tuple[str, int], Path], *, methods: Sequence[str] | None = None,
+                    cache_dir: str | Path = DEFAULT_CACHE, progress: bool = True) -> pd.DataFrame:
+    """Episode rows of every evaluation of the plan (clean, Table 1, Fig. 3 curves) for
+    ``methods`` (default all): the table settings on every policy, the curve strengths
+    on the policies of ``curve_seeds``.  Cached per cell; returns one row per episode."""
+    cache_dir = Path(cache_dir)
+    methods = list(methods or p.methods)
+    keep = [(m, s) for (m, s) in p.runs() if m in methods]
+    need_calib = any(f in ("fisher", "sparsegpt") for f, _ in p.settings())
+    calib = str(calibration_pool(p, runs, cache_dir, progress)) if need_calib else None
+    table = [("clean", 0.0), *[(f, float(s)) for f, s in p.table]]
+    frames = []
+    for m, s in keep:
+        on_curve = (p.curve_seeds is None or s in p.curve_seeds) and (p.curve_methods is None or m in p.curve_methods)
+        wanted = p.settings() if on_curve else table
+        by_family: dict[str, list[float]] = {}
+        for fam, st in wanted:
+            by_family.setdefault(fam, []).append(st)
+        for fam, strengths in by_family.items():
+            cfg = _eval_config(p, runs[m, s], cache_dir, family=fam, strengths=tuple(strengths),
+                               calibration=calib if fam in ("fisher", "sparsegpt") else None)
+            frames.append(evaluate(cfg, progress=progress))
+    return _slim(pd.concat(frames, ignore_index=True))
+
+
+def landscape_rows(p: Plan, runs: Mapping[tuple[str, int], Path], *, cache_dir: str | Path = DEFAULT_CACHE,
+                   progress: bool = True) -> pd.DataFrame:
+    """Fig. 4: success at every ``(w1, w2)`` of the grid for the landscape policies,
+    all on the same plane (``direction_seed``) and tasks.  Rows carry ``strength`` = w1
+    and ``w2``."""
+    if not p.landscape_grid:
+        return _slim(pd.DataFrame(columns=list(ROW_KEEP)))
+    frames = []
+    for m in p.landscape_methods:
+        run = runs[m, p.landscape_seed]
+        for w2 in p.landscape_grid:
+            cfg = _eval_config(p, run, Path(cache_dir), family="plane", strengths=tuple(float(w) for w in p.landscape_grid),
+                               perturbation_options={"w2": float(w2), "direction_seed": p.direction_seed})
+            if p.landscape_tasks is not None:
+                cfg = dataclasses.replace(cfg, tasks=p.landscape_tasks)
+            df = evaluate(cfg, progress=progress)
+            df["w2"] = float(w2)
+            frames.append(df)
+    return _slim(pd.concat(frames, ignore_index=True))
+
+
+# ----------------------------------------------------------------------------- tidy files
+def save_rows(rows: pd.DataFrame, path: str | Path) -> Path:
+    """Write result rows as CSV (atomic)."""
+    return atomic_write_text(path, rows.to_csv(index=False))
+
+
+def load_rows(path: str | Path) -> pd.DataFrame:
+    """Read result rows written by :func:`save_rows` (the render-only path); a missing
+    file is one clear error saying how to compute it."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"{p}: no cached results; run the notebook with render_only=False (or "
+                                "python -m sprpo_lib.reproduce without --render-only) to compute them")
+    return pd.read_csv(p)

@@ -1,0 +1,416 @@
+"""Rendering of the robustness experiments: figures, tables, paired comparisons, text
+examples and headline numbers from tidy rows (:mod:`sprpo_lib.experiments`) and run
+folders.  Pure functions of their inputs (the logic of notebooks 03-07):
+
+* :func:`plot_motivation` (Fig. 1), :func:`plot_curves` (Fig. 3), :func:`plot_landscape`
+  (Fig. 4): PNG + PDF;
+* :func:`paired_comparisons`: the reference method minus each baseline at every
+  setting, paired bootstrap over tasks (:func:`sprpo_lib.stats.paired_bootstrap`);
+* :func:`overhead` / :func:`overhead_latex`: App. "Training overhead" from the runs'
+  own per-iteration metrics;
+* :func:`pick_examples` / :func:`examples_markdown`: App. "Qualitative Examples",
+  trajectory pairs chosen by a fixed rule from the evaluation's episode logs;
+* :func:`headline` / :func:`headline_markdown`: the numbers the README quotes.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+import pandas as pd
+
+from .manifest import atomic_write_text
+from .stats import paired_bootstrap, summarize
+from .tables import FAMILY_LABELS, METHOD_LABELS, strength_label
+
+__all__ = ["COLORS", "save_figure", "plot_motivation", "plot_curves", "plot_landscape", "landscape_grid",
+           "paired_comparisons", "overhead", "overhead_latex", "pick_examples", "examples_markdown", "headline",
+           "headline_markdown", "replace_block"]
+
+COLORS = {"vanilla": "#7f7f7f", "gaussian": "#1f77b4", "sam": "#ff7f0e", "sprpo": "#d62728"}
+CURVE_FAMILIES = ("gaussian", "dropout", "fisher", "sparsegpt", "rtn")
+_AXIS = {"gaussian": r"$\sigma$", "dropout": "$p$", "fisher": "$r$", "sparsegpt": "$r$", "rtn": "bits"}
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: str | Path) -> list[Path]:
+    """Save ``fig`` as PNG and PDF beside each other (atomic renames); returns both paths."""
+    plt = _plt()
+    path = Path(path).with_suffix("")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    out = []
+    for ext in (".png", ".pdf"):
+        final = path.with_name(path.name + ext)
+        tmp = path.with_name(path.name + ".tmp" + ext)
+        fig.savefig(tmp, dpi=150, bbox_inches="tight")
+        tmp.replace(final)
+        out.append(final)
+    plt.close(fig)
+    return out
+
+
+def _family_points(summary: pd.DataFrame, family: str, method: str) -> pd.DataFrame:
+    """A method's curve for one family: the clean point (strength 0; 16 bits for RTN) then
+    the family's strengths."""
+    sel = summary[summary["method"] == method]
+    clean = sel[sel["family"] == "clean"].copy()
+    clean["strength"] = 16.0 if family == "rtn" else 0.0
+    fam = sel[sel["family"] == family]
+    return pd.concat([clean, fam]).sort_values("strength")
+
+
+def plot_curves(summary: pd.DataFrame, methods: Sequence[str], path: str | Path, *, title: str = "",
+                families: Sequence[str] = CURVE_FAMILIES, env_label: str = "") -> list[Path]:
+    """Fig. 3: success (mean +- std over training seeds) against strength, one panel per
+    family, one line per method; the clean policy is the leftmost point (RTN: 16 bits,
+    axis reversed so strength grows to the right)."""
+    plt = _plt()
+    fams = [f for f in families if (summary["family"] == f).any()]
+    fig, axes = plt.subplots(1, max(1, len(fams)), figsize=(3.1 * max(1, len(fams)), 2.9), squeeze=False)
+    for ax, fam in zip(axes[0], fams):
+        for m in methods:
+            pts = _family_points(summary, fam, m)
+            if pts.empty:
+                continue
+            err = pts["std"].fillna(0).to_numpy()
+            ax.errorbar(pts["strength"], pts["mean"], yerr=err, marker="o", ms=3.5, capsize=2, lw=1.4,
+                        color=COLORS.get(m), label=METHOD_LABELS.get(m, m))
+        ax.set(xlabel=_AXIS.get(fam, "strength"), title=FAMILY_LABELS.get(fam, fam), ylim=(-2, 102))
+        if fam == "rtn":
+            ax.invert_xaxis()
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(f"success (%){' - ' + env_label if env_label else ''}")
+    axes[0][0].legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def plot_motivation(summary: pd.DataFrame, path: str | Path, *, method: str = "vanilla", title: str = "",
+                    families: Sequence[str] = CURVE_FAMILIES) -> list[Path]:
+    """Fig. 1: one method's success at clean and at each family's strengths (bars, mean
+    +- std over its training seeds), the clean level as a dashed line."""
+    plt = _plt()
+    sel = summary[summary["method"] == method]
+    clean = sel[sel["family"] == "clean"]
+    bars = [("Clean", float(clean["mean"].iloc[0]) if len(clean) else math.nan,
+             float(clean["std"].fillna(0).iloc[0]) if len(clean) else 0.0, "clean")]
+    for fam in families:
+        part = sel[sel["family"] == fam]
+        part = part.sort_values("strength", ascending=(fam != "rtn"))
+        for _, r in part.iterrows():
+            bars.append((f"{FAMILY_LABELS.get(fam, fam).replace(' pruning', '')}\n"
+                         f"{strength_label(fam, r['strength']).replace('$', '').replace(chr(92) + 'sigma', 'σ')}",
+                         float(r["mean"]), float(0 if pd.isna(r["std"]) else r["std"]), fam))
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.55 * len(bars) + 1), 3.2))
+    palette = dict(zip(("clean", *CURVE_FAMILIES), plt.get_cmap("tab10").colors))
+    x = np.arange(len(bars))
+    ax.bar(x, [b[1] for b in bars], yerr=[b[2] for b in bars], capsize=2, color=[palette.get(b[3]) for b in bars])
+    if len(clean):
+        ax.axhline(bars[0][1], ls="--", lw=1, color="k", alpha=0.6)
+    for xi, b in zip(x, bars):
+        if not math.isnan(b[1]):
+            ax.text(xi, b[1] + 1, f"{b[1]:.0f}", ha="center", va="bottom", fontsize=6)
+    ax.set_xticks(x, [b[0] for b in bars], fontsize=6)
+    ax.set(ylabel="success (%)", ylim=(0, 105), title=title or f"{METHOD_LABELS.get(method, method)} under perturbations")
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def landscape_grid(rows: pd.DataFrame, method: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(w1 values, w2 values, success % [len(w2), len(w1)]) of one method's plane rows."""
+    sel = rows[(rows["method"] == method) & (rows["family"] == "plane")]
+    g = sel.groupby(["w2", "strength"])["success"].mean().unstack("strength") * 100.0
+    return g.columns.to_numpy(float), g.index.to_numpy(float), g.to_numpy(float)
+
+
+def plot_landscape(rows: pd.DataFrame, methods: Sequence[str], path: str | Path, *, title: str = "") -> list[Path]:
+    """Fig. 4: success over the ``(w1, w2)`` plane, a surface and a contour map per method
+    (same colour scale for all)."""
+    plt = _plt()
+    fig = plt.figure(figsize=(4.2 * len(methods), 6.4))
+    levels = np.linspace(0, 100, 11)
+    for i, m in enumerate(methods):
+        w1, w2, z = landscape_grid(rows, m)
+        if z.size == 0:
+            continue
+        X, Y = np.meshgrid(w1, w2)
+        ax = fig.add_subplot(2, len(methods), i + 1, projection="3d")
+        ax.plot_surface(X, Y, z, cmap="viridis", vmin=0, vmax=100, edgecolor="k", linewidth=0.2)
+        ax.set(xlabel="$w_1$", ylabel="$w_2$", zlabel="success (%)", zlim=(0, 100),
+               title=METHOD_LABELS.get(m, m))
+        ax2 = fig.add_subplot(2, len(methods), len(methods) + i + 1)
+        cs = ax2.contourf(X, Y, z, levels=levels, cmap="viridis", vmin=0, vmax=100)
+        ax2.plot([0], [0], "w+", ms=8)
+        ax2.set(xlabel="$w_1$", ylabel="$w_2$", aspect="equal")
+    if methods:
+        fig.colorbar(cs, ax=fig.axes[-1], label="success (%)", shrink=0.8)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    return save_figure(fig, path)
+
+
+# ----------------------------------------------------------------------------- paired statistics
+def paired_comparisons(rows: pd.DataFrame, reference: str, baselines: Sequence[str],
+                       settings: Sequence[tuple[str, float]], *, n_resamples: int = 10_000,
+                       seed: int = 0) -> pd.DataFrame:
+    """``reference`` minus each baseline at each setting: success and retention
+    differences (percentage points) with paired 95% bootstrap intervals over tasks, on
+    the training seeds both methods share (their policies are paired by seed).  A
+    setting either method lacks is skipped."""
+    out = []
+    for b in baselines:
+        shared = sorted(set(rows.loc[rows["method"] == reference, "train_seed"])
+                        & set(rows.loc[rows["method"] == b, "train_seed"]))
+        if not shared:
+            continue
+        sub = rows[rows["method"].isin([reference, b]) & rows["train_seed"].isin(shared)]
+        for fam, s in settings:
+            have = sub[(sub["family"] == fam) & (sub["strength"] == s)]
+            if set(have["method"]) != {reference, b}:
+                continue
+            r = paired_bootstrap(sub, reference, b, fam, s, n_resamples=n_resamples, seed=seed)
+            out.append({"reference": reference, "baseline": b, "family": fam, "strength": s,
+                        "train_seeds": " ".join(map(str, shared)), "tasks": r["tasks"],
+                        "episodes": r["episodes_per_method"], "success_diff": r["success"],
+                        "success_lo": r["success_ci"][0], "success_hi": r["success_ci"][1],
+                        "retention_diff": r["retention"] if fam != "clean" else math.nan,
+                        "retention_lo": r["retention_ci"][0] if fam != "clean" else math.nan,
+                        "retention_hi": r["retention_ci"][1] if fam != "clean" else math.nan})
+    cols = ["reference", "baseline", "family", "strength", "train_seeds", "tasks", "episodes", "success_diff",
+            "success_lo", "success_hi", "retention_diff", "retention_lo", "retention_hi"]
+    return pd.DataFrame(out, columns=cols)
+
+
+# ----------------------------------------------------------------------------- overhead
+def overhead(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
+    """App. "Training overhead": mean seconds per training step per (env, method) from
+    the runs' ``metrics.jsonl``: rollout, update (the method's update including SPrPO's
+    replay, whose share is ``sensitivity``), total (the whole iteration, no evaluation or
+    checkpoint), and the contention columns ``cpu_per_wall`` / ``loadavg`` when logged."""
+    from .report import load_metrics
+
+    m = load_metrics(run_dirs)
+    if m.empty:
+        return pd.DataFrame()
+    m = m.copy()
+    sens = m["sensitivity_s"] if "sensitivity_s" in m else 0.0
+    m["update_total_s"] = m["update_s"] + sens
+    agg = {"rollout": ("rollout_s", "mean"), "update": ("update_total_s", "mean"),
+           "sensitivity": ("sensitivity_s", "mean") if "sensitivity_s" in m else ("update_s", lambda x: 0.0),
+           "total": ("wall_s", "mean"), "steps": ("iteration", "size"), "runs": ("run", "nunique")}
+    for col, name in (("cpu_per_wall", "cpu_per_wall"), ("loadavg_1min", "loadavg")):
+        if col in m:
+            agg[name] = (col, "mean")
+    out = m.groupby(["env", "method"], sort=False).agg(**agg).reset_index()
+    order = {k: i for i, k in enumerate(("vanilla", "gaussian", "sam", "sprpo"))}
+    out = out.sort_values(["env", "method"], key=lambda s: s.map(order) if s.name == "method" else s)
+    base = out[out["method"] == "vanilla"].set_index("env")["total"]
+    out["total_vs_vanilla"] = [t / base.get(e, math.nan) for e, t in zip(out["env"], out["total"])]
+    return out.reset_index(drop=True)
+
+
+def overhead_latex(table: pd.DataFrame, methods: Sequence[str] = ("vanilla", "sprpo")) -> str:
+    """The overhead table in the paper's layout (Environment, Method, Rollout, Update, Total)."""
+    from .tables import ENV_LABELS
+
+    lines = [r"\begin{tabular}{@{}llrrr@{}}", r"\toprule", r"Environment & Method & Rollout & Update & Total \\"]
+    for i, (env, sub) in enumerate(table[table["method"].isin(methods)].groupby("env", sort=False)):
+        lines.append(r"\midrule")
+        for _, r in sub.iterrows():
+            lines.append(f"{ENV_LABELS.get(env, env)} & {METHOD_LABELS.get(r['method'], r['method'])} & "
+                         f"{r['rollout']:.1f} & {r['update']:.1f} & {r['total']:.1f} \\\\")
+    lines += [r"\bottomrule", r"\end{tabular}"]
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- text examples
+def pick_examples(rows: pd.DataFrame, a: str = "vanilla", b: str = "sprpo", *, train_seed: int = 0, seed: int = 0,
+                  per_family: int = 1) -> pd.DataFrame:
+    """Trajectory pairs for the text examples, by a fixed rule: at each perturbed setting
+    of the rows (strongest first within a family), the tasks where ``a`` and ``b`` (same
+    training seed, same evaluation seed, same task) differ in success under the
+    perturbation while both succeeded on it clean; the ``per_family`` lowest task
+    indices of each family, in either direction.  ``counts`` columns report how many
+    tasks went each way, so the chosen pairs are not mistaken for the typical case."""
+    key = ["env", "split", "task_index"]
+    sel = rows[(rows["train_seed"] == train_seed) & (rows["seed"] == seed) & rows["method"].isin([a, b])]
+    clean = sel[sel["family"] == "clean"].pivot_table(index=key, columns="method", values="success", aggfunc="first")
+    both_clean = clean[(clean.get(a) == 1) & (clean.get(b) == 1)].index if {a, b} <= set(clean.columns) else []
+    out = []
+    for fam in [f for f in CURVE_FAMILIES if (sel["family"] == f).any()]:
+        picked = 0
+        for s in sorted(set(sel.loc[sel["family"] == fam, "strength"]), reverse=(fam != "rtn")):
+            part = sel[(sel["family"] == fam) & (sel["strength"] == s)]
+            piv = part.pivot_table(index=key, columns="method", values=["success", "cell"], aggfunc="first")
+            if not {a, b} <= set(piv["success"].columns):
+                continue
+            piv = piv[piv.index.isin(both_clean)]
+            diff = piv[piv["success"][a] != piv["success"][b]]
+            wins, losses = int((diff["success"][b] == 1).sum()), int((diff["success"][a] == 1).sum())
+            for idx, r in diff.sort_index(level="task_index").iterrows():
+                if picked >= per_family:
+                    break
+                out.append({"env": idx[0], "split": idx[1], "task_index": int(idx[2]), "family": fam, "strength": s,
+                            "train_seed": train_seed, "seed": seed, f"success_{a}": bool(r["success"][a]),
+                            f"success_{b}": bool(r["success"][b]), f"cell_{a}": r["cell"][a],
+                            f"cell_{b}": r["cell"][b], f"{b}_only": wins, f"{a}_only": losses,
+                            "both_clean": len(piv)})
+                picked += 1
+            if picked >= per_family:
+                break
+    return pd.DataFrame(out)
+
+
+def _episode(log: list[dict] | None, split: str, task_index: int) -> dict | None:
+    for e in log or []:
+        if e["split"] == split and int(e["task_index"]) == int(task_index):
+            return e
+    return None
+
+
+def examples_markdown(picks: pd.DataFrame, logs: Mapping[str, list[dict] | None], a: str = "vanilla",
+                      b: str = "sprpo", *, obs_chars: int = 240) -> str:
+    """The chosen pairs as Markdown: the task, then each method's steps (action and the
+    start of the feedback) side by side in sequence; ``logs`` maps a cell prefix to its
+    episode log (:func:`sprpo_lib.evaluate.load_episode_log`)."""
+    if picks.empty:
+        return (f"No task qualifies: at no evaluated setting did {METHOD_LABELS.get(a, a)} and "
+                f"{METHOD_LABELS.get(b, b)} differ on a task both solved clean.\n")
+    parts = []
+    for i, r in enumerate(picks.itertuples(index=False), 1):
+        r = r._asdict()
+        label = f"{FAMILY_LABELS.get(r['family'], r['family'])} {strength_label(r['family'], r['strength'])}"
+        parts.append(f"### Example {i}: {r['env']} task {r['split']}/{r['task_index']}, {label}\n")
+        parts.append(f"At this setting {r[b + '_only']} task(s) were solved by {METHOD_LABELS.get(b, b)} only and "
+                     f"{r[a + '_only']} by {METHOD_LABELS.get(a, a)} only, of {r['both_clean']} that both solved clean "
+                     f"(training seed {r['train_seed']}, evaluation seed {r['seed']}).\n")
+        first = True
+        for m in (a, b):
+            ep = _episode(logs.get(r[f"cell_{m}"]), r["split"], r["task_index"])
+            if ep is None:
+                parts.append(f"*{METHOD_LABELS.get(m, m)}: no episode log stored for this cell.*\n")
+                continue
+            if first:
+                parts.append(f"**Task:** {ep['instruction']}\n")
+                first = False
+            outcome = "success" if ep["success"] else "failure"
+            parts.append(f"**{METHOD_LABELS.get(m, m)}** ({outcome}, score {ep['score']:.2f})\n")
+            for s in ep["steps"]:
+                obs = " ".join(s["observation"].split())[:obs_chars]
+                valid = "" if s["valid"] else " *(invalid)*"
+                parts.append(f"{s['step'] + 1}. `{s['action'] or s['response'].strip()[:120]}`{valid}  \n"
+                             f"   <sub>saw: {obs}</sub>")
+            parts.append("")
+    return "\n".join(parts) + "\n"
+
+
+# ----------------------------------------------------------------------------- headline numbers
+def headline(summary: pd.DataFrame, paired: pd.DataFrame, settings: Sequence[tuple[str, float]],
+             methods: Sequence[str], *, env: str, extra: Mapping | None = None) -> dict:
+    """The numbers the README quotes: per method clean success and, per setting, success
+    and retention (mean, std, seeds); per baseline the paired differences of SPrPO."""
+    out: dict = {"env": env, "methods": {}, "paired": [], **dict(extra or {})}
+    for m in methods:
+        rec = {}
+        for fam, s in [("clean", 0.0), *settings]:
+            r = summary[(summary["method"] == m) & (summary["env"] == env) & (summary["family"] == fam)
+                        & (summary["strength"] == s)]
+            if r.empty:
+                continue
+            r = r.iloc[0]
+            rec[f"{fam}@{s:g}"] = {"success": round(float(r["mean"]), 2),
+                                   "std": None if pd.isna(r["std"]) else round(float(r["std"]), 2),
+                                   "seeds": int(r["n"]),
+                                   "retention": None if pd.isna(r["retention"]) else round(float(r["retention"]), 1)}
+        out["methods"][m] = rec
+    for r in paired.to_dict("records"):
+        out["paired"].append({k: (round(v, 2) if isinstance(v, float) and not math.isnan(v) else
+                                  (None if isinstance(v, float) else v)) for k, v in r.items()})
+    return out
+
+
+def headline_markdown(h: Mapping, methods: Sequence[str]) -> str:
+    """A Markdown table of :func:`headline` (success, retention) plus the paired intervals."""
+    cols = list(next((v for v in h["methods"].values() if v), {}).keys())
+
+    def label(c: str) -> str:
+        fam, s = c.split("@")
+        if fam == "clean":
+            return "Clean"
+        txt = strength_label(fam, float(s)).replace("$", "").replace("\\sigma", "σ")
+        return f"{FAMILY_LABELS.get(fam, fam)} {txt}"
+
+    head = ["Method", *[label(c) for c in cols]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m in methods:
+        rec = h["methods"].get(m, {})
+        cells = []
+        for c in cols:
+            v = rec.get(c)
+            if v is None:
+                cells.append("-")
+                continue
+            txt = f"{v['success']:.1f}" + (f" ± {v['std']:.1f}" if v["std"] is not None else "")
+            if v["retention"] is not None and not c.startswith("clean"):
+                txt += f" ({v['retention']:.0f}%)"
+            cells.append(txt)
+        lines.append(f"| {METHOD_LABELS.get(m, m)} | " + " | ".join(cells) + " |")
+    text = "\n".join(lines) + "\n"
+    if h.get("paired"):
+        text += "\nPaired differences (reference minus baseline, percentage points, 95% bootstrap over tasks):\n\n"
+        text += "| Setting | vs. | Success diff [95% CI] | Retention diff [95% CI] |\n|---|---|---|---|\n"
+        for p in h["paired"]:
+            ret = ("-" if p.get("retention_diff") is None else
+                   f"{p['retention_diff']:+.1f} [{p['retention_lo']:+.1f}, {p['retention_hi']:+.1f}]")
+            text += (f"| {label(p['family'] + '@' + str(p['strength']))} | {METHOD_LABELS.get(p['baseline'], p['baseline'])} | "
+                     f"{p['success_diff']:+.1f} [{p['success_lo']:+.1f}, {p['success_hi']:+.1f}] | {ret} |\n")
+    return text
+
+
+def replace_block(text: str, name: str, body: str) -> str:
+    """Replace what lies between ``<!-- name:begin -->`` and ``<!-- name:end -->`` in
+    ``text`` (the README's generated sections); a missing marker is an error."""
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    i, j = text.find(begin), text.find(end)
+    if i < 0 or j < i:
+        raise ValueError(f"replace_block: markers {begin} ... {end} not found")
+    return text[: i + len(begin)] + "\n" + body.rstrip("\n") + "\n" + text[j:]
+
+
+def write_json(path: str | Path, obj) -> Path:
+    return atomic_write_text(path, json.dumps(obj, indent=1, default=str) + "\n")
+
+
+def summary_of(rows: pd.DataFrame, by: Sequence[str] = ("env",)) -> pd.DataFrame:
+    """:func:`sprpo_lib.stats.summarize` of result rows."""
+    return summarize(rows, by)
+
+
+def manifests(paths: Sequence[str | Path], config: Mapping, wall_seconds: float, *, seed: int | None = None,
+              extra: Mapping | None = None) -> list[Path]:
+    """A manifest beside every artifact (:func:`sprpo_lib.manifest.write_manifest`)."""
+    from .manifest import write_manifest
+
+    return [write_manifest(p, dict(config), seed, wall_seconds, dict(extra or {})) for p in paths]
+
+
+def absent_envs(profile: str, envs: Sequence[str]) -> list[str]:
+    """Sentences for the environments a profile has no runs of (stated, not drawn)."""
+    from .experiments import PLANS
+
+    have = PLANS.get(profile, {})
+    return [f"{e}: profile {profile!r} trains no {e} policies, so its panels and tables are absent here "
+            f"(the paper profile has them)." for e in envs if e not in have]

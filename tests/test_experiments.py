@@ -1,0 +1,158 @@
+"""The robustness-experiment layer (plans, rendering helpers) on crafted inputs, checked
+against hand-computed answers."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from sprpo_lib import experiments as X
+from sprpo_lib.config import config_dict, load_config
+from sprpo_lib import results as R
+
+
+def test_plan_lookup_and_validation():
+    p = X.plan("cpu", "webshop")
+    assert p.runs()[:4] == [("vanilla", 0), ("gaussian", 0), ("sam", 0), ("sprpo", 0)]  # seed-major
+    assert p.runs()[4:] == [("vanilla", 1), ("sprpo", 1)]
+    assert p.settings()[0] == ("clean", 0.0) and len(p.settings()) == len(set(p.settings()))
+    assert ("sparsegpt", 0.4) in p.settings() and ("rtn", 6.0) in p.settings()
+    assert X.plan("cpu", "webshop", tasks=5).tasks == 5
+    with pytest.raises(ValueError, match="unknown profile"):
+        X.plan("huge", "webshop")
+    with pytest.raises(ValueError, match="no plan for 'alfworld'"):
+        X.plan("cpu", "alfworld")
+    with pytest.raises(ValueError, match="no training seeds"):
+        X.Plan("x", "webshop", methods=("vanilla", "sprpo"), seeds={"vanilla": (0,)})
+    with pytest.raises(ValueError, match="landscape_methods"):
+        X.Plan("x", "webshop", methods=("vanilla",), seeds={"vanilla": (0,)})
+    assert set(X.PLANS["paper"]) == {"alfworld", "webshop"}
+    assert dict(X.PLANS["paper"]["alfworld"].table)["sparsegpt"] == 0.70  # Table 1's ALFWorld column
+
+
+def test_load_rows_missing_is_one_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="render_only=False"):
+        X.load_rows(tmp_path / "nope.csv")
+    rows = pd.DataFrame({"a": [1, 2]})
+    X.save_rows(rows, tmp_path / "r.csv")
+    assert X.load_rows(tmp_path / "r.csv").equals(rows)
+
+
+def _rows(outcomes: dict) -> pd.DataFrame:
+    """outcomes[(method, family, strength)] = list of successes over task indices 0.."""
+    out = []
+    for (m, fam, s), succ in outcomes.items():
+        for t, v in enumerate(succ):
+            out.append({"env": "webshop", "split": "test", "task_index": t, "family": fam, "strength": s,
+                        "seed": 0, "method": m, "train_seed": 0, "success": bool(v), "score": float(v),
+                        "cell": f"{m}-{fam}-{s}"})
+    return pd.DataFrame(out)
+
+
+def test_pick_examples_follows_the_documented_rule():
+    rows = _rows({
+        ("vanilla", "clean", 0.0): [1, 1, 1, 0, 1, 1],
+        ("sprpo", "clean", 0.0):   [1, 1, 1, 1, 1, 0],
+        ("vanilla", "gaussian", 0.2): [1, 0, 1, 0, 0, 0],   # task 1 and 4 differ; task 3 not clean for vanilla
+        ("sprpo", "gaussian", 0.2):   [1, 1, 0, 1, 1, 1],   # task 5: sprpo failed clean -> excluded
+        ("vanilla", "gaussian", 0.1): [0, 1, 1, 1, 1, 1],
+        ("sprpo", "gaussian", 0.1):   [1, 1, 1, 1, 1, 1],
+    })
+    picks = R.pick_examples(rows, "vanilla", "sprpo", per_family=1)
+    assert len(picks) == 1
+    r = picks.iloc[0]
+    # strongest setting first; qualifying tasks (both solved clean: 0, 1, 2, 4): differ at 1 (sprpo), 2 (vanilla), 4 (sprpo)
+    assert (r["family"], r["strength"], r["task_index"]) == ("gaussian", 0.2, 1)
+    assert (r["sprpo_only"], r["vanilla_only"], r["both_clean"]) == (2, 1, 4)
+    assert r["cell_vanilla"] == "vanilla-gaussian-0.2" and r["cell_sprpo"] == "sprpo-gaussian-0.2"
+    two = R.pick_examples(rows, "vanilla", "sprpo", per_family=3)
+    assert list(two["task_index"]) == [1, 2, 4]
+    none = R.pick_examples(_rows({("vanilla", "clean", 0.0): [1], ("sprpo", "clean", 0.0): [1],
+                                  ("vanilla", "rtn", 4.0): [1], ("sprpo", "rtn", 4.0): [1]}))
+    assert none.empty and "No task qualifies" in R.examples_markdown(none, {})
+
+
+def test_examples_markdown_renders_both_trajectories():
+    rows = _rows({("vanilla", "clean", 0.0): [1], ("sprpo", "clean", 0.0): [1],
+                  ("vanilla", "dropout", 0.05): [0], ("sprpo", "dropout", 0.05): [1]})
+    picks = R.pick_examples(rows)
+    ep = lambda ok, act: {"split": "test", "task_index": 0, "task_id": "g0", "instruction": "buy a red shirt",  # noqa: E731
+                          "success": ok, "score": float(ok), "steps": [
+                              {"step": 0, "observation": "Search page", "response": f"<action>{act}</action>",
+                               "action": act, "valid": True, "reward": 0.0}]}
+    md = R.examples_markdown(picks, {"vanilla-dropout-0.05": [ep(False, "search[blue]")],
+                                     "sprpo-dropout-0.05": [ep(True, "search[red shirt]")]})
+    assert "buy a red shirt" in md and "search[blue]" in md and "search[red shirt]" in md
+    assert "**Vanilla** (failure" in md and "**SPrPO** (success" in md
+    assert "1 task(s) were solved by SPrPO only and 0 by Vanilla only, of 1" in md
+
+
+def test_paired_comparisons_hand_cases():
+    n = 20
+    rows = _rows({("sprpo", "clean", 0.0): [1] * n, ("vanilla", "clean", 0.0): [1] * n,
+                  ("sprpo", "rtn", 4.0): [1] * 10 + [0] * 10, ("vanilla", "rtn", 4.0): [0] * n,
+                  ("sam", "clean", 0.0): [1] * n, ("sam", "rtn", 4.0): [1] * 10 + [0] * 10})
+    pc = R.paired_comparisons(rows, "sprpo", ["vanilla", "sam", "gaussian"], [("clean", 0.0), ("rtn", 4.0)],
+                              n_resamples=2000)
+    assert set(pc["baseline"]) == {"vanilla", "sam"}  # gaussian has no rows: skipped
+    v = pc[(pc.baseline == "vanilla") & (pc.family == "rtn")].iloc[0]
+    assert v["success_diff"] == pytest.approx(50.0) and v["retention_diff"] == pytest.approx(50.0)
+    assert v["success_lo"] < 50 < v["success_hi"] and v["success_lo"] > 20
+    s = pc[(pc.baseline == "sam") & (pc.family == "rtn")].iloc[0]  # identical outcomes: zero, degenerate interval
+    assert (s["success_diff"], s["success_lo"], s["success_hi"]) == (0.0, 0.0, 0.0)
+    c = pc[(pc.baseline == "vanilla") & (pc.family == "clean")].iloc[0]
+    assert c["success_diff"] == 0.0 and math.isnan(c["retention_diff"])
+
+
+def test_overhead_means_from_metrics(tmp_path):
+    def run(name, method, rows):
+        d = tmp_path / name
+        d.mkdir()
+        cfg = load_config("smoke", **{"method.name": method})
+        (d / "config.json").write_text(json.dumps({"config": config_dict(cfg)}))
+        (d / "metrics.jsonl").write_text("".join(json.dumps({"iteration": i, **r}) + "\n" for i, r in enumerate(rows)))
+        return d
+
+    a = run("webshop-vanilla-smoke-seed0", "vanilla", [
+        {"rollout_s": 10, "update_s": 4, "sensitivity_s": 0, "wall_s": 15, "success": 0, "score": 0},
+        {"rollout_s": 12, "update_s": 6, "sensitivity_s": 0, "wall_s": 19, "success": 0, "score": 0}])
+    b = run("webshop-sprpo-smoke-seed0", "sprpo", [
+        {"rollout_s": 11, "update_s": 5, "sensitivity_s": 5, "wall_s": 22, "success": 0, "score": 0}])
+    t = R.overhead([a, b]).set_index("method")
+    assert t.loc["vanilla", "rollout"] == 11 and t.loc["vanilla", "update"] == 5 and t.loc["vanilla", "total"] == 17
+    assert t.loc["sprpo", "update"] == 10 and t.loc["sprpo", "sensitivity"] == 5
+    assert t.loc["sprpo", "total_vs_vanilla"] == pytest.approx(22 / 17)
+    tex = R.overhead_latex(t.reset_index())
+    assert "\\toprule" in tex and "WebShop & Vanilla & 11.0 & 5.0 & 17.0" in tex
+
+
+def test_landscape_grid_pivot():
+    rows = []
+    for w1 in (-0.1, 0.0, 0.1):
+        for w2 in (-0.1, 0.0, 0.1):
+            for t in range(4):
+                rows.append({"method": "sprpo", "family": "plane", "strength": w1, "w2": w2, "task_index": t,
+                             "success": t < (2 if w1 == w2 else 1)})
+    w1, w2, z = R.landscape_grid(pd.DataFrame(rows), "sprpo")
+    assert list(w1) == [-0.1, 0.0, 0.1] and list(w2) == [-0.1, 0.0, 0.1]
+    assert np.allclose(np.diag(z), 50.0) and z[0, 1] == 25.0
+
+
+def test_headline_and_readme_block():
+    summary = pd.DataFrame([
+        {"method": "vanilla", "env": "webshop", "family": "clean", "strength": 0.0, "mean": 40.0, "std": 2.0, "n": 2,
+         "retention": 100.0},
+        {"method": "vanilla", "env": "webshop", "family": "rtn", "strength": 4.0, "mean": 10.0, "std": float("nan"),
+         "n": 1, "retention": 25.0}])
+    h = R.headline(summary, pd.DataFrame(), [("rtn", 4.0)], ["vanilla"], env="webshop")
+    assert h["methods"]["vanilla"]["rtn@4"] == {"success": 10.0, "std": None, "seeds": 1, "retention": 25.0}
+    md = R.headline_markdown(h, ["vanilla"])
+    assert "| Method | Clean | Quantization INT4 |" in md and "| Vanilla | 40.0 ± 2.0 | 10.0 (25%) |" in md
+    text = "a\n<!-- headline-cpu:begin -->\nold 1.0\n<!-- headline-cpu:end -->\nb\n"
+    new = R.replace_block(text, "headline-cpu", md)
+    assert "old 1.0" not in new and md.strip() in new and new.startswith("a\n") and new.endswith("b\n")
+    with pytest.raises(ValueError, match="markers"):
+        R.replace_block("no markers", "headline-cpu", md)
