@@ -1,33 +1,40 @@
-"""The ``openvino`` generation engine: the policy converted to an OpenVINO IR, decoded on the
-CPU by our own loop (float32 throughout).
+"""The ``openvino`` generation engine: the policy converted to an OpenVINO IR and decoded
+on the CPU in float32, by OpenVINO GenAI's continuous-batching pipeline (``backend="genai"``,
+the default when ``openvino-genai`` is installed) or by our own decode loop (``"loop"``).
 
 * Conversion uses only the ``openvino`` Python API inside this project's environment (no
-  optimum-intel): ``ov.convert_model`` traces a wrapper around the transformers model whose
-  past keys/values are explicit inputs and outputs; a ``beam_idx`` input gathers the cache
-  rows before each step, and ``apply_make_stateful_transformation`` hides the cache inside
-  the model as state (the layout OpenVINO GenAI expects, and the one the CPU plugin's
-  stateful attention kernels are written for).  The trace uses a copy of the architecture
-  with every parameter set to non-trivial values, so that no weight is folded away
-  (a zero bias or a unit norm would be); the real weights are then put into the named
-  weight constants.
-* The IR is cached under ``cache_dir()/openvino/<architecture hash>-<weights digest>``
-  (written atomically).  A policy with other weights of a cached architecture reuses that IR
-  with its own weights put in (no conversion, nothing written).
-* :meth:`OpenVINOEngine.load_weights` replaces the weight constants and recompiles (seconds;
-  no reconversion).
-* Decoding is :class:`~sprpo_lib.engines.HFEngine`'s: chat template, prompts sorted by length
-  and prefilled in similar-length groups whose caches are joined, finished rows dropped from
-  the batch (``beam_idx`` selects the surviving cache rows), stop strings checked on each new
-  token's text, token selection by :func:`~sprpo_lib.engines._select` (the model's repetition
-  penalty, greedy or temperature/top-p) with a torch generator seeded by
-  :func:`~sprpo_lib.engines.call_seed`.  Cache columns that only dropped rows used are not
-  trimmed (the state cannot be cut without copying it).
+  optimum-intel, which pins another transformers): ``ov.convert_model`` traces a wrapper around
+  the transformers model whose past keys/values are explicit inputs and outputs; a ``beam_idx``
+  input gathers the cache rows before each step, ``apply_make_stateful_transformation`` hides
+  the cache inside the model as state and the logits of the last position come out as
+  ``[batch, 1, vocab]``: the layout GenAI's pipelines read.  The trace uses a copy of the
+  architecture with every parameter set to distinct non-trivial values, so that no weight is
+  folded away (a zero bias or a unit norm would be); the constants holding parameters are found
+  by content and named, and the real weights put into them.  ``openvino_tokenizers`` converts
+  the tokenizer (GenAI detokenizes with it to match stop strings).
+* The IR is cached under ``cache_dir()/openvino/<architecture+tokenizer hash>-<weights
+  digest>`` (written atomically).  A policy with other weights of a cached architecture reuses
+  that IR with its own weights put in (no conversion, nothing written to the cache).
+* :meth:`OpenVINOEngine.load_weights` replaces the weight constants and recompiles (``loop``)
+  or restarts the pipeline on a temporary copy of the IR (``genai``): seconds, no reconversion.
+* ``genai``: prompts are tokenized by the HF tokenizer (the same ids as
+  :class:`~sprpo_lib.engines.HFEngine`) and fed as token ids; no padding, finished sequences
+  leave the batch, prompt prefixes are not reused between calls.  Stop after ``cfg.stop``
+  (kept in the output), the end-of-turn / eos / pad ids, ``max_new_tokens``; the model's
+  repetition penalty is passed on.  Sampling: temperature / top-p, request ``i`` of call ``k``
+  seeded by ``(call_seed(cfg, k), i)``: reproducible, not HFEngine's draws.
+* ``loop``: :class:`~sprpo_lib.engines.HFEngine`'s decoding (prompts sorted by length and
+  prefilled in similar-length groups whose states are joined, finished rows dropped with
+  ``beam_idx``, :func:`~sprpo_lib.engines._select` with a torch generator); cache columns only
+  dropped rows used are not trimmed.  About half the speed of ``genai`` on SmolLM2.
 
 The engine decodes with the weights it was given: at construction ``bake_weights(policy.model)``
 (LoRA merged; FFN hooks in force are *not* seen), afterwards whatever :meth:`load_weights` got
 (``bake_weights(model, xi, mask)``).  It always computes in float32 (KV cache, activations,
 weights), whatever the policy's dtype; the CPU plugin's defaults that quantise the KV cache
-and activations are switched off.
+and activations are switched off.  A stop string that starts inside the prompt's last
+characters is matched by ``loop`` (as by HFEngine) but not by ``genai``; ChatML prompts end
+in ``assistant\n``, so ``</action>`` cannot.
 """
 from __future__ import annotations
 
@@ -44,14 +51,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from .engines import HFEngine, _base_model, _select, bake_weights
+from .agent import chat_text
+from .engines import (HFEngine, _base_model, _check_generation_config, _eos_ids, _select, bake_weights,
+                      call_seed, cut_response)
+from .rollout import Generation
 from .manifest import atomic_dir, cache_dir
 
 log = logging.getLogger(__name__)
 
-CONVERTER_VERSION = 1  # bump when the IR built here changes
-INSTALL_HINT = ("engine 'openvino' needs OpenVINO: pip install openvino==2026.4.1 "
-                "(pinned in requirements.txt)")
+CONVERTER_VERSION = 2  # bump when the IR built here changes
+INSTALL_HINT = ("engine 'openvino' needs OpenVINO: pip install openvino==2026.4.1 openvino-genai==2026.4.1.0 "
+                "openvino-tokenizers==2026.4.1.0 (pinned in requirements.txt)")
 # CPU plugin settings: float32 everywhere (its defaults quantise the KV cache to u8 and
 # activations dynamically on some CPUs), one stream, latency.
 CPU_PROPERTIES = {
@@ -65,6 +75,32 @@ CPU_PROPERTIES = {
     "NUM_STREAMS": "1",
 }
 _WEIGHT = "sprpo_weight:"  # friendly-name prefix of the constants holding parameters
+
+
+def _genai():
+    """``openvino_genai`` or None when not installed."""
+    try:
+        import openvino_genai
+    except ImportError:
+        return None
+    return openvino_genai
+
+
+def _save_tokenizer(tokenizer, folder: Path) -> str:
+    """Write GenAI's tokenizer / detokenizer IRs of ``tokenizer`` into ``folder`` (the
+    ``genai`` backend detokenizes with them to match stop strings); a note of the outcome."""
+    try:
+        import openvino_tokenizers
+    except ImportError:
+        return "openvino-tokenizers not installed"
+    try:
+        enc, dec = openvino_tokenizers.convert_tokenizer(tokenizer, with_detokenizer=True)
+    except Exception as e:  # noqa: BLE001 - the loop backend needs no tokenizer IR
+        log.warning("openvino engine: tokenizer not converted (%s); backend 'loop' only", e)
+        return f"not converted: {e}"
+    _ov().save_model(enc, str(folder / "openvino_tokenizer.xml"))
+    _ov().save_model(dec, str(folder / "openvino_detokenizer.xml"))
+    return "converted"
 
 
 def _ov():
@@ -84,7 +120,7 @@ def _dims(config) -> tuple[int, int, int]:
     return config.num_hidden_layers, kvh, hd
 
 
-def architecture_key(model: nn.Module) -> str:
+def architecture_key(model: nn.Module, tokenizer=None) -> str:
     """Hash of what the IR's graph depends on: the architecture class and config, and the
     versions of the tools that build it."""
     import transformers
@@ -96,8 +132,14 @@ def architecture_key(model: nn.Module) -> str:
         cfg.pop(k, None)
     blob = json.dumps({"class": type(base).__name__, "config": cfg, "openvino": ov.__version__,
                        "transformers": transformers.__version__, "torch": torch.__version__.split("+")[0],
-                       "converter": CONVERTER_VERSION}, sort_keys=True, default=str)
+                       "converter": CONVERTER_VERSION, "tokenizer": _tokenizer_json(tokenizer)},
+                      sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _tokenizer_json(tokenizer) -> str | None:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return hashlib.sha256(backend.to_str().encode()).hexdigest() if backend is not None else None
 
 
 def _as_f32(t: torch.Tensor) -> np.ndarray:
@@ -200,6 +242,9 @@ def convert(model: nn.Module):
         if node.get_type_name() == "ReadValue":
             zero = op.constant(np.zeros((), dtype=np.float32))
             node.set_arguments([op.broadcast(zero, op.concat([batch, rest], 0))])
+    logits = ovm.output("logits").get_node()  # the Result: give it [batch, 1, vocab], GenAI's layout
+    last = op.unsqueeze(logits.input_value(0), op.constant(np.int64(1)))
+    logits.input(0).replace_source_output(last.output(0))
     ovm.validate_nodes_and_infer_types()
     _name_weights(ovm, fresh)
     return ovm, fresh
@@ -255,17 +300,21 @@ def weight_constants(ovm, template: nn.Module) -> dict[str, list]:
 
 # ----------------------------------------------------------------------------- engine
 class OpenVINOEngine(HFEngine):
-    """:class:`~sprpo_lib.engines.HFEngine`'s decoding on an OpenVINO CPU graph (float32).
+    """Generation on an OpenVINO CPU graph in float32: GenAI's continuous batching
+    (``backend="genai"``, default when installed) or HFEngine's decode loop (``"loop"``).
 
     ``policy``'s weights (LoRA merged by :func:`~sprpo_lib.engines.bake_weights`) are put into
     the cached IR of its architecture at construction; :meth:`load_weights` swaps in new ones.
     ``stats`` adds ``converted`` (this engine traced the model), ``convert_s``, ``load_s`` (read +
     weights + compile at construction), ``reload_s`` (the last :meth:`load_weights`) and
-    ``ir`` (the cache folder)."""
+    ``ir`` (the cache folder), ``backend``."""
 
-    def __init__(self, policy, cfg=None, agent=None, prefill_tokens: int = 2048, threads: int | None = None):
+    def __init__(self, policy, cfg=None, agent=None, prefill_tokens: int = 2048, threads: int | None = None,
+                 backend: str | None = None):
         super().__init__(policy, cfg, agent, prefill_tokens)
         ov = _ov()
+        if backend not in (None, "genai", "loop"):
+            raise ValueError(f"backend must be 'genai' or 'loop', got {backend!r}")
         t0 = time.perf_counter()
         self.threads = threads or torch.get_num_threads()
         self.core = ov.Core()
@@ -274,27 +323,35 @@ class OpenVINOEngine(HFEngine):
         self._n_layers, self._kvh, self._hd = _dims(base.config)
         self._template = None  # architecture copy naming the state-dict keys
         weights = bake_weights(policy.model)
-        self._ovm, self.ir = self._open(policy.model, weights)
-        self._compile()
+        self._ovm, self.ir, self._on_disk = self._open(policy.model, weights)
+        has_tokenizer = (self.ir / "openvino_detokenizer.xml").is_file()
+        if backend is None:
+            backend = "genai" if has_tokenizer and _genai() is not None else "loop"
+        elif backend == "genai" and (not has_tokenizer or _genai() is None):
+            raise RuntimeError("backend 'genai' needs openvino-genai and a tokenizer that openvino-tokenizers converts "
+                               f"(pip install openvino-genai==2026.4.1.0 openvino-tokenizers==2026.4.1.0); "
+                               f"tokenizer IR present: {has_tokenizer}")
+        self.backend = backend
+        self._build()
         self.stats["load_s"] = round(time.perf_counter() - t0, 2)
-        self.stats["ir"] = str(self.ir)
+        self.stats.update({"ir": str(self.ir), "backend": backend})
 
     # ------------------------------------------------------------- IR and weights
     def _open(self, model: nn.Module, weights: Mapping[str, torch.Tensor]):
         root = cache_dir() / "openvino"
-        arch = architecture_key(model)
+        arch = architecture_key(model, self.policy.tokenizer)
         target = root / f"{arch}-{weights_digest(weights)}"
         self._template = _tracing_copy(model)
-        if (target / "model.xml").is_file():
-            ovm = self.core.read_model(str(target / "model.xml"))
+        if (target / "openvino_model.xml").is_file():
+            ovm = self.core.read_model(str(target / "openvino_model.xml"))
             self._consts = weight_constants(ovm, self._template)
-            return ovm, target
-        others = sorted(root.glob(f"{arch}-*/model.xml")) if root.is_dir() else []
+            return ovm, target, True
+        others = sorted(root.glob(f"{arch}-*/openvino_model.xml")) if root.is_dir() else []
         if others:  # same architecture, other weights: reuse the graph, put these weights in
             ovm = self.core.read_model(str(others[0]))
             self._consts = weight_constants(ovm, self._template)
             self._set_weights(ovm, weights)
-            return ovm, others[0].parent
+            return ovm, others[0].parent, False
         t0 = time.perf_counter()
         ovm, _ = convert(model)
         self._consts = weight_constants(ovm, self._template)
@@ -302,13 +359,14 @@ class OpenVINOEngine(HFEngine):
         self.stats.update({"converted": True, "convert_s": round(time.perf_counter() - t0, 2)})
         ov = _ov()
         with atomic_dir(target) as tmp:
-            ov.save_model(ovm, str(Path(tmp) / "model.xml"), compress_to_fp16=False)
+            ov.save_model(ovm, str(Path(tmp) / "openvino_model.xml"), compress_to_fp16=False)
             (Path(tmp) / "meta.json").write_text(json.dumps(
                 {"architecture": arch, "class": type(_base_model(model)).__name__, "openvino": ov.__version__,
-                 "converter": CONVERTER_VERSION, "convert_s": self.stats["convert_s"]}, indent=2) + "\n")
-        ovm = self.core.read_model(str(target / "model.xml"))  # weights memory-mapped from the cache
+                 "converter": CONVERTER_VERSION, "convert_s": self.stats["convert_s"],
+                 "tokenizer": _save_tokenizer(self.policy.tokenizer, Path(tmp))}, indent=2) + "\n")
+        ovm = self.core.read_model(str(target / "openvino_model.xml"))  # weights memory-mapped from the cache
         self._consts = weight_constants(ovm, self._template)
-        return ovm, target
+        return ovm, target, True
 
     def _set_weights(self, ovm, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Replace every weight constant by a float32 copy of the given tensor; every
@@ -345,18 +403,81 @@ class OpenVINOEngine(HFEngine):
                 fresh[k] = new
         self._consts = fresh
 
-    def _compile(self) -> None:
+    def _build(self) -> None:
+        """Compile the graph (``loop``) or start a GenAI continuous-batching pipeline on it
+        (``genai``; from the cache folder when it holds these weights, else from a temporary
+        copy of the IR with them)."""
         props = dict(CPU_PROPERTIES, INFERENCE_NUM_THREADS=str(self.threads))
-        self._compiled = self.core.compile_model(self._ovm, "CPU", props)
-        self._request = self._compiled.create_infer_request()
+        if self.backend == "loop":
+            self._compiled = self.core.compile_model(self._ovm, "CPU", props)
+            self._request = self._compiled.create_infer_request()
+            return
+        og = _genai()
+        sched = og.SchedulerConfig()
+        # no reuse of cached prompt prefixes between calls: every call costs what it costs
+        sched.enable_prefix_caching = False
+        sched.cache_size = max(1, int(self.cache_gb))
+        props = {k: props[k] for k in ("INFERENCE_PRECISION_HINT", "KV_CACHE_PRECISION", "DYNAMIC_QUANTIZATION_GROUP_SIZE",
+                                       "INFERENCE_NUM_THREADS")}
+        self._pipe = None
+        if self._on_disk:
+            self._pipe = og.ContinuousBatchingPipeline(str(self.ir), sched, "CPU", props)
+            return
+        import shutil
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="sprpo-ov-") as tmp:
+            _ov().save_model(self._ovm, str(Path(tmp) / "openvino_model.xml"), compress_to_fp16=False)
+            for f in self.ir.glob("openvino_*tokenizer.*"):
+                shutil.copy(f, tmp)
+            self._pipe = og.ContinuousBatchingPipeline(tmp, sched, "CPU", props)
+
+    cache_gb = 2  # GenAI's KV-cache pool (GB); SmolLM2's 16 x ~800-token batch needs ~0.6
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Decode with these plain weights (:func:`~sprpo_lib.engines.bake_weights`) from now
-        on: the IR's weight constants are replaced and the graph recompiled."""
+        on: the IR's weight constants are replaced and the graph recompiled (``genai``: the
+        pipeline restarted on a temporary copy of the IR)."""
         t0 = time.perf_counter()
         self._set_weights(self._ovm, state_dict)
-        self._compile()
+        self._on_disk = False
+        self._build()
         self.stats["reload_s"] = round(time.perf_counter() - t0, 2)
+
+    @torch.no_grad()
+    def __call__(self, prompts: Sequence[str]) -> list[Generation]:
+        if self.backend == "loop":
+            return super().__call__(prompts)
+        og, ov = _genai(), _ov()
+        tok, cfg = self.policy.tokenizer, self.cfg
+        texts = [chat_text(tok, p, self.agent) for p in prompts]
+        ids = tok(texts, add_special_tokens=False)["input_ids"] if texts else []
+        seed = call_seed(cfg, self.calls)
+        self.calls += 1
+        penalty = _check_generation_config(self.policy.model, cfg.temperature > 0)
+        stops = _eos_ids(self.policy.model, tok) | ({tok.pad_token_id} if tok.pad_token_id is not None else set())
+        configs = []
+        for i in range(len(ids)):
+            g = og.GenerationConfig()
+            g.max_new_tokens = cfg.max_new_tokens
+            g.eos_token_id = tok.eos_token_id
+            g.stop_token_ids = stops
+            if cfg.stop:
+                g.stop_strings = {cfg.stop}
+                g.include_stop_str_in_output = True
+            g.repetition_penalty = penalty
+            g.do_sample = cfg.temperature > 0
+            if g.do_sample:
+                g.temperature, g.top_p = cfg.temperature, cfg.top_p
+                g.rng_seed = (seed * 1_000_003 + i) % (2**63)  # one stream per prompt of the call
+            configs.append(g)
+        self.stats["prefill_tokens"] += sum(len(p) for p in ids)
+        results = self._pipe.generate([ov.Tensor(np.array([p], dtype=np.int64)) for p in ids], configs) if ids else []
+        out = []
+        for p_ids, r in zip(ids, results):
+            r_ids = cut_response([int(t) for t in r.m_generation_ids[0]], tok.eos_token_id, tok.pad_token_id)
+            out.append(Generation(tok.decode(r_ids, skip_special_tokens=True), list(p_ids), r_ids))
+        return out
 
     # ------------------------------------------------------------- decoding
     def _infer(self, ids: np.ndarray, att: np.ndarray, pos: np.ndarray, beam: np.ndarray) -> torch.Tensor:
@@ -364,7 +485,7 @@ class OpenVINOEngine(HFEngine):
         req = self._request
         req.infer({"input_ids": ids, "attention_mask": att, "position_ids": pos, "beam_idx": beam},
                   share_inputs=True)
-        return torch.from_numpy(req.get_tensor("logits").data.copy())
+        return torch.from_numpy(req.get_tensor("logits").data[:, -1].copy())
 
     def _prefill(self, model, prompts: list[list[int]]):
         """Prefill rows (sorted by decreasing length) in groups of at most ``prefill_tokens``

@@ -469,7 +469,8 @@ def _openvino_engine(policy, gen_cfg: GenerationConfig | None = None, agent_cfg:
         import openvino  # noqa: F401
     except ImportError as e:
         raise ImportError("generation engine 'openvino' needs the OpenVINO runtime: "
-                          "pip install openvino==2026.4.1 (the version pinned in requirements.txt)") from e
+                          "pip install openvino==2026.4.1 openvino-genai==2026.4.1.0 openvino-tokenizers==2026.4.1.0 "
+                          "(the versions pinned in requirements.txt)") from e
     from .engine_openvino import OpenVINOEngine
 
     return OpenVINOEngine(policy, gen_cfg, agent_cfg)

@@ -15,7 +15,7 @@ from sprpo_lib.models import load_policy  # noqa: E402
 from sprpo_lib.perturb import FFNChannels, dropout_mask, sample_xi  # noqa: E402
 from sprpo_lib.rollout import GenerationConfig  # noqa: E402
 
-from test_engines import NEVER, PROMPTS, _greedy, _lora_policy, _same, _stop_that_splits  # noqa: E402
+from test_engines import NEVER, PROMPTS, _greedy, _lora_policy, _same, _scripted, _stop_that_splits  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -42,14 +42,16 @@ def _ov(pol, cfg, **kw):
     return OpenVINOEngine(pol, cfg, **kw)
 
 
-def test_greedy_equals_hf_engine(tiny_spec):
+@pytest.mark.parametrize("backend", ["genai", "loop"])
+def test_greedy_equals_hf_engine(tiny_spec, backend):
     pol = load_policy(tiny_spec)
     ref = HFEngine(pol, _greedy())(PROMPTS)
-    eng = _ov(pol, _greedy(), prefill_tokens=300)  # several prefill groups per batch, joined states
+    eng = _ov(pol, _greedy(), prefill_tokens=300, backend=backend)  # loop: several prefill groups, joined states
     got = eng(PROMPTS)
     assert _same(ref, got) == len(PROMPTS)
-    assert isinstance(eng, Engine) and eng.calls == 1
-    assert sum(len(g.response_ids) - 1 for g in got) == eng.stats["decode_rows"]
+    assert isinstance(eng, Engine) and eng.calls == 1 and eng.backend == backend
+    if backend == "loop":
+        assert sum(len(g.response_ids) - 1 for g in got) == eng.stats["decode_rows"]
 
 
 def test_baked_lora_and_perturbation_load_into_the_engine(tiny_spec):
@@ -61,7 +63,7 @@ def test_baked_lora_and_perturbation_load_into_the_engine(tiny_spec):
     with fc.set(xi=xi, mask=mask):
         hooked = hf(PROMPTS)
     assert _same(lora, hooked) < len(PROMPTS)  # the perturbation matters here
-    eng = _ov(pol, _greedy())  # LoRA merged at construction
+    eng = _ov(pol, _greedy())  # LoRA merged at construction (default backend: genai)
     assert _same(eng(PROMPTS), lora) == len(PROMPTS)
     eng.load_weights(bake_weights(pol.model, xi=xi, mask=mask))
     assert _same(eng(PROMPTS), hooked) == len(PROMPTS)
@@ -74,13 +76,14 @@ def test_baked_lora_and_perturbation_load_into_the_engine(tiny_spec):
         eng.load_weights(sd)
 
 
-def test_stop_strings_match_hf_engine():
+@pytest.mark.parametrize("backend", ["genai", "loop"])
+def test_stop_strings_match_hf_engine(backend):
     pol = load_policy("tiny-llama", seed=2)
     free = HFEngine(pol, _greedy(stop=NEVER, max_new_tokens=32))(PROMPTS)
     stop = _stop_that_splits([g.text for g in free])
     cfg = _greedy(stop=stop, max_new_tokens=32)
     ref = HFEngine(pol, cfg)(PROMPTS)
-    got = _ov(pol, cfg)(PROMPTS)
+    got = _ov(pol, cfg, backend=backend)(PROMPTS)
     assert _same(ref, got) == len(PROMPTS)
     stopped = [g for g in got if g.text.endswith(stop)]
     assert 0 < len(stopped) < len(PROMPTS) and all(stop not in g.text[:-len(stop)] for g in stopped)
@@ -97,6 +100,8 @@ def test_sampling_is_a_function_of_seed_and_calls():
     assert _same(b(PROMPTS), a2) == len(PROMPTS)
     other = _ov(pol, GenerationConfig(temperature=0.7, top_p=0.9, max_new_tokens=16, batch_size=4, seed=6))
     assert _same(other(PROMPTS), a1) < len(PROMPTS)
+    same = a([PROMPTS[0]] * 4)  # one call, one prompt four times (a rollout group): four samples
+    assert len({tuple(g.response_ids) for g in same}) > 1
     before = torch.random.get_rng_state()
     a(PROMPTS)
     assert torch.equal(before, torch.random.get_rng_state())  # the global stream is left alone
@@ -122,3 +127,11 @@ def test_registry_builds_it_and_names_the_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "openvino", None)  # as if not installed
     with pytest.raises(ImportError, match=r"pip install openvino=="):
         make_engine("openvino", pol, _greedy())
+
+
+@pytest.mark.parametrize("backend", ["genai", "loop"])
+def test_end_of_turn_is_kept(backend):
+    pol = _scripted("tiny-qwen2", "ok")
+    got = _ov(pol, _greedy(stop=NEVER), backend=backend)(PROMPTS[:5])
+    assert _same(HFEngine(pol, _greedy(stop=NEVER))(PROMPTS[:5]), got) == 5
+    assert all(g.text == "ok" and g.response_ids[-1] == pol.tokenizer.eos_token_id for g in got)
