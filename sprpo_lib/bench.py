@@ -4,7 +4,7 @@
     python -m sprpo_lib.bench envs
     python -m sprpo_lib.bench train [--profile cpu] [--env webshop] [key=value ...]
     python -m sprpo_lib.bench machine [--model smollm2-135m]
-    python -m sprpo_lib.bench generate [--model smollm2-135m] [--prompts 16] [--engines hf_generator,hf]
+    python -m sprpo_lib.bench generate [--model smollm2-135m] [--prompts 16] [--engines hf_generator,hf,openvino]
 
 Speed claims are ratios measured side by side in one run (e.g. generation with and
 without the perturbation hook, interleaved, median of repeats).  Results go to
@@ -453,6 +453,9 @@ def webshop_prompts(n: int = 16, max_steps: int = 3, seed: int = 0) -> list[str]
 
 
 GENERATE_ENGINES = ("hf_generator", "hf")  # the reference rollout.HFGenerator, then registry engines
+# OpenVINO engine variants (float32 only): the registry's "openvino" (GenAI backend when installed)
+# and our own decode loop on the same IR
+OPENVINO_ENGINES = {"openvino": None, "openvino_loop": "loop"}
 
 
 def bench_generate(model: str = "smollm2-135m", n_prompts: int = 16, new_tokens: int = 48,
@@ -469,7 +472,10 @@ def bench_generate(model: str = "smollm2-135m", n_prompts: int = 16, new_tokens:
     the first engine's (``greedy_equal``); ``repeat_equal`` says whether every round gave
     the same outputs (same seed, fresh generator).  ``hf_generator`` is
     rollout.HFGenerator (the reference); other names come from
-    :data:`sprpo_lib.engines.ENGINES`."""
+    :data:`sprpo_lib.engines.ENGINES`, plus ``openvino_loop`` (the OpenVINO engine's own decode
+    loop).  OpenVINO engines run in float32 whatever the dtype, so they appear under float32
+    only; they are built once (conversion, load and one ``load_weights`` reload are reported
+    under ``openvino``, not timed as generation) and reset to call 0 for each run."""
     from . import hardware as hw
     from .agent import AgentConfig
     from .engines import make_engine
@@ -481,16 +487,34 @@ def bench_generate(model: str = "smollm2-135m", n_prompts: int = 16, new_tokens:
     config = shape_config(model)
     matmul = hw.probe_matmul(hw.linear_shapes(config), dtypes=dtypes)
     policies = {d: load_policy(model, dtype=d) for d in dtypes}
-    runs = [(d, t, e) for d in dtypes for t in temperatures for e in engines]
+    # OpenVINO computes in float32 whatever the policy's dtype: its rows appear under float32 only
+    runs = [(d, t, e) for d in dtypes for t in temperatures for e in engines
+            if not (e in OPENVINO_ENGINES and d != "float32")]
     walls: dict = {r: [] for r in runs}
     outs: dict = {}
     same: dict = {r: True for r in runs}
+    built: dict = {}  # engines holding a compiled graph are built once (not timed), reset per run
+    ov_stats: dict = {}
     for _ in range(repeats):
         for run in runs:
             dtype, temp, name = run
             pol = policies[dtype]
             cfg = GenerationConfig(temperature=temp, max_new_tokens=new_tokens, batch_size=batch_size, seed=0)
-            gen = HFGenerator(pol, cfg, agent) if name == "hf_generator" else make_engine(name, pol, cfg, agent)
+            if name in OPENVINO_ENGINES:
+                if (dtype, name) not in built:
+                    from .engine_openvino import OpenVINOEngine
+                    from .engines import bake_weights
+
+                    eng = OpenVINOEngine(pol, cfg, agent, backend=OPENVINO_ENGINES[name])
+                    t0 = time.perf_counter()
+                    eng.load_weights(bake_weights(pol.model))  # what one iteration's weight update costs
+                    ov_stats[name] = {k: eng.stats.get(k) for k in ("backend", "converted", "convert_s", "load_s")}
+                    ov_stats[name]["reload_s"] = round(time.perf_counter() - t0, 2)
+                    built[(dtype, name)] = eng
+                gen = built[(dtype, name)]
+                gen.cfg, gen.calls = cfg, 0
+            else:
+                gen = HFGenerator(pol, cfg, agent) if name == "hf_generator" else make_engine(name, pol, cfg, agent)
             wall, out = _timed(gen, prompts)
             walls[run].append(wall)
             if run in outs:
@@ -498,7 +522,7 @@ def bench_generate(model: str = "smollm2-135m", n_prompts: int = 16, new_tokens:
             else:
                 outs[run] = out
     res: dict = {"model": model, "machine": hw.machine_info(), "prompts": n_prompts, "new_tokens": new_tokens,
-                 "batch_size": batch_size, "repeats": repeats,
+                 "batch_size": batch_size, "repeats": repeats, **({"openvino": ov_stats} if ov_stats else {}),
                  "prefill_gflops": {d: matmul[d]["gflops_by_rows"][str(hw.PREFILL_ROWS)] for d in dtypes}}
     for run in runs:
         dtype, temp, name = run
@@ -602,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--prompts", type=int, default=16)
     g.add_argument("--new-tokens", type=int, default=48)
     g.add_argument("--batch", type=int, default=16)
-    g.add_argument("--engines", default=",".join(GENERATE_ENGINES), help="hf_generator (reference) and/or engine names")
+    g.add_argument("--engines", default=",".join(GENERATE_ENGINES), help="hf_generator (reference) and/or engine names (openvino, openvino_loop: float32 only)")
     g.add_argument("--dtypes", default="float32,bfloat16")
     g.add_argument("--temperatures", default="0,0.4")
     g.add_argument("--max-steps", type=int, default=3, help="prompts after 0..max-steps shopper steps")

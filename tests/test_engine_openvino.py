@@ -135,3 +135,21 @@ def test_end_of_turn_is_kept(backend):
     got = _ov(pol, _greedy(stop=NEVER), backend=backend)(PROMPTS[:5])
     assert _same(HFEngine(pol, _greedy(stop=NEVER))(PROMPTS[:5]), got) == 5
     assert all(g.text == "ok" and g.response_ids[-1] == pol.tokenizer.eos_token_id for g in got)
+
+
+def test_bench_generate_compares_openvino_side_by_side(tmp_path):
+    import json
+
+    from sprpo_lib import bench
+
+    out = tmp_path / "generate.json"
+    argv = ["generate", "--model", "tiny-llama", "--prompts", "3", "--new-tokens", "6", "--repeats", "1",
+            "--engines", "hf_generator,hf,openvino,openvino_loop", "--dtypes", "float32", "--temperatures", "0",
+            "--threads", "1", "--out", str(out)]
+    assert bench.main(argv) == 0
+    res = json.loads(out.read_text())["results"]
+    for name in ("hf", "openvino", "openvino_loop"):
+        assert res["float32"]["T0"][name]["greedy_equal"] == "3/3"
+        assert res["float32"]["T0"][name]["wall_over_prefill_floor"] > 0
+    assert res["openvino"]["openvino"]["backend"] == "genai" and res["openvino"]["openvino_loop"]["backend"] == "loop"
+    assert res["openvino"]["openvino"]["reload_s"] >= 0
