@@ -5,6 +5,8 @@
     python -m sprpo_lib.bench train [--profile cpu] [--env webshop] [key=value ...]
     python -m sprpo_lib.bench machine [--model smollm2-135m]
     python -m sprpo_lib.bench generate [--model smollm2-135m] [--prompts 16] [--engines hf_generator,hf,openvino]
+    python -m sprpo_lib.bench eval [--engines hf:float32,hf:bfloat16,openvino] [--episodes 64]
+    python -m sprpo_lib.bench update [--dtypes float32,bfloat16]
 
 Speed claims are ratios measured side by side in one run (e.g. generation with and
 without the perturbation hook, interleaved, median of repeats).  Results go to
@@ -579,6 +581,110 @@ def bench_update(model: str = "smollm2-135m", dtypes: tuple[str, ...] = ("float3
     return res
 
 
+EVAL_ENGINES = ("hf", "openvino")
+
+
+def _engine_runs(spec: str) -> tuple[str, str]:
+    """``engine`` or ``engine:dtype`` (dtype float32 | bfloat16 | auto)."""
+    name, _, dtype = spec.partition(":")
+    return name, dtype or "auto"
+
+
+def bench_eval(profile: str = "cpu", env: str = "webshop", engines: tuple[str, ...] = ("hf", "openvino"),
+               episodes: int = 64, rollout: bool = True, model: str | None = None) -> dict:
+    """The ``cpu`` profile's held-out evaluation (``episodes`` held-out training tasks of
+    the warm-start policy, T = 0.4, the training evaluation's tasks and seed) and one RL
+    rollout batch (``tasks_per_step`` x ``group_size`` at the rollout temperature), once
+    per engine (``name`` or ``name:dtype``), side by side in one process: wall seconds,
+    episodes per minute, prompt and generated tokens per second, the wall time over the
+    prefill floor (unpadded prompt FLOPs at this machine's measured 256-row matmul rate
+    for the dtype), success; and, against the first engine, the paired difference in
+    held-out success with a 95% bootstrap interval over tasks (same tasks, same seed)."""
+    import dataclasses
+
+    import numpy as np
+
+    from . import hardware as hw
+    from .agent import token_counter
+    from .config import load_config
+    from .engines import make_engine
+    from .envs import make_pool
+    from .evaluate import eval_temperature, held_out_tasks
+    from .models import load_policy
+    from .rollout import SerialEnvs, run_groups
+    from .train import warm_start_policy
+
+    overrides = {"env.name": env, **({"model.spec": model} if model else {})}
+    cfg = load_config(profile, **overrides)
+    agent = cfg.rollout.agent
+    pool = make_pool(env, cfg.env.data_dir, cfg.env.seed)
+    idx = held_out_tasks(cfg, pool.splits()[cfg.sft.split], episodes)
+    eval_tasks = [(cfg.sft.split, i) for i in idx]
+    rng = np.random.default_rng(0)
+    n_train = pool.splits()[cfg.sft.split]
+    batch_tasks = [(cfg.sft.split, int(i)) for i in rng.choice(n_train, cfg.rollout.tasks_per_step, replace=False)]
+    config = shape_config(cfg.model.spec)
+    runs = [_engine_runs(e) for e in engines]
+    policies: dict = {}
+    for _, dt in runs:
+        if dt not in policies:
+            pol = load_policy(cfg.model.spec, dtype=dt)
+            if cfg.warm_start:
+                warm_start_policy(pol, pool, cfg, agent, progress=False)
+            pol.model.eval()
+            policies[dt] = pol
+    dtypes = sorted({str(p.model.dtype).replace("torch.", "") for p in policies.values()})
+    matmul = hw.probe_matmul(hw.linear_shapes(config), dtypes=tuple(dtypes))
+    peak = {d: matmul[d]["gflops_by_rows"][str(hw.PREFILL_ROWS)] for d in dtypes}
+    res: dict = {"profile": profile, "env": env, "model": cfg.model.spec, "machine": hw.machine_info(),
+                 "episodes": len(eval_tasks), "prefill_gflops": peak,
+                 "rollout_batch": {"tasks": cfg.rollout.tasks_per_step, "group_size": cfg.rollout.group_size,
+                                   "temperature": cfg.rollout.generation.temperature}}
+    outcomes = {}
+    for (name, dt), spec in zip(runs, engines):
+        pol = policies[dt]
+        dtype = str(pol.model.dtype).replace("torch.", "")
+        row = {"engine": name, "dtype": dtype}
+        jobs = [("eval", eval_tasks, 1, dataclasses.replace(cfg.rollout.generation, temperature=eval_temperature(cfg),
+                                                             seed=cfg.sft.seed))]
+        if rollout:
+            jobs.append(("rollout", batch_tasks, cfg.rollout.group_size,
+                         dataclasses.replace(cfg.rollout.generation, seed=cfg.seed * 100_003)))
+        for what, tasks, group, gen in jobs:
+            eng = make_engine(name, pol, gen, agent)
+            envs = SerialEnvs(lambda: pool)
+            t0 = time.perf_counter()
+            try:
+                recs, st = run_groups(envs, tasks, group, eng, agent, cfg.env.max_steps, progress=False,
+                                      count_tokens=token_counter(pol.tokenizer, agent))
+            finally:
+                envs.close()
+            wall = time.perf_counter() - t0
+            lengths = [len(s.prompt_ids) for r in recs for s in r.steps]
+            gen_tokens = sum(len(s.response_ids) for r in recs for s in r.steps)
+            floor = hw.prefill_flops(config, lengths) / (peak[dtype] * 1e9)
+            row[what] = {"wall_s": round(wall, 1), "generate_s": round(st["generate_s"], 1),
+                         "episodes": len(recs), "episodes_per_min": round(60 * len(recs) / wall, 2),
+                         "steps": sum(r.length for r in recs), "prompt_tokens": sum(lengths),
+                         "generated_tokens": gen_tokens,
+                         "prompt_tok_per_s": round(sum(lengths) / wall, 1),
+                         "generated_tok_per_s": round(gen_tokens / wall, 2),
+                         "prefill_floor_s": round(floor, 1), "wall_over_prefill_floor": round(wall / floor, 2),
+                         "success": round(sum(r.success for r in recs) / len(recs), 4)}
+            if what == "eval":
+                outcomes[spec] = np.array([float(r.success) for r in recs])
+        res[spec] = row
+    first = engines[0]
+    for spec in engines[1:]:
+        d = outcomes[spec] - outcomes[first]
+        boot = np.random.default_rng(0).integers(0, len(d), size=(10_000, len(d)))
+        lo, hi = np.quantile(d[boot].mean(1), [0.025, 0.975])
+        res[spec]["eval"]["paired_vs_" + first] = {
+            "success_diff": round(float(d.mean()), 4), "ci95": [round(float(lo), 4), round(float(hi), 4)],
+            "gained": int((d > 0).sum()), "lost": int((d < 0).sum()), "zero_in_ci": bool(lo <= 0 <= hi)}
+    return res
+
+
 def _print_table(res: dict, prefix: str = "") -> None:
     for k, v in res.items():
         if isinstance(v, dict):
@@ -631,7 +737,16 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--temperatures", default="0,0.4")
     g.add_argument("--max-steps", type=int, default=3, help="prompts after 0..max-steps shopper steps")
     g.add_argument("--repeats", type=int, default=2, help="interleaved rounds (best wall time)")
-    for sp in (p, e, t, m, g, u):
+    v = sub.add_parser("eval", help="the cpu profile's 64-episode held-out evaluation and one RL rollout batch, "
+                                    "per engine side by side")
+    v.add_argument("--profile", default="cpu")
+    v.add_argument("--env", default="webshop")
+    v.add_argument("--engines", default="hf:float32,hf:bfloat16,openvino",
+                   help="engine or engine:dtype, comma-separated; the first is the paired reference")
+    v.add_argument("--episodes", type=int, default=64)
+    v.add_argument("--no-rollout", action="store_true", help="skip the RL rollout batch")
+    v.add_argument("--model", help="model spec (default: the profile's)")
+    for sp in (p, e, t, m, g, u, v):
         sp.add_argument("--threads", type=int, default=2, help="torch threads (set explicitly: 2 cores here)")
         sp.add_argument("--out", type=Path, help="JSON path (default runs/bench/<what>.json)")
     args = ap.parse_args(argv)
@@ -649,6 +764,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.what == "update":
         res = bench_update(args.model, tuple(args.dtypes.split(",")), args.samples, args.prompt_len,
                            response_len=24, lora_layers=args.lora_layers or None, repeats=args.repeats)
+    elif args.what == "eval":
+        res = bench_eval(args.profile, args.env, tuple(args.engines.split(",")), args.episodes, not args.no_rollout,
+                         args.model)
     elif args.what == "envs":
         res = bench_envs(args.episodes, args.model or None, args.tasks, args.group, args.max_steps)
     else:

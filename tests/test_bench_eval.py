@@ -1,0 +1,24 @@
+"""`python -m sprpo_lib.bench eval` on the tiny model: the same engine twice gives the same
+episodes (paired difference exactly zero), and the reported rates follow from the counts."""
+from __future__ import annotations
+
+import pytest
+
+from sprpo_lib.bench import bench_eval
+
+
+def test_bench_eval_side_by_side(one_thread):
+    r = bench_eval("smoke", "webshop", ("hf", "hf:float32"), episodes=3)
+    a, b = r["hf"], r["hf:float32"]
+    assert a["dtype"] == b["dtype"] == "float32" and r["episodes"] == 3
+    for row in (a, b):
+        ev = row["eval"]
+        assert ev["episodes"] == 3 and ev["prompt_tokens"] > 0 and ev["steps"] >= 3
+        assert ev["prompt_tok_per_s"] > 0 and ev["generated_tok_per_s"] > 0
+        assert ev["wall_over_prefill_floor"] > 0
+        assert row["rollout"]["episodes"] == r["rollout_batch"]["tasks"] * r["rollout_batch"]["group_size"]
+    # identical engine and seed: identical tokens and outcomes, so the paired difference is exactly 0
+    assert a["eval"]["prompt_tokens"] == b["eval"]["prompt_tokens"]
+    assert a["eval"]["generated_tokens"] == b["eval"]["generated_tokens"]
+    p = b["eval"]["paired_vs_hf"]
+    assert p["success_diff"] == 0 and p["ci95"] == [0, 0] and p["zero_in_ci"]
