@@ -28,7 +28,7 @@ the default when ``openvino-genai`` is installed) or by our own decode loop (``"
   ``beam_idx``, :func:`~sprpo_lib.engines._select` with a torch generator); cache columns only
   dropped rows used are not trimmed.  About half the speed of ``genai`` on SmolLM2.
 
-The engine decodes with the weights it was given: at construction ``bake_weights(policy.model)``
+The engine decodes with the weights it was given: at construction ``effective_weights(policy.model)``
 (LoRA merged; FFN hooks in force are *not* seen), afterwards whatever :meth:`load_weights` got
 (``bake_weights(model, xi, mask)``).  It always computes in float32 (KV cache, activations,
 weights), whatever the policy's dtype; the CPU plugin's defaults that quantise the KV cache
@@ -53,6 +53,7 @@ from torch import nn
 
 from .agent import chat_text
 from .engines import (HFEngine, _base_model, _check_generation_config, _eos_ids, _select, bake_weights,
+                      effective_weights,
                       call_seed, cut_response)
 from .rollout import Generation
 from .manifest import atomic_dir, cache_dir
@@ -307,7 +308,15 @@ class OpenVINOEngine(HFEngine):
     the cached IR of its architecture at construction; :meth:`load_weights` swaps in new ones.
     ``stats`` adds ``converted`` (this engine traced the model), ``convert_s``, ``load_s`` (read +
     weights + compile at construction), ``reload_s`` (the last :meth:`load_weights`) and
-    ``ir`` (the cache folder), ``backend``."""
+    ``ir`` (the cache folder), ``backend``.
+
+    At construction it takes what ``policy.model`` computes then: merged LoRA and the
+    factor of any attached ``FFNChannels`` hooks (:func:`~sprpo_lib.engines.effective_weights`),
+    so an engine built inside ``perturbation(model, "gaussian", ...)`` serves the perturbed
+    policy.  Later changes of the model reach it only through :meth:`load_weights`
+    (``own_weights``: the trainer refreshes it every iteration)."""
+
+    own_weights = True
 
     def __init__(self, policy, cfg=None, agent=None, prefill_tokens: int = 2048, threads: int | None = None,
                  backend: str | None = None):
@@ -322,7 +331,7 @@ class OpenVINOEngine(HFEngine):
         base = _base_model(policy.model)
         self._n_layers, self._kvh, self._hd = _dims(base.config)
         self._template = None  # architecture copy naming the state-dict keys
-        weights = bake_weights(policy.model)
+        weights = effective_weights(policy.model)  # LoRA merged, attached FFN hooks folded in
         self._ovm, self.ir, self._on_disk = self._open(policy.model, weights)
         has_tokenizer = (self.ir / "openvino_detokenizer.xml").is_file()
         if backend is None:

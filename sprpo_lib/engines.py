@@ -116,6 +116,17 @@ def bake_weights(model: nn.Module, xi: torch.Tensor | None = None,
     return out
 
 
+def effective_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """:func:`bake_weights` of what ``model`` computes right now: LoRA merged and the
+    factor of every :class:`~sprpo_lib.perturb.FFNChannels` hook attached to it folded in
+    (:func:`~sprpo_lib.perturb.active_factor`), so an engine with its own weights serves
+    the same perturbed policy as the hooked model."""
+    from .perturb import active_factor
+
+    f = active_factor(model)
+    return bake_weights(model, xi=None if f is None else f - 1.0)
+
+
 def plain_copy(model: nn.Module) -> nn.Module:
     """A fresh instance of ``model``'s transformers architecture (no peft, no hooks), same
     config, dtype and device, in eval mode with gradients off; weights to be loaded."""
@@ -309,6 +320,8 @@ class HFEngine:
     ``HFGenerator``'s.  A stop string lying strictly inside one token with other text
     before it stops here; transformers' matcher misses that case.
     """
+
+    own_weights = False  # decodes with policy.model itself (hooks and LoRA apply) until load_weights
 
     def __init__(self, policy, cfg: GenerationConfig | None = None, agent: AgentConfig | None = None,
                  prefill_tokens: int = 2048):

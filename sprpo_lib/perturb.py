@@ -170,10 +170,11 @@ class FFNChannels:
     def attach(self) -> "FFNChannels":
         """Register the pre-hooks (idempotent; nested ``with`` blocks are counted)."""
         if self._depth == 0:
-            self._handles = [
-                m.down_proj.register_forward_pre_hook(self._make_hook(i))
-                for i, m in enumerate(self.mlps)
-            ]
+            self._handles = []
+            for i, m in enumerate(self.mlps):
+                hook = self._make_hook(i)
+                hook.ffn_channels = self  # found by active_factor(): engines with their own weights bake it in
+                self._handles.append(m.down_proj.register_forward_pre_hook(hook))
         self._depth += 1
         return self
 
@@ -209,6 +210,31 @@ class FFNChannels:
                 yield u
         finally:
             self._gain = prev
+
+
+def active_factor(model: nn.Module) -> torch.Tensor | None:
+    """The ``[L, C]`` factor that the :class:`FFNChannels` hooks attached to ``model``'s FFN
+    blocks multiply ``h`` by now (``(1 + xi) * mask``, the product over attached
+    instances; a differentiable gain counts as its value 1), or ``None`` when none is
+    attached.  What a generation engine holding its own copy of the weights must fold into
+    ``W_down`` to compute what the hooked model computes."""
+    seen: list[FFNChannels] = []
+    for m in ffn_modules(model):
+        for hook in m.down_proj._forward_pre_hooks.values():
+            fc = getattr(hook, "ffn_channels", None)
+            if fc is not None and fc not in seen:
+                seen.append(fc)
+    total = None
+    for fc in seen:
+        for name, t in (("xi", fc.xi), ("mask", fc.mask)):
+            if t is None:
+                continue
+            if t.dim() != 2:
+                raise ValueError(f"active_factor: an attached FFNChannels has a per-sequence {name} {tuple(t.shape)}; "
+                                 "only one [layers, channels] setting for the whole batch can be folded into weights")
+            f = (1.0 + t if name == "xi" else t).detach().float().cpu()
+            total = f if total is None else total * f
+    return total
 
 
 def _keep_leaf(given: torch.Tensor | None, checked: torch.Tensor | None) -> torch.Tensor | None:

@@ -43,7 +43,7 @@ from .evaluate import eval_is_current, evaluate_policy
 from .manifest import JsonLines, atomic_dir, atomic_write_json, git_commit
 from .methods import make_method
 from .models import add_lora, load_policy, lora_on_last_layers
-from .engines import make_engine
+from .engines import effective_weights, make_engine
 from .rollout import EpisodeLog, ProcessEnvs, SerialEnvs, run_groups
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,6 +108,8 @@ class Trainer:
         self.actor.fc.set(xi=xi)
         t0 = time.perf_counter()
         with self.actor.fc:
+            if getattr(self.gen, "own_weights", False):  # an engine with its own weights: theta_k and xi_k now
+                self.gen.load_weights(effective_weights(self.model))
             episodes, st = run_groups(self.envs, self.sample_tasks(k), self.cfg.rollout.group_size, self.gen,
                                       self.agent, self.cfg.env.max_steps, progress=self.progress,
                                       count_tokens=self.count_tokens)

@@ -76,6 +76,22 @@ def test_baked_lora_and_perturbation_load_into_the_engine(tiny_spec):
         eng.load_weights(sd)
 
 
+def test_engine_built_under_attached_hooks_serves_the_perturbed_policy(tiny_spec):
+    """evaluate() and calibration build an engine inside a perturbation context: the
+    attached FFNChannels factor (xi and mask, two instances multiplied) must be folded in."""
+    from sprpo_lib.compress import perturbation
+
+    pol = _lora_policy(tiny_spec)
+    hf = HFEngine(pol, _greedy())
+    clean = hf(PROMPTS)
+    fc = FFNChannels(pol.model)
+    with fc.set(xi=sample_xi(0.3, fc.shape, seed=3)), perturbation(pol.model, "dropout", 0.3, seed=4):
+        hooked = hf(PROMPTS)
+        eng = _ov(pol, _greedy())
+    assert _same(clean, hooked) < len(PROMPTS)
+    assert _same(eng(PROMPTS), hooked) == len(PROMPTS)
+
+
 @pytest.mark.parametrize("backend", ["genai", "loop"])
 def test_stop_strings_match_hf_engine(backend):
     pol = load_policy("tiny-llama", seed=2)

@@ -214,3 +214,26 @@ def test_bad_shapes_give_clear_errors(tiny):
         fc.set(xi=torch.full(fc.shape, float("nan")))
     with pytest.raises(TypeError, match="gated FFN"):
         FFNChannels(torch.nn.Linear(3, 3))
+
+
+def test_active_factor_is_the_product_of_attached_hooks():
+    """What an engine with its own weights must fold in: every attached instance's
+    (1 + xi) * mask, multiplied; nothing once detached; per-sequence factors refused."""
+    from sprpo_lib.models import load_policy
+    from sprpo_lib.perturb import active_factor, dropout_mask, sample_xi
+
+    m = load_policy("tiny-qwen2").model
+    a, b = FFNChannels(m), FFNChannels(m)
+    xi, mask, xi2 = sample_xi(0.2, a.shape, seed=1), dropout_mask(0.3, a.shape, seed=2), sample_xi(0.1, a.shape, seed=3)
+    a.set(xi=xi, mask=mask)
+    b.set(xi=xi2)
+    assert active_factor(m) is None
+    with a:
+        torch.testing.assert_close(active_factor(m), ((1 + xi.double()) * mask.double()).float())
+        with b, b.gain():
+            want = (1 + xi.double()) * mask.double() * (1 + xi2.double())
+            torch.testing.assert_close(active_factor(m).double(), want, rtol=1e-6, atol=1e-7)
+    assert active_factor(m) is None
+    a.set(xi=sample_xi(0.2, (3, *a.shape), seed=1))
+    with a, pytest.raises(ValueError, match="per-sequence"):
+        active_factor(m)
