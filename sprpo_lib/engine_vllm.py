@@ -183,6 +183,7 @@ class VLLMEngine:
 
     own_weights = True
     cpu_kv_cache_gb = 2.0  # CPU: the KV-cache pool (SmolLM2's 16 x ~800-token batch needs ~0.3 GB in float32)
+    gpu_memory_utilization = 0.5  # CUDA: vLLM's share of the GPU (weights + KV cache); llm_kwargs override
 
     def __init__(self, policy, cfg: GenerationConfig | None = None, agent: AgentConfig | None = None, *,
                  dtype: str | None = None, per_request_seed: bool | None = None, in_process: bool | None = None,
@@ -205,6 +206,8 @@ class VLLMEngine:
         if cpu and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             # a fixed KV-cache pool; vLLM's CPU default reserves 92% of the machine's memory
             kw["kv_cache_memory_bytes"] = int(self.cpu_kv_cache_gb * 2**30)
+        elif not cpu:  # the trained policy shares the GPU; vLLM's default takes 92% of it
+            kw["gpu_memory_utilization"] = self.gpu_memory_utilization
         kw.update(llm_kwargs)
         self.llm = vllm.LLM(**kw)
         self.stats: dict = {"written": written, "folder": str(self.folder), "dtype": self.dtype,
