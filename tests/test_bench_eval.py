@@ -2,7 +2,6 @@
 episodes (paired difference exactly zero), and the reported rates follow from the counts."""
 from __future__ import annotations
 
-import pytest
 
 from sprpo_lib.bench import bench_eval
 
