@@ -285,7 +285,7 @@ def test_calibration_pool_and_calibrated_families(tmp_path, pool, counter, sharp
     ({"tasks": 0}, "--tasks", "positive count"),
     ({"seeds": ()}, "--seeds", "--seeds 0 1 2"),
     ({"family": "fisher", "strengths": (0.1,)}, "--calibration", "--build-calibration"),
-    ({"engine": "vllm"}, "--engine", "expected one"),
+    ({"engine": "nope"}, "--engine", "expected one"),
     ({"model": "/nonexistent/model"}, "--model", "local copy"),
 ])
 def test_bad_input_is_one_clear_error(tmp_path, kw, option, expected):
