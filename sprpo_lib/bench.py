@@ -633,7 +633,7 @@ def bench_eval(profile: str = "cpu", env: str = "webshop", engines: tuple[str, .
                 warm_start_policy(pol, pool, cfg, agent, progress=False)
             pol.model.eval()
             policies[dt] = pol
-    dtypes = sorted({str(p.model.dtype).replace("torch.", "") for p in policies.values()})
+    dtypes = sorted({str(p.model.dtype).replace("torch.", "") for p in policies.values()} | {"float32"})
     matmul = hw.probe_matmul(hw.linear_shapes(config), dtypes=tuple(dtypes))
     peak = {d: matmul[d]["gflops_by_rows"][str(hw.PREFILL_ROWS)] for d in dtypes}
     res: dict = {"profile": profile, "env": env, "model": cfg.model.spec, "machine": hw.machine_info(),
@@ -652,6 +652,7 @@ def bench_eval(profile: str = "cpu", env: str = "webshop", engines: tuple[str, .
                          dataclasses.replace(cfg.rollout.generation, seed=cfg.seed * 100_003)))
         for what, tasks, group, gen in jobs:
             eng = make_engine(name, pol, gen, agent)
+            dtype = row["dtype"] = getattr(eng, "compute_dtype", dtype)  # openvino computes in float32
             envs = SerialEnvs(lambda: pool)
             t0 = time.perf_counter()
             try:

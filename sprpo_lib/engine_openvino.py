@@ -317,6 +317,7 @@ class OpenVINOEngine(HFEngine):
     (``own_weights``: the trainer refreshes it every iteration)."""
 
     own_weights = True
+    compute_dtype = "float32"  # whatever the policy's dtype: its prefill floor is float32's
 
     def __init__(self, policy, cfg=None, agent=None, prefill_tokens: int = 2048, threads: int | None = None,
                  backend: str | None = None):
