@@ -455,8 +455,8 @@ def webshop_prompts(n: int = 16, max_steps: int = 3, seed: int = 0) -> list[str]
 
 
 GENERATE_ENGINES = ("hf_generator", "hf")  # the reference rollout.HFGenerator, then registry engines
-# OpenVINO engine variants (float32 only): the registry's "openvino" (GenAI backend when installed)
-# and our own decode loop on the same IR
+# OpenVINO engine variants: the registry's "openvino" (GenAI backend when installed) and our own
+# decode loop on the same IR; each computes in the policy's dtype
 OPENVINO_ENGINES = {"openvino": None, "openvino_loop": "loop"}
 
 
@@ -475,8 +475,7 @@ def bench_generate(model: str = "smollm2-135m", n_prompts: int = 16, new_tokens:
     the same outputs (same seed, fresh generator).  ``hf_generator`` is
     rollout.HFGenerator (the reference); other names come from
     :data:`sprpo_lib.engines.ENGINES`, plus ``openvino_loop`` (the OpenVINO engine's own decode
-    loop).  OpenVINO engines run in float32 whatever the dtype, so they appear under float32
-    only; they are built once (conversion, load and one ``load_weights`` reload are reported
+    loop), computing in the policy's dtype; they are built once (conversion, load and one ``load_weights`` reload are reported
     under ``openvino``, not timed as generation) and reset to call 0 for each run."""
     from . import hardware as hw
     from .agent import AgentConfig
@@ -489,9 +488,7 @@ def bench_generate(model: str = "smollm2-135m", n_prompts: int = 16, new_tokens:
     config = shape_config(model)
     matmul = hw.probe_matmul(hw.linear_shapes(config), dtypes=dtypes)
     policies = {d: load_policy(model, dtype=d) for d in dtypes}
-    # OpenVINO computes in float32 whatever the policy's dtype: its rows appear under float32 only
-    runs = [(d, t, e) for d in dtypes for t in temperatures for e in engines
-            if not (e in OPENVINO_ENGINES and d != "float32")]
+    runs = [(d, t, e) for d in dtypes for t in temperatures for e in engines]
     walls: dict = {r: [] for r in runs}
     outs: dict = {}
     same: dict = {r: True for r in runs}
@@ -510,8 +507,9 @@ def bench_generate(model: str = "smollm2-135m", n_prompts: int = 16, new_tokens:
                     eng = OpenVINOEngine(pol, cfg, agent, backend=OPENVINO_ENGINES[name])
                     t0 = time.perf_counter()
                     eng.load_weights(bake_weights(pol.model))  # what one iteration's weight update costs
-                    ov_stats[name] = {k: eng.stats.get(k) for k in ("backend", "converted", "convert_s", "load_s")}
-                    ov_stats[name]["reload_s"] = round(time.perf_counter() - t0, 2)
+                    st = {k: eng.stats.get(k) for k in ("backend", "precision", "converted", "convert_s", "load_s")}
+                    st["reload_s"] = round(time.perf_counter() - t0, 2)
+                    ov_stats[f"{name}:{dtype}"] = st
                     built[(dtype, name)] = eng
                 gen = built[(dtype, name)]
                 gen.cfg, gen.calls = cfg, 0
@@ -652,7 +650,7 @@ def bench_eval(profile: str = "cpu", env: str = "webshop", engines: tuple[str, .
                          dataclasses.replace(cfg.rollout.generation, seed=cfg.seed * 100_003)))
         for what, tasks, group, gen in jobs:
             eng = make_engine(name, pol, gen, agent)
-            dtype = row["dtype"] = getattr(eng, "compute_dtype", dtype)  # openvino computes in float32
+            dtype = row["dtype"] = getattr(eng, "compute_dtype", dtype)  # what the engine computes in
             envs = SerialEnvs(lambda: pool)
             t0 = time.perf_counter()
             try:
@@ -733,7 +731,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--prompts", type=int, default=16)
     g.add_argument("--new-tokens", type=int, default=48)
     g.add_argument("--batch", type=int, default=16)
-    g.add_argument("--engines", default=",".join(GENERATE_ENGINES), help="hf_generator (reference) and/or engine names (openvino, openvino_loop: float32 only)")
+    g.add_argument("--engines", default=",".join(GENERATE_ENGINES), help="hf_generator (reference) and/or engine names (openvino, openvino_loop)")
     g.add_argument("--dtypes", default="float32,bfloat16")
     g.add_argument("--temperatures", default="0,0.4")
     g.add_argument("--max-steps", type=int, default=3, help="prompts after 0..max-steps shopper steps")

@@ -1,6 +1,7 @@
 """The ``openvino`` generation engine: the policy converted to an OpenVINO IR and decoded
-on the CPU in float32, by OpenVINO GenAI's continuous-batching pipeline (``backend="genai"``,
-the default when ``openvino-genai`` is installed) or by our own decode loop (``"loop"``).
+on the CPU in the policy's dtype (float32 or bfloat16), by OpenVINO GenAI's
+continuous-batching pipeline (``backend="genai"``, the default when ``openvino-genai`` is
+installed) or by our own decode loop (``"loop"``).
 
 * Conversion uses only the ``openvino`` Python API inside this project's environment (no
   optimum-intel, which pins another transformers): ``ov.convert_model`` traces a wrapper around
@@ -30,9 +31,10 @@ the default when ``openvino-genai`` is installed) or by our own decode loop (``"
 
 The engine decodes with the weights it was given: at construction ``effective_weights(policy.model)``
 (LoRA merged; FFN hooks in force are *not* seen), afterwards whatever :meth:`load_weights` got
-(``bake_weights(model, xi, mask)``).  It always computes in float32 (KV cache, activations,
-weights), whatever the policy's dtype; the CPU plugin's defaults that quantise the KV cache
-and activations are switched off.  A stop string that starts inside the prompt's last
+(``bake_weights(model, xi, mask)``).  It computes in the policy's dtype (``precision``):
+float32, or bfloat16 arithmetic and KV cache for a bfloat16 policy (the plugin's bf16 kernels;
+weights are kept as float32 in the IR); float16 policies run in float32.  The CPU plugin's
+defaults that quantise the KV cache to u8 and activations dynamically are switched off.  A stop string that starts inside the prompt's last
 characters is matched by ``loop`` (as by HFEngine) but not by ``genai``; ChatML prompts end
 in ``assistant\n``, so ``</action>`` cannot.
 """
@@ -64,7 +66,8 @@ CONVERTER_VERSION = 2  # bump when the IR built here changes
 INSTALL_HINT = ("engine 'openvino' needs OpenVINO: pip install openvino==2026.4.1 openvino-genai==2026.4.1.0 "
                 "openvino-tokenizers==2026.4.1.0 (pinned in requirements.txt)")
 # CPU plugin settings: float32 everywhere (its defaults quantise the KV cache to u8 and
-# activations dynamically on some CPUs), one stream, latency.
+# activations dynamically on some CPUs), one stream, latency.  PRECISIONS switches the
+# arithmetic and the KV cache to bfloat16 for a bfloat16 policy.
 CPU_PROPERTIES = {
     "INFERENCE_PRECISION_HINT": "f32",
     "EXECUTION_MODE_HINT": "ACCURACY",
@@ -74,6 +77,13 @@ CPU_PROPERTIES = {
     "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0",
     "PERFORMANCE_HINT": "LATENCY",
     "NUM_STREAMS": "1",
+}
+PRECISIONS = {
+    "float32": {},
+    # GenAI's paged attention wants the KV cache in the inference precision; "PERFORMANCE" lets the
+    # plugin keep bf16 where float32 accuracy mode would upcast
+    "bfloat16": {"INFERENCE_PRECISION_HINT": "bf16", "EXECUTION_MODE_HINT": "PERFORMANCE",
+                 "KV_CACHE_PRECISION": "bf16", "KEY_CACHE_PRECISION": "bf16", "VALUE_CACHE_PRECISION": "bf16"},
 }
 _WEIGHT = "sprpo_weight:"  # friendly-name prefix of the constants holding parameters
 
@@ -301,7 +311,8 @@ def weight_constants(ovm, template: nn.Module) -> dict[str, list]:
 
 # ----------------------------------------------------------------------------- engine
 class OpenVINOEngine(HFEngine):
-    """Generation on an OpenVINO CPU graph in float32: GenAI's continuous batching
+    """Generation on an OpenVINO CPU graph in float32 or bfloat16 (``precision``, default the
+    policy's dtype): GenAI's continuous batching
     (``backend="genai"``, default when installed) or HFEngine's decode loop (``"loop"``).
 
     ``policy``'s weights (LoRA merged by :func:`~sprpo_lib.engines.bake_weights`) are put into
@@ -317,14 +328,17 @@ class OpenVINOEngine(HFEngine):
     (``own_weights``: the trainer refreshes it every iteration)."""
 
     own_weights = True
-    compute_dtype = "float32"  # whatever the policy's dtype: its prefill floor is float32's
-
     def __init__(self, policy, cfg=None, agent=None, prefill_tokens: int = 2048, threads: int | None = None,
-                 backend: str | None = None):
+                 backend: str | None = None, precision: str | None = None):
         super().__init__(policy, cfg, agent, prefill_tokens)
         ov = _ov()
         if backend not in (None, "genai", "loop"):
             raise ValueError(f"backend must be 'genai' or 'loop', got {backend!r}")
+        if precision is None:  # the policy's dtype (dtype "auto" measured which is faster here); float16 -> float32
+            precision = "bfloat16" if next(policy.model.parameters()).dtype == torch.bfloat16 else "float32"
+        if precision not in PRECISIONS:
+            raise ValueError(f"OpenVINOEngine precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+        self.compute_dtype = precision  # arithmetic and KV cache; weights are stored as float32 in the IR
         t0 = time.perf_counter()
         self.threads = threads or torch.get_num_threads()
         self.core = ov.Core()
@@ -344,7 +358,7 @@ class OpenVINOEngine(HFEngine):
         self.backend = backend
         self._build()
         self.stats["load_s"] = round(time.perf_counter() - t0, 2)
-        self.stats.update({"ir": str(self.ir), "backend": backend})
+        self.stats.update({"ir": str(self.ir), "backend": backend, "precision": precision})
 
     # ------------------------------------------------------------- IR and weights
     def _open(self, model: nn.Module, weights: Mapping[str, torch.Tensor]):
@@ -417,7 +431,7 @@ class OpenVINOEngine(HFEngine):
         """Compile the graph (``loop``) or start a GenAI continuous-batching pipeline on it
         (``genai``; from the cache folder when it holds these weights, else from a temporary
         copy of the IR with them)."""
-        props = dict(CPU_PROPERTIES, INFERENCE_NUM_THREADS=str(self.threads))
+        props = dict(CPU_PROPERTIES, **PRECISIONS[self.compute_dtype], INFERENCE_NUM_THREADS=str(self.threads))
         if self.backend == "loop":
             self._compiled = self.core.compile_model(self._ovm, "CPU", props)
             self._request = self._compiled.create_infer_request()

@@ -54,6 +54,24 @@ def test_greedy_equals_hf_engine(tiny_spec, backend):
         assert sum(len(g.response_ids) - 1 for g in got) == eng.stats["decode_rows"]
 
 
+@pytest.mark.parametrize("backend", ["genai", "loop"])
+def test_precision_follows_the_policy_dtype(tiny_spec, backend):
+    """A bfloat16 policy is served in bf16 (arithmetic and KV cache); ``precision`` overrides;
+    anything else is one clear error."""
+    pol = load_policy(tiny_spec, dtype="bfloat16")
+    eng = _ov(pol, _greedy(), backend=backend)
+    assert eng.compute_dtype == "bfloat16" and eng.stats["precision"] == "bfloat16"
+    got = eng(PROMPTS)
+    assert all(g.response_ids for g in got)
+    if backend == "loop" and "BF16" in eng.core.get_property("CPU", "OPTIMIZATION_CAPABILITIES"):
+        assert "bf" in str(eng._compiled.get_property("INFERENCE_PRECISION_HINT")).lower()
+    assert _ov(pol, _greedy(), backend=backend, precision="float32").compute_dtype == "float32"
+    f32 = load_policy(tiny_spec)
+    assert _ov(f32, _greedy(), backend=backend).compute_dtype == "float32"
+    with pytest.raises(ValueError, match="precision must be one of"):
+        _ov(f32, _greedy(), backend=backend, precision="int8")
+
+
 def test_baked_lora_and_perturbation_load_into_the_engine(tiny_spec):
     pol = _lora_policy(tiny_spec)
     fc = FFNChannels(pol.model)
@@ -167,5 +185,6 @@ def test_bench_generate_compares_openvino_side_by_side(tmp_path):
     for name in ("hf", "openvino", "openvino_loop"):
         assert res["float32"]["T0"][name]["greedy_equal"] == "3/3"
         assert res["float32"]["T0"][name]["wall_over_prefill_floor"] > 0
-    assert res["openvino"]["openvino"]["backend"] == "genai" and res["openvino"]["openvino_loop"]["backend"] == "loop"
-    assert res["openvino"]["openvino"]["reload_s"] >= 0
+    ov = res["openvino"]
+    assert ov["openvino:float32"]["backend"] == "genai" and ov["openvino_loop:float32"]["backend"] == "loop"
+    assert ov["openvino:float32"]["precision"] == "float32" and ov["openvino:float32"]["reload_s"] >= 0
