@@ -195,17 +195,26 @@ def paired_comparisons(rows: pd.DataFrame, reference: str, baselines: Sequence[s
 
 
 # ----------------------------------------------------------------------------- overhead
-def overhead(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
+def overhead(run_dirs: Sequence[str | Path], quiet: float | None = 0.9) -> pd.DataFrame:
     """App. "Training overhead": mean seconds per training step per (env, method) from
     the runs' ``metrics.jsonl``: rollout, update (the method's update including SPrPO's
     replay, whose share is ``sensitivity``), total (the whole iteration, no evaluation or
-    checkpoint), and the contention columns ``cpu_per_wall`` / ``loadavg`` when logged."""
+    checkpoint), and the contention columns ``cpu_per_wall`` / ``loadavg`` when logged.
+
+    Timings are only comparable on an otherwise idle machine: with ``quiet`` set, an
+    iteration counts only if its ``cpu_per_wall`` (process CPU seconds per wall second) is
+    at least ``quiet`` x the highest of all iterations (the uncontended level, about the
+    thread count); ``excluded`` counts the others (shared or paused machine).  ``None``
+    keeps every iteration."""
     from .report import load_metrics
 
     m = load_metrics(run_dirs)
     if m.empty:
         return pd.DataFrame()
     m = m.copy()
+    m["excluded"] = False
+    if quiet is not None and "cpu_per_wall" in m and m["cpu_per_wall"].notna().any():
+        m["excluded"] = m["cpu_per_wall"].fillna(0.0) < quiet * m["cpu_per_wall"].max()
     sens = m["sensitivity_s"] if "sensitivity_s" in m else 0.0
     m["update_total_s"] = m["update_s"] + sens
     agg = {"rollout": ("rollout_s", "mean"), "update": ("update_total_s", "mean"),
@@ -214,7 +223,10 @@ def overhead(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
     for col, name in (("cpu_per_wall", "cpu_per_wall"), ("loadavg_1min", "loadavg")):
         if col in m:
             agg[name] = (col, "mean")
-    out = m.groupby(["env", "method"], sort=False).agg(**agg).reset_index()
+    kept = m[~m["excluded"]]
+    out = kept.groupby(["env", "method"], sort=False).agg(**agg).reset_index()
+    dropped = m.groupby(["env", "method"], sort=False)["excluded"].sum()
+    out["excluded"] = [int(dropped.get((e, k), 0)) for e, k in zip(out["env"], out["method"])]
     order = {k: i for i, k in enumerate(("vanilla", "gaussian", "sam", "sprpo"))}
     out = out.sort_values(["env", "method"], key=lambda s: s.map(order) if s.name == "method" else s)
     base = out[out["method"] == "vanilla"].set_index("env")["total"]

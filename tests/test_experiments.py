@@ -128,6 +128,15 @@ def test_overhead_means_from_metrics(tmp_path):
     tex = R.overhead_latex(t.reset_index())
     assert "\\toprule" in tex and "WebShop & Vanilla & 11.0 & 5.0 & 17.0" in tex
 
+    # a contended iteration (half the CPU per wall second of the others) is left out and counted
+    c = run("webshop-vanilla-smoke-seed1", "vanilla", [
+        {"rollout_s": 10, "update_s": 4, "wall_s": 15, "cpu_per_wall": 1.98, "success": 0, "score": 0},
+        {"rollout_s": 40, "update_s": 30, "wall_s": 71, "cpu_per_wall": 0.8, "success": 0, "score": 0},
+        {"rollout_s": 12, "update_s": 6, "wall_s": 19, "cpu_per_wall": 1.90, "success": 0, "score": 0}])
+    t = R.overhead([c]).set_index("method")
+    assert t.loc["vanilla", "total"] == 17 and t.loc["vanilla", "steps"] == 2 and t.loc["vanilla", "excluded"] == 1
+    assert R.overhead([c], quiet=None).set_index("method").loc["vanilla", "total"] == pytest.approx(35)
+
 
 def test_landscape_grid_pivot():
     rows = []
