@@ -36,7 +36,10 @@ class Actor:
         opt: optimizer over ``params``; ``grad_clip``: global-norm clip before a step.
         loss_name, loss_cfg: the policy loss (:data:`sprpo_lib.losses.POLICY_LOSSES`).
         micro_batch: samples per forward/backward (gradients accumulate; exact for
-            the token-mean).
+            the token-mean).  Micro-batches are cut from the length-sorted batch, so
+            each pads its rows to similar lengths (verl balances micro-batches by token
+            count for the same reason); results come back in batch order.  The attribute
+            ``sort_micro_batches = False`` keeps batch order.
         kl_coef, kl_type: KL loss to the reference policy (the model with its adapter
             disabled), verl's ``use_kl_loss``; 0 disables.
         mini_batch, epochs: :meth:`ppo_update`'s optimizer steps (verl's
@@ -52,6 +55,7 @@ class Actor:
         self.loss_fn = get_policy_loss(loss_name)
         self.loss_cfg = loss_cfg or PPOLossConfig()
         self.micro_batch = micro_batch
+        self.sort_micro_batches = True
         self.kl_coef, self.kl_type = kl_coef, kl_type
         self.mini_batch, self.epochs = mini_batch, epochs
         self.fc = FFNChannels(model)
@@ -88,12 +92,13 @@ class Actor:
         self.model.eval()
         self.fc.set(xi=xi)
         with self.fc, float32_compute(self.model, below_resolution(xi, self.dtype)):
-            for mb in batch.micro_batches(self.micro_batch, self.pad_id, self.device):
+            for mb in batch.micro_batches(self.micro_batch, self.pad_id, self.device, self.sort_micro_batches):
                 lp = token_logprobs(self._logits(mb), mb.tgt)
-                out += [lp[j, lp.shape[1] - s.n_resp:].float().cpu() for j, s in enumerate(mb.samples)]
+                out += [(s, lp[j, lp.shape[1] - s.n_resp:].float().cpu()) for j, s in enumerate(mb.samples)]
         self.fc.clear()
         self._tick(t0)
-        return out
+        by_sample = {id(s): lp for s, lp in out}  # micro-batches are length-sorted: back to batch order
+        return [by_sample[id(s)] for s in batch.samples]
 
     def fill_old_log_probs(self, batch: Batch, xi: torch.Tensor | None) -> None:
         """``old_logp`` of every sample at the current parameters (theta_k) under ``xi``."""
@@ -130,7 +135,7 @@ class Actor:
         n_total = max(1, batch.n_tokens)
         acc: dict[str, float] = {}
         with torch.enable_grad(), self.fc, float32_compute(self.model, below_resolution(xi, self.dtype)):
-            for mb in batch.micro_batches(self.micro_batch, self.pad_id, self.device):
+            for mb in batch.micro_batches(self.micro_batch, self.pad_id, self.device, self.sort_micro_batches):
                 logits = self._logits(mb)
                 logp = token_logprobs(logits, mb.tgt)
                 old = mb.field("old_logp")

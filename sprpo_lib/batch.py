@@ -75,10 +75,21 @@ class Batch:
         """The same steps with the old log-probs unfilled (a pass under another xi)."""
         return Batch([replace(s, old_logp=None) for s in self.samples])
 
-    def micro_batches(self, size: int, pad_id: int, device) -> list[MicroBatch]:
+    def micro_batch_order(self, size: int, sort: bool = True) -> list[list[Sample]]:
+        """The samples in chunks of ``size``: longest first when ``sort`` (so that a chunk
+        pads its rows to similar lengths: the gradient of a token-weighted sum is the
+        same in any grouping), else in batch order."""
+        order = sorted(self.samples, key=lambda s: -len(s.ids)) if sort else list(self.samples)
+        return [order[i:i + size] for i in range(0, len(order), size)]
+
+    def padded_tokens(self, size: int, sort: bool = True) -> int:
+        """Token positions the forward passes compute over, padding included."""
+        return sum(len(c) * max(len(s.ids) for s in c) for c in self.micro_batch_order(size, sort))
+
+    def micro_batches(self, size: int, pad_id: int, device, sort: bool = True) -> list[MicroBatch]:
+        """Left-padded :class:`MicroBatch` es of ``size`` samples (see :meth:`micro_batch_order`)."""
         out = []
-        for i in range(0, len(self.samples), size):
-            chunk = self.samples[i:i + size]
+        for chunk in self.micro_batch_order(size, sort):
             T = max(len(s.ids) for s in chunk)
             R = max(s.n_resp for s in chunk)
             ids = torch.full((len(chunk), T), pad_id, dtype=torch.long)

@@ -5,7 +5,7 @@
     python -m sprpo_lib.bench train [--profile cpu] [--env webshop] [key=value ...]
     python -m sprpo_lib.bench machine [--model smollm2-135m]
     python -m sprpo_lib.bench generate [--model smollm2-135m] [--prompts 16] [--engines hf_generator,hf,openvino]
-    python -m sprpo_lib.bench eval [--engines hf:float32,hf:bfloat16,openvino] [--episodes 64]
+    python -m sprpo_lib.bench eval [--engines hf:float32,hf:bfloat16,openvino,openvino:auto:prefix_caching=false] [--episodes 64]
     python -m sprpo_lib.bench update [--dtypes float32,bfloat16]
 
 Speed claims are ratios measured side by side in one run (e.g. generation with and
@@ -15,6 +15,7 @@ without the perturbation hook, interleaved, median of repeats).  Results go to
 from __future__ import annotations
 
 import argparse
+import math
 import platform
 import statistics
 import sys
@@ -350,6 +351,9 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 2, ov
     t_roll = rst["rollout_s"]
     res = {"profile": profile, "env": env, "overrides": list(overrides or []), "dtype": tr.dtype,
            "episodes": len(eps), "samples": len(batch.samples), "response_tokens": batch.n_tokens,
+           "tokens": sum(len(s.ids) for s in batch.samples), "micro_batch": tr.actor.micro_batch,
+           "padded_tokens": batch.padded_tokens(tr.actor.micro_batch),
+           "padded_tokens_batch_order": batch.padded_tokens(tr.actor.micro_batch, sort=False),
            "rollout_s": round(t_roll, 2), "generate_s": round(rst["generate_s"], 2), "env_s": round(rst["env_s"], 3)}
     totals = {}
     for name, t in times.items():
@@ -358,6 +362,14 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 2, ov
         res[name] = {"update_s": round(u, 2), "sensitivity_s": round(sens, 2), "total_s": round(totals[name], 2)}
     res["ratio_replay_vs_vanilla"] = round(totals["sprpo_replay"] / totals["vanilla"], 3)
     res["ratio_one_pass_vs_vanilla"] = round(totals["sprpo_one_pass"] / totals["vanilla"], 3)
+    res["nonfinite"] = {k: int((~torch.isfinite(v[0])).sum()) + int(not math.isfinite(v[1]))
+                        + int((~torch.isfinite(v[2])).sum()) for k, v in states.items()}
+    res["update_ratio_replay"] = round((res["sprpo_replay"]["update_s"] + res["sprpo_replay"]["sensitivity_s"])
+                                       / res["vanilla"]["update_s"], 3)
+    res["samples_nonzero_adv"] = sum(s.adv != 0 for s in batch.samples)
+    if not res["samples_nonzero_adv"]:  # e.g. warm_start=false: no reward, zero gradient, S_hat = 0
+        res["one_pass_vs_replay"] = "not comparable: every advantage in this batch is 0 (no reward signal)"
+        return res
     (S_r, m_r, sig_r), (S_o, m_o, sig_o) = states["sprpo_replay"], states["sprpo_one_pass"]
     ls_r, ls_o = S_r.clamp_min(1e-30).log().flatten(), S_o.clamp_min(1e-30).log().flatten()
     res["one_pass_vs_replay"] = {
@@ -366,8 +378,6 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 2, ov
         "m_hat_rel_diff": round(abs(m_o - m_r) / max(abs(m_r), 1e-30), 4),
         "sigma_rel_l2": round(float((sig_o - sig_r).norm() / sig_r.norm()), 4),
     }
-    res["update_ratio_replay"] = round((res["sprpo_replay"]["update_s"] + res["sprpo_replay"]["sensitivity_s"])
-                                       / res["vanilla"]["update_s"], 3)
     return res
 
 
@@ -582,10 +592,26 @@ def bench_update(model: str = "smollm2-135m", dtypes: tuple[str, ...] = ("float3
 EVAL_ENGINES = ("hf", "openvino")
 
 
-def _engine_runs(spec: str) -> tuple[str, str]:
-    """``engine`` or ``engine:dtype`` (dtype float32 | bfloat16 | auto)."""
-    name, _, dtype = spec.partition(":")
-    return name, dtype or "auto"
+def _engine_runs(spec: str) -> tuple[str, str, dict]:
+    """``engine``, ``engine:dtype`` (dtype float32 | bfloat16 | auto) or
+    ``engine:dtype:field=value`` (a :class:`~sprpo_lib.rollout.GenerationConfig` setting, e.g.
+    ``openvino:auto:prefix_caching=false``)."""
+    import dataclasses
+
+    import yaml
+
+    from .rollout import GenerationConfig
+
+    name, _, rest = spec.partition(":")
+    dtype, _, opts = rest.partition(":")
+    fields = {f.name for f in dataclasses.fields(GenerationConfig)}
+    gen: dict = {}
+    for item in filter(None, opts.split("+")):
+        k, eq, v = item.partition("=")
+        if not eq or k not in fields:
+            raise ValueError(f"--engines: {item!r} in {spec!r} must be FIELD=VALUE with FIELD one of {sorted(fields)}")
+        gen[k] = yaml.safe_load(v)
+    return name, dtype or "auto", gen
 
 
 def bench_eval(profile: str = "cpu", env: str = "webshop", engines: tuple[str, ...] = ("hf", "openvino"),
@@ -624,7 +650,7 @@ def bench_eval(profile: str = "cpu", env: str = "webshop", engines: tuple[str, .
     config = shape_config(cfg.model.spec)
     runs = [_engine_runs(e) for e in engines]
     policies: dict = {}
-    for _, dt in runs:
+    for _, dt, _ in runs:
         if dt not in policies:
             pol = load_policy(cfg.model.spec, dtype=dt)
             if cfg.warm_start:
@@ -639,15 +665,14 @@ def bench_eval(profile: str = "cpu", env: str = "webshop", engines: tuple[str, .
                  "rollout_batch": {"tasks": cfg.rollout.tasks_per_step, "group_size": cfg.rollout.group_size,
                                    "temperature": cfg.rollout.generation.temperature}}
     outcomes = {}
-    for (name, dt), spec in zip(runs, engines):
+    for (name, dt, extra), spec in zip(runs, engines):
         pol = policies[dt]
         dtype = str(pol.model.dtype).replace("torch.", "")
-        row = {"engine": name, "dtype": dtype}
-        jobs = [("eval", eval_tasks, 1, dataclasses.replace(cfg.rollout.generation, temperature=eval_temperature(cfg),
-                                                             seed=cfg.sft.seed))]
+        row = {"engine": name, "dtype": dtype, **extra}
+        base = dataclasses.replace(cfg.rollout.generation, **extra)
+        jobs = [("eval", eval_tasks, 1, dataclasses.replace(base, temperature=eval_temperature(cfg), seed=cfg.sft.seed))]
         if rollout:
-            jobs.append(("rollout", batch_tasks, cfg.rollout.group_size,
-                         dataclasses.replace(cfg.rollout.generation, seed=cfg.seed * 100_003)))
+            jobs.append(("rollout", batch_tasks, cfg.rollout.group_size, dataclasses.replace(base, seed=cfg.seed * 100_003)))
         for what, tasks, group, gen in jobs:
             eng = make_engine(name, pol, gen, agent)
             dtype = row["dtype"] = getattr(eng, "compute_dtype", dtype)  # what the engine computes in
@@ -741,7 +766,8 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--profile", default="cpu")
     v.add_argument("--env", default="webshop")
     v.add_argument("--engines", default="hf:float32,hf:bfloat16,openvino",
-                   help="engine or engine:dtype, comma-separated; the first is the paired reference")
+                   help="engine, engine:dtype or engine:dtype:field=value[+field=value] (a generation setting, "
+                        "e.g. openvino:auto:prefix_caching=false), comma-separated; the first is the paired reference")
     v.add_argument("--episodes", type=int, default=64)
     v.add_argument("--no-rollout", action="store_true", help="skip the RL rollout batch")
     v.add_argument("--model", help="model spec (default: the profile's)")

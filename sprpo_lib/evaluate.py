@@ -222,6 +222,8 @@ class EvalConfig:
         temperature, top_p, max_new_tokens, batch_size: sampling (App. C: T = 0.4).
         max_steps: episode step limit (``None``: the environment's, 15 / 50).
         engine: generation engine (:func:`sprpo_lib.engines.make_engine`).
+        prefix_caching: engines with a paged KV cache reuse computed prompt prefixes
+            (``GenerationConfig.prefix_caching``); part of the cache key.
         agent: prompt settings; must match the ones the policy was trained with.
         calibration: calibration-pool JSON (:func:`build_calibration_pool`), needed by
             ``fisher`` and ``sparsegpt``.
@@ -250,6 +252,7 @@ class EvalConfig:
     batch_size: int = 16
     max_steps: int | None = None
     engine: str = "hf"
+    prefix_caching: bool = True
     agent: AgentConfig = field(default_factory=AgentConfig)
     calibration: str | None = None
     perturbation_options: dict = field(default_factory=dict)
@@ -347,7 +350,7 @@ class EvalConfig:
         from .rollout import GenerationConfig
 
         return GenerationConfig(temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens,
-                                batch_size=self.batch_size, seed=int(seed))
+                                batch_size=self.batch_size, seed=int(seed), prefix_caching=self.prefix_caching)
 
 
 def _check_model_spec(spec: str) -> None:
@@ -785,7 +788,8 @@ def cell_fields(cfg: EvalConfig, identity: Mapping, env_fields: Mapping, cell: C
         "evaluator": EVALUATOR_VERSION,
         "model": dict(identity),
         "env": dict(env_fields),
-        "generation": {"engine": cfg.engine, "temperature": cfg.temperature, "top_p": cfg.top_p,
+        "generation": {"engine": cfg.engine, "prefix_caching": cfg.prefix_caching,
+                       "temperature": cfg.temperature, "top_p": cfg.top_p,
                        "max_new_tokens": cfg.max_new_tokens, "batch_size": cfg.batch_size,
                        "stop": cfg.generation(0).stop},
         "agent": dataclasses.asdict(cfg.agent),
@@ -952,7 +956,8 @@ def config_from_run(run_dir: str | Path, **overrides) -> EvalConfig:
     g = tc.rollout.generation
     base = dict(model=tc.model.spec, adapters=tuple(adapters), env=tc.env.name, data_dir=tc.env.data_dir,
                 env_seed=tc.env.seed, top_p=g.top_p, max_new_tokens=g.max_new_tokens, max_steps=tc.env.max_steps,
-                engine=tc.rollout.engine, agent=tc.rollout.agent, dtype=meta.get("dtype") or tc.model.dtype or "auto",
+                engine=tc.rollout.engine, prefix_caching=g.prefix_caching, agent=tc.rollout.agent,
+                dtype=meta.get("dtype") or tc.model.dtype or "auto",
                 model_seed=tc.seed, tags={"method": tc.method.name, "train_seed": tc.seed, "profile": tc.profile})
     base.update(overrides)
     return EvalConfig(**base)
@@ -968,7 +973,7 @@ def config_from_profile(profile: str, env: str, **overrides) -> EvalConfig:
     g = tc.rollout.generation
     base = dict(model=tc.model.spec, env=env, data_dir=tc.env.data_dir, env_seed=tc.env.seed, top_p=g.top_p,
                 max_new_tokens=g.max_new_tokens, max_steps=tc.env.max_steps, engine=tc.rollout.engine,
-                agent=tc.rollout.agent, dtype=tc.model.dtype or "auto")
+                prefix_caching=g.prefix_caching, agent=tc.rollout.agent, dtype=tc.model.dtype or "auto")
     base.update(overrides)
     return EvalConfig(**base)
 
@@ -994,6 +999,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--tasks", type=int, help="first N tasks of each split (default: all held-out tasks)")
     ap.add_argument("--split", nargs="+", help="splits (default: webshop test; alfworld valid_seen valid_unseen)")
     ap.add_argument("--engine", default=None, help="generation engine (default hf)")
+    ap.add_argument("--no-prefix-caching", action="store_true",
+                    help="engines with a paged KV cache (openvino, vllm) recompute every prompt in full")
     ap.add_argument("--calibration", help="calibration pool JSON (fisher, sparsegpt)")
     ap.add_argument("--build-calibration", metavar="PATH",
                     help="collect the calibration pool from this policy's rollouts on training tasks, write it, exit")
@@ -1027,7 +1034,7 @@ def config_from_args(args) -> EvalConfig:
           "device": args.device, "trust_remote_code": args.trust_remote_code, "cache_dir": args.cache_dir}
     opt = {"env": args.env, "engine": args.engine, "temperature": args.temperature,
            "max_new_tokens": args.max_new_tokens, "max_steps": args.max_steps, "batch_size": args.batch_size,
-           "dtype": args.dtype}
+           "dtype": args.dtype, "prefix_caching": False if args.no_prefix_caching else None}
     kw.update({k: v for k, v in opt.items() if v is not None})
     if args.run:
         if args.model or args.adapter:

@@ -132,7 +132,7 @@ PLANS: dict[str, dict[str, Plan]] = {
                 "sparsegpt": (0.20, 0.40), "rtn": (8, 6, 4)},
         curve_seeds=(0,), curve_methods=("vanilla", "sprpo"), landscape_grid=(-0.2, -0.1, 0.0, 0.1, 0.2),
         # OpenVINO in the policy's dtype: 1.47x HF's episodes/min in bf16 on the held-out set, success
-        # within the paired interval (README "Generation engines"); training rollouts stay on hf
+        # within the paired interval (README "Generation engines"); the cpu profile trains on it too
         landscape_tasks=12, engine="openvino")},
     "paper": {env: Plan(
         "paper", env, tasks=None, eval_seeds=(0,), table=TABLE1[env],

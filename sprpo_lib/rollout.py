@@ -46,7 +46,13 @@ class Generator(Protocol):
 @dataclass
 class GenerationConfig:
     """Sampling settings (App. B/C: temperature 0.4 for validation; training samples
-    at the rollout temperature, 1.0 by default as in verl)."""
+    at the rollout temperature, 1.0 by default as in verl).
+
+    ``prefix_caching``: engines that keep a paged KV cache (``openvino``, ``vllm``) reuse
+    the keys/values of prompt prefixes they computed in earlier calls with the same weights
+    (an agent's next prompt repeats its task and most of its interaction context); vLLM's
+    default, so on by default.  It changes what is recomputed, not what is computed; ``hf``
+    has no cache across calls and ignores it."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -54,6 +60,7 @@ class GenerationConfig:
     batch_size: int = 16
     stop: str = "</action>"
     seed: int = 0
+    prefix_caching: bool = True
 
     def __post_init__(self):
         if self.temperature < 0:

@@ -3,7 +3,9 @@ episodes (paired difference exactly zero), and the reported rates follow from th
 from __future__ import annotations
 
 
-from sprpo_lib.bench import bench_eval
+import pytest
+
+from sprpo_lib.bench import _engine_runs, bench_eval
 
 
 def test_bench_eval_side_by_side(one_thread):
@@ -21,3 +23,12 @@ def test_bench_eval_side_by_side(one_thread):
     assert a["eval"]["generated_tokens"] == b["eval"]["generated_tokens"]
     p = b["eval"]["paired_vs_hf"]
     assert p["success_diff"] == 0 and p["ci95"] == [0, 0] and p["zero_in_ci"]
+
+
+def test_engine_spec_parses_generation_settings():
+    assert _engine_runs("openvino") == ("openvino", "auto", {})
+    assert _engine_runs("hf:bfloat16") == ("hf", "bfloat16", {})
+    assert _engine_runs("openvino:auto:prefix_caching=false+batch_size=8") == (
+        "openvino", "auto", {"prefix_caching": False, "batch_size": 8})
+    with pytest.raises(ValueError, match="FIELD=VALUE"):
+        _engine_runs("openvino:auto:prefix_cache=false")

@@ -188,3 +188,47 @@ def test_bench_generate_compares_openvino_side_by_side(tmp_path):
     ov = res["openvino"]
     assert ov["openvino:float32"]["backend"] == "genai" and ov["openvino_loop:float32"]["backend"] == "loop"
     assert ov["openvino:float32"]["precision"] == "float32" and ov["openvino:float32"]["reload_s"] >= 0
+
+
+def test_prefix_caching_reuses_prefixes_and_changes_no_output(tiny_spec):
+    """Later calls whose prompts extend earlier ones (an agent's next step) give the same
+    greedy tokens with GenAI's prefix cache as without it and as HFEngine; the cache is on
+    by default and ``prefix_caching=False`` turns it off."""
+    pol = load_policy(tiny_spec)
+    history = [f"task {i}: " + "you see a mug on the table and a coffeemachine. " * (6 + i) for i in range(4)]
+    calls = [history, [h + "you pick up the mug. next?" for h in history]]
+    ref = HFEngine(pol, _greedy())
+    on, off = _ov(pol, _greedy()), _ov(pol, _greedy(prefix_caching=False))
+    for prompts in calls:
+        want = ref(prompts)
+        assert _same(want, on(prompts)) == len(prompts)
+        assert _same(want, off(prompts)) == len(prompts)
+    assert on.backend == off.backend == "genai"
+    assert on.scheduler.enable_prefix_caching and not off.scheduler.enable_prefix_caching
+
+
+def test_training_rollouts_on_openvino_follow_the_updated_policy(tmp_path):
+    """``rollout.engine=openvino`` in training: each iteration's rollouts come from theta_k
+    with xi_k baked in (weights reloaded after every update), the same greedy episodes as
+    the HF engine's on the same trainer state."""
+    from sprpo_lib.batch import build_batch
+    from sprpo_lib.train import Trainer, load_config
+
+    ov = ["method.name=sprpo", "rollout.generation.temperature=0", "update.lr=0.05"]
+    trs = {e: Trainer(load_config("smoke", ov + [f"rollout.engine={e}"]), tmp_path / e, progress=False)
+           for e in ("hf", "openvino")}
+    for k in range(2):
+        eps = {}
+        for e, tr in trs.items():
+            eps[e], xi, _ = tr.collect(k)
+            assert k == 0 or float(xi.abs().max()) > 0
+        acts = {e: [[s.response_ids for s in ep.steps] for ep in v] for e, v in eps.items()}
+        assert acts["openvino"] == acts["hf"]
+        for e, tr in trs.items():  # the same update on both (from the HF episodes, so the states stay equal)
+            for i, ep in enumerate(eps["hf"]):
+                ep.steps[-1].env_reward += float(i % 2)
+            batch, _ = build_batch(eps["hf"], tr.cfg.update.adv, "gigpo")
+            tr.update(batch, xi, k)
+            for i, ep in enumerate(eps["hf"]):
+                ep.steps[-1].env_reward -= float(i % 2)
+    assert trs["openvino"].gen.own_weights

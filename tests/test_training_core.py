@@ -294,6 +294,30 @@ def test_micro_batch_accumulation_equals_one_full_batch(tmp_path):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
 
 
+def test_length_sorted_micro_batches_keep_order_and_gradient(tmp_path):
+    """Micro-batches are cut from the length-sorted batch: less padding, log-probs back in
+    batch order (each equal to its sample's own unpadded forward), the same gradient as
+    micro-batches in batch order."""
+    tr = _trainer(tmp_path)
+    batch, _ = _batch(tr)
+    assert len({len(s.ids) for s in batch.samples}) > 1
+    assert batch.padded_tokens(3) <= batch.padded_tokens(3, sort=False)
+    assert sorted(map(id, batch.samples)) == sorted(id(s) for c in batch.micro_batch_order(3) for s in c)
+    tr.actor.micro_batch = 3
+    together = tr.actor.log_probs(batch, None)
+    for s, lp in zip(batch.samples, together):
+        torch.testing.assert_close(lp, tr.actor.log_probs(Batch([s]), None)[0], rtol=1e-4, atol=1e-5)
+    grads = {}
+    for sort in (True, False):
+        tr.actor.sort_micro_batches = sort
+        tr.actor.zero_grad()
+        tr.actor.backward(batch.without_old(), None)
+        grads[sort] = [p.grad.clone() for p in tr.actor.params]
+    tr.actor.zero_grad()
+    for a, b in zip(grads[True], grads[False]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+
+
 def test_kl_loss_low_var_kl(tmp_path):
     logp, ref = torch.tensor([-1.0, -2.0, -0.5]), torch.tensor([-1.5, -1.0, -0.5])
     expect = [math.exp(r - lp) - (r - lp) - 1 for lp, r in zip(logp.tolist(), ref.tolist())]
