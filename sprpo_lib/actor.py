@@ -88,17 +88,16 @@ class Actor:
     def log_probs(self, batch: Batch, xi: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Per-sample response-token log-probs under ``xi`` (no gradient)."""
         t0 = time.perf_counter()
-        out = []
+        by_sample: dict[int, torch.Tensor] = {}
         self.model.eval()
         self.fc.set(xi=xi)
         with self.fc, float32_compute(self.model, below_resolution(xi, self.dtype)):
             for mb in batch.micro_batches(self.micro_batch, self.pad_id, self.device, self.sort_micro_batches):
                 lp = token_logprobs(self._logits(mb), mb.tgt)
-                out += [(s, lp[j, lp.shape[1] - s.n_resp:].float().cpu()) for j, s in enumerate(mb.samples)]
+                by_sample.update((id(s), lp[j, lp.shape[1] - s.n_resp:].float().cpu()) for j, s in enumerate(mb.samples))
         self.fc.clear()
         self._tick(t0)
-        by_sample = {id(s): lp for s, lp in out}  # micro-batches are length-sorted: back to batch order
-        return [by_sample[id(s)] for s in batch.samples]
+        return [by_sample[id(s)] for s in batch.samples]  # micro-batches are length-sorted: back to batch order
 
     def fill_old_log_probs(self, batch: Batch, xi: torch.Tensor | None) -> None:
         """``old_logp`` of every sample at the current parameters (theta_k) under ``xi``."""

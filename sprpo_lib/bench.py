@@ -15,7 +15,6 @@ without the perturbation hook, interleaved, median of repeats).  Results go to
 from __future__ import annotations
 
 import argparse
-import math
 import platform
 import statistics
 import sys
@@ -362,8 +361,6 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 2, ov
         res[name] = {"update_s": round(u, 2), "sensitivity_s": round(sens, 2), "total_s": round(totals[name], 2)}
     res["ratio_replay_vs_vanilla"] = round(totals["sprpo_replay"] / totals["vanilla"], 3)
     res["ratio_one_pass_vs_vanilla"] = round(totals["sprpo_one_pass"] / totals["vanilla"], 3)
-    res["nonfinite"] = {k: int((~torch.isfinite(v[0])).sum()) + int(not math.isfinite(v[1]))
-                        + int((~torch.isfinite(v[2])).sum()) for k, v in states.items()}
     res["update_ratio_replay"] = round((res["sprpo_replay"]["update_s"] + res["sprpo_replay"]["sensitivity_s"])
                                        / res["vanilla"]["update_s"], 3)
     res["samples_nonzero_adv"] = sum(s.adv != 0 for s in batch.samples)

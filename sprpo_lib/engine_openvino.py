@@ -441,7 +441,7 @@ class OpenVINOEngine(HFEngine):
         sched = og.SchedulerConfig()
         # KV blocks of prompt prefixes computed in earlier calls are reused (GenerationConfig.prefix_caching);
         # a weight reload starts a new pipeline, so no block computed with other weights survives it
-        sched.enable_prefix_caching = bool(getattr(self.cfg, "prefix_caching", True))
+        sched.enable_prefix_caching = self.cfg.prefix_caching
         sched.cache_size = max(1, int(self.cache_gb))
         self.scheduler = sched
         props = {k: props[k] for k in ("INFERENCE_PRECISION_HINT", "KV_CACHE_PRECISION", "DYNAMIC_QUANTIZATION_GROUP_SIZE",
