@@ -14,6 +14,17 @@ from pathlib import Path
 from typing import Any
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+#: Permissions of files and directories the atomic writers create: what ``open`` and
+#: ``mkdir`` would give under the process umask (mkstemp/mkdtemp alone give 0600/0700).
+FILE_MODE, DIR_MODE = 0o666 & ~_umask(), 0o777 & ~_umask()
+
+
 def cache_dir() -> Path:
     """The user cache root, read here only: ``$SPRPO_CACHE`` or ``~/.cache/sprpo``
     (converted models, generated ALFWorld games, the dtype probe)."""
@@ -48,6 +59,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, FILE_MODE)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -65,6 +77,7 @@ def atomic_dir(path: str | Path):
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
         yield tmp
+        os.chmod(tmp, DIR_MODE)
         if path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)

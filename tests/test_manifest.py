@@ -27,3 +27,22 @@ def test_git_commit_dirty_flag_ignores_figure_outputs(tmp_path):
     assert git_commit(tmp_path) == clean
     (tmp_path / "code.py").write_text("x = 2\n")  # changed code
     assert git_commit(tmp_path) == clean + "+dirty"
+
+
+def test_atomic_writes_get_the_permissions_open_and_mkdir_would(tmp_path):
+    """mkstemp/mkdtemp alone create 0600/0700: results would be unreadable to a group."""
+    import stat
+
+    from sprpo_lib.manifest import atomic_dir, atomic_write_text
+
+    (tmp_path / "plain.txt").write_text("x")
+    (tmp_path / "plain_dir").mkdir()
+    atomic_write_text(tmp_path / "a.txt", "old")
+    atomic_write_text(tmp_path / "a.txt", "new")
+    with atomic_dir(tmp_path / "d") as d:
+        (d / "f").write_text("1")
+    mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
+    assert (tmp_path / "a.txt").read_text() == "new"
+    assert mode(tmp_path / "a.txt") == mode(tmp_path / "plain.txt")
+    assert mode(tmp_path / "d") == mode(tmp_path / "plain_dir")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left behind
