@@ -127,15 +127,15 @@ PLANS: dict[str, dict[str, Plan]] = {
         landscape_grid=(-0.2, 0.0, 0.2), landscape_tasks=1, calibration_size=6)},
     "cpu": {"webshop": Plan(
         # sized for one ~2 h run on 2 cores (README "What the cpu profile runs"): every policy on
-        # the same 24 test goals and evaluation seed (paired design), Table 1's five settings
+        # the same 40 test goals and evaluation seed (paired design), Table 1's five settings
         "cpu", "webshop", seeds={"vanilla": (0, 1), "gaussian": (0,), "sam": (0,), "sprpo": (0, 1)},
-        tasks=24, eval_seeds=(0,), table=TABLE1["webshop"],
+        tasks=40, eval_seeds=(0,), table=TABLE1["webshop"],
         curves={"gaussian": (0.10, 0.20), "dropout": (0.05,), "fisher": (0.10, 0.20),
                 "sparsegpt": (0.20, 0.40), "rtn": (6, 4)},
-        curve_seeds=(0,), curve_methods=("vanilla", "sprpo"), landscape_grid=(-0.2, 0.0, 0.2),
+        curve_seeds=(0,), curve_methods=("vanilla", "sprpo"), landscape_grid=(-0.2, -0.1, 0.0, 0.1, 0.2),
         # OpenVINO in the policy's dtype: 1.47x HF's episodes/min in bf16 on the held-out set, success
         # within the paired interval (README "Generation engines"); the cpu profile trains on it too
-        landscape_tasks=12, calibration_size=32, engine="openvino")},
+        landscape_tasks=8, calibration_size=32, engine="openvino")},
     "paper": {env: Plan(
         "paper", env, tasks=None, eval_seeds=(0,), table=TABLE1[env],
         curves={**_PAPER_CURVES, "sparsegpt": (0.10, 0.20, 0.30, 0.40) if env == "webshop" else (0.10, 0.30, 0.50, 0.70)},
