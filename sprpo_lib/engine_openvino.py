@@ -63,7 +63,7 @@ from .manifest import atomic_dir, cache_dir
 
 log = logging.getLogger(__name__)
 
-CONVERTER_VERSION = 2  # bump when the IR built here changes
+CONVERTER_VERSION = 3  # bump when the IR built here changes
 INSTALL_HINT = ("engine 'openvino' needs OpenVINO: pip install openvino==2026.4.1 openvino-genai==2026.4.1.0 "
                 "openvino-tokenizers==2026.4.1.0 (pinned in requirements.txt)")
 # CPU plugin settings: float32 everywhere (its defaults quantise the KV cache to u8 and
@@ -169,7 +169,7 @@ def weights_digest(state_dict: Mapping[str, torch.Tensor]) -> str:
 
 
 class _Wrapper(nn.Module):
-    """``(input_ids, attention_mask, position_ids, *past) -> (last logits, *present)``."""
+    """``(input_ids, attention_mask, position_ids, *past) -> (logits of every position, *present)``."""
 
     def __init__(self, m: nn.Module):
         super().__init__()
@@ -183,11 +183,11 @@ class _Wrapper(nn.Module):
             layer.lazy_initialization(past[2 * i], past[2 * i + 1])
             layer.keys, layer.values = past[2 * i], past[2 * i + 1]
         out = self.m(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                     past_key_values=cache, use_cache=True, logits_to_keep=1)
+                     past_key_values=cache, use_cache=True)
         flat = []
         for layer in out.past_key_values.layers:
             flat += [layer.keys, layer.values]
-        return (out.logits[:, -1],) + tuple(flat)
+        return (out.logits,) + tuple(flat)
 
 
 def _tracing_copy(model: nn.Module) -> nn.Module:
@@ -254,12 +254,32 @@ def convert(model: nn.Module):
         if node.get_type_name() == "ReadValue":
             zero = op.constant(np.zeros((), dtype=np.float32))
             node.set_arguments([op.broadcast(zero, op.concat([batch, rest], 0))])
-    logits = ovm.output("logits").get_node()  # the Result: give it [batch, 1, vocab], GenAI's layout
-    last = op.unsqueeze(logits.input_value(0), op.constant(np.int64(1)))
-    logits.input(0).replace_source_output(last.output(0))
-    ovm.validate_nodes_and_infer_types()
     _name_weights(ovm, fresh)
     return ovm, fresh
+
+
+def lm_head_matmul(ovm):
+    """The MatMul whose output is the ``logits`` Result (a clear error if the graph's
+    output is anything else: GenAI would then compute logits for every token)."""
+    node = ovm.output("logits").get_node().input_value(0).get_node()
+    if node.get_type_name() != "MatMul":
+        raise RuntimeError(f"openvino engine: the logits come from a {node.get_type_name()}, not the lm_head MatMul; "
+                           "delete the IR cache folder (cache_dir()/openvino) to reconvert")
+    return node
+
+
+def slice_last_logits(ovm) -> None:
+    """Compute logits for the last position only: a slice ``[:, -1:]`` of the hidden
+    states before the lm_head (our decode loop reads only that row)."""
+    from openvino import opset13 as op
+
+    mm = lm_head_matmul(ovm)
+    hidden = mm.input_value(0)
+    last = op.slice(hidden, op.constant(np.array([-1], dtype=np.int64)),
+                    op.constant(np.array([np.iinfo(np.int64).max], dtype=np.int64)),
+                    op.constant(np.array([1], dtype=np.int64)), op.constant(np.array([1], dtype=np.int64)))
+    mm.input(0).replace_source_output(last.output(0))
+    ovm.validate_nodes_and_infer_types()
 
 
 def _name_weights(ovm, fresh: nn.Module) -> None:
@@ -357,6 +377,8 @@ class OpenVINOEngine(HFEngine):
                                f"(pip install openvino-genai==2026.4.1.0 openvino-tokenizers==2026.4.1.0); "
                                f"tokenizer IR present: {has_tokenizer}")
         self.backend = backend
+        if backend == "loop":  # our loop reads the last position's logits only (genai gathers its own rows)
+            slice_last_logits(self._ovm)
         self._build()
         self.stats["load_s"] = round(time.perf_counter() - t0, 2)
         self.stats.update({"ir": str(self.ir), "backend": backend, "precision": precision})
@@ -443,6 +465,7 @@ class OpenVINOEngine(HFEngine):
         # a weight reload starts a new pipeline, so no block computed with other weights survives it
         sched.enable_prefix_caching = self.cfg.prefix_caching
         sched.cache_size = max(1, int(self.cache_gb))
+        sched.max_num_batched_tokens = int(self.cfg.max_batched_tokens)  # prefill chunk (GenAI's CPU default: 256)
         self.scheduler = sched
         props = {k: props[k] for k in ("INFERENCE_PRECISION_HINT", "KV_CACHE_PRECISION", "DYNAMIC_QUANTIZATION_GROUP_SIZE",
                                        "INFERENCE_NUM_THREADS")}

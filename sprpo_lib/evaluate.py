@@ -224,6 +224,8 @@ class EvalConfig:
         engine: generation engine (:func:`sprpo_lib.engines.make_engine`).
         prefix_caching: engines with a paged KV cache reuse computed prompt prefixes
             (``GenerationConfig.prefix_caching``); part of the cache key.
+        max_batched_tokens: the ``openvino`` scheduler's tokens per step
+            (``GenerationConfig.max_batched_tokens``); part of the cache key.
         agent: prompt settings; must match the ones the policy was trained with.
         calibration: calibration-pool JSON (:func:`build_calibration_pool`), needed by
             ``fisher`` and ``sparsegpt``.
@@ -253,6 +255,7 @@ class EvalConfig:
     max_steps: int | None = None
     engine: str = "hf"
     prefix_caching: bool = True
+    max_batched_tokens: int = 1024
     agent: AgentConfig = field(default_factory=AgentConfig)
     calibration: str | None = None
     perturbation_options: dict = field(default_factory=dict)
@@ -350,7 +353,8 @@ class EvalConfig:
         from .rollout import GenerationConfig
 
         return GenerationConfig(temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens,
-                                batch_size=self.batch_size, seed=int(seed), prefix_caching=self.prefix_caching)
+                                batch_size=self.batch_size, seed=int(seed), prefix_caching=self.prefix_caching,
+                                max_batched_tokens=self.max_batched_tokens)
 
 
 def _check_model_spec(spec: str) -> None:
@@ -789,6 +793,7 @@ def cell_fields(cfg: EvalConfig, identity: Mapping, env_fields: Mapping, cell: C
         "model": dict(identity),
         "env": dict(env_fields),
         "generation": {"engine": cfg.engine, "prefix_caching": cfg.prefix_caching,
+                       "max_batched_tokens": cfg.max_batched_tokens,
                        "temperature": cfg.temperature, "top_p": cfg.top_p,
                        "max_new_tokens": cfg.max_new_tokens, "batch_size": cfg.batch_size,
                        "stop": cfg.generation(0).stop},
@@ -956,7 +961,8 @@ def config_from_run(run_dir: str | Path, **overrides) -> EvalConfig:
     g = tc.rollout.generation
     base = dict(model=tc.model.spec, adapters=tuple(adapters), env=tc.env.name, data_dir=tc.env.data_dir,
                 env_seed=tc.env.seed, top_p=g.top_p, max_new_tokens=g.max_new_tokens, max_steps=tc.env.max_steps,
-                engine=tc.rollout.engine, prefix_caching=g.prefix_caching, agent=tc.rollout.agent,
+                engine=tc.rollout.engine, prefix_caching=g.prefix_caching, max_batched_tokens=g.max_batched_tokens,
+                agent=tc.rollout.agent,
                 dtype=meta.get("dtype") or tc.model.dtype or "auto",
                 model_seed=tc.seed, tags={"method": tc.method.name, "train_seed": tc.seed, "profile": tc.profile})
     base.update(overrides)
@@ -973,7 +979,8 @@ def config_from_profile(profile: str, env: str, **overrides) -> EvalConfig:
     g = tc.rollout.generation
     base = dict(model=tc.model.spec, env=env, data_dir=tc.env.data_dir, env_seed=tc.env.seed, top_p=g.top_p,
                 max_new_tokens=g.max_new_tokens, max_steps=tc.env.max_steps, engine=tc.rollout.engine,
-                prefix_caching=g.prefix_caching, agent=tc.rollout.agent, dtype=tc.model.dtype or "auto")
+                prefix_caching=g.prefix_caching, max_batched_tokens=g.max_batched_tokens, agent=tc.rollout.agent,
+                dtype=tc.model.dtype or "auto")
     base.update(overrides)
     return EvalConfig(**base)
 

@@ -232,3 +232,45 @@ def test_training_rollouts_on_openvino_follow_the_updated_policy(tmp_path):
             for i, ep in enumerate(eps["hf"]):
                 ep.steps[-1].env_reward -= float(i % 2)
     assert trs["openvino"].gen.own_weights
+
+
+def test_ir_emits_every_positions_logits_from_the_lm_head(tiny_spec):
+    """The IR ends in the lm_head MatMul with logits for every position (the pattern GenAI's
+    continuous batching gathers its sampled rows before, instead of computing the vocab-wide
+    logits of every prompt token); they equal transformers' float32 logits, and the ``loop``
+    backend's slice keeps exactly the last row."""
+    import numpy as np
+    import openvino as ov
+
+    from sprpo_lib.engine_openvino import lm_head_matmul, slice_last_logits
+
+    pol = load_policy(tiny_spec)
+    eng = _ov(pol, _greedy(), backend="genai")
+    ids = pol.tokenizer("the cat sat on the mat", return_tensors="pt")["input_ids"]
+    n = ids.shape[1]
+    with torch.no_grad():
+        ref = pol.model(ids).logits.float()
+    core = ov.Core()
+    props = {"INFERENCE_PRECISION_HINT": "f32"}
+    inputs = {"input_ids": ids.numpy(), "attention_mask": np.ones((1, n), dtype=np.int64),
+              "position_ids": np.arange(n, dtype=np.int64)[None], "beam_idx": np.zeros(1, dtype=np.int32)}
+    ovm = core.read_model(str(eng.ir / "openvino_model.xml"))
+    assert lm_head_matmul(ovm).get_type_name() == "MatMul"
+    full = core.compile_model(ovm, "CPU", props).create_infer_request()
+    full.infer(inputs)
+    got = torch.from_numpy(full.get_tensor("logits").data.copy())
+    assert got.shape == (1, n, ref.shape[-1])
+    assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4)
+    slice_last_logits(ovm)
+    last = core.compile_model(ovm, "CPU", props).create_infer_request()
+    last.infer(inputs)
+    one = torch.from_numpy(last.get_tensor("logits").data.copy())
+    assert one.shape == (1, 1, ref.shape[-1]) and torch.allclose(one[0, 0], ref[0, -1], atol=1e-4, rtol=1e-4)
+    bad = core.read_model(str(eng.ir / "openvino_model.xml"))
+    res = bad.output("logits").get_node()
+    relu = ov.opset13.relu(res.input_value(0))
+    res.input_value(0).get_tensor().set_names(set())
+    relu.output(0).get_tensor().set_names({"logits"})
+    res.input(0).replace_source_output(relu.output(0))
+    with pytest.raises(RuntimeError, match="lm_head MatMul"):
+        lm_head_matmul(bad)
