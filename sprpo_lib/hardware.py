@@ -91,6 +91,8 @@ def machine_info() -> dict:
         "torch": torch.__version__,
         "machine": platform.machine(),
     }
+    if isa_limits():
+        info["isa_limits"] = isa_limits()
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
@@ -242,11 +244,22 @@ def pick_dtype(matmul: dict) -> str:
 
 
 # ----------------------------------------------------------------------------- cached decision
+ISA_LIMITS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")  # env vars that cap the kernels
+
+
+def isa_limits() -> dict[str, str]:
+    """The environment variables set here that cap the instruction set torch's kernels
+    use (e.g. ``ONEDNN_MAX_CPU_ISA=AVX2`` makes an AVX512-BF16 CPU run bfloat16 matmuls
+    like an AVX2-only one): part of the probe's cache key and of :func:`machine_info`."""
+    return {k: os.environ[k] for k in ISA_LIMITS if os.environ.get(k)}
+
+
 def cache_key(shapes: Sequence[Shape]) -> dict:
     """What the fast dtype depends on: CPU (model name and the flags that matter: virtual
-    machines may report a generic name), instruction set, torch version, threads, shapes."""
+    machines may report a generic name), instruction set and any limit set on it, torch
+    version, threads, shapes."""
     flags = machine_info()["flags"]
-    return {
+    key = {
         "cpu_model": cpu_model(),
         "cpu_flags": sorted(f for f, present in flags.items() if present),
         "capability": torch.backends.cpu.get_cpu_capability(),
@@ -254,6 +267,9 @@ def cache_key(shapes: Sequence[Shape]) -> dict:
         "threads": torch.get_num_threads(),
         "shapes": [list(map(int, s)) for s in shapes],
     }
+    if isa_limits():  # absent when unset, so keys cached before this field existed stay valid
+        key["isa_limits"] = isa_limits()
+    return key
 
 
 def _cache_path():

@@ -60,6 +60,12 @@ def test_cache_hit_returns_the_same_numbers_without_probing(monkeypatch, tmp_pat
     assert len(calls) == 3
     hardware.fast_dtype(SHAPES, cache=False)
     assert len(calls) == 4
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # an instruction-set cap: another key, another probe
+    d5, i5 = hardware.fast_dtype(SHAPES)
+    assert len(calls) == 5 and i5["key"]["isa_limits"] == {"ONEDNN_MAX_CPU_ISA": "AVX2"}
+    assert hardware.machine_info()["isa_limits"] == {"ONEDNN_MAX_CPU_ISA": "AVX2"}
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    assert hardware.fast_dtype(SHAPES)[1]["source"] == "cache" and len(calls) == 5
 
 
 def test_decision_follows_the_larger_throughput(monkeypatch):
