@@ -7,6 +7,7 @@
     python -m sprpo_lib.bench generate [--model smollm2-135m] [--prompts 16] [--engines hf_generator,hf,openvino]
     python -m sprpo_lib.bench eval [--engines hf:float32,hf:bfloat16,openvino,openvino:auto:prefix_caching=false] [--episodes 64]
     python -m sprpo_lib.bench update [--dtypes float32,bfloat16]
+    python -m sprpo_lib.bench prompts [--prompts 64]
 
 Speed claims are ratios measured side by side in one run (e.g. generation with and
 without the perturbation hook, interleaved, median of repeats).  Results go to
@@ -461,6 +462,33 @@ def webshop_prompts(n: int = 16, max_steps: int = 3, seed: int = 0) -> list[str]
     return out
 
 
+def bench_prompts(model: str = "smollm2-135m", n_prompts: int = 64, max_steps: int = 4) -> dict:
+    """Token budget of the ``cpu`` profile's WebShop prompts by section
+    (:func:`~sprpo_lib.agent.prompt_sections`: task, interaction context, current
+    observation, available actions, template), mean tokens per prompt and share of the
+    templated prompt; ``chat_and_joins`` is the rest (chat template, BPE merges across
+    section boundaries).  Where the prefill FLOPs go, before any engine runs."""
+    import numpy as np
+
+    from .agent import PROMPT_SECTIONS, prompt_sections, token_counter
+    from .models import load_policy
+
+    tok = load_policy(model, dtype="float32").tokenizer
+    total = token_counter(tok)
+    plain = lambda text: len(tok(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    rows = []
+    for p in webshop_prompts(n_prompts, max_steps):
+        r = {k: plain(v) for k, v in prompt_sections(p).items()}
+        r["total"] = total(p)
+        r["chat_and_joins"] = r["total"] - sum(r[k] for k in PROMPT_SECTIONS)
+        rows.append(r)
+    mean_total = float(np.mean([r["total"] for r in rows]))
+    return {"model": model, "prompts": len(rows), "max_steps": max_steps, "mean_total_tokens": round(mean_total, 1),
+            "sections": {k: {"mean_tokens": round(float(np.mean([r[k] for r in rows])), 1),
+                             "share": round(float(np.mean([r[k] for r in rows])) / mean_total, 4)}
+                         for k in (*PROMPT_SECTIONS, "chat_and_joins")}}
+
+
 GENERATE_ENGINES = ("hf_generator", "hf")  # the reference rollout.HFGenerator, then registry engines
 # OpenVINO engine variants: the registry's "openvino" (GenAI backend when installed) and our own
 # decode loop on the same IR; each computes in the policy's dtype
@@ -758,6 +786,10 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--temperatures", default="0,0.4")
     g.add_argument("--max-steps", type=int, default=3, help="prompts after 0..max-steps shopper steps")
     g.add_argument("--repeats", type=int, default=2, help="interleaved rounds (best wall time)")
+    q = sub.add_parser("prompts", help="token budget of the cpu profile's WebShop prompts by section")
+    q.add_argument("--model", default="smollm2-135m", help="tokenizer of this model")
+    q.add_argument("--prompts", type=int, default=64)
+    q.add_argument("--max-steps", type=int, default=4, help="prompts after 0..max-steps shopper steps")
     v = sub.add_parser("eval", help="the cpu profile's 64-episode held-out evaluation and one RL rollout batch, "
                                     "per engine side by side")
     v.add_argument("--profile", default="cpu")
@@ -768,7 +800,7 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--episodes", type=int, default=64)
     v.add_argument("--no-rollout", action="store_true", help="skip the RL rollout batch")
     v.add_argument("--model", help="model spec (default: the profile's)")
-    for sp in (p, e, t, m, g, u, v):
+    for sp in (p, e, t, m, g, u, v, q):
         sp.add_argument("--threads", type=int, default=2, help="torch threads (set explicitly: 2 cores here)")
         sp.add_argument("--out", type=Path, help="JSON path (default runs/bench/<what>.json)")
     args = ap.parse_args(argv)
@@ -786,6 +818,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.what == "update":
         res = bench_update(args.model, tuple(args.dtypes.split(",")), args.samples, args.prompt_len,
                            response_len=24, lora_layers=args.lora_layers or None, repeats=args.repeats)
+    elif args.what == "prompts":
+        res = bench_prompts(args.model, args.prompts, args.max_steps)
     elif args.what == "eval":
         res = bench_eval(args.profile, args.env, tuple(args.engines.split(",")), args.episodes, not args.no_rollout,
                          args.model)

@@ -272,3 +272,22 @@ def test_bench_generate_compares_engines_on_webshop_prompts(tmp_path):
         for name in ("hf_generator", "hf"):
             row = res[t][name]
             assert row["repeat_equal"] and row["prompt_tokens"] > 0 and row["wall_over_prefill_floor"] > 0
+
+
+def test_bench_prompts_splits_the_token_budget_by_section(tmp_path):
+    import json
+
+    from sprpo_lib import bench
+    from sprpo_lib.agent import PROMPT_SECTIONS, token_counter
+    from sprpo_lib.models import load_policy
+
+    out = tmp_path / "prompts.json"
+    assert bench.main(["prompts", "--model", "tiny-llama", "--prompts", "5", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())["results"]
+    count = token_counter(load_policy("tiny-llama").tokenizer)
+    want = sum(count(p) for p in bench.webshop_prompts(5, 4)) / 5  # independent: whole templated prompts
+    assert res["mean_total_tokens"] == pytest.approx(want, abs=0.05)
+    secs = res["sections"]
+    assert set(secs) == {*PROMPT_SECTIONS, "chat_and_joins"}
+    assert sum(v["share"] for v in secs.values()) == pytest.approx(1.0, abs=1e-3)
+    assert all(secs[k]["mean_tokens"] > 0 for k in PROMPT_SECTIONS)
