@@ -91,8 +91,9 @@ def machine_info() -> dict:
         "torch": torch.__version__,
         "machine": platform.machine(),
     }
-    if isa_limits():
-        info["isa_limits"] = isa_limits()
+    limits = isa_limits()
+    if limits:
+        info["isa_limits"] = limits
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
@@ -267,8 +268,9 @@ def cache_key(shapes: Sequence[Shape]) -> dict:
         "threads": torch.get_num_threads(),
         "shapes": [list(map(int, s)) for s in shapes],
     }
-    if isa_limits():  # absent when unset, so keys cached before this field existed stay valid
-        key["isa_limits"] = isa_limits()
+    limits = isa_limits()
+    if limits:  # absent when unset, so keys cached before this field existed stay valid
+        key["isa_limits"] = limits
     return key
 
 
