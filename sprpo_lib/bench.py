@@ -8,6 +8,7 @@
     python -m sprpo_lib.bench eval [--engines hf:float32,hf:bfloat16,openvino,openvino:auto:prefix_caching=false] [--episodes 64]
     python -m sprpo_lib.bench update [--dtypes float32,bfloat16]
     python -m sprpo_lib.bench prompts [--prompts 64]
+    python -m sprpo_lib.bench churn [--rounds 500] [--deadline 30] [--stall-every 0]
 
 Speed claims are ratios measured side by side in one run (e.g. generation with and
 without the perturbation hook, interleaved, median of repeats).  Results go to
@@ -734,6 +735,69 @@ def bench_eval(profile: str = "cpu", env: str = "webshop", engines: tuple[str, .
     return res
 
 
+def bench_churn(model: str = "tiny-llama", rounds: int = 500, deadline_s: float = 30.0, stall_every: int = 0,
+                stall_s: float = 60.0, new_tokens: int = 24) -> dict:
+    """The ``openvino`` engine built, used and dropped again and again, as a reproduction
+    does (a new pipeline per training iteration and per evaluation cell).
+
+    Each round builds two engines on one policy (prefix caching on and off), makes two
+    greedy calls of four agent-like prompts on each (the second extends the first, as an
+    agent's next step does), checks every output against the ``hf`` engine's tokens and
+    drops both.  Reports builds, calls, ``hangs`` (calls past their deadline, caught and
+    repeated), ``unrecovered`` (calls that failed every attempt), token mismatches and
+    wall time.  ``stall_every``: inject a stall of ``stall_s`` seconds (fault injection,
+    :meth:`~sprpo_lib.engine_openvino.OpenVINOEngine.stall_next`) into one call every that
+    many rounds, to show recovery under churn (``injected``, not counted as hangs)."""
+    import gc
+
+    from . import hardware as hw
+    from .engine_openvino import OpenVINOEngine
+    from .engines import make_engine
+    from .models import load_policy
+    from .rollout import GenerationConfig
+
+    gen = {"temperature": 0.0, "max_new_tokens": new_tokens, "batch_size": 4}
+    pol = load_policy(model)
+    history = [f"task {i}: " + "you see a mug on the table and a coffeemachine. " * (6 + i) for i in range(4)]
+    calls = [history, [h + "you pick up the mug. next?" for h in history]]
+    want = [[g.response_ids for g in make_engine("hf", pol, GenerationConfig(**gen))(p)] for p in calls]
+    counts = {"builds": 0, "calls": 0, "retries": 0, "injected": 0, "unrecovered": 0, "mismatches": 0,
+              "worker_starts": 0}
+    round_s: list[float] = []
+    t0 = time.perf_counter()
+    for r in range(rounds):
+        t1 = time.perf_counter()
+        pair = [OpenVINOEngine(pol, GenerationConfig(**gen, prefix_caching=on), deadline_s=deadline_s)
+                for on in (True, False)]
+        counts["builds"] += 2
+        if stall_every and r % stall_every == stall_every - 1:
+            pair[r % 2].stall_next(stall_s)
+            counts["injected"] += 1
+        for ref, prompts in zip(want, calls):
+            for eng in pair:
+                try:
+                    got = [g.response_ids for g in eng(prompts)]
+                    counts["mismatches"] += got != ref
+                except RuntimeError:
+                    counts["unrecovered"] += 1
+                counts["calls"] += 1
+        for eng in pair:
+            counts["retries"] += eng.stats["retries"]
+            counts["worker_starts"] += eng.stats["worker_starts"]
+            eng.close()
+        del pair
+        gc.collect()
+        round_s.append(time.perf_counter() - t1)
+        if (r + 1) % 50 == 0 or r + 1 == rounds:
+            print(f"  churn: round {r + 1}/{rounds}, {counts['builds']} builds, {counts['retries']} retries, "
+                  f"{time.perf_counter() - t0:.0f} s", flush=True)
+    return {"model": model, "machine": hw.machine_info(), "rounds": rounds, "deadline_s": deadline_s,
+            "stall_every": stall_every,
+            "stall_s": stall_s if stall_every else None, **counts,
+            "hangs": counts["retries"] - counts["injected"], "wall_s": round(time.perf_counter() - t0, 1),
+            "round_s_median": round(statistics.median(round_s), 3), "round_s_max": round(max(round_s), 2)}
+
+
 def _print_table(res: dict, prefix: str = "") -> None:
     for k, v in res.items():
         if isinstance(v, dict):
@@ -800,7 +864,13 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--episodes", type=int, default=64)
     v.add_argument("--no-rollout", action="store_true", help="skip the RL rollout batch")
     v.add_argument("--model", help="model spec (default: the profile's)")
-    for sp in (p, e, t, m, g, u, v, q):
+    c = sub.add_parser("churn", help="openvino engines built, used and dropped N times: hangs, retries, wall time")
+    c.add_argument("--model", default="tiny-llama")
+    c.add_argument("--rounds", type=int, default=500, help="two engine builds per round")
+    c.add_argument("--deadline", type=float, default=30.0, help="seconds a generate call may take")
+    c.add_argument("--stall-every", type=int, default=0, help="inject a stalled call every N rounds (0: none)")
+    c.add_argument("--stall-s", type=float, default=60.0, help="how long an injected stall sleeps")
+    for sp in (p, e, t, m, g, u, v, q, c):
         sp.add_argument("--threads", type=int, default=2, help="torch threads (set explicitly: 2 cores here)")
         sp.add_argument("--out", type=Path, help="JSON path (default runs/bench/<what>.json)")
     args = ap.parse_args(argv)
@@ -823,6 +893,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.what == "eval":
         res = bench_eval(args.profile, args.env, tuple(args.engines.split(",")), args.episodes, not args.no_rollout,
                          args.model)
+    elif args.what == "churn":
+        res = bench_churn(args.model, args.rounds, args.deadline, args.stall_every, args.stall_s)
     elif args.what == "envs":
         res = bench_envs(args.episodes, args.model or None, args.tasks, args.group, args.max_steps)
     else:

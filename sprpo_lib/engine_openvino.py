@@ -45,8 +45,16 @@ import copy
 import hashlib
 import json
 import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
 import time
 import warnings
+import weakref
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -58,6 +66,7 @@ from .agent import chat_text
 from .engines import (HFEngine, _base_model, _check_generation_config, _eos_ids, _select, bake_weights,
                       effective_weights,
                       call_seed, cut_response)
+from .hardware import cpu_class
 from .rollout import Generation
 from .manifest import atomic_dir, cache_dir
 
@@ -87,6 +96,30 @@ PRECISIONS = {
                  "KV_CACHE_PRECISION": "bf16", "KEY_CACHE_PRECISION": "bf16", "VALUE_CACHE_PRECISION": "bf16"},
 }
 _WEIGHT = "sprpo_weight:"  # friendly-name prefix of the constants holding parameters
+BF16_CLASSES = ("avx512_bf16", "amx")  # CPU classes (hardware.cpu_class) whose plugin runs bf16 kernels
+
+
+def serving_precision(policy_dtype: str, cls: str, forced: str | None = None, plugin_bf16: bool = True,
+                      ) -> tuple[str, str | None]:
+    """The precision (arithmetic and KV cache) the CPU plugin serves a policy in, and a
+    one-line notice when it is not the policy's own.
+
+    The default is the policy's dtype (float16 -> float32).  bfloat16 needs a CPU of class
+    ``avx512_bf16`` or ``amx`` whose plugin lists ``BF16`` among its capabilities
+    (``plugin_bf16``): OpenVINO's AVX2 paged attention takes an f32 KV cache only and its
+    AVX512 one a bf16 cache only with bf16 arithmetic.  Elsewhere a bfloat16 policy is
+    served in float32 (f32 KV cache) with a notice; a ``forced`` bfloat16 is an error."""
+    if forced is not None and forced not in PRECISIONS:
+        raise ValueError(f"OpenVINOEngine precision must be one of {sorted(PRECISIONS)}, got {forced!r}")
+    want = forced or ("bfloat16" if policy_dtype == "bfloat16" else "float32")
+    if want == "bfloat16" and not (cls in BF16_CLASSES and plugin_bf16):
+        why = (f"this CPU (class {cls!r}, hardware.cpu_class) cannot run OpenVINO's bfloat16 kernels: its paged attention "
+               "takes a bfloat16 KV cache only on AVX512 and bfloat16 arithmetic only with AVX512-BF16 or AMX")
+        if forced:
+            raise ValueError(f"OpenVINOEngine precision='bfloat16': {why}; use precision='float32', or leave precision "
+                             "unset to serve a bfloat16 policy in float32")
+        return "float32", f"openvino engine: bfloat16 policy served in float32 with an f32 KV cache ({why})"
+    return want, None
 
 
 def _genai():
@@ -330,6 +363,86 @@ def weight_constants(ovm, template: nn.Module) -> dict[str, list]:
     return out
 
 
+# ----------------------------------------------------------------------------- worker process
+DEADLINE_ENV = "SPRPO_ENGINE_DEADLINE_S"  # seconds a generate call may take (default: automatic)
+DEADLINE_FIRST_S = 300.0  # a call's deadline before any call of the engine has finished
+DEADLINE_FLOOR_S = 60.0  # the automatic deadline never goes below this
+DEADLINE_SLACK = 10.0  # automatic deadline: this many times the slowest seconds per token seen
+BUILD_DEADLINE_S = 300.0  # starting a worker and building a pipeline (at least)
+WORKER = Path(__file__).with_name("ov_worker.py")
+
+
+class WorkerLost(RuntimeError):
+    """A worker request past its deadline, or a worker that died."""
+
+
+class PipelineWorker:
+    """A process serving one GenAI pipeline (:mod:`sprpo_lib.ov_worker`): requests with a
+    deadline, killed when one passes it.  The process runs the worker as a script (no
+    package import, no torch) and talks JSON over a socket pair."""
+
+    def __init__(self):
+        ours, theirs = socket.socketpair()
+        try:
+            self.proc = subprocess.Popen([sys.executable, str(WORKER), str(theirs.fileno())],
+                                         pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+        finally:
+            theirs.close()
+        self.conn = Connection(ours.detach())
+        self.cpu_s = 0.0
+
+    def request(self, msg: dict, deadline: float) -> dict:
+        """The worker's reply to ``msg``; :class:`WorkerLost` when none comes within
+        ``deadline`` seconds or the process has died."""
+        try:
+            self.conn.send_bytes(json.dumps(msg).encode())
+            if not self.conn.poll(deadline):
+                raise WorkerLost(f"{msg['op']} call got no reply within its deadline of {deadline:.0f} s")
+            return json.loads(self.conn.recv_bytes())
+        except (EOFError, OSError) as e:
+            self.proc.poll()
+            raise WorkerLost(f"the worker process died during a {msg['op']} call (exit code {self.proc.returncode}: "
+                             f"{type(e).__name__})") from None
+
+    def cpu_delta(self, reply: dict) -> float:
+        """CPU seconds the worker spent since its previous reply."""
+        d = float(reply.get("cpu_s", self.cpu_s)) - self.cpu_s
+        self.cpu_s += d
+        return d
+
+    def kill(self) -> None:
+        try:
+            self.conn.close()
+        except OSError:
+            pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+class _Resources:
+    """What an engine holds outside Python's memory: its worker process and the scratch IR
+    folder of reloaded weights (released by :meth:`close`, also at garbage collection)."""
+
+    def __init__(self):
+        self.worker: PipelineWorker | None = None
+        self.scratch: Path | None = None
+
+    def stop_worker(self) -> None:
+        if self.worker is not None:
+            self.worker.kill()
+            self.worker = None
+
+    def set_scratch(self, path: Path | None) -> None:
+        if self.scratch is not None and self.scratch != path:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+        self.scratch = path
+
+    def close(self) -> None:
+        self.stop_worker()
+        self.set_scratch(None)
+
+
 # ----------------------------------------------------------------------------- engine
 class OpenVINOEngine(HFEngine):
     """Generation on an OpenVINO CPU graph in float32 or bfloat16 (``precision``, default the
@@ -350,20 +463,39 @@ class OpenVINOEngine(HFEngine):
 
     own_weights = True
     def __init__(self, policy, cfg=None, agent=None, prefill_tokens: int = 2048, threads: int | None = None,
-                 backend: str | None = None, precision: str | None = None):
+                 backend: str | None = None, precision: str | None = None, deadline_s: float | None = None,
+                 attempts: int = 3):
         super().__init__(policy, cfg, agent, prefill_tokens)
         ov = _ov()
         if backend not in (None, "genai", "loop"):
             raise ValueError(f"backend must be 'genai' or 'loop', got {backend!r}")
-        if precision is None:  # the policy's dtype (dtype "auto" measured which is faster here); float16 -> float32
-            precision = "bfloat16" if next(policy.model.parameters()).dtype == torch.bfloat16 else "float32"
-        if precision not in PRECISIONS:
-            raise ValueError(f"OpenVINOEngine precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
-        self.compute_dtype = precision  # arithmetic and KV cache; weights are stored as float32 in the IR
         t0 = time.perf_counter()
-        self.threads = threads or torch.get_num_threads()
         self.core = ov.Core()
-        self.stats.update({"converted": False, "convert_s": 0.0})
+        self.cpu_class = cpu_class()
+        plugin_bf16 = "BF16" in self.core.get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+        # the policy's dtype (dtype "auto" measured which is faster here) where the plugin can run it
+        policy_dtype = str(next(policy.model.parameters()).dtype).replace("torch.", "")
+        precision, notice = serving_precision(policy_dtype, self.cpu_class, precision, plugin_bf16)
+        if notice:
+            log.warning(notice)
+        self.compute_dtype = precision  # arithmetic and KV cache; weights are stored as float32 in the IR
+        self.threads = threads or torch.get_num_threads()
+        if attempts < 1:
+            raise ValueError(f"OpenVINOEngine attempts must be >= 1, got {attempts}")
+        if deadline_s is None and os.environ.get(DEADLINE_ENV):
+            try:
+                deadline_s = float(os.environ[DEADLINE_ENV])
+            except ValueError:
+                raise ValueError(f"{DEADLINE_ENV}={os.environ[DEADLINE_ENV]!r}: expected seconds, e.g. 600") from None
+        if deadline_s is not None and deadline_s <= 0:
+            raise ValueError(f"OpenVINOEngine deadline_s must be > 0 seconds, got {deadline_s}")
+        self.deadline_s, self.attempts = deadline_s, attempts
+        self._s_per_token: float | None = None  # slowest seconds per token of a finished call (auto deadline)
+        self._stalls: list[float] = []  # fault injection (stall_next)
+        self._res = _Resources()  # worker process and scratch IR folder, released with the engine
+        self._finalizer = weakref.finalize(self, self._res.close)
+        self.stats.update({"converted": False, "convert_s": 0.0, "retries": 0, "worker_starts": 0,
+                           "worker_cpu_s": 0.0})
         base = _base_model(policy.model)
         self._n_layers, self._kvh, self._hd = _dims(base.config)
         self._template = None  # architecture copy naming the state-dict keys
@@ -381,7 +513,7 @@ class OpenVINOEngine(HFEngine):
             slice_last_logits(self._ovm)
         self._build()
         self.stats["load_s"] = round(time.perf_counter() - t0, 2)
-        self.stats.update({"ir": str(self.ir), "backend": backend, "precision": precision})
+        self.stats.update({"ir": str(self.ir), "backend": backend, "precision": precision, "cpu_class": self.cpu_class})
 
     # ------------------------------------------------------------- IR and weights
     def _open(self, model: nn.Module, weights: Mapping[str, torch.Tensor]):
@@ -451,43 +583,39 @@ class OpenVINOEngine(HFEngine):
         self._consts = fresh
 
     def _build(self) -> None:
-        """Compile the graph (``loop``) or start a GenAI continuous-batching pipeline on it
-        (``genai``; from the cache folder when it holds these weights, else from a temporary
-        copy of the IR with them)."""
+        """Compile the graph (``loop``) or build a GenAI continuous-batching pipeline on it in
+        the worker process (``genai``; from the cache folder when it holds these weights, else
+        from a scratch copy of the IR with them)."""
         props = dict(CPU_PROPERTIES, **PRECISIONS[self.compute_dtype], INFERENCE_NUM_THREADS=str(self.threads))
         if self.backend == "loop":
             self._compiled = self.core.compile_model(self._ovm, "CPU", props)
             self._request = self._compiled.create_infer_request()
             return
-        og = _genai()
-        sched = og.SchedulerConfig()
         # KV blocks of prompt prefixes computed in earlier calls are reused (GenerationConfig.prefix_caching);
         # a weight reload starts a new pipeline, so no block computed with other weights survives it
-        sched.enable_prefix_caching = self.cfg.prefix_caching
-        sched.cache_size = max(1, int(self.cache_gb))
-        sched.max_num_batched_tokens = int(self.cfg.max_batched_tokens)  # prefill chunk (GenAI's CPU default: 256)
-        self.scheduler = sched
+        self.scheduler = {"enable_prefix_caching": bool(self.cfg.prefix_caching), "cache_size": max(1, int(self.cache_gb)),
+                          # prefill chunk (GenAI's CPU default: 256)
+                          "max_num_batched_tokens": int(self.cfg.max_batched_tokens)}
         props = {k: props[k] for k in ("INFERENCE_PRECISION_HINT", "KV_CACHE_PRECISION", "DYNAMIC_QUANTIZATION_GROUP_SIZE",
                                        "INFERENCE_NUM_THREADS")}
-        self._pipe = None
-        if self._on_disk:
-            self._pipe = og.ContinuousBatchingPipeline(str(self.ir), sched, "CPU", props)
-            return
-        import shutil
-        import tempfile
-
-        with tempfile.TemporaryDirectory(prefix="sprpo-ov-") as tmp:
-            _ov().save_model(self._ovm, str(Path(tmp) / "openvino_model.xml"), compress_to_fp16=False)
+        path = self.ir
+        if not self._on_disk:  # weights not in the cache: a scratch copy of the IR, kept while they are served
+            path = Path(tempfile.mkdtemp(prefix="sprpo-ov-"))
+            _ov().save_model(self._ovm, str(path / "openvino_model.xml"), compress_to_fp16=False)
             for f in self.ir.glob("openvino_*tokenizer.*"):
-                shutil.copy(f, tmp)
-            self._pipe = og.ContinuousBatchingPipeline(tmp, sched, "CPU", props)
+                shutil.copy(f, path)
+        self._pipeline = {"op": "build", "path": str(path), "tokenizer": str(self.ir), "scheduler": self.scheduler,
+                          "properties": props}
+        self._built = False  # the worker (one per engine, kept across reloads) builds this pipeline next
+        self._res.set_scratch(None if path == self.ir else path)
+        self._call(None, 0)  # build now: errors (and load time) belong to construction / load_weights
 
     cache_gb = 2  # GenAI's KV-cache pool (GB); SmolLM2's 16 x ~800-token batch needs ~0.6
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Decode with these plain weights (:func:`~sprpo_lib.engines.bake_weights`) from now
-        on: the IR's weight constants are replaced and the graph recompiled (``genai``: the
-        pipeline restarted on a temporary copy of the IR)."""
+        on: the IR's weight constants are replaced and the graph recompiled (``genai``: a new
+        pipeline in a new worker, on a scratch copy of the IR)."""
         t0 = time.perf_counter()
         self._set_weights(self._ovm, state_dict)
         self._on_disk = False
@@ -498,7 +626,6 @@ class OpenVINOEngine(HFEngine):
     def __call__(self, prompts: Sequence[str]) -> list[Generation]:
         if self.backend == "loop":
             return super().__call__(prompts)
-        og, ov = _genai(), _ov()
         tok, cfg = self.policy.tokenizer, self.cfg
         texts = [chat_text(tok, p, self.agent) for p in prompts]
         ids = tok(texts, add_special_tokens=False)["input_ids"] if texts else []
@@ -508,26 +635,97 @@ class OpenVINOEngine(HFEngine):
         stops = _eos_ids(self.policy.model, tok) | ({tok.pad_token_id} if tok.pad_token_id is not None else set())
         configs = []
         for i in range(len(ids)):
-            g = og.GenerationConfig()
-            g.max_new_tokens = cfg.max_new_tokens
-            g.eos_token_id = tok.eos_token_id
-            g.stop_token_ids = stops
+            g = {"max_new_tokens": cfg.max_new_tokens, "eos_token_id": tok.eos_token_id, "stop_token_ids": sorted(stops),
+                 "repetition_penalty": penalty, "do_sample": cfg.temperature > 0}
             if cfg.stop:
-                g.stop_strings = {cfg.stop}
-                g.include_stop_str_in_output = True
-            g.repetition_penalty = penalty
-            g.do_sample = cfg.temperature > 0
-            if g.do_sample:
-                g.temperature, g.top_p = cfg.temperature, cfg.top_p
-                g.rng_seed = (seed * 1_000_003 + i) % (2**63)  # one stream per prompt of the call
+                g.update(stop_strings=[cfg.stop], include_stop_str_in_output=True)
+            if g["do_sample"]:  # one stream per prompt of the call
+                g.update(temperature=cfg.temperature, top_p=cfg.top_p, rng_seed=(seed * 1_000_003 + i) % (2**63))
             configs.append(g)
         self.stats["prefill_tokens"] += sum(len(p) for p in ids)
-        results = self._pipe.generate([ov.Tensor(np.array([p], dtype=np.int64)) for p in ids], configs) if ids else []
+        if not ids:
+            return []
+        msg = {"op": "generate", "ids": [list(map(int, p)) for p in ids], "configs": configs}
+        reply = self._call(msg, sum(len(p) for p in ids) + len(ids) * cfg.max_new_tokens)
         out = []
-        for p_ids, r in zip(ids, results):
-            r_ids = cut_response([int(t) for t in r.m_generation_ids[0]], tok.eos_token_id, tok.pad_token_id)
+        for p_ids, gen_ids in zip(ids, reply["ids"]):
+            r_ids = cut_response(gen_ids, tok.eos_token_id, tok.pad_token_id)
             out.append(Generation(tok.decode(r_ids, skip_special_tokens=True), list(p_ids), r_ids))
         return out
+
+    # ------------------------------------------------------------- worker process (genai)
+    def stall_next(self, seconds: float, calls: int = 1) -> None:
+        """Fault injection: the next ``calls`` generate attempts sleep ``seconds`` in the
+        worker before decoding, as a hung native call would (tests and ``bench churn``
+        use it to show the deadline at work)."""
+        self._stalls += [float(seconds)] * int(calls)
+
+    def call_deadline(self, tokens: int) -> float:
+        """Seconds a generate call of ``tokens`` (prompt + new) may take: ``deadline_s`` when
+        given, else ``DEADLINE_SLACK`` x the slowest seconds per token of a finished call (at
+        least ``DEADLINE_FLOOR_S``; ``DEADLINE_FIRST_S`` before any call has finished)."""
+        if self.deadline_s is not None:
+            return self.deadline_s
+        if self._s_per_token is None:
+            return DEADLINE_FIRST_S
+        return max(DEADLINE_FLOOR_S, DEADLINE_SLACK * self._s_per_token * tokens)
+
+    def _call(self, msg: dict | None, tokens: int) -> dict:
+        """Send ``msg`` to a worker holding the current pipeline (``None``: just make sure one
+        does), each attempt with a deadline.  A stalled or dead worker is killed, a new one
+        builds the pipeline again and the message (same ids, same seeds) is sent again; after
+        ``attempts`` failures, one error naming the way out."""
+        for attempt in range(1, self.attempts + 1):
+            try:
+                w = self._res.worker
+                if w is None:
+                    w = self._res.worker = PipelineWorker()
+                    self.stats["worker_starts"] += 1
+                    self._built = False
+                if not self._built:
+                    limit = max(BUILD_DEADLINE_S, self.deadline_s or 0.0, 10 * self.stats.get("build_s", 0.0))
+                    self.stats["build_s"] = self._reply(w, self._pipeline, limit)["load_s"]
+                    self._built = True
+                if msg is None:
+                    return {}
+                sent = dict(msg, stall_s=self._stalls.pop(0)) if self._stalls else msg
+                t0 = time.perf_counter()
+                reply = self._reply(w, sent, self.call_deadline(tokens))
+                per_token = (time.perf_counter() - t0) / max(1, tokens)
+                self._s_per_token = max(self._s_per_token or 0.0, per_token)
+                return reply
+            except WorkerLost as e:
+                self.stats["retries"] += 1
+                self._res.stop_worker()
+                log.warning("openvino engine: %s (attempt %d of %d): the pipeline is rebuilt and the call repeated",
+                            e, attempt, self.attempts)
+        raise RuntimeError(f"openvino engine: the GenAI pipeline stalled or died in {self.attempts} attempts in a row "
+                           f"(deadline {self.call_deadline(tokens):.0f} s a call; see the warnings above). Decode with "
+                           "transformers instead: rollout.engine=hf (training) or --engine hf (evaluation); or raise "
+                           f"the deadline with {DEADLINE_ENV}=<seconds>")
+
+    def _reply(self, w: "PipelineWorker", msg: dict, deadline: float) -> dict:
+        reply = w.request(msg, deadline)
+        self.stats["worker_cpu_s"] = round(self.stats["worker_cpu_s"] + w.cpu_delta(reply), 3)
+        if not reply["ok"]:
+            raise RuntimeError(f"openvino engine ({msg['op']} in the GenAI worker): {reply['kind']}: {reply['error']}")
+        return reply
+
+    @property
+    def worker_pid(self) -> int | None:
+        """The process id of the worker serving the pipeline (None: none running)."""
+        w = self._res.worker
+        return w.proc.pid if w is not None else None
+
+    @property
+    def scratch_dir(self) -> Path | None:
+        """The scratch IR folder of weights given to :meth:`load_weights` (None: the cache's)."""
+        return self._res.scratch
+
+    def close(self) -> None:
+        """Stop the worker process and remove the scratch IR (also done when the engine is
+        garbage collected)."""
+        self._finalizer()
 
     # ------------------------------------------------------------- decoding
     def _infer(self, ids: np.ndarray, att: np.ndarray, pos: np.ndarray, beam: np.ndarray) -> torch.Tensor:

@@ -75,6 +75,47 @@ def cpu_model() -> str:
     return info.get("model name") or info.get("Model") or platform.processor() or platform.machine()
 
 
+# CPU classes, ascending: what decides the fast dtype and what OpenVINO's CPU plugin can run
+# (its paged attention takes a bfloat16 KV cache only in its AVX512 kernels, bfloat16
+# arithmetic only with AVX512-BF16 or AMX).
+CPU_CLASSES = ("other", "avx2", "avx512", "avx512_bf16", "amx")
+# oneDNN's ISA caps (ONEDNN_MAX_CPU_ISA) -> the class a capped CPU stands in for
+_ONEDNN_CLASS = {"SSE41": "other", "AVX": "other", "AVX2": "avx2", "AVX2_VNNI": "avx2", "AVX2_VNNI_2": "avx2",
+                 "AVX512_CORE": "avx512", "AVX512_CORE_VNNI": "avx512", "AVX512_CORE_BF16": "avx512_bf16",
+                 "AVX10_1_512": "avx512_bf16", "AVX512_CORE_FP16": "avx512_bf16", "AVX512_CORE_AMX": "amx",
+                 "AVX512_CORE_AMX_FP16": "amx", "AVX10_1_512_AMX": "amx", "AVX10_1_512_AMX_FP16": "amx"}
+
+
+def cpu_class(flags: dict[str, bool] | None = None, limits: dict[str, str] | None = None) -> str:
+    """This CPU's class (:data:`CPU_CLASSES`): ``amx`` (AMX-BF16 tiles), ``avx512_bf16``,
+    ``avx512`` (AVX512F without BF16), ``avx2``, ``other``.  A oneDNN ISA cap in the
+    environment (``ONEDNN_MAX_CPU_ISA=AVX2``, :func:`isa_limits`) lowers it: the capped
+    machine stands in for that class (an emulation: OpenVINO's own cross-compiled kernels
+    still see the real CPU).  ``flags`` / ``limits`` default to this machine's."""
+    if flags is None:
+        present = set(_cpuinfo().get("flags", "").split())
+        flags = {f: f in present for f in CPU_FLAGS}
+    limits = isa_limits() if limits is None else limits
+    if flags.get("amx_bf16") and flags.get("amx_tile"):
+        cls = "amx"
+    elif flags.get("avx512_bf16"):
+        cls = "avx512_bf16"
+    elif flags.get("avx512f"):
+        cls = "avx512"
+    elif flags.get("avx2"):
+        cls = "avx2"
+    else:
+        cls = "other"
+    cap = limits.get("ONEDNN_MAX_CPU_ISA") or limits.get("DNNL_MAX_CPU_ISA")
+    if cap:
+        capped = _ONEDNN_CLASS.get(cap.strip().upper())
+        if capped is None:
+            raise ValueError(f"ONEDNN_MAX_CPU_ISA={cap!r} is not a oneDNN ISA this library knows; expected one of "
+                             f"{sorted(_ONEDNN_CLASS)} (or unset it)")
+        cls = min(cls, capped, key=CPU_CLASSES.index)
+    return cls
+
+
 def machine_info() -> dict:
     """CPU model, the instruction set torch dispatches to, flags that decide the fast
     dtype, core and thread counts and the torch version: what a manifest needs to say
@@ -85,6 +126,7 @@ def machine_info() -> dict:
         "cpu_model": cpu_model(),
         "capability": torch.backends.cpu.get_cpu_capability(),
         "flags": {f: f in flags for f in CPU_FLAGS},
+        "cpu_class": cpu_class({f: f in flags for f in CPU_FLAGS}),
         "physical_cores": _physical_cores(),
         "logical_cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),

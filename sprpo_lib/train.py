@@ -126,6 +126,7 @@ class Trainer:
     def iteration(self, k: int) -> dict:
         cfg = self.cfg
         t0, cpu0 = time.perf_counter(), time.process_time()
+        eng0 = dict(getattr(self.gen, "stats", {}))  # engine counters (retries, worker CPU) before the iteration
         sig = self.method.sigma_stats()
         episodes, xi, rst = self.collect(k)
         batch, adv_stats = build_batch(episodes, cfg.update.adv, cfg.update.estimator)
@@ -149,7 +150,12 @@ class Trainer:
         m["wall_s"] = round(time.perf_counter() - t0, 3)
         # contention check: this process's CPU seconds per wall second (about the thread count
         # when the machine is quiet) and the 1-minute load average of the machine
-        m["cpu_per_wall"] = round((time.process_time() - cpu0) / max(m["wall_s"], 1e-9), 3)
+        # (an engine's worker process counts: its CPU seconds are in the engine's stats)
+        eng = getattr(self.gen, "stats", {})
+        worker_cpu = eng.get("worker_cpu_s", 0.0) - eng0.get("worker_cpu_s", 0.0)
+        m["cpu_per_wall"] = round((time.process_time() - cpu0 + worker_cpu) / max(m["wall_s"], 1e-9), 3)
+        # engine calls past their deadline, abandoned and repeated (OpenVINOEngine)
+        m["engine_retries"] = eng.get("retries", 0) - eng0.get("retries", 0)
         m["loadavg_1min"] = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
         if cfg.log_episodes:
             path = self.out / "episodes" / f"iter_{k:05d}.jsonl"

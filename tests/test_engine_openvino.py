@@ -54,22 +54,153 @@ def test_greedy_equals_hf_engine(tiny_spec, backend):
         assert sum(len(g.response_ids) - 1 for g in got) == eng.stats["decode_rows"]
 
 
+# What each CPU class serves a bfloat16 policy in (arithmetic and KV cache): OpenVINO's AVX2
+# paged attention takes an f32 KV cache only, its AVX512 one a bf16 cache only with bf16
+# arithmetic, which needs AVX512-BF16 or AMX.
+SERVED_BF16 = {"other": "float32", "avx2": "float32", "avx512": "float32", "avx512_bf16": "bfloat16",
+               "amx": "bfloat16"}
+
+
+@pytest.mark.parametrize("cls", sorted(SERVED_BF16))
+def test_serving_precision_per_cpu_class(cls):
+    from sprpo_lib.engine_openvino import serving_precision
+
+    got, notice = serving_precision("bfloat16", cls)
+    assert got == SERVED_BF16[cls]
+    assert (notice is None) == (got == "bfloat16")
+    if notice:
+        assert "f32 KV cache" in notice and cls in notice and "\n" not in notice  # one line
+    assert serving_precision("float32", cls) == ("float32", None)
+    assert serving_precision("float16", cls) == ("float32", None)
+    assert serving_precision("bfloat16", cls, forced="float32") == ("float32", None)
+    if SERVED_BF16[cls] == "bfloat16":
+        assert serving_precision("float32", cls, forced="bfloat16") == ("bfloat16", None)
+        # a plugin that does not list BF16 (an old OpenVINO, a capped ISA) falls back too
+        assert serving_precision("bfloat16", cls, plugin_bf16=False)[0] == "float32"
+    else:  # forcing what the CPU cannot run: one clear error naming the option and the way out
+        with pytest.raises(ValueError, match=r"precision='bfloat16'.*use precision='float32'"):
+            serving_precision("float32", cls, forced="bfloat16")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        serving_precision("float32", cls, forced="int8")
+
+
 @pytest.mark.parametrize("backend", ["genai", "loop"])
-def test_precision_follows_the_policy_dtype(tiny_spec, backend):
-    """A bfloat16 policy is served in bf16 (arithmetic and KV cache); ``precision`` overrides;
-    anything else is one clear error."""
+def test_precision_follows_the_policy_dtype_where_the_cpu_runs_it(tiny_spec, backend, caplog):
+    """On this machine's CPU class a bfloat16 policy is served as the table above says (with a
+    one-line notice where it falls back); ``precision`` overrides; anything else is one error."""
+    from sprpo_lib.engine_openvino import serving_precision
+    from sprpo_lib.hardware import cpu_class
+
     pol = load_policy(tiny_spec, dtype="bfloat16")
-    eng = _ov(pol, _greedy(), backend=backend)
-    assert eng.compute_dtype == "bfloat16" and eng.stats["precision"] == "bfloat16"
+    with caplog.at_level("WARNING", logger="sprpo_lib.engine_openvino"):
+        eng = _ov(pol, _greedy(), backend=backend)
+    plugin_bf16 = "BF16" in eng.core.get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+    want = serving_precision("bfloat16", cpu_class(), None, plugin_bf16)[0]
+    assert eng.cpu_class == cpu_class() and eng.compute_dtype == eng.stats["precision"] == want
+    assert any("served in float32" in r.message for r in caplog.records) == (want == "float32")
     got = eng(PROMPTS)
     assert all(g.response_ids for g in got)
-    if backend == "loop" and "BF16" in eng.core.get_property("CPU", "OPTIMIZATION_CAPABILITIES"):
+    if backend == "loop" and want == "bfloat16":
         assert "bf" in str(eng._compiled.get_property("INFERENCE_PRECISION_HINT")).lower()
     assert _ov(pol, _greedy(), backend=backend, precision="float32").compute_dtype == "float32"
     f32 = load_policy(tiny_spec)
     assert _ov(f32, _greedy(), backend=backend).compute_dtype == "float32"
     with pytest.raises(ValueError, match="precision must be one of"):
         _ov(f32, _greedy(), backend=backend, precision="int8")
+
+
+def test_bfloat16_policy_on_an_emulated_avx2_cpu(monkeypatch, caplog):
+    """oneDNN capped at AVX2 (the worker process inherits the cap) stands in for an AVX2-only
+    CPU: a bfloat16 policy is served in float32 with an f32 KV cache and a notice, and decodes;
+    forcing bfloat16 there is one clear error."""
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    pol = load_policy("tiny-llama", dtype="bfloat16")
+    with caplog.at_level("WARNING", logger="sprpo_lib.engine_openvino"):
+        eng = _ov(pol, _greedy())
+    assert eng.cpu_class == "avx2" and eng.compute_dtype == "float32"
+    assert [r.message for r in caplog.records if "served in float32" in r.message]
+    assert all(g.response_ids for g in eng(PROMPTS[:4]))
+    with pytest.raises(ValueError, match="class 'avx2'"):
+        _ov(pol, _greedy(), precision="bfloat16")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_a_stalled_call_is_repeated_with_the_same_tokens(temperature):
+    """Fault injection: a generate call that hangs past its deadline is abandoned, the
+    pipeline rebuilt in a new worker and the call repeated with the same seeds: the same
+    tokens as an engine that never stalled; the retry is counted."""
+    pol = load_policy("tiny-llama")
+    cfg = GenerationConfig(temperature=temperature, top_p=0.9, max_new_tokens=16, batch_size=4, seed=3)
+    calm, hung = _ov(pol, cfg), _ov(pol, cfg, deadline_s=3)
+    first = calm(PROMPTS)
+    assert _same(hung(PROMPTS), first) == len(PROMPTS)
+    second = calm(PROMPTS)
+    hung.stall_next(60)  # sleeps far past the deadline
+    got = hung(PROMPTS)
+    assert _same(got, second) == len(PROMPTS)
+    assert hung.stats["retries"] == 1 and hung.stats["worker_starts"] == 2 and calm.stats["retries"] == 0
+    assert hung.calls == calm.calls == 2
+
+
+def test_a_call_that_keeps_stalling_gives_one_clear_error():
+    pol = load_policy("tiny-llama")
+    eng = _ov(pol, _greedy(), deadline_s=1, attempts=2)
+    eng.stall_next(60, calls=2)
+    with pytest.raises(RuntimeError, match=r"2 attempts.*rollout\.engine=hf"):
+        eng(PROMPTS[:2])
+    assert eng.stats["retries"] == 2
+    assert _same(eng(PROMPTS[:2]), HFEngine(pol, _greedy())(PROMPTS[:2])) == 2  # and it serves again
+
+
+def test_a_dead_worker_is_replaced(tmp_path):
+    """A worker killed between calls (a crash) is restarted, weights reloaded since kept."""
+    import signal
+
+    pol = _lora_policy("tiny-qwen2")
+    fc = FFNChannels(pol.model)
+    xi = sample_xi(0.3, fc.shape, seed=3)
+    eng = _ov(pol, _greedy())
+    eng.load_weights(bake_weights(pol.model, xi=xi))
+    with fc.set(xi=xi):
+        want = HFEngine(pol, _greedy())(PROMPTS)
+    os.kill(eng.worker_pid, signal.SIGKILL)
+    assert _same(eng(PROMPTS), want) == len(PROMPTS)
+    assert eng.stats["retries"] == 1
+    scratch = eng.scratch_dir
+    assert scratch is not None and scratch.is_dir()
+    pid = eng.worker_pid
+    eng.close()
+    assert not scratch.exists()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_engine_options_are_checked(monkeypatch):
+    pol = load_policy("tiny-llama")
+    with pytest.raises(ValueError, match="deadline_s must be > 0"):
+        _ov(pol, _greedy(), deadline_s=0)
+    with pytest.raises(ValueError, match="attempts must be >= 1"):
+        _ov(pol, _greedy(), attempts=0)
+    monkeypatch.setenv("SPRPO_ENGINE_DEADLINE_S", "soon")
+    with pytest.raises(ValueError, match="SPRPO_ENGINE_DEADLINE_S='soon'"):
+        _ov(pol, _greedy())
+    monkeypatch.setenv("SPRPO_ENGINE_DEADLINE_S", "45")
+    assert _ov(pol, _greedy()).call_deadline(10) == 45
+
+
+def test_bench_churn_counts_builds_hangs_and_injected_stalls(tmp_path):
+    import json
+
+    from sprpo_lib import bench
+
+    out = tmp_path / "churn.json"
+    argv = ["churn", "--rounds", "2", "--deadline", "2", "--stall-every", "2", "--stall-s", "30", "--threads", "1",
+            "--out", str(out)]
+    assert bench.main(argv) == 0
+    res = json.loads(out.read_text())["results"]
+    assert res["builds"] == 4 and res["calls"] == 8 and res["mismatches"] == 0 and res["unrecovered"] == 0
+    assert res["injected"] == 1 and res["retries"] >= 1 and res["hangs"] == res["retries"] - 1
+    assert res["machine"]["cpu_class"] in SERVED_BF16
 
 
 def test_baked_lora_and_perturbation_load_into_the_engine(tiny_spec):
@@ -204,7 +335,7 @@ def test_prefix_caching_reuses_prefixes_and_changes_no_output(tiny_spec):
         assert _same(want, on(prompts)) == len(prompts)
         assert _same(want, off(prompts)) == len(prompts)
     assert on.backend == off.backend == "genai"
-    assert on.scheduler.enable_prefix_caching and not off.scheduler.enable_prefix_caching
+    assert on.scheduler["enable_prefix_caching"] and not off.scheduler["enable_prefix_caching"]
 
 
 def test_training_rollouts_on_openvino_follow_the_updated_policy(tmp_path):
