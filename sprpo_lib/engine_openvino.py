@@ -17,7 +17,20 @@ installed) or by our own decode loop (``"loop"``).
   digest>`` (written atomically).  A policy with other weights of a cached architecture reuses
   that IR with its own weights put in (no conversion, nothing written to the cache).
 * :meth:`OpenVINOEngine.load_weights` replaces the weight constants and recompiles (``loop``)
-  or restarts the pipeline on a temporary copy of the IR (``genai``): seconds, no reconversion.
+  or builds a new pipeline on a scratch copy of the IR (``genai``): seconds, no reconversion.
+* ``genai`` runs in a worker process (:mod:`sprpo_lib.ov_worker`, one per engine, kept across
+  weight reloads), so that every call has a deadline (:meth:`OpenVINOEngine.call_deadline`):
+  a call past it is abandoned, the worker killed, the pipeline built again in a new one and
+  the call repeated with the same seeds (the same tokens); ``stats["retries"]`` counts it,
+  and after ``attempts`` failures one error names the way out (``rollout.engine=hf``).  The
+  worker also removes the known cause of such hangs: GenAI's stop-string matching
+  detokenizes from the sampler's threads through a request queue that can lose a wake-up,
+  so its pipelines sample on one thread and share one warmed-up tokenizer.
+* The precision is what the CPU plugin can run (:func:`serving_precision`, by
+  :func:`~sprpo_lib.hardware.cpu_class`): a bfloat16 policy is served in bfloat16 on
+  AVX512-BF16 and AMX CPUs, in float32 with an f32 KV cache elsewhere (a notice says so).
+* A cached IR folder is checked against the sizes and SHA-256 its ``meta.json`` records
+  (:func:`ir_is_whole`); a damaged one is converted again.
 * ``genai``: prompts are tokenized by the HF tokenizer (the same ids as
   :class:`~sprpo_lib.engines.HFEngine`) and fed as token ids; no padding, finished sequences
   leave the batch; the KV blocks of prompt prefixes computed by earlier calls with the same
@@ -32,9 +45,9 @@ installed) or by our own decode loop (``"loop"``).
 
 The engine decodes with the weights it was given: at construction ``effective_weights(policy.model)``
 (LoRA merged; FFN hooks in force are *not* seen), afterwards whatever :meth:`load_weights` got
-(``bake_weights(model, xi, mask)``).  It computes in the policy's dtype (``precision``):
-float32, or bfloat16 arithmetic and KV cache for a bfloat16 policy (the plugin's bf16 kernels;
-weights are kept as float32 in the IR); float16 policies run in float32.  The CPU plugin's
+(``bake_weights(model, xi, mask)``).  It computes in the policy's dtype where the CPU can
+(``precision``, above): float32, or bfloat16 arithmetic and KV cache for a bfloat16 policy (the
+plugin's bf16 kernels; weights are kept as float32 in the IR); float16 policies run in float32.  The CPU plugin's
 defaults that quantise the KV cache to u8 and activations dynamically are switched off.  A stop string that starts inside the prompt's last
 characters is matched by ``loop`` (as by HFEngine) but not by ``genai``; ChatML prompts end
 in ``assistant\n``, so ``</action>`` cannot.
@@ -47,6 +60,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -68,7 +82,7 @@ from .engines import (HFEngine, _base_model, _check_generation_config, _eos_ids,
                       call_seed, cut_response)
 from .hardware import cpu_class
 from .rollout import Generation
-from .manifest import atomic_dir, cache_dir
+from .manifest import CorruptFileError, atomic_dir, atomic_write_json, cache_dir, file_record, read_json, verify_file
 
 log = logging.getLogger(__name__)
 
@@ -368,7 +382,8 @@ DEADLINE_ENV = "SPRPO_ENGINE_DEADLINE_S"  # seconds a generate call may take (de
 DEADLINE_FIRST_S = 300.0  # a call's deadline before any call of the engine has finished
 DEADLINE_FLOOR_S = 60.0  # the automatic deadline never goes below this
 DEADLINE_SLACK = 10.0  # automatic deadline: this many times the slowest seconds per token seen
-BUILD_DEADLINE_S = 300.0  # starting a worker and building a pipeline (at least)
+BUILD_DEADLINE_S = 300.0  # building a pipeline of an architecture not built before in this process
+_SLOWEST_BUILD: dict[str, float] = {}  # IR folder -> slowest pipeline build seen in this process (seconds)
 WORKER = Path(__file__).with_name("ov_worker.py")
 
 
@@ -410,7 +425,11 @@ class PipelineWorker:
         self.cpu_s += d
         return d
 
-    def kill(self) -> None:
+    def kill(self, show_stack: bool = False) -> None:
+        """End the process (``show_stack``: first have it print its threads' Python stacks)."""
+        if show_stack and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
         try:
             self.conn.close()
         except OSError:
@@ -428,9 +447,9 @@ class _Resources:
         self.worker: PipelineWorker | None = None
         self.scratch: Path | None = None
 
-    def stop_worker(self) -> None:
+    def stop_worker(self, show_stack: bool = False) -> None:
         if self.worker is not None:
-            self.worker.kill()
+            self.worker.kill(show_stack)
             self.worker = None
 
     def set_scratch(self, path: Path | None) -> None:
@@ -441,6 +460,34 @@ class _Resources:
     def close(self) -> None:
         self.stop_worker()
         self.set_scratch(None)
+
+
+# ----------------------------------------------------------------------------- cached IRs
+_WHOLE: set[tuple] = set()  # (file, size, mtime, inode) verified in this process
+
+
+def ir_is_whole(folder: Path) -> bool:
+    """Whether a cached IR folder holds every file its ``meta.json`` records, each of the
+    recorded size and SHA-256 (checked once per process and file version).  A truncated,
+    overwritten or half-deleted folder, or one written before the records existed, is
+    removed with a warning, so that it is converted again and never read as a model."""
+    meta_path = folder / "meta.json"
+    if not meta_path.is_file():
+        return False
+    try:
+        files = read_json(meta_path, lambda m: None if isinstance(m.get("files"), dict) and
+                          "openvino_model.bin" in m["files"] else "no record of its files")["files"]
+        for name, record in files.items():
+            st = (folder / name).stat()
+            stamp = (str(folder / name), st.st_size, st.st_mtime_ns, st.st_ino)
+            if stamp not in _WHOLE:
+                verify_file(folder / name, record)
+                _WHOLE.add(stamp)
+    except (CorruptFileError, OSError) as err:
+        log.warning("openvino engine: cached IR %s is not whole (%s): converting again", folder, err)
+        shutil.rmtree(folder, ignore_errors=True)
+        return False
+    return True
 
 
 # ----------------------------------------------------------------------------- engine
@@ -521,16 +568,17 @@ class OpenVINOEngine(HFEngine):
         arch = architecture_key(model, self.policy.tokenizer)
         target = root / f"{arch}-{weights_digest(weights)}"
         self._template = _tracing_copy(model)
-        if (target / "openvino_model.xml").is_file():
+        if ir_is_whole(target):
             ovm = self.core.read_model(str(target / "openvino_model.xml"))
             self._consts = weight_constants(ovm, self._template)
             return ovm, target, True
-        others = sorted(root.glob(f"{arch}-*/openvino_model.xml")) if root.is_dir() else []
+        others = [p.parent for p in sorted(root.glob(f"{arch}-*/openvino_model.xml"))] if root.is_dir() else []
+        others = [o for o in others if o != target and ir_is_whole(o)]
         if others:  # same architecture, other weights: reuse the graph, put these weights in
-            ovm = self.core.read_model(str(others[0]))
+            ovm = self.core.read_model(str(others[0] / "openvino_model.xml"))
             self._consts = weight_constants(ovm, self._template)
             self._set_weights(ovm, weights)
-            return ovm, others[0].parent, False
+            return ovm, others[0], False
         t0 = time.perf_counter()
         ovm, _ = convert(model)
         self._consts = weight_constants(ovm, self._template)
@@ -539,10 +587,12 @@ class OpenVINOEngine(HFEngine):
         ov = _ov()
         with atomic_dir(target) as tmp:
             ov.save_model(ovm, str(Path(tmp) / "openvino_model.xml"), compress_to_fp16=False)
-            (Path(tmp) / "meta.json").write_text(json.dumps(
-                {"architecture": arch, "class": type(_base_model(model)).__name__, "openvino": ov.__version__,
-                 "converter": CONVERTER_VERSION, "convert_s": self.stats["convert_s"],
-                 "tokenizer": _save_tokenizer(self.policy.tokenizer, Path(tmp))}, indent=2) + "\n")
+            meta = {"architecture": arch, "class": type(_base_model(model)).__name__, "openvino": ov.__version__,
+                    "converter": CONVERTER_VERSION, "convert_s": self.stats["convert_s"],
+                    "tokenizer": _save_tokenizer(self.policy.tokenizer, Path(tmp))}
+            # what a reader checks the folder against (ir_is_whole): size and SHA-256 of every file
+            meta["files"] = {f.name: file_record(f) for f in sorted(Path(tmp).iterdir())}
+            atomic_write_json(Path(tmp) / "meta.json", meta)
         ovm = self.core.read_model(str(target / "openvino_model.xml"))  # weights memory-mapped from the cache
         self._consts = weight_constants(ovm, self._template)
         return ovm, target, True
@@ -670,6 +720,15 @@ class OpenVINOEngine(HFEngine):
             return DEADLINE_FIRST_S
         return max(DEADLINE_FLOOR_S, DEADLINE_SLACK * self._s_per_token * tokens)
 
+    def build_deadline(self) -> float:
+        """Seconds building the pipeline may take: ``DEADLINE_SLACK`` x the slowest build of
+        this IR in this process (at least ``DEADLINE_FLOOR_S`` and ``deadline_s``), or
+        ``BUILD_DEADLINE_S`` for the first."""
+        seen = _SLOWEST_BUILD.get(str(self.ir))
+        if seen is None:
+            return max(BUILD_DEADLINE_S, self.deadline_s or 0.0)
+        return max(DEADLINE_FLOOR_S, self.deadline_s or 0.0, DEADLINE_SLACK * seen)
+
     def _call(self, msg: dict | None, tokens: int) -> dict:
         """Send ``msg`` to a worker holding the current pipeline (``None``: just make sure one
         does), each attempt with a deadline.  A stalled or dead worker is killed, a new one
@@ -683,8 +742,9 @@ class OpenVINOEngine(HFEngine):
                     self.stats["worker_starts"] += 1
                     self._built = False
                 if not self._built:
-                    limit = max(BUILD_DEADLINE_S, self.deadline_s or 0.0, 10 * self.stats.get("build_s", 0.0))
-                    self.stats["build_s"] = self._reply(w, self._pipeline, limit)["load_s"]
+                    self.stats["build_s"] = self._reply(w, self._pipeline, self.build_deadline())["load_s"]
+                    key = str(self.ir)
+                    _SLOWEST_BUILD[key] = max(_SLOWEST_BUILD.get(key, 0.0), self.stats["build_s"])
                     self._built = True
                 if msg is None:
                     return {}
@@ -696,7 +756,7 @@ class OpenVINOEngine(HFEngine):
                 return reply
             except WorkerLost as e:
                 self.stats["retries"] += 1
-                self._res.stop_worker()
+                self._res.stop_worker(show_stack=True)  # where it hung, on stderr
                 log.warning("openvino engine: %s (attempt %d of %d): the pipeline is rebuilt and the call repeated",
                             e, attempt, self.attempts)
         raise RuntimeError(f"openvino engine: the GenAI pipeline stalled or died in {self.attempts} attempts in a row "

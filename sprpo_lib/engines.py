@@ -22,6 +22,7 @@ is a weight edit (LoRA merges, FFN channel factors fold into ``W_down``'s column
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
@@ -167,6 +168,20 @@ class Engine(Protocol):
     def __call__(self, prompts: Sequence[str]) -> list[Generation]: ...
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None: ...
+
+
+def close_engine(engine) -> None:
+    """Release what an engine holds outside Python's memory (a worker process, a server,
+    scratch files) now rather than at garbage collection; engines without a ``close``
+    hold nothing of the kind.  Calls past their deadline that the engine repeated
+    (``stats["retries"]``) are logged."""
+    retries = getattr(engine, "stats", {}).get("retries", 0)
+    if retries:
+        logging.getLogger(__name__).warning("%s: %d generate call(s) stalled and were repeated",
+                                            type(engine).__name__, retries)
+    close = getattr(engine, "close", None)
+    if callable(close):
+        close()
 
 
 def call_seed(cfg: GenerationConfig, calls: int) -> int:

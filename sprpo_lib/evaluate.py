@@ -43,7 +43,7 @@ strength.
 
 Cache layout (``cache_dir``, default ``runs/eval_cache/``)::
 
-    cells/<env>-<family>/<key>.json   one cell: {"key", "fields", "rows", "seconds", "commit", "date"}
+    cells/<env>-<family>/<key>.json   one cell: {"key", "fields", "rows", "seconds", "commit", "date", "log"}
     cells/<env>-<family>/<key>.episodes.jsonl   what the agent saw and did in each episode
     fisher/<hash>.safetensors         Fisher scores of one model on one calibration pool
     file_hashes.json                  memo of file digests per (path, size, mtime, inode)
@@ -56,6 +56,15 @@ list, a digest of the WebShop goals); generation (engine, temperature, top-p, re
 length, batch size, stop string); the agent's prompt settings; the perturbation
 (family, strength, options, and the calibration pool's hash for fisher / sparsegpt);
 the evaluation seed.  Tags (method, training seed) are not part of it.
+
+Nothing in the cache is served unverified.  A cell's JSON must parse, carry its key and
+one row per task of the cell, in order; its ``log`` entry records the episode log's
+SHA-256, size and line count (:func:`sprpo_lib.manifest.file_record`), which the log
+must match (cells stored before that record must have a log that parses whole, one
+episode per row, or none).  A cell that fails either check is recomputed (with a
+warning), log and all; :func:`load_episode_log` refuses a log that fails them with one
+error naming the file.  Fisher scores, the digest memo and held-out ``eval.json`` files
+are recomputed when unreadable; a calibration pool must match its recorded hash.
 """
 from __future__ import annotations
 
@@ -64,6 +73,7 @@ import dataclasses
 import datetime as _dt
 import hashlib
 import json
+import logging
 import math
 import os
 import random
@@ -74,7 +84,11 @@ from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 from .agent import AgentConfig
-from .manifest import atomic_write_bytes, atomic_write_json, atomic_write_text, git_commit
+from .manifest import (CorruptFileError, atomic_write_bytes, atomic_write_json, atomic_write_text, file_record,
+                       git_commit, read_cached, read_json, read_json_lines, read_safetensors, sha256_file,
+                       verify_file)
+
+logger = logging.getLogger(__name__)
 
 # ============================================================================ held-out evaluation (training)
 
@@ -98,12 +112,44 @@ def eval_settings(cfg) -> dict:
             "max_steps": cfg.env.max_steps, "engine": cfg.rollout.engine}
 
 
+def _eval_problem(res) -> str | None:
+    if not isinstance(res, dict):
+        return "not a JSON object"
+    bad = [k for k in ("episodes", "success_rate", "mean_score", "valid_rate")
+           if isinstance(res.get(k), bool) or not isinstance(res.get(k), (int, float))]
+    return f"no number {bad[0]!r}" if bad else None
+
+
+def load_eval(path: str | Path) -> dict:
+    """A held-out evaluation (``eval.json`` of :func:`evaluate_policy`), verified with its
+    ``eval_episodes.jsonl``: the log must match the SHA-256 and length recorded in
+    ``eval.json`` (an older ``eval.json`` without that record: the log, if any, must parse
+    whole, one line per episode).  Raises :class:`~sprpo_lib.manifest.CorruptFileError`
+    naming the bad file, or ``FileNotFoundError``."""
+    path = Path(path)
+    fix = ("rerun the training command that wrote it (python -m sprpo_lib.train with the same arguments, or "
+           "--warm-start-only for a warm start under runs/sft/): it is evaluated again")
+    episodes = path.parent / "eval_episodes.jsonl"
+    try:
+        res = read_json(path, _eval_problem)
+        if "log" in res:
+            if not episodes.is_file():
+                raise CorruptFileError(episodes, f"missing, though {path.name} records it")
+            verify_file(episodes, res["log"])
+        elif episodes.is_file():
+            read_json_lines(episodes, check=lambda eps: None if len(eps) == res["episodes"] else
+                            f"{len(eps)} episode lines where {path.name} counts {res['episodes']} (truncated)")
+    except CorruptFileError as err:
+        raise err.with_fix(fix) from None
+    return res
+
+
 def eval_is_current(path: Path, cfg, count: int) -> bool:
-    """An ``eval.json`` exists and was made with the current settings and task count."""
-    if not path.is_file():
-        return False
-    res = json.loads(path.read_text())
-    return res.get("episodes") == count and all(res.get(k) == v for k, v in eval_settings(cfg).items())
+    """An ``eval.json`` exists, is whole (:func:`load_eval`; a corrupt one is not current, so
+    it is recomputed) and was made with the current settings and task count."""
+    res = read_cached(path, load_eval)
+    return res is not None and res.get("episodes") == count and all(res.get(k) == v
+                                                                     for k, v in eval_settings(cfg).items())
 
 
 def evaluate_policy(policy, pool, cfg, agent, out: Path, count: int, progress: bool = True) -> dict:
@@ -121,6 +167,8 @@ def evaluate_policy(policy, pool, cfg, agent, out: Path, count: int, progress: b
     res = evaluate_format(policy, pool, cfg.sft.split, idx, agent, gen, max_steps=cfg.env.max_steps,
                           log_path=out / "eval_episodes.jsonl", progress=progress, engine=cfg.rollout.engine)
     res.update(split=cfg.sft.split, indices=[idx[0], idx[-1]] if idx else [], **eval_settings(cfg))
+    if (out / "eval_episodes.jsonl").is_file():  # what load_eval checks the log against
+        res["log"] = file_record(out / "eval_episodes.jsonl")
     atomic_write_json(out / "eval.json", res)
     return res
 
@@ -418,14 +466,6 @@ _HASHED_SUFFIXES = (".safetensors", ".json", ".model", ".txt", ".jinja", ".tikto
 _RACY_SECONDS = 2.0  # files changed this recently are hashed again (their mtime may not tick on a rewrite)
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def file_digest(path: str | Path, memo_path: str | Path | None = None) -> str:
     """SHA-256 of a file's bytes, memoised per (path, size, mtime, inode) in memory and,
     when ``memo_path`` is given, in that JSON file (large weights are hashed once).
@@ -439,16 +479,14 @@ def file_digest(path: str | Path, memo_path: str | Path | None = None) -> str:
     stamp = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino}
     key = str(path)
     disk: dict = {}
-    if memo_path is not None and Path(memo_path).is_file():
-        try:
-            disk = json.loads(Path(memo_path).read_text())
-        except (OSError, json.JSONDecodeError):
-            disk = {}
+    if memo_path is not None:  # an unreadable memo is rebuilt
+        disk = read_cached(memo_path, read_json, lambda d: None if isinstance(d, dict) else "not a JSON object") or {}
     for memo in (_MEMO, disk):
         hit = memo.get(key)
-        if hit and all(hit.get(k) == v for k, v in stamp.items()):
+        if (isinstance(hit, dict) and all(hit.get(k) == v for k, v in stamp.items())
+                and isinstance(hit.get("sha256"), str) and len(hit["sha256"]) == 64):
             return hit["sha256"]
-    digest = _sha256_file(path)
+    digest = sha256_file(path)
     if time.time() - st.st_mtime_ns / 1e9 > _RACY_SECONDS:
         _MEMO[key] = {**stamp, "sha256": digest}
         if memo_path is not None:
@@ -523,7 +561,7 @@ def build_calibration_pool(policy, pool, agent: AgentConfig | None = None, *, n:
     response exactly as generated.  Stops as soon as ``n`` sequences are collected.
     """
     from .agent import token_counter
-    from .engines import make_engine
+    from .engines import close_engine, make_engine
     from .rollout import GenerationConfig, SerialEnvs, run_groups
 
     if n < 1 or per_episode < 1:
@@ -557,6 +595,7 @@ def build_calibration_pool(policy, pool, agent: AgentConfig | None = None, *, n:
                         origin.append([ep.split, ep.task_index, s.step])
     finally:
         envs.close()
+        close_engine(eng)
     tok = policy.tokenizer
     src = {"env": pool.name, "split": split, "steps": origin, "per_episode": per_episode, "seed": seed,
            "temperature": temperature, "max_new_tokens": max_new_tokens, "max_steps": max_steps, "engine": engine,
@@ -571,26 +610,30 @@ def save_calibration(path: str | Path, calib: CalibrationPool) -> Path:
                                     "n": len(calib), "source": calib.source, "sequences": calib.sequences})
 
 
+def _calibration_problem(data) -> str | None:
+    if not isinstance(data, dict) or data.get("format") != CALIBRATION_FORMAT:
+        return f"not a calibration pool (format {CALIBRATION_FORMAT!r} expected)"
+    seqs = data.get("sequences")
+    if (not isinstance(seqs, list) or not seqs
+            or not all(isinstance(s, list) and len(s) >= 2 and all(isinstance(t, int) for t in s) for s in seqs)):
+        return "expected a non-empty list of token-id lists of length >= 2"
+    if sequences_hash(seqs) != data.get("hash"):
+        return "its sequences do not match the recorded hash (edited or corrupted)"
+    return None
+
+
 def load_calibration(path: str | Path) -> CalibrationPool:
     """Read a calibration pool written by :func:`save_calibration`; its content must
-    match its recorded hash (a hand-edited or truncated file is refused)."""
+    match its recorded hash (a hand-edited, truncated or garbage file is refused with
+    :class:`~sprpo_lib.manifest.CorruptFileError`)."""
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"--calibration: {p} does not exist; build it with --build-calibration {p}")
     try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"--calibration: {p} is not valid JSON ({err}); rebuild it with --build-calibration") from None
-    if not isinstance(data, dict) or data.get("format") != CALIBRATION_FORMAT:
-        raise ValueError(f"--calibration: {p} is not a calibration pool (format {CALIBRATION_FORMAT!r} expected)")
-    seqs = data.get("sequences")
-    if (not isinstance(seqs, list) or not seqs
-            or not all(isinstance(s, list) and len(s) >= 2 and all(isinstance(t, int) for t in s) for s in seqs)):
-        raise ValueError(f"--calibration: {p}: expected a non-empty list of token-id lists of length >= 2")
-    if sequences_hash(seqs) != data.get("hash"):
-        raise ValueError(f"--calibration: {p}: sequences do not match the recorded hash (edited or corrupted); "
-                         "rebuild it with --build-calibration")
-    return CalibrationPool(seqs, data["hash"], data.get("source", {}))
+        data = read_json(p, _calibration_problem)
+    except CorruptFileError as err:
+        raise err.with_fix(f"--calibration: rebuild it with --build-calibration {p}") from None
+    return CalibrationPool(data["sequences"], data["hash"], data.get("source", {}))
 
 
 # ============================================================================ tasks, rows, cache
@@ -651,10 +694,62 @@ def episode_rows(records) -> list[dict]:
             for r in records]
 
 
+#: What every stored row of a cell holds (:func:`episode_rows`).
+_ROW_KEYS = ("env", "split", "task_index", "task_id", "success", "score", "length", "valid_rate", "trace")
+_LOG_SUFFIX = ".episodes.jsonl"
+
+
+def _read_cell(path: Path, key: str, tasks: Sequence[Sequence] | None = None) -> dict:
+    """A stored cell, checked: a JSON object with this key and one whole row per task of
+    the cell (``tasks``, default the tasks its stored fields name), in order."""
+    def problem(data) -> str | None:
+        if not isinstance(data, dict):
+            return "not a JSON object"
+        if data.get("key") != key:
+            return f"its key {str(data.get('key'))[:12]}... is not the {key[:12]}... of its name"
+        rows, want = data.get("rows"), [tuple(t) for t in (data["fields"]["env"]["tasks"] if tasks is None else tasks)]
+        if not isinstance(rows, list) or not all(isinstance(r, dict) and all(k in r for k in _ROW_KEYS) for r in rows):
+            return "its rows are not a list of episode rows"
+        if [(r["split"], r["task_index"]) for r in rows] != want:
+            return f"its {len(rows)} rows are not the cell's {len(want)} tasks in order"
+        return None
+
+    return read_json(path, problem)
+
+
+def _check_cell_log(path: Path, data: dict, parse: bool) -> list[dict] | None:
+    """The episode log beside the cell ``data`` read from ``path``, checked against the cell:
+    against its recorded SHA-256 and size (read as data only when ``parse``), or for cells
+    stored before that record, parsed whole with one episode per row.  ``None`` when a cell
+    stored without a record has no log.  Raises CorruptFileError."""
+    lp = path.with_name(path.stem + _LOG_SUFFIX)
+    rec = data.get("log")
+    if rec is not None:
+        if not lp.is_file():
+            raise CorruptFileError(lp, f"missing, though its cell {path.name} records it")
+        if not parse:
+            verify_file(lp, rec)
+            return None
+        return read_json_lines(lp, rec)
+    if not lp.is_file():
+        return None
+    rows = data["rows"]
+
+    def same_episodes(eps) -> str | None:
+        got = [(e["split"], e["task_index"], e["success"]) for e in eps]
+        if got != [(r["split"], r["task_index"], r["success"]) for r in rows]:
+            return f"its {len(eps)} episodes do not match the {len(rows)} rows of its cell {path.name} (truncated?)"
+        return None
+
+    return read_json_lines(lp, check=same_episodes)
+
+
 class CellCache:
     """Cells stored one JSON file each: ``<root>/cells/<env>-<family>/<key>.json`` with
-    the key's fields (what the rows depend on), the rows, and provenance.  Written
-    atomically, so a killed sweep leaves whole cells or none."""
+    the key's fields (what the rows depend on), the rows, and provenance, and beside it
+    the cell's episode log, whose SHA-256 and size the cell records.  Written atomically
+    (the log first), so a killed sweep leaves whole cells or none; read back verified, so
+    a truncated or garbage cell or log is recomputed, never served."""
 
     def __init__(self, root: str | Path):
         self.root = Path(root)
@@ -663,33 +758,49 @@ class CellCache:
         return self.root / "cells" / f"{fields['env']['name']}-{fields['perturbation']['family']}" / f"{key}.json"
 
     def get(self, key: str, fields: Mapping) -> list[dict] | None:
+        """The cell's rows, or ``None`` when it is missing or it (or its episode log) does
+        not verify: then it is recomputed (with a warning) and rewritten."""
         p = self.path(key, fields)
         if not p.is_file():
             return None
         try:
-            data = json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError):
-            return None  # unreadable: recomputed and rewritten
-        return data["rows"] if data.get("key") == key else None
+            data = _read_cell(p, key, fields["env"]["tasks"])
+            _check_cell_log(p, data, parse=False)
+        except CorruptFileError as err:
+            logger.warning("%s", err.with_fix("recomputing the cell"))
+            return None
+        return data["rows"]
 
     def log_path(self, key: str, fields: Mapping) -> Path:
-        return self.path(key, fields).with_suffix(".episodes.jsonl")
+        return self.path(key, fields).with_suffix(_LOG_SUFFIX)
 
     def put(self, key: str, fields: Mapping, rows: list[dict], seconds: float, log: list[dict] | None = None) -> Path:
-        if log is not None:  # written first: a stored cell always has its log
-            atomic_write_text(self.log_path(key, fields), "".join(json.dumps(e) + "\n" for e in log))
-        return atomic_write_json(self.path(key, fields), {
-            "key": key, "fields": fields, "rows": rows, "seconds": round(seconds, 2), "commit": git_commit(),
-            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")})
+        cell = {"key": key, "fields": fields, "rows": rows, "seconds": round(seconds, 2), "commit": git_commit(),
+                "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+        if log is not None:  # written first: a stored cell always has its log, and records what it is
+            lp = atomic_write_text(self.log_path(key, fields), "".join(json.dumps(e) + "\n" for e in log))
+            cell["log"] = file_record(lp)
+        return atomic_write_json(self.path(key, fields), cell)
 
 
 def load_episode_log(cache_dir: str | Path, cell: str) -> list[dict] | None:
     """The episode log of the cell whose key starts with ``cell`` (the rows' ``cell``
-    column), or None when that cell was stored without one."""
-    hits = sorted(Path(cache_dir).glob(f"cells/*/{cell}*.episodes.jsonl"))
+    column), or None when that cell was stored without one.  The log is checked against
+    its cell (:class:`CellCache`); one that does not verify is an error naming it
+    (:class:`~sprpo_lib.manifest.CorruptFileError`), never returned."""
+    hits = sorted(Path(cache_dir).glob(f"cells/*/{cell}*{_LOG_SUFFIX}"))
     if not hits:
         return None
-    return [json.loads(line) for line in hits[0].read_text().splitlines() if line.strip()]
+    lp = hits[0]
+    cp = lp.with_name(lp.name[: -len(_LOG_SUFFIX)] + ".json")
+    fix = (f"rerun the evaluation that made it (python -m sprpo_lib.evaluate, or the notebook or sweep that "
+           f"computed cell {cp.stem[:12]}): the cell is recomputed with its log; or delete {lp.name} and {cp.name}")
+    try:
+        if not cp.is_file():  # a log whose cell was never stored (killed between the two writes): parsed whole
+            return read_json_lines(lp)
+        return _check_cell_log(cp, _read_cell(cp, cp.stem), parse=True)
+    except CorruptFileError as err:
+        raise err.with_fix(fix) from None
 
 
 def cell_key(fields: Mapping) -> str:
@@ -810,10 +921,9 @@ def play_cell(policy, pool, tasks: Sequence[tuple[str, int]], cfg: EvalConfig, s
     """Play one episode per task with evaluation seed ``seed`` under whatever
     perturbation is in force on ``policy.model``; a fresh engine, so generation
     depends only on the seed.  Returns the rows, or ``(rows, episode_log)``."""
-    from .engines import make_engine
-    from .rollout import SerialEnvs, run_groups
-
     from .agent import token_counter
+    from .engines import close_engine, make_engine
+    from .rollout import SerialEnvs, run_groups
 
     eng = make_engine(cfg.engine, policy, cfg.generation(seed), cfg.agent)
     envs = SerialEnvs(lambda: pool)
@@ -822,6 +932,7 @@ def play_cell(policy, pool, tasks: Sequence[tuple[str, int]], cfg: EvalConfig, s
                                 count_tokens=token_counter(policy.tokenizer, cfg.agent))
     finally:
         envs.close()
+        close_engine(eng)
     return (episode_rows(records), episode_log(records)) if with_log else episode_rows(records)
 
 
@@ -837,8 +948,12 @@ def _fisher_scores(policy, calib: CalibrationPool, store: Path, identity: Mappin
     key = canonical_hash({"evaluator": EVALUATOR_VERSION, "model": dict(identity), "calibration": calib.hash,
                           "batch_size": bs})
     path = store / "fisher" / f"{key}.safetensors"
-    if path.is_file():
-        return st.load_file(str(path))["scores"]
+    cached = read_cached(path, read_safetensors)
+    if cached is not None:
+        scores = cached.get("scores")
+        if scores is not None and scores.dim() == 2 and scores.is_floating_point() and bool(scores.isfinite().all()):
+            return scores
+        logger.warning("corrupt file %s: no finite 2-D tensor 'scores'; recomputing it", path)
     scores = fisher_scores(policy.model, calib.sequences, batch_size=bs, pad_id=policy.tokenizer.pad_token_id,
                            progress=progress)
     atomic_write_bytes(path, st.save({"scores": scores.contiguous()}))
@@ -952,7 +1067,11 @@ def config_from_run(run_dir: str | Path, **overrides) -> EvalConfig:
     meta_path = run / "config.json"
     if not meta_path.is_file():
         raise ValueError(f"--run: {run} has no config.json; expected a training run folder (runs/train/<run>)")
-    meta = json.loads(meta_path.read_text())
+    try:
+        meta = read_json(meta_path, lambda m: None if isinstance(m.get("config"), dict) else "no 'config' object")
+    except CorruptFileError as err:
+        raise err.with_fix(f"the run cannot be identified; retrain it (python -m sprpo_lib.train --out {run} --fresh "
+                           "with its arguments)") from None
     tc = config_from_dict(meta["config"])
     adapters = []
     if tc.warm_start:

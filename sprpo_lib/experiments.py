@@ -31,8 +31,8 @@ from typing import Mapping, Sequence
 import pandas as pd
 
 from .evaluate import (DEFAULT_CACHE, EvalConfig, ModelSource, build_calibration_pool, canonical_hash,
-                       config_from_run, evaluate, save_calibration)
-from .manifest import atomic_write_text
+                       config_from_run, evaluate, load_calibration, save_calibration)
+from .manifest import atomic_write_text, read_cached
 
 __all__ = ["Plan", "PLANS", "plan", "policies", "calibration_pool", "robustness_rows", "landscape_rows",
            "save_rows", "load_rows", "ROW_KEEP", "METHOD_ORDER"]
@@ -177,7 +177,8 @@ def calibration_pool(p: Plan, runs: Mapping[tuple[str, int], Path], cache_dir: s
     """App. C's calibration pool: ``calibration_size`` sequences from the first Vanilla
     policy's rollouts on training tasks, built once and stored under
     ``<cache_dir>/calibration/`` (named by that policy's content hash), shared by every
-    method's Fisher scores and SparseGPT."""
+    method's Fisher scores and SparseGPT.  A stored pool that does not verify (truncated,
+    garbage, or not matching its recorded hash) is rebuilt, with a warning."""
     from .envs import make_pool
 
     vanilla = sorted(k for k in runs if k[0] == "vanilla")
@@ -189,7 +190,7 @@ def calibration_pool(p: Plan, runs: Mapping[tuple[str, int], Path], cache_dir: s
     key = canonical_hash({"model": ident, "env": p.env, "n": p.calibration_size, "agent": dataclasses.asdict(cfg.agent),
                           "max_new_tokens": cfg.max_new_tokens, "max_steps": cfg.max_steps, "engine": cfg.engine})
     path = Path(cache_dir) / "calibration" / f"{p.env}-{key[:16]}.json"
-    if not path.is_file():
+    if read_cached(path, load_calibration) is None:
         pool = make_pool(cfg.env, cfg.data_dir, cfg.env_seed)
         calib = build_calibration_pool(
             source.policy(), pool, cfg.agent, n=p.calibration_size, temperature=cfg.temperature,

@@ -13,7 +13,9 @@ the waiter queued under another) can lose a wake-up when two threads use it at o
 when a tokenizer's asynchronous warm-up hands its request back meanwhile.  So every
 pipeline here samples on one thread (``sampler_num_threads=1``, as GenAI's own
 ``LLMPipeline`` adapter does), and one ``Tokenizer`` per worker, warmed up once, serves
-every pipeline the worker builds.
+every pipeline the worker builds, first used by a generate call long after its warm-up.
+On ``SIGUSR1`` the worker prints every thread's Python stack to stderr (the driver asks
+for it before killing a stalled worker).
 
 Protocol: JSON messages on the socket whose descriptor is ``argv[1]``
 (``multiprocessing.connection`` framing); every reply carries ``ok`` and ``cpu_s`` (this
@@ -29,7 +31,9 @@ process's CPU seconds so far), a failure ``error`` and ``kind``.
 It imports neither torch nor the rest of the library (run as a script: it starts in
 about half a second).
 """
+import faulthandler
 import json
+import signal
 import sys
 import time
 import traceback
@@ -62,8 +66,9 @@ class Server:
         t0 = time.perf_counter()
         self.pipe = None  # the old pipeline's memory goes first
         if self.tokenizer is None or self.tokenizer_path != msg["tokenizer"]:
+            # no decode here: a decode racing the asynchronous warm-up's hand-back is the lost
+            # wake-up itself; compiling the pipeline below outlasts the warm-up by far
             self.tokenizer = og.Tokenizer(msg["tokenizer"])
-            self.tokenizer.decode([0, 1])  # waits for the asynchronous warm-up to hand its request back
             self.tokenizer_path = msg["tokenizer"]
         sched = og.SchedulerConfig()
         for k, v in msg["scheduler"].items():
@@ -89,6 +94,7 @@ class Server:
 
 
 def main(fd: int) -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     conn = Connection(fd)
     server = None
     while True:

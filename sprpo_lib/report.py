@@ -17,6 +17,7 @@ from typing import Mapping, Sequence
 import pandas as pd
 
 from .config import TrainConfig, config_from_dict
+from .evaluate import load_eval
 from .train import ROOT, default_out_dir, load_config, train, warm_start_key
 
 __all__ = ["run_grid", "find_runs", "load_metrics", "before_after", "paired_outcomes", "mcnemar_exact_p", "plot_training"]
@@ -101,9 +102,10 @@ def paired_outcomes(start_episodes: str | Path, final_episodes: str | Path) -> d
     (``eval_episodes.jsonl`` files): tasks solved only after RL (``gained``), only
     before (``lost``), the exact McNemar p-value, the mean score change and a sign test
     on the scores (tasks whose score rose / fell, exact two-sided p)."""
-    def by_task(path):
-        eps = [json.loads(ln) for ln in Path(path).read_text().splitlines() if ln.strip()]
-        return {e["task_id"]: e for e in eps}
+    from .manifest import read_json_lines
+
+    def by_task(path):  # every line whole, or one error naming the file
+        return {e["task_id"]: e for e in read_json_lines(path)}
 
     a, b = by_task(start_episodes), by_task(final_episodes)
     common = sorted(set(a) & set(b))
@@ -138,7 +140,7 @@ def before_after(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
         for name, path in (("start", start), ("final", final)):
             if cfg.warm_start or name == "final":
                 if path.is_file():
-                    ev = json.loads(path.read_text())
+                    ev = load_eval(path)  # verified with its episode log, or one error naming the file
                     row.update({f"{name}_success": ev["success_rate"], f"{name}_score": ev["mean_score"],
                                 f"{name}_valid": ev["valid_rate"], "eval_episodes": ev["episodes"]})
         eps = [p.parent / "eval_episodes.jsonl" for p in (start, final)]

@@ -65,7 +65,7 @@ from .agent import AgentConfig, HistoryStep, build_prompt, chat_text, extract_ac
 from .envs.base import TaskPool
 from .envs.baselines import random_action
 from .losses import token_logprobs
-from .manifest import JsonLines, atomic_dir, atomic_write_json
+from .manifest import CorruptFileError, JsonLines, atomic_dir, atomic_write_json, read_json, read_safetensors
 from .models import LoraSettings, Policy, add_lora, lora_on_last_layers
 from .registry import Registry
 
@@ -82,6 +82,7 @@ __all__ = [
     "response_nll",
     "train_sft",
     "load_adapter",
+    "check_adapter",
     "warm_start",
     "evaluate_format",
     "admissible_from_prompt",
@@ -415,14 +416,42 @@ def save_adapter(policy: Policy, path: str | Path) -> Path:
     return path
 
 
+def check_adapter(path: str | Path) -> Path:
+    """A whole peft adapter folder (``save_pretrained``, safetensors): ``adapter_config.json``
+    a JSON object, every tensor of ``adapter_model.safetensors`` readable (a truncated or
+    garbage file is refused).  Raises :class:`~sprpo_lib.manifest.CorruptFileError` naming
+    the bad file, ``FileNotFoundError`` when the folder is missing."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"no adapter folder {path}")
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        if not (path / name).is_file():
+            raise CorruptFileError(path / name, "missing from the adapter folder")
+    read_json(path / "adapter_config.json", lambda c: None if isinstance(c, dict) and c.get("peft_type") else
+              "not a peft adapter config (no peft_type)")
+    if not read_safetensors(path / "adapter_model.safetensors"):
+        raise CorruptFileError(path / "adapter_model.safetensors", "holds no tensor")
+    return path
+
+
 def load_adapter(policy: Policy, path: str | Path, trainable: bool = False, merge: bool = False) -> Policy:
     """Load an adapter saved by :func:`train_sft` onto ``policy`` (a fresh
     :func:`models.load_policy` of the same base model).  ``merge=True`` folds it into
-    the base weights (the warm-started model as a new base for RL's own LoRA)."""
+    the base weights (the warm-started model as a new base for RL's own LoRA).  The
+    folder is checked first (:func:`check_adapter`): a truncated or garbage file is one
+    error naming it and saying how to rebuild it, never loaded."""
     from peft import PeftModel
 
     if _is_peft(policy.model):
         raise ValueError("policy is already peft-wrapped; load the adapter onto a fresh base model")
+    if Path(path).is_dir():
+        try:
+            check_adapter(path)
+        except CorruptFileError as err:
+            raise err.with_fix(
+                f"delete {path} and rerun to rebuild it (a warm start under runs/sft/ is trained again by the next "
+                "training run; a run's final/adapter is republished from its last checkpoint by rerunning the same "
+                "train command)") from None
     policy.model = PeftModel.from_pretrained(policy.model, str(path), is_trainable=trainable)
     policy.model.eval()
     policy.meta["sft_adapter"] = str(path)

@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import random
 import shutil
@@ -40,13 +41,14 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .config import TrainConfig, config_dict, load_config
 from .envs import make_pool
 from .evaluate import eval_is_current, evaluate_policy
-from .manifest import JsonLines, atomic_dir, atomic_write_json, git_commit
+from .manifest import CorruptFileError, JsonLines, atomic_dir, atomic_write_json, git_commit, read_cached
 from .methods import make_method
 from .models import add_lora, load_policy, lora_on_last_layers
-from .engines import effective_weights, make_engine
+from .engines import close_engine, effective_weights, make_engine
 from .rollout import EpisodeLog, ProcessEnvs, SerialEnvs, run_groups
 
 ROOT = Path(__file__).resolve().parents[1]
+log = logging.getLogger(__name__)
 
 __all__ = ["Trainer", "train", "load_config", "TrainConfig", "warm_start_key", "default_out_dir", "main"]
 
@@ -202,6 +204,8 @@ def warm_start_policy(policy, pool, cfg: TrainConfig, agent: AgentConfig, progre
     from .sft import load_adapter, warm_start
 
     out = ROOT / "runs" / "sft" / f"{cfg.env.name}-{warm_start_key(cfg, agent)}"
+    if (out / "adapter").is_dir() and not adapter_is_whole(out / "adapter"):  # a cache: rebuilt, never loaded
+        shutil.rmtree(out / "adapter")
     if not (out / "adapter").is_dir():
         warm_start(policy, pool, cfg.sft, agent, out, progress)
         merge_lora(policy)
@@ -223,16 +227,32 @@ def _publish_adapter(model, final: Path) -> None:
         model.save_pretrained(tmp / "adapter", safe_serialization=True)
 
 
+def adapter_is_whole(path: Path) -> bool:
+    """Whether ``path`` is a whole saved adapter (missing or damaged: False, with a warning
+    for damage, so that it is written again)."""
+    from .sft import check_adapter
+
+    if not path.is_dir():
+        return False
+    try:
+        check_adapter(path)
+    except CorruptFileError as err:
+        log.warning("%s", err.with_fix("writing it again"))
+        return False
+    return True
+
+
 def is_complete(cfg: TrainConfig, out: Path) -> bool:
     """``out`` holds a finished run of exactly ``cfg``: same config, every iteration
     logged, the final adapter published and (when asked for) its held-out evaluation
     current.  Such a run is found without loading a model."""
     meta, metrics = out / "config.json", out / "metrics.jsonl"
-    if not (meta.is_file() and metrics.is_file() and (out / "final" / "adapter").is_dir()):
+    if not (meta.is_file() and metrics.is_file() and adapter_is_whole(out / "final" / "adapter")):
         return False
-    if json.loads(meta.read_text()).get("config") != config_dict(cfg):
+    saved = read_cached(meta)  # a damaged config.json: not complete (train() rewrites it)
+    if not isinstance(saved, dict) or saved.get("config") != config_dict(cfg):
         return False
-    done = {json.loads(ln)["iteration"] for ln in metrics.read_text().splitlines() if ln.strip()}
+    done = {row.get("iteration") for row in JsonLines(metrics).read()}
     if done != set(range(cfg.iterations)):
         return False
     return not cfg.eval_tasks or eval_is_current(out / "final" / "eval.json", cfg, cfg.eval_tasks)
@@ -255,7 +275,7 @@ def train(cfg: TrainConfig, out_dir: str | Path | None = None, fresh: bool = Fal
     meta = {"config": config_dict(cfg), "commit": git_commit(), "dtype": tr.dtype,
             "dtype_probe": tr.policy.meta.get("dtype_probe")}
     if meta_path.is_file():  # resumed / extended / re-entered: keep the commit the run started at
-        old = json.loads(meta_path.read_text())
+        old = read_cached(meta_path) or {}
         meta["commit"] = old.get("commit", meta["commit"])
         meta["entered_at"] = list(dict.fromkeys(old.get("entered_at", []) + [git_commit()]))
     atomic_write_json(meta_path, meta)
@@ -272,13 +292,14 @@ def train(cfg: TrainConfig, out_dir: str | Path | None = None, fresh: bool = Fal
             tr.save(k)
             bar.set_postfix(success=f"{m['success']:.2f}", valid=f"{m['valid_rate']:.2f}")
         final = out / "final"
-        if start < cfg.iterations or not (final / "adapter").is_dir():  # (re)written with its eval dropped
+        if start < cfg.iterations or not adapter_is_whole(final / "adapter"):  # (re)written with its eval dropped
             _publish_adapter(tr.model, final)
         if cfg.eval_tasks and not eval_is_current(final / "eval.json", cfg, cfg.eval_tasks):
             tr.model.eval()
             evaluate_policy(tr.policy, tr.pool, cfg, tr.agent, final, cfg.eval_tasks, progress)
     finally:
         tr.envs.close()
+        close_engine(tr.gen)
     return out
 
 

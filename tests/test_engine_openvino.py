@@ -285,6 +285,24 @@ def test_conversion_is_cached(ov_cache):
     assert _same(eng(PROMPTS[:4]), HFEngine(other, _greedy())(PROMPTS[:4])) == 4
 
 
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+@pytest.mark.parametrize("name", ["openvino_model.bin", "openvino_model.xml", "openvino_detokenizer.xml", "meta.json"])
+def test_a_corrupt_cached_ir_is_converted_again(tmp_path, monkeypatch, name, damage):
+    """Each file of a cached IR, truncated or overwritten with garbage of the same size: the
+    next engine converts the model again (never reads it as a model) and decodes as HF."""
+    monkeypatch.setenv("SPRPO_CACHE", str(tmp_path))
+    pol = load_policy("tiny-qwen2", seed=11)
+    first = _ov(pol, _greedy())
+    assert first.stats["converted"]
+    f = first.ir / name
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2] if damage == "truncate" else bytes(reversed(data)))
+    again = _ov(pol, _greedy())
+    assert again.stats["converted"] and again.ir == first.ir
+    assert _same(again(PROMPTS[:4]), HFEngine(pol, _greedy())(PROMPTS[:4])) == 4
+    assert not _ov(pol, _greedy()).stats["converted"]  # the new copy is whole
+
+
 def test_registry_builds_it_and_names_the_package(monkeypatch):
     pol = load_policy("tiny-qwen2")
     eng = make_engine("openvino", pol, _greedy())

@@ -227,8 +227,8 @@ def test_file_digest_memo(tmp_path, monkeypatch):
     f, memo = tmp_path / "w.safetensors", tmp_path / "memo.json"
     f.write_bytes(b"abc")
     calls = []
-    real = E._sha256_file
-    monkeypatch.setattr(E, "_sha256_file", lambda p: calls.append(p) or real(p))
+    real = E.sha256_file
+    monkeypatch.setattr(E, "sha256_file", lambda p: calls.append(p) or real(p))
     monkeypatch.setattr(E, "_MEMO", {})
     d1 = E.file_digest(f, memo)
     E.file_digest(f, memo)
