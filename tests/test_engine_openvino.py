@@ -109,18 +109,22 @@ def test_precision_follows_the_policy_dtype_where_the_cpu_runs_it(tiny_spec, bac
         _ov(f32, _greedy(), backend=backend, precision="int8")
 
 
-def test_bfloat16_policy_on_an_emulated_avx2_cpu(monkeypatch, caplog):
-    """oneDNN capped at AVX2 (the worker process inherits the cap) stands in for an AVX2-only
-    CPU: a bfloat16 policy is served in float32 with an f32 KV cache and a notice, and decodes;
-    forcing bfloat16 there is one clear error."""
-    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+@pytest.mark.parametrize("cap, emulated", [("AVX2", "avx2"), ("AVX512_CORE", "avx512")])
+def test_bfloat16_policy_on_an_emulated_lower_cpu_class(monkeypatch, caplog, cap, emulated):
+    """oneDNN capped at AVX2 / AVX512 without BF16 (the worker process inherits the cap)
+    stands in for those CPU classes: a bfloat16 policy is served in float32 with an f32 KV
+    cache and a notice, and decodes; forcing bfloat16 there is one clear error."""
+    from sprpo_lib.hardware import CPU_CLASSES, cpu_class
+
+    want = min(cpu_class(), emulated, key=CPU_CLASSES.index)  # a cap never raises the class
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
     pol = load_policy("tiny-llama", dtype="bfloat16")
     with caplog.at_level("WARNING", logger="sprpo_lib.engine_openvino"):
         eng = _ov(pol, _greedy())
-    assert eng.cpu_class == "avx2" and eng.compute_dtype == "float32"
+    assert eng.cpu_class == want and eng.compute_dtype == SERVED_BF16[want] == "float32"
     assert [r.message for r in caplog.records if "served in float32" in r.message]
     assert all(g.response_ids for g in eng(PROMPTS[:4]))
-    with pytest.raises(ValueError, match="class 'avx2'"):
+    with pytest.raises(ValueError, match=f"class '{want}'"):
         _ov(pol, _greedy(), precision="bfloat16")
 
 

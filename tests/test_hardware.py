@@ -128,6 +128,38 @@ def test_machine_info_names_the_cpu_and_flags():
     assert info["torch"] == torch.__version__ and info["cpu_model"]
 
 
+NO_FLAGS = {f: False for f in hardware.CPU_FLAGS}
+
+
+@pytest.mark.parametrize("flags, cls", [
+    ({}, "other"),
+    ({"avx2": True}, "avx2"),  # e.g. Zen 3
+    ({"avx2": True, "avx512f": True}, "avx512"),  # e.g. Skylake-X, Ice Lake
+    ({"avx2": True, "avx512f": True, "avx512_bf16": True}, "avx512_bf16"),  # e.g. Zen 4, Cooper Lake
+    ({"avx2": True, "avx512f": True, "avx512_bf16": True, "amx_bf16": True, "amx_tile": True}, "amx"),  # Sapphire Rapids
+])
+def test_cpu_class_from_flags_and_caps(flags, cls):
+    f = {**NO_FLAGS, **flags}
+    assert hardware.cpu_class(f, {}) == cls
+    # a oneDNN cap stands in for a lower class, never a higher one
+    assert hardware.cpu_class(f, {"ONEDNN_MAX_CPU_ISA": "AVX2"}) == min(cls, "avx2", key=hardware.CPU_CLASSES.index)
+    assert hardware.cpu_class(f, {"DNNL_MAX_CPU_ISA": "avx512_core"}) == min(cls, "avx512",
+                                                                              key=hardware.CPU_CLASSES.index)
+    assert hardware.cpu_class(f, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}) == cls
+    with pytest.raises(ValueError, match="ONEDNN_MAX_CPU_ISA='AVX9'"):
+        hardware.cpu_class(f, {"ONEDNN_MAX_CPU_ISA": "AVX9"})
+
+
+def test_machine_info_and_manifests_record_the_cpu_class(tmp_path, monkeypatch):
+    from sprpo_lib.manifest import write_manifest
+
+    assert hardware.machine_info()["cpu_class"] == hardware.cpu_class() in hardware.CPU_CLASSES
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert hardware.machine_info()["cpu_class"] in ("avx2", "other")
+    m = json.loads(write_manifest(tmp_path / "fig.png", {}, 0, 1.0).read_text())
+    assert m["host"]["cpu_class"] == hardware.cpu_class() and m["host"]["isa_limits"] == {"ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
 def test_bench_machine_reports_rates_and_floors(tmp_path):
     from sprpo_lib import bench
 
