@@ -557,6 +557,8 @@ def bench_generate(model: str = "smollm2-135m", n_prompts: int = 16, new_tokens:
                 same[run] &= [g.response_ids for g in out] == [g.response_ids for g in outs[run]]
             else:
                 outs[run] = out
+    for eng in built.values():
+        eng.close()
     res: dict = {"model": model, "machine": hw.machine_info(), "prompts": n_prompts, "new_tokens": new_tokens,
                  "batch_size": batch_size, "repeats": repeats, **({"openvino": ov_stats} if ov_stats else {}),
                  "prefill_gflops": {d: matmul[d]["gflops_by_rows"][str(hw.PREFILL_ROWS)] for d in dtypes}}
@@ -657,7 +659,7 @@ def bench_eval(profile: str = "cpu", env: str = "webshop", engines: tuple[str, .
     from . import hardware as hw
     from .agent import token_counter
     from .config import load_config
-    from .engines import make_engine
+    from .engines import close_engine, make_engine
     from .envs import make_pool
     from .evaluate import eval_temperature, held_out_tasks
     from .models import load_policy
@@ -709,6 +711,7 @@ def bench_eval(profile: str = "cpu", env: str = "webshop", engines: tuple[str, .
                                       count_tokens=token_counter(pol.tokenizer, agent))
             finally:
                 envs.close()
+                close_engine(eng)
             wall = time.perf_counter() - t0
             lengths = [len(s.prompt_ids) for r in recs for s in r.steps]
             gen_tokens = sum(len(s.response_ids) for r in recs for s in r.steps)
@@ -720,7 +723,8 @@ def bench_eval(profile: str = "cpu", env: str = "webshop", engines: tuple[str, .
                          "prompt_tok_per_s": round(sum(lengths) / wall, 1),
                          "generated_tok_per_s": round(gen_tokens / wall, 2),
                          "prefill_floor_s": round(floor, 1), "wall_over_prefill_floor": round(wall / floor, 2),
-                         "success": round(sum(r.success for r in recs) / len(recs), 4)}
+                         "success": round(sum(r.success for r in recs) / len(recs), 4),
+                         "engine_retries": getattr(eng, "stats", {}).get("retries", 0)}
             if what == "eval":
                 outcomes[spec] = np.array([float(r.success) for r in recs])
         res[spec] = row
@@ -772,7 +776,7 @@ def bench_churn(model: str = "tiny-llama", rounds: int = 500, deadline_s: float 
         counts["builds"] += 2
         if stall_every and r % stall_every == stall_every - 1:
             pair[r % 2].stall_next(stall_s)
-            counts["injected"] += 1
+            counts["injected"] += stall_s > deadline_s  # a stall shorter than the deadline is no fault
         for ref, prompts in zip(want, calls):
             for eng in pair:
                 try:

@@ -82,7 +82,10 @@ def _read_checkpoint(ck: Path, model, method) -> dict:
     from peft import get_peft_model_state_dict
 
     k = _iteration(ck)
-    state = read_json(ck / "state.json", lambda s: _state_problem(s, k))
+    try:
+        state = read_json(ck / "state.json", lambda s: _state_problem(s, k))
+    except FileNotFoundError:  # a half-deleted checkpoint folder
+        raise CorruptFileError(ck / "state.json", "missing") from None
     files = state.get("files")  # absent in checkpoints written before it was recorded
     if files is not None:
         for rel, rec in files.items():

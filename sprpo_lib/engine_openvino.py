@@ -398,8 +398,10 @@ class PipelineWorker:
 
     def __init__(self):
         ours, theirs = socket.socketpair()
+        # -P: the script's folder (this package) must not shadow modules on the worker's path
+        flags = ["-P"] if sys.version_info >= (3, 11) else []
         try:
-            self.proc = subprocess.Popen([sys.executable, str(WORKER), str(theirs.fileno())],
+            self.proc = subprocess.Popen([sys.executable, *flags, str(WORKER), str(theirs.fileno()), str(os.getpid())],
                                          pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
         finally:
             theirs.close()
@@ -411,13 +413,14 @@ class PipelineWorker:
         ``deadline`` seconds or the process has died."""
         try:
             self.conn.send_bytes(json.dumps(msg).encode())
-            if not self.conn.poll(deadline):
-                raise WorkerLost(f"{msg['op']} call got no reply within its deadline of {deadline:.0f} s")
-            return json.loads(self.conn.recv_bytes())
+            data = self.conn.recv_bytes() if self.conn.poll(deadline) else None
         except (EOFError, OSError) as e:
             self.proc.poll()
             raise WorkerLost(f"the worker process died during a {msg['op']} call (exit code {self.proc.returncode}: "
                              f"{type(e).__name__})") from None
+        if data is None:
+            raise WorkerLost(f"{msg['op']} call got no reply within its deadline of {deadline:.0f} s")
+        return json.loads(data)
 
     def cpu_delta(self, reply: dict) -> float:
         """CPU seconds the worker spent since its previous reply."""
@@ -483,9 +486,11 @@ def ir_is_whole(folder: Path) -> bool:
             if stamp not in _WHOLE:
                 verify_file(folder / name, record)
                 _WHOLE.add(stamp)
-    except (CorruptFileError, OSError) as err:
+    except CorruptFileError as err:
         log.warning("openvino engine: cached IR %s is not whole (%s): converting again", folder, err)
         shutil.rmtree(folder, ignore_errors=True)
+        return False
+    except OSError:  # a file missing, or the folder being replaced by another process: not usable now
         return False
     return True
 
@@ -540,6 +545,7 @@ class OpenVINOEngine(HFEngine):
         self._s_per_token: float | None = None  # slowest seconds per token of a finished call (auto deadline)
         self._stalls: list[float] = []  # fault injection (stall_next)
         self._res = _Resources()  # worker process and scratch IR folder, released with the engine
+        self._closed = False
         self._finalizer = weakref.finalize(self, self._res.close)
         self.stats.update({"converted": False, "convert_s": 0.0, "retries": 0, "worker_starts": 0,
                            "worker_cpu_s": 0.0})
@@ -651,9 +657,13 @@ class OpenVINOEngine(HFEngine):
         path = self.ir
         if not self._on_disk:  # weights not in the cache: a scratch copy of the IR, kept while they are served
             path = Path(tempfile.mkdtemp(prefix="sprpo-ov-"))
-            _ov().save_model(self._ovm, str(path / "openvino_model.xml"), compress_to_fp16=False)
-            for f in self.ir.glob("openvino_*tokenizer.*"):
-                shutil.copy(f, path)
+            try:
+                _ov().save_model(self._ovm, str(path / "openvino_model.xml"), compress_to_fp16=False)
+                for f in self.ir.glob("openvino_*tokenizer.*"):
+                    shutil.copy(f, path)
+            except BaseException:
+                shutil.rmtree(path, ignore_errors=True)
+                raise
         self._pipeline = {"op": "build", "path": str(path), "tokenizer": str(self.ir), "scheduler": self.scheduler,
                           "properties": props}
         self._built = False  # the worker (one per engine, kept across reloads) builds this pipeline next
@@ -665,7 +675,7 @@ class OpenVINOEngine(HFEngine):
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Decode with these plain weights (:func:`~sprpo_lib.engines.bake_weights`) from now
         on: the IR's weight constants are replaced and the graph recompiled (``genai``: a new
-        pipeline in a new worker, on a scratch copy of the IR)."""
+        pipeline in the same worker, on a scratch copy of the IR)."""
         t0 = time.perf_counter()
         self._set_weights(self._ovm, state_dict)
         self._on_disk = False
@@ -711,9 +721,10 @@ class OpenVINOEngine(HFEngine):
         self._stalls += [float(seconds)] * int(calls)
 
     def call_deadline(self, tokens: int) -> float:
-        """Seconds a generate call of ``tokens`` (prompt + new) may take: ``deadline_s`` when
-        given, else ``DEADLINE_SLACK`` x the slowest seconds per token of a finished call (at
-        least ``DEADLINE_FLOOR_S``; ``DEADLINE_FIRST_S`` before any call has finished)."""
+        """Seconds a generate call of ``tokens`` (prompt + at most new) may take at its first
+        attempt (each repeat doubles it): ``deadline_s`` when given, else ``DEADLINE_SLACK`` x
+        the slowest seconds per token (prompt + generated) of a finished call, at least
+        ``DEADLINE_FLOOR_S``; ``DEADLINE_FIRST_S`` before any call has finished."""
         if self.deadline_s is not None:
             return self.deadline_s
         if self._s_per_token is None:
@@ -734,7 +745,11 @@ class OpenVINOEngine(HFEngine):
         does), each attempt with a deadline.  A stalled or dead worker is killed, a new one
         builds the pipeline again and the message (same ids, same seeds) is sent again; after
         ``attempts`` failures, one error naming the way out."""
+        if self._closed:
+            raise RuntimeError("openvino engine: used after close(); build a new engine")
+        limit = 0.0
         for attempt in range(1, self.attempts + 1):
+            scale = 2.0 ** (attempt - 1)  # each attempt waits twice as long: a slow call is not a hang
             try:
                 w = self._res.worker
                 if w is None:
@@ -742,25 +757,37 @@ class OpenVINOEngine(HFEngine):
                     self.stats["worker_starts"] += 1
                     self._built = False
                 if not self._built:
-                    self.stats["build_s"] = self._reply(w, self._pipeline, self.build_deadline())["load_s"]
+                    limit = scale * self.build_deadline()
+                    self.stats["build_s"] = self._reply(w, self._pipeline, limit)["load_s"]
                     key = str(self.ir)
                     _SLOWEST_BUILD[key] = max(_SLOWEST_BUILD.get(key, 0.0), self.stats["build_s"])
                     self._built = True
                 if msg is None:
                     return {}
                 sent = dict(msg, stall_s=self._stalls.pop(0)) if self._stalls else msg
+                limit = scale * self.call_deadline(tokens)
                 t0 = time.perf_counter()
-                reply = self._reply(w, sent, self.call_deadline(tokens))
-                per_token = (time.perf_counter() - t0) / max(1, tokens)
-                self._s_per_token = max(self._s_per_token or 0.0, per_token)
+                reply = self._reply(w, sent, limit)
+                if len(reply["ids"]) != len(msg["ids"]):
+                    self._res.stop_worker()
+                    raise RuntimeError(f"openvino engine: the worker answered {len(reply['ids'])} generations for "
+                                       f"{len(msg['ids'])} prompts")
+                # the rate against the tokens actually handled: the deadline's count is an upper bound
+                done = sum(len(p) for p in msg["ids"]) + sum(len(r) for r in reply["ids"])
+                self._s_per_token = max(self._s_per_token or 0.0, (time.perf_counter() - t0) / max(1, done))
                 return reply
             except WorkerLost as e:
                 self.stats["retries"] += 1
                 self._res.stop_worker(show_stack=True)  # where it hung, on stderr
                 log.warning("openvino engine: %s (attempt %d of %d): the pipeline is rebuilt and the call repeated",
                             e, attempt, self.attempts)
+            except RuntimeError:  # the worker answered with an error: still in step with us
+                raise
+            except BaseException:  # interrupted while a reply may be on its way: this worker is out of step
+                self._res.stop_worker()
+                raise
         raise RuntimeError(f"openvino engine: the GenAI pipeline stalled or died in {self.attempts} attempts in a row "
-                           f"(deadline {self.call_deadline(tokens):.0f} s a call; see the warnings above). Decode with "
+                           f"(the last waited {limit:.0f} s; see the warnings above). Decode with "
                            "transformers instead: rollout.engine=hf (training) or --engine hf (evaluation); or raise "
                            f"the deadline with {DEADLINE_ENV}=<seconds>")
 
@@ -784,7 +811,8 @@ class OpenVINOEngine(HFEngine):
 
     def close(self) -> None:
         """Stop the worker process and remove the scratch IR (also done when the engine is
-        garbage collected)."""
+        garbage collected); the engine cannot be used afterwards."""
+        self._closed = True
         self._finalizer()
 
     # ------------------------------------------------------------- decoding

@@ -20,6 +20,7 @@ benchmark can report its wall time against the floor ``flops / measured GFLOP/s`
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import time
@@ -106,13 +107,15 @@ def cpu_class(flags: dict[str, bool] | None = None, limits: dict[str, str] | Non
         cls = "avx2"
     else:
         cls = "other"
-    cap = limits.get("ONEDNN_MAX_CPU_ISA") or limits.get("DNNL_MAX_CPU_ISA")
-    if cap:
-        capped = _ONEDNN_CLASS.get(cap.strip().upper())
-        if capped is None:
-            raise ValueError(f"ONEDNN_MAX_CPU_ISA={cap!r} is not a oneDNN ISA this library knows; expected one of "
-                             f"{sorted(_ONEDNN_CLASS)} (or unset it)")
-        cls = min(cls, capped, key=CPU_CLASSES.index)
+    cap = (limits.get("ONEDNN_MAX_CPU_ISA") or limits.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
+    if cap and cap not in ("ALL", "DEFAULT"):  # oneDNN's "no cap"
+        capped = _ONEDNN_CLASS.get(cap)
+        if capped is None:  # a value oneDNN may know and this table does not: the CPU's own class stands
+            logging.getLogger(__name__).warning("ONEDNN_MAX_CPU_ISA=%s is not in this library's table of oneDNN "
+                                                "ISAs (%s); the CPU class is taken from the CPU alone", cap,
+                                                ", ".join(sorted(_ONEDNN_CLASS)))
+        else:
+            cls = min(cls, capped, key=CPU_CLASSES.index)
     return cls
 
 

@@ -17,7 +17,8 @@ every pipeline the worker builds, first used by a generate call long after its w
 On ``SIGUSR1`` the worker prints every thread's Python stack to stderr (the driver asks
 for it before killing a stalled worker).
 
-Protocol: JSON messages on the socket whose descriptor is ``argv[1]``
+It ends itself when its driver (``argv[2]``, a process id) is gone.  Protocol: JSON
+messages on the socket whose descriptor is ``argv[1]``
 (``multiprocessing.connection`` framing); every reply carries ``ok`` and ``cpu_s`` (this
 process's CPU seconds so far), a failure ``error`` and ``kind``.
 
@@ -33,8 +34,10 @@ about half a second).
 """
 import faulthandler
 import json
+import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -93,8 +96,19 @@ class Server:
         return {"ids": [[int(t) for t in r.m_generation_ids[0]] for r in results]}
 
 
-def main(fd: int) -> None:
+def watch_parent(ppid: int) -> None:
+    """End this process when the driver is gone (killed, or ended by a test deadline): a
+    worker stuck in native code would otherwise hold its memory and the driver's output
+    pipes for ever.  GenAI releases the GIL while it generates, so this thread runs."""
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != ppid:
+            os._exit(3)
+
+
+def main(fd: int, ppid: int) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    threading.Thread(target=watch_parent, args=(ppid,), daemon=True).start()
     conn = Connection(fd)
     server = None
     while True:
@@ -121,4 +135,4 @@ def main(fd: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]))
+    main(int(sys.argv[1]), int(sys.argv[2]))

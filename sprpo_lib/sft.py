@@ -685,7 +685,7 @@ def evaluate_format(
         ``mean_length``, ``steps``, ``generate_s``, ``env_s``, ``seconds``.
     """
     from .agent import token_counter
-    from .engines import make_engine
+    from .engines import close_engine, make_engine
     from .rollout import EpisodeLog, GenerationConfig, SerialEnvs, run_groups
 
     agent = agent or AgentConfig()
@@ -693,13 +693,15 @@ def evaluate_format(
     t0 = time.perf_counter()
     tasks = [(split, i) for i in indices]
     envs = SerialEnvs(lambda: pool)
+    eng = make_engine(engine, policy, gen, agent)
     try:
         policy.model.eval()
-        episodes, st = run_groups(envs, tasks, group_size, make_engine(engine, policy, gen, agent), agent, max_steps,
+        episodes, st = run_groups(envs, tasks, group_size, eng, agent, max_steps,
                                   EpisodeLog(log_path) if log_path else None, progress,
                                   count_tokens=token_counter(policy.tokenizer, agent))
     finally:
         envs.close()
+        close_engine(eng)
     steps = [s for e in episodes for s in e.steps]
     n_ep, n_st = max(1, len(episodes)), max(1, len(steps))
     return {

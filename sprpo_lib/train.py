@@ -206,6 +206,8 @@ def warm_start_policy(policy, pool, cfg: TrainConfig, agent: AgentConfig, progre
     out = ROOT / "runs" / "sft" / f"{cfg.env.name}-{warm_start_key(cfg, agent)}"
     if (out / "adapter").is_dir() and not adapter_is_whole(out / "adapter"):  # a cache: rebuilt, never loaded
         shutil.rmtree(out / "adapter")
+        for name in ("eval.json", "eval_episodes.jsonl"):  # they described the old adapter
+            (out / name).unlink(missing_ok=True)
     if not (out / "adapter").is_dir():
         warm_start(policy, pool, cfg.sft, agent, out, progress)
         merge_lora(policy)
@@ -275,7 +277,8 @@ def train(cfg: TrainConfig, out_dir: str | Path | None = None, fresh: bool = Fal
     meta = {"config": config_dict(cfg), "commit": git_commit(), "dtype": tr.dtype,
             "dtype_probe": tr.policy.meta.get("dtype_probe")}
     if meta_path.is_file():  # resumed / extended / re-entered: keep the commit the run started at
-        old = read_cached(meta_path) or {}
+        old = read_cached(meta_path)
+        old = old if isinstance(old, dict) else {}
         meta["commit"] = old.get("commit", meta["commit"])
         meta["entered_at"] = list(dict.fromkeys(old.get("entered_at", []) + [git_commit()]))
     atomic_write_json(meta_path, meta)

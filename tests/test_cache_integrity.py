@@ -234,6 +234,16 @@ def test_d_corrupt_checkpoint_falls_back_to_the_previous_one(run, tmp_path, file
     assert iters == [0, 1, 2]
 
 
+def test_d_a_half_deleted_checkpoint_falls_back(run, tmp_path, caplog):
+    out = tmp_path / "run"
+    shutil.copytree(run, out)
+    (out / "checkpoints" / "iter_00001" / "state.json").unlink()
+    with caplog.at_level(logging.WARNING):
+        train(load_config("smoke", RUN + ["iterations=3"]), out, progress=False)
+    assert "state.json: missing" in caplog.text and "from iter_00000" in caplog.text
+    assert [r["iteration"] for r in read_json_lines(out / "metrics.jsonl")] == [0, 1, 2]
+
+
 def test_d_no_whole_checkpoint_is_one_clear_error(run, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(run, out)

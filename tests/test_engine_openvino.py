@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ from sprpo_lib.engines import Engine, HFEngine, bake_weights, make_engine  # noq
 from sprpo_lib.models import load_policy  # noqa: E402
 from sprpo_lib.perturb import FFNChannels, dropout_mask, sample_xi  # noqa: E402
 from sprpo_lib.rollout import GenerationConfig  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 
 from test_engines import NEVER, PROMPTS, _greedy, _lora_policy, _same, _scripted, _stop_that_splits  # noqa: E402
 
@@ -177,6 +180,52 @@ def test_a_dead_worker_is_replaced(tmp_path):
     assert not scratch.exists()
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+ORPHAN = """
+import os, sys
+import torch
+from sprpo_lib.engines import make_engine
+from sprpo_lib.models import load_policy
+from sprpo_lib.rollout import GenerationConfig
+torch.set_num_threads(1)
+eng = make_engine("openvino", load_policy("tiny-llama"), GenerationConfig(temperature=0, max_new_tokens=4))
+eng.stall_next(600)  # the worker sleeps as a hung call would, then its driver dies
+print(eng.worker_pid, flush=True)
+import threading
+threading.Thread(target=eng, args=(["hello"],), daemon=True).start()
+import time
+time.sleep(1)
+os._exit(0)
+"""
+
+
+def test_a_worker_ends_when_its_driver_dies(tmp_path):
+    """A driver killed mid-call (or ended by a test deadline) leaves no worker behind."""
+    import subprocess
+    import time
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    run = subprocess.run([sys.executable, "-c", ORPHAN], capture_output=True, text=True, timeout=300, env=env,
+                         cwd=tmp_path)
+    pid = int(run.stdout.split()[0])
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 20:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    os.kill(pid, 9)
+    raise AssertionError(f"worker {pid} outlived its driver by 20 s")
+
+
+def test_a_closed_engine_says_so():
+    eng = _ov(load_policy("tiny-llama"), _greedy())
+    eng.close()
+    assert eng.worker_pid is None
+    with pytest.raises(RuntimeError, match="after close"):
+        eng(PROMPTS[:1])
 
 
 def test_engine_options_are_checked(monkeypatch):
