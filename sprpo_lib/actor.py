@@ -20,9 +20,9 @@ from contextlib import contextmanager
 
 import torch
 
-from .batch import Batch, MicroBatch
-from .losses import PPOLossConfig, agg_loss, get_policy_loss, kl_penalty, token_entropy, token_logprobs
-from .perturb import FFNChannels, below_resolution, float32_compute
+from sprpo_lib.batch import Batch, MicroBatch
+from sprpo_lib.losses import PPOLossConfig, agg_loss, get_policy_loss, kl_penalty, token_entropy, token_logprobs
+from sprpo_lib.perturb import FFNChannels, below_resolution, float32_compute
 
 SURROGATE = frozenset({"surrogate"})
 TRAIN = frozenset({"surrogate", "entropy", "kl"})

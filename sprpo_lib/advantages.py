@@ -48,7 +48,7 @@ from typing import Callable, Hashable, Sequence
 
 import torch
 
-from .registry import Registry
+from sprpo_lib.registry import Registry
 
 __all__ = [
     "StepSample",
@@ -61,6 +61,10 @@ __all__ = [
     "discounted_returns",
     "group_normalise",
     "gigpo_advantages",
+    "episode_relative_advantages",
+    "build_step_groups",
+    "step_relative_advantages",
+    "combine_advantages",
     "grpo_advantages",
     "to_token_advantages",
 ]
@@ -239,8 +243,10 @@ def _check(steps: Sequence[StepSample]) -> dict[Hashable, list[int]]:
     return rows
 
 
-def _episode_advantages(steps, rows, cfg: AdvantageConfig) -> tuple[list[float], dict[str, float]]:
-    """GiGPO Eq. 3 / GRPO: per-step A_E (equal on all steps of an episode)."""
+def episode_relative_advantages(steps: Sequence[StepSample], rows: dict[Hashable, list[int]],
+                                cfg: AdvantageConfig) -> tuple[list[float], dict[str, float]]:
+    """GiGPO Eq. 3 / GRPO: each episode's return normalised within its task group (the G
+    rollouts of one task), given to every step of the episode; returns ``(A_E, stats)``."""
     n = len(steps)
     adv = [0.0] * n
     by_group: dict[Hashable, list[Hashable]] = defaultdict(list)
@@ -307,40 +313,15 @@ def _as_tensor(x: Sequence[float], dtype=torch.float32) -> torch.Tensor:
 # ----------------------------------------------------------------------------- estimators
 @register_advantage("gigpo")
 def gigpo_advantages(steps: Sequence[StepSample], config: AdvantageConfig | None = None) -> AdvantageOutput:
-    """GiGPO: ``A = A_E + omega * A_S`` (Feng et al. 2025, Eqs. 3-8; module docstring)."""
+    """GiGPO: ``A = A_E + omega * A_S`` (Feng et al. 2025, Eqs. 3-8; module docstring), in
+    the four named steps below, one per equation, as verl-agent's ``core_gigpo.py``."""
     cfg = config or AdvantageConfig()
     rows = _check(steps)
-    ep_adv, stats = _episode_advantages(steps, rows, cfg)
+    ep_adv, stats = episode_relative_advantages(steps, rows, cfg)  # Eq. 3
+    gid, members = build_step_groups(steps)  # Eq. 6
+    step_adv, returns = step_relative_advantages(steps, rows, members, cfg)  # Eqs. 5, 7
+    total = combine_advantages(ep_adv, step_adv, cfg.omega)  # Eq. 8
 
-    returns = [0.0] * len(steps)
-    for idx in rows.values():
-        if cfg.penalty_placement == "step":  # discount the env rewards, then add each step's own penalty
-            rs = [steps[i].reward for i in idx]
-            pen = [steps[i].penalty for i in idx]
-        else:  # the penalty is part of the reward and is discounted into earlier steps
-            rs = [steps[i].reward + steps[i].penalty for i in idx]
-            pen = [0.0] * len(idx)
-        for i, g, p in zip(idx, discounted_returns(rs, cfg.gamma), pen):
-            returns[i] = g + p
-
-    # anchor-state grouping: identical observation within the same task group (Eq. 6)
-    key_to_gid: dict[tuple, int] = {}
-    members: list[list[int]] = []
-    gid = [0] * len(steps)
-    for i, s in enumerate(steps):
-        k = (s.group, s.anchor)
-        if k not in key_to_gid:
-            key_to_gid[k] = len(members)
-            members.append([])
-        gid[i] = key_to_gid[k]
-        members[gid[i]].append(i)
-
-    step_adv = [0.0] * len(steps)
-    for idx in members:  # singletons -> 0 inside group_normalise
-        for i, a in zip(idx, group_normalise([returns[i] for i in idx], cfg.norm, cfg.eps)):
-            step_adv[i] = a
-
-    total = [e + cfg.omega * a for e, a in zip(ep_adv, step_adv)]
     sizes = [len(m) for m in members]
     stats.update(
         step_groups=float(len(members)),
@@ -360,13 +341,58 @@ def gigpo_advantages(steps: Sequence[StepSample], config: AdvantageConfig | None
     )
 
 
+def build_step_groups(steps: Sequence[StepSample]) -> tuple[list[int], list[list[int]]]:
+    """GiGPO Eq. 6: steps of one task group taken from the same anchor observation (across
+    rollouts and step indices) form a step group.  Returns each row's group id and each
+    group's rows, groups numbered in order of first appearance."""
+    key_to_gid: dict[tuple, int] = {}
+    members: list[list[int]] = []
+    gid = [0] * len(steps)
+    for i, s in enumerate(steps):
+        k = (s.group, s.anchor)
+        if k not in key_to_gid:
+            key_to_gid[k] = len(members)
+            members.append([])
+        gid[i] = key_to_gid[k]
+        members[gid[i]].append(i)
+    return gid, members
+
+
+def step_relative_advantages(steps: Sequence[StepSample], rows: dict[Hashable, list[int]],
+                             members: Sequence[Sequence[int]], cfg: AdvantageConfig) -> tuple[list[float], list[float]]:
+    """GiGPO Eqs. 5 and 7: discounted step returns ``G_t = r_t + gamma G_{t+1}`` within each
+    episode (a step's own penalty added after discounting with ``penalty_placement="step"``,
+    discounted into earlier steps with ``"return"``), normalised within each step group
+    (a singleton group gives 0).  Returns ``(A_S, G)`` per row."""
+    returns = [0.0] * len(steps)
+    for idx in rows.values():
+        if cfg.penalty_placement == "step":  # discount the env rewards, then add each step's own penalty
+            rs = [steps[i].reward for i in idx]
+            pen = [steps[i].penalty for i in idx]
+        else:  # the penalty is part of the reward and is discounted into earlier steps
+            rs = [steps[i].reward + steps[i].penalty for i in idx]
+            pen = [0.0] * len(idx)
+        for i, g, p in zip(idx, discounted_returns(rs, cfg.gamma), pen):
+            returns[i] = g + p
+    step_adv = [0.0] * len(steps)
+    for idx in members:  # singletons -> 0 inside group_normalise
+        for i, a in zip(idx, group_normalise([returns[i] for i in idx], cfg.norm, cfg.eps)):
+            step_adv[i] = a
+    return step_adv, returns
+
+
+def combine_advantages(episode_adv: Sequence[float], step_adv: Sequence[float], omega: float) -> list[float]:
+    """GiGPO Eq. 8: ``A = A_E + omega * A_S``, per row."""
+    return [e + omega * a for e, a in zip(episode_adv, step_adv)]
+
+
 @register_advantage("grpo")
 def grpo_advantages(steps: Sequence[StepSample], config: AdvantageConfig | None = None) -> AdvantageOutput:
     """GRPO for multi-step episodes: the episode-level advantage alone, given to every
     step of the episode (``gamma``/``omega`` unused)."""
     cfg = config or AdvantageConfig()
     rows = _check(steps)
-    ep_adv, stats = _episode_advantages(steps, rows, cfg)
+    ep_adv, stats = episode_relative_advantages(steps, rows, cfg)
     stats.update(adv_mean=sum(ep_adv) / len(ep_adv), episode_adv_mean=sum(ep_adv) / len(ep_adv))
     a = _as_tensor(ep_adv)
     return AdvantageOutput(advantages=a, episode_advantages=a.clone(),

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .advantages import AdvantageConfig, StepSample, compute_advantages
+from sprpo_lib.advantages import AdvantageConfig, StepSample, compute_advantages
 
 
 @dataclass

@@ -20,9 +20,16 @@ from pathlib import Path
 
 import torch
 
-from .config import config_dict, config_from_dict
-from .manifest import (CorruptFileError, atomic_write_json, atomic_write_text, file_record, read_json,
-                       read_safetensors, verify_file)
+from sprpo_lib.config import config_dict, config_from_dict
+from sprpo_lib.io import (
+    CorruptFileError,
+    atomic_write_json,
+    atomic_write_text,
+    file_record,
+    read_json,
+    read_safetensors,
+    verify_file,
+)
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +142,7 @@ def load_checkpoint(out: Path, model, opt, method, cfg) -> tuple[int, dict] | No
     config is refused (only ``iterations`` may differ: a run can be extended; ``model.dtype``
     is compared by the caller as the dtype actually used).  A checkpoint that does not
     verify is skipped for the previous one, with a warning; when none verifies, a
-    :class:`~sprpo_lib.manifest.CorruptFileError` names the bad file."""
+    :class:`~sprpo_lib.io.CorruptFileError` names the bad file."""
     from peft import set_peft_model_state_dict
 
     ptr = out / "checkpoints" / "latest"

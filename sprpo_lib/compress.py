@@ -24,19 +24,18 @@ agent-interaction sequences from a Vanilla policy, App. C).
 from __future__ import annotations
 
 import inspect
-
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
-from .models import decoder_layers, ffn_modules
-from .perturb import FFNChannels, dropout_mask, sample_xi
-from .registry import Registry
+from sprpo_lib.models import decoder_layers, ffn_modules
+from sprpo_lib.perturb import FFNChannels, dropout_mask, sample_xi
+from sprpo_lib.progress import progress_bar
+from sprpo_lib.registry import Registry
 
 Calibration = Sequence[Sequence[int]]
 
@@ -163,7 +162,7 @@ def fisher_scores(
     total = torch.zeros(fc.shape, dtype=torch.float64)
     n = 0
     batches = pad_batches(calib, batch_size, pad_id, fc.device)
-    for ids, att in tqdm(batches, desc="fisher", disable=not progress):
+    for ids, att in progress_bar(batches, desc="fisher", disable=not progress):
         with torch.enable_grad(), fc.gain(batch=ids.shape[0]) as u:
             sequence_nll(model, ids, att).sum().backward()
         total += u.grad.double().pow(2).sum(0).cpu()
@@ -345,7 +344,7 @@ def sparsegpt_prune(
     valid = [att.bool() for _, att in batches]
     inps, kws = _capture_layer0(model, batches)
 
-    for li in tqdm(range(len(layers)), desc="sparsegpt", disable=not progress):
+    for li in progress_bar(range(len(layers)), desc="sparsegpt", disable=not progress):
         layer, mlp = layers[li], mlps[li]
         xs, ys = [], []
 
@@ -467,14 +466,59 @@ def _plane(model, w1, seed, *, calib=None, pad_id=0, batch_size=8, w2=0.0, direc
     return fc.detach, {"w2": float(w2), "direction_seed": int(direction_seed)}
 
 
-# App. C sweep levels (SparseGPT's differ per environment).
-PAPER_LEVELS: dict[str, dict[str, list[float]]] = {
-    "gaussian": {"alfworld": [0.02, 0.05, 0.10, 0.15, 0.20], "webshop": [0.02, 0.05, 0.10, 0.15, 0.20]},
-    "dropout": {"alfworld": [0.01, 0.02, 0.03, 0.04, 0.05], "webshop": [0.01, 0.02, 0.03, 0.04, 0.05]},
-    "fisher": {"alfworld": [0.05, 0.10, 0.15, 0.20], "webshop": [0.05, 0.10, 0.15, 0.20]},
-    "sparsegpt": {"alfworld": [0.10, 0.30, 0.50, 0.70], "webshop": [0.10, 0.20, 0.30, 0.40]},
-    "rtn": {"alfworld": [8, 6, 4], "webshop": [8, 6, 4]},
+# ----------------------------------------------------------------------------- the families' facts
+@dataclass(frozen=True)
+class FamilySpec:
+    """Everything known about one family, in one place: the evaluator checks strengths
+    against it, the plans take App. C's levels from it, the figures and tables their labels."""
+
+    label: str  #: name in tables and figure titles
+    symbol: str  #: the strength's name in words (error messages)
+    latex: str  #: the strength's symbol in LaTeX table headers (``$\sigma=.20$``)
+    axis: str  #: x-axis label of a curve
+    range_text: str  #: the valid range, in words
+    valid: Callable[[float], bool]  #: whether a strength is in that range
+    levels: dict[str, tuple[float, ...]] = field(default_factory=dict)  #: App. C's sweep per environment
+    random: bool = False  #: draws per evaluation seed (else deterministic given the model)
+    calibrated: bool = False  #: needs the shared calibration pool
+    zero_is_identity: bool = False  #: strength 0 changes nothing (such a cell is the clean cell)
+
+
+#: ``clean``, the five deployment families of App. C (SparseGPT's levels differ per
+#: environment) and ``plane``, the reward-landscape grid of Fig. 4.
+FAMILIES: dict[str, FamilySpec] = {
+    "clean": FamilySpec("Clean", "none", "", "", "0 (no perturbation)", lambda s: s == 0),
+    "gaussian": FamilySpec("Gaussian", "sigma", r"\sigma", r"$\sigma$", "0 <= sigma (finite); App. C sweeps 0.02-0.20",
+                           lambda s: 0 <= s < math.inf,
+                           {"alfworld": (0.02, 0.05, 0.10, 0.15, 0.20), "webshop": (0.02, 0.05, 0.10, 0.15, 0.20)},
+                           random=True, zero_is_identity=True),
+    "dropout": FamilySpec("Dropout", "p", "p", "$p$", "0 <= p < 1; App. C sweeps 0.01-0.05", lambda s: 0 <= s < 1,
+                          {"alfworld": (0.01, 0.02, 0.03, 0.04, 0.05), "webshop": (0.01, 0.02, 0.03, 0.04, 0.05)},
+                          random=True, zero_is_identity=True),
+    "fisher": FamilySpec("Structured pruning", "r", "r", "$r$", "0 <= r < 1; App. C sweeps 0.05-0.20",
+                         lambda s: 0 <= s < 1, {"alfworld": (0.05, 0.10, 0.15, 0.20), "webshop": (0.05, 0.10, 0.15, 0.20)},
+                         calibrated=True, zero_is_identity=True),
+    "sparsegpt": FamilySpec("Unstructured pruning", "r", "r", "$r$",
+                            "0 <= r < 1; App. C sweeps 0.1-0.4 (WebShop), 0.1-0.7 (ALFWorld)", lambda s: 0 <= s < 1,
+                            {"alfworld": (0.10, 0.30, 0.50, 0.70), "webshop": (0.10, 0.20, 0.30, 0.40)},
+                            calibrated=True, zero_is_identity=True),
+    "rtn": FamilySpec("Quantization", "bits", "bits", "bits", "an integer bit width 2..8; App. C uses 8, 6, 4",
+                      lambda s: float(s).is_integer() and 2 <= s <= 8, {"alfworld": (8, 6, 4), "webshop": (8, 6, 4)}),
+    "plane": FamilySpec("Landscape plane", "w1", "w_1", "$w_1$",
+                        "any finite weight of the first landscape direction (Fig. 4 grid); w2 is an option",
+                        lambda s: math.isfinite(s)),
 }
+
+#: App. C sweep levels, family -> env -> strengths (read from :data:`FAMILIES`).
+PAPER_LEVELS: dict[str, dict[str, list[float]]] = {f: {env: list(v) for env, v in spec.levels.items()}
+                                                   for f, spec in FAMILIES.items() if spec.levels}
+
+
+def family_spec(family: str) -> FamilySpec:
+    """The :class:`FamilySpec` of ``family``, or one ValueError listing the known families."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown perturbation family {family!r}; expected one of {list(FAMILIES)}")
+    return FAMILIES[family]
 
 
 def apply_perturbation(model: nn.Module, family: str, strength: float, seed: int = 0, **kwargs) -> Applied:

@@ -22,13 +22,13 @@ from typing import Any
 
 import yaml
 
-from .advantages import AdvantageConfig
-from .agent import AgentConfig
-from .losses import KL_ESTIMATORS, PPOLossConfig
-from .methods import MethodConfig
-from .models import LoraSettings
-from .rollout import GenerationConfig
-from .sft import SFTConfig
+from sprpo_lib.advantages import AdvantageConfig
+from sprpo_lib.agent import AgentConfig
+from sprpo_lib.engines import GenerationConfig
+from sprpo_lib.losses import KL_ESTIMATORS, PPOLossConfig
+from sprpo_lib.methods import MethodConfig
+from sprpo_lib.models import LoraSettings
+from sprpo_lib.sft import SFTConfig
 
 PROFILES_DIR = Path(__file__).resolve().parent / "configs"
 
@@ -78,7 +78,7 @@ class RolloutConfig:
     agent: AgentConfig = field(default_factory=AgentConfig)
 
     def __post_init__(self):
-        from .engines import ENGINES
+        from sprpo_lib.engines import ENGINES
 
         if self.engine not in ENGINES:
             raise ValueError(f"unknown generation engine {self.engine!r} (rollout.engine); "

@@ -320,7 +320,7 @@ def cache_key(shapes: Sequence[Shape]) -> dict:
 
 
 def _cache_path():
-    from .models import cache_dir
+    from sprpo_lib.paths import cache_dir
 
     return cache_dir().joinpath(*_CACHE_FILE)
 
@@ -365,7 +365,7 @@ def fast_dtype(shapes: Sequence[Shape], device: str | torch.device = "cpu", *, c
             "loadavg_1min": load,  # other processes' load at probe time (the numbers assume an idle machine)
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if cache:
-        from .manifest import atomic_write_json
+        from sprpo_lib.io import atomic_write_json
 
         data = _read_cache(path)
         data[skey] = info

@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from .registry import Registry
+from sprpo_lib.registry import Registry
 
 __all__ = [
     "PPOLossConfig",

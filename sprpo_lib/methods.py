@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .actor import SURROGATE, Actor
-from .perturb import sample_xi
-from .registry import Registry
+from sprpo_lib.actor import SURROGATE, Actor
+from sprpo_lib.perturb import sample_xi
+from sprpo_lib.registry import Registry
 
 
 @dataclass
@@ -94,7 +94,7 @@ def _gen(seed: int, k: int) -> torch.Generator:
     return torch.Generator().manual_seed(int(seed) * 1_000_003 + int(k) * 7919 + 17)
 
 
-def _leaf(t: torch.Tensor, actor: Actor) -> torch.Tensor:
+def grad_leaf(t: torch.Tensor, actor: Actor) -> torch.Tensor:
     """A fresh leaf copy of ``t`` whose ``.grad`` a backward pass fills."""
     return t.detach().to(actor.fc.device, actor.fc.dtype).clone().requires_grad_(True)
 
@@ -205,7 +205,7 @@ class SPrPO(Method):
         if self.cfg.sensitivity == "one_pass":
             return self._update_one_pass(actor, batch, xi)
         stats = actor.ppo_update(batch, xi)  # line 6: theta_{k+1}
-        xi_leaf = _leaf(xi, actor)
+        xi_leaf = grad_leaf(xi, actor)
         with actor.timing("sensitivity_s"):  # line 7: replay D_k at theta_{k+1} under xi_k
             actor.zero_grad()
             replay = actor.backward(batch, xi_leaf, terms=SURROGATE)
@@ -214,7 +214,7 @@ class SPrPO(Method):
         return {**stats, "replay_loss": replay["loss"], "S_hat_mean": float(self.S_hat.mean()), "m_hat": self.m_hat}
 
     def _update_one_pass(self, actor: Actor, batch, xi: torch.Tensor) -> dict:
-        xi_leaf = _leaf(xi, actor)
+        xi_leaf = grad_leaf(xi, actor)
         actor.zero_grad()
         stats = actor.backward(batch, xi_leaf, terms=SURROGATE)  # grad of L_k at theta_k
         self._record(xi_leaf.grad, actor.grad_norm_sq())
@@ -247,3 +247,22 @@ class SPrPO(Method):
 
 def make_method(cfg: MethodConfig, shape: tuple[int, int], seed: int = 0) -> Method:
     return METHODS.get(cfg.name)(cfg, shape, seed)
+
+
+# ----------------------------------------------------------------------------- display
+@dataclass(frozen=True)
+class MethodDisplay:
+    """How figures and tables show a method: its name and its one colour everywhere."""
+
+    label: str
+    color: str
+
+
+#: Every method's label and colour, in the paper's order (the baselines, then SPrPO); the
+#: plans, figures and tables read it.
+METHOD_DISPLAY: dict[str, MethodDisplay] = {
+    "vanilla": MethodDisplay("Vanilla", "#7f7f7f"),
+    "gaussian": MethodDisplay("Gaussian", "#1f77b4"),
+    "sam": MethodDisplay("SAM", "#ff7f0e"),
+    "sprpo": MethodDisplay("SPrPO", "#d62728"),
+}

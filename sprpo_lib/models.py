@@ -29,7 +29,6 @@ projections, rank/alpha 64/64 in the paper) is added with peft by
 from __future__ import annotations
 
 import dataclasses
-
 import importlib.util
 import json
 import logging
@@ -40,7 +39,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .manifest import atomic_dir, cache_dir  # cache_dir: re-exported, the one cache root
+from sprpo_lib.io import atomic_dir
+from sprpo_lib.paths import cache_dir  # cache_dir: re-exported, the one cache root
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def resolve_dtype(dtype: str | torch.dtype, shapes=None, device: str | torch.dev
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        from .hardware import fast_dtype
+        from sprpo_lib.hardware import fast_dtype
 
         if not shapes:
             raise ValueError("dtype='auto' needs the model's linear shapes to probe")
@@ -248,7 +248,7 @@ def build_tiny(kind: str = "tiny-qwen2", seed: int = 0, cfg: TinyConfig | None =
     return model, tok
 
 
-def _looks_like_hub_id(spec: str) -> bool:
+def looks_like_hub_id(spec: str) -> bool:
     parts = spec.split("/")
     return len(parts) == 2 and all(parts) and not spec.startswith((".", "/", "~"))
 
@@ -299,7 +299,7 @@ def load_policy(
             meta["cache_hit"] = cached
         elif Path(spec).expanduser().is_dir():
             path = Path(spec).expanduser()
-        elif _looks_like_hub_id(spec):
+        elif looks_like_hub_id(spec):
             path = spec
         else:
             raise ValueError(
@@ -341,7 +341,7 @@ def _real_model_dtype(dtype, path, device, trust_remote_code: bool, meta: dict) 
         return resolve_dtype(dtype)
     from transformers import AutoConfig
 
-    from .hardware import linear_shapes
+    from sprpo_lib.hardware import linear_shapes
 
     config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     config = getattr(config, "text_config", None) or config

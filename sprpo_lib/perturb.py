@@ -35,7 +35,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from .models import ffn_modules
+from sprpo_lib.models import ffn_modules
 
 
 class FFNChannels:

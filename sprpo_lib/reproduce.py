@@ -1,8 +1,14 @@
 """Regenerate every figure and table: run the numbered notebooks headlessly (papermill).
 
-    python -m sprpo_lib.reproduce --profile smoke   # tiny random model, a minute; CI
-    python -m sprpo_lib.reproduce --profile cpu     # embedded SmolLM2 + offline envs, figures/
-    python -m sprpo_lib.reproduce --profile paper   # Qwen2.5-1.5B-Instruct (local copy), GPU
+    sprpo-reproduce --profile smoke   # tiny random model, minutes; CI
+    sprpo-reproduce --profile cpu     # embedded SmolLM2 + offline envs, figures/
+    sprpo-reproduce --profile paper   # Qwen2.5-1.5B-Instruct (local copy), GPU
+
+(``python -m sprpo_lib.reproduce`` is the same command.)  Each notebook runs with its own
+folder as the working directory, as JupyterLab runs it; every path it writes is resolved
+against the project root (:mod:`sprpo_lib.paths`).  Long cells stream their progress to
+this terminal: training iterations with their seconds and an ETA, evaluation cells done /
+total (:mod:`sprpo_lib.progress`).
 
 Each notebook has exactly one ``parameters`` cell; a profile is a set of parameter
 overrides per notebook.  Executed notebooks land in ``runs/<profile>/notebooks/``; the
@@ -20,17 +26,37 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
-from .manifest import atomic_write_json, git_commit
+from sprpo_lib.io import atomic_write_json, atomic_write_text, read_cached
+from sprpo_lib.manifest import git_commit
+from sprpo_lib.paths import notebooks_dir, package_checkout, project_path, project_root
+from sprpo_lib.paths import runs_dir as project_runs
+from sprpo_lib.progress import PROGRESS_ENV
 
-ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOKS = ROOT / "notebooks"
-
-#: Notebooks of the robustness experiments (plans in :data:`sprpo_lib.experiments.PLANS`).
+#: Notebooks of the robustness experiments (plans in :data:`sprpo_lib.paper.experiments.PLANS`).
 RESULT_NOTEBOOKS = ("03_motivation", "04_robustness", "05_landscape", "06_overhead", "07_examples")
+
+#: What each notebook reproduces and what it writes (README "What reproduces what" is generated
+#: from this table).
+NOTEBOOK_INFO: dict[str, tuple[str, str]] = {
+    "00_quickstart": ("the five deployment perturbations of App. C on one prompt",
+                      "`00_quickstart_perturbations.png/.csv`"),
+    "01_training": ("training curves (App. B); warm start vs. RL", "`01_training_<env>.png`, `_metrics.csv`, `_summary.csv`"),
+    "02_theory": ("Lemma 1, Theorem 1, Corollary 1, Theorem 2 checked on exact MDPs; Fig. 2",
+                  "`02_theory_*.png/.pdf/.csv`, `02_theory_summary.tex`"),
+    "03_motivation": ("Fig. 1", "`03_motivation_<env>.png/.pdf`, `_summary.csv`, `_rows.csv`"),
+    "04_robustness": ("Fig. 3, Table 1, appendix overall and ID/OOD tables, paired comparisons",
+                      "`04_robustness_<env>_curves.png/.pdf`, `_table1.tex/.csv`, `_appendix.tex/.csv`, `_paired.csv`, "
+                      "`headline_<profile>.json/.md`"),
+    "05_landscape": ("Fig. 4 (reward landscape)", "`05_landscape_<env>.png/.pdf`, `_grid.csv`"),
+    "06_overhead": ("appendix table \"Training overhead\"", "`06_overhead_<env>.tex/.csv`"),
+    "07_examples": ("appendix \"Qualitative examples\"", "`07_examples_<env>.md/.csv`"),
+}
+
 
 PROFILES: dict[str, dict] = {
     "smoke": {
@@ -75,7 +101,7 @@ def plan(profile: str, only: list[str] | None = None, model: str | None = None,
     for name in sorted(prof["notebooks"]):
         if only and not any(name.startswith(o) for o in only):
             continue
-        path = NOTEBOOKS / f"{name}.ipynb"
+        path = notebooks_dir() / f"{name}.ipynb"
         if not path.is_file():
             raise SystemExit(f"profile {profile!r} lists {path}, which does not exist")
         params = {"out_dir": str(out_dir or prof["out_dir"]), **prof["notebooks"][name]}
@@ -104,15 +130,26 @@ def _artifacts(out_dir: Path, since: float) -> list[str]:
                   for m in out_dir.glob("*.manifest.json") if m.stat().st_mtime >= since - 1)
 
 
+def kernel_environment(stream: bool) -> dict[str, str]:
+    """What the notebook kernels inherit: this checkout importable (also without ``pip
+    install -e .``) and, when streaming, progress bars as text lines."""
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(package_checkout()), os.environ.get("PYTHONPATH")) if p)}
+    if stream:
+        env[PROGRESS_ENV] = "lines"
+    return env
+
+
 def run(profile: str, only: list[str] | None = None, force: bool = False, model: str | None = None,
-        runs_dir: Path | None = None, out_dir: str | None = None, render_only: bool = False) -> list[dict]:
-    """Execute the profile's notebooks; returns one status record per notebook (with the
-    figures and tables it wrote).  ``render_only`` redraws from the cached results:
-    notebooks with a ``render_only`` parameter run with it set, the others (which
-    compute in the notebook) are skipped and say so."""
+        runs_dir: Path | None = None, out_dir: str | None = None, render_only: bool = False,
+        stream: bool = False) -> list[dict]:
+    """Execute the profile's notebooks, each in its own folder; returns one status record
+    per notebook (with the figures and tables it wrote).  ``render_only`` redraws from the
+    cached results: notebooks with a ``render_only`` parameter run with it set, the others
+    (which compute in the notebook) are skipped and say so.  ``stream``: the kernels'
+    output (progress bars as lines) goes to this process's stdout/stderr as it comes."""
     import papermill as pm
 
-    runs_dir = Path(runs_dir or ROOT / "runs") / profile
+    runs_dir = (project_path(runs_dir) if runs_dir else project_runs()) / profile
     commit = git_commit()
     records = []
     jobs = plan(profile, only, model, out_dir)
@@ -142,65 +179,116 @@ def run(profile: str, only: list[str] | None = None, force: bool = False, model:
         print(f"{head} with {params}", flush=True)
         out_nb.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.time()
-        pm.execute_notebook(
-            str(path), str(out_nb), parameters=params, cwd=str(ROOT), kernel_name="python3", progress_bar=True
-        )
+        saved = {k: os.environ.get(k) for k in (*kernel_environment(stream), PROGRESS_ENV)}
+        os.environ.update(kernel_environment(stream))  # inherited by the kernel papermill starts
+        try:
+            pm.execute_notebook(str(path), str(out_nb), parameters=params, cwd=str(path.parent), kernel_name="python3",
+                                progress_bar=not stream, log_output=stream,
+                                stdout_file=sys.stdout if stream else None, stderr_file=sys.stderr if stream else None)
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
         rec = {"notebook": path.stem, "status": "rendered" if render_only else "ok",
                "seconds": round(time.time() - t0, 1),
-               "artifacts": _artifacts(ROOT / params["out_dir"] if not Path(params["out_dir"]).is_absolute()
-                                       else Path(params["out_dir"]), t0)}
+               "artifacts": _artifacts(project_path(params["out_dir"]), t0)}
         if not render_only:
             atomic_write_json(stamp, {"key": key, **rec})
         records.append(rec)
     return records
 
 
-def update_readme(profile: str, out_dir: str, readme: Path = ROOT / "README.md") -> bool:
-    """Copy ``<out_dir>/headline_<profile>.md`` into the README's generated block
-    ``headline-<profile>`` (no number in the README is typed by hand)."""
-    from .results import replace_block
+def notebooks_table() -> str:
+    """Markdown: each notebook, what of the paper it reproduces, and what it writes."""
+    lines = ["| notebook | reproduces | writes (to `figures/`, each with a `.manifest.json`) |", "|---|---|---|"]
+    lines += [f"| `{nb}` | {paper} | {files} |" for nb, (paper, files) in NOTEBOOK_INFO.items()]
+    return "\n".join(lines) + "\n"
 
-    src = (ROOT / out_dir / f"headline_{profile}.md") if not Path(out_dir).is_absolute() else \
-        Path(out_dir) / f"headline_{profile}.md"
-    if not src.is_file() or not readme.is_file() or f"<!-- headline-{profile}:begin -->" not in readme.read_text():
+
+def stage_table(profile: str, out_dir: str | Path | None = None) -> str:
+    """Markdown: each notebook's measured wall time, read from the manifests of the figures
+    and tables it wrote (a render-only pass records no compute time)."""
+    out = project_path(out_dir or PROFILES[profile]["out_dir"])
+    lines = ["| notebook | wall time | date | machine |", "|---|---|---|---|"]
+    total = 0.0
+    for nb in PROFILES[profile]["notebooks"]:
+        paths = list(out.glob(f"{nb}_*.manifest.json")) + (list(out.glob(f"headline_{profile}.*.manifest.json"))
+                                                           if nb == "04_robustness" else [])
+        mans = [m for m in (read_cached(p) for p in paths) if isinstance(m, dict)]
+        computed = [m for m in mans if not (m.get("config") or {}).get("render_only")]
+        if not computed:
+            lines.append(f"| `{nb}` | {'rendered only' if mans else 'not run'} | | |")
+            continue
+        m = max(computed, key=lambda m: m.get("wall_seconds") or 0)
+        secs = float(m.get("wall_seconds") or 0)
+        total += secs
+        host = m.get("host", {})
+        machine = ", ".join(str(host[k]) for k in ("cpu_model", "cpu_class", "capability") if host.get(k))
+        lines.append(f"| `{nb}` | {secs / 60:.1f} min | {str(m.get('date', ''))[:10]} | {machine} |")
+    lines.append(f"| all | {total / 60:.1f} min | | |")
+    return "\n".join(lines) + "\n"
+
+
+def update_readme(profile: str, out_dir: str, readme: Path | None = None) -> bool:
+    """Refresh the README's generated blocks from ``out_dir``: the headline numbers
+    (``headline-<profile>``, from ``headline_<profile>.md``), the stage times
+    (``stages-<profile>``, from the manifests) and the notebook table (``notebooks``).
+    No number in the README is typed by hand."""
+    from sprpo_lib.paper.results import replace_block
+
+    root = project_root()
+    readme = readme or root / "README.md"
+    if not readme.is_file():
         return False
-    from .manifest import atomic_write_text
-
-    body = f"<!-- generated from {src.relative_to(ROOT) if src.is_relative_to(ROOT) else src}; do not edit -->\n" \
-        + src.read_text()
-    atomic_write_text(readme, replace_block(readme.read_text(), f"headline-{profile}", body))
+    text = readme.read_text()
+    src = project_path(out_dir) / f"headline_{profile}.md"
+    if src.is_file() and f"<!-- headline-{profile}:begin -->" in text:
+        where = src.relative_to(root) if src.is_relative_to(root) else src
+        text = replace_block(text, f"headline-{profile}", f"<!-- generated from {where}; do not edit -->\n"
+                             + src.read_text())
+    if f"<!-- stages-{profile}:begin -->" in text:
+        text = replace_block(text, f"stages-{profile}", "<!-- generated from the manifests by sprpo-reproduce; "
+                             "do not edit -->\n" + stage_table(profile, out_dir))
+    if "<!-- notebooks:begin -->" in text:
+        text = replace_block(text, "notebooks", "<!-- generated from sprpo_lib.reproduce.NOTEBOOK_INFO; do not edit -->\n"
+                             + notebooks_table())
+    if text == readme.read_text():
+        return False
+    atomic_write_text(readme, text)
     return True
 
 
 def print_summary(profile: str, records: list[dict], seconds: float) -> None:
     """Each notebook, its status and time, and the figures and tables it wrote."""
+    root = project_root()
     print(f"\n[reproduce] profile {profile}: {len(records)} notebook(s) in {seconds:.0f} s")
     for r in records:
         print(f"  {r['notebook']:<16} {r['status']:<13} {str(r.get('seconds', '')):>8} s")
         for a in r.get("artifacts", []):
-            print(f"      {Path(a).relative_to(ROOT) if Path(a).is_relative_to(ROOT) else a}")
+            print(f"      {Path(a).relative_to(root) if Path(a).is_relative_to(root) else a}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sprpo_lib.reproduce", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="sprpo-reproduce", description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", default="cpu", choices=sorted(PROFILES))
     ap.add_argument("--only", nargs="*", help="notebook name prefixes, e.g. --only 00 03")
     ap.add_argument("--force", action="store_true", help="rerun notebooks that are up to date")
     ap.add_argument("--render-only", action="store_true",
                     help="redraw figures and tables from the cached results (no training, no evaluation)")
     ap.add_argument("--model", help="override the policy model (a local HF directory or hub id)")
-    ap.add_argument("--runs-dir", type=Path, help="where executed notebooks go (default: runs/)")
+    ap.add_argument("--runs-dir", type=Path, help="where executed notebooks go (default: runs/ under the project root)")
+    ap.add_argument("--quiet", action="store_true", help="papermill's cell bar only, no streamed progress")
     args = ap.parse_args(argv)
     t0 = time.time()
-    records = run(args.profile, args.only, args.force, args.model, args.runs_dir, render_only=args.render_only)
+    records = run(args.profile, args.only, args.force, args.model, args.runs_dir, render_only=args.render_only,
+                  stream=not args.quiet)
     print_summary(args.profile, records, time.time() - t0)
     out_dir = PROFILES[args.profile]["out_dir"]
-    atomic_write_json(Path(args.runs_dir or ROOT / "runs") / args.profile / "reproduce_summary.json",
+    atomic_write_json((project_path(args.runs_dir) if args.runs_dir else project_runs()) / args.profile
+                      / "reproduce_summary.json",
                       {"profile": args.profile, "commit": git_commit(), "seconds": round(time.time() - t0, 1),
                        "render_only": args.render_only, "notebooks": records})
     if args.profile != "smoke" and update_readme(args.profile, out_dir):
-        print(f"[reproduce] README.md: headline numbers of the {args.profile} profile updated from "
-              f"{out_dir}/headline_{args.profile}.md")
+        print(f"[reproduce] README.md: generated blocks of the {args.profile} profile updated from {out_dir}/")
     return 0
 
 

@@ -1,10 +1,10 @@
 """Vectorised rollouts: N episodes stepped together so one batched generation serves
 them all (Alg. 1 line 5 "Collect D_k").
 
-* :class:`HFGenerator` batches prompts through ``model.generate`` (left padding,
-  temperature sampling, stop at ``</action>``) and keeps prompt/response token ids for
-  the update.  Any FFN perturbation in force (``with FFNChannels(...)``) applies to it:
-  the paper holds one xi through the whole rollout.
+* Generation goes through an engine of :mod:`sprpo_lib.engines` (any callable mapping
+  prompts to :class:`~sprpo_lib.engines.Generation` records with prompt/response token
+  ids for the update).  Any FFN perturbation in force (``with FFNChannels(...)``)
+  applies to it: the paper holds one xi through the whole rollout.
 * :func:`run_groups` plays ``group_size`` rollouts of each task (GiGPO's groups share
   the task and its preparation), step by step, and records each episode.
 * Environment work runs in-process (:class:`SerialEnvs`) or in worker processes
@@ -21,106 +21,13 @@ import multiprocessing as mp
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
-import torch
-from tqdm.auto import tqdm
-
-from .agent import AgentConfig, HistoryStep, chat_text, extract_action, fit_prompt
-from .envs.base import Observation, TaskPool
-from .manifest import JsonLines
-
-
-# ----------------------------------------------------------------------------- generation
-@dataclass
-class Generation:
-    text: str
-    prompt_ids: list[int]
-    response_ids: list[int]
-
-
-class Generator(Protocol):
-    def __call__(self, prompts: Sequence[str]) -> list[Generation]: ...
-
-
-@dataclass
-class GenerationConfig:
-    """Sampling settings (App. B/C: temperature 0.4 for validation; training samples
-    at the rollout temperature, 1.0 by default as in verl).
-
-    ``prefix_caching``: engines that keep a paged KV cache (``openvino``, ``vllm``) reuse
-    the keys/values of prompt prefixes they computed in earlier calls with the same weights
-    (an agent's next prompt repeats its task and most of its interaction context); vLLM's
-    default, so on by default.  It changes what is recomputed, not what is computed; ``hf``
-    has no cache across calls and ignores it.
-
-    ``max_batched_tokens``: tokens per step of the ``openvino`` engine's continuous-batching
-    scheduler (GenAI's ``max_num_batched_tokens``; prompts are prefilled in chunks of this
-    size, fused with the decoding rows).  GenAI's CPU default is 256; 1,024 evaluated the
-    ``cpu`` profile's held-out set about 10% faster (README, Benchmarks).  The chunking
-    changes bfloat16 rounding, so it is part of the evaluation cache key; ``hf`` and
-    ``vllm`` (which keeps vLLM's own default) ignore it."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 48
-    batch_size: int = 16
-    stop: str = "</action>"
-    seed: int = 0
-    prefix_caching: bool = True
-    max_batched_tokens: int = 1024
-
-    def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.max_new_tokens < 1 or self.batch_size < 1:
-            raise ValueError("max_new_tokens and batch_size must be >= 1")
-        if self.max_batched_tokens < 16:
-            raise ValueError(f"max_batched_tokens must be >= 16 (tokens per scheduler step), got {self.max_batched_tokens}")
-
-
-class HFGenerator:
-    """Batched sampling from a transformers causal LM, seeded per call."""
-
-    def __init__(self, policy, cfg: GenerationConfig | None = None, agent: AgentConfig | None = None):
-        self.policy = policy
-        self.cfg = cfg or GenerationConfig()
-        self.agent = agent or AgentConfig()
-        self.calls = 0
-
-    def _cut(self, ids: list[int]) -> list[int]:
-        tok = self.policy.tokenizer
-        for i, t in enumerate(ids):
-            if t == tok.eos_token_id:
-                return ids[: i + 1]  # keep the end-of-turn token: it is part of the response
-            if t == tok.pad_token_id:
-                return ids[:i]
-        return ids
-
-    @torch.no_grad()
-    def __call__(self, prompts: Sequence[str]) -> list[Generation]:
-        tok, model, cfg = self.policy.tokenizer, self.policy.model, self.cfg
-        texts = [chat_text(tok, p, self.agent) for p in prompts]
-        out: list[Generation] = []
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.seed * 1_000_003 + self.calls)
-            self.calls += 1
-            for i in range(0, len(texts), cfg.batch_size):
-                enc = tok(texts[i : i + cfg.batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
-                enc = enc.to(self.policy.device)
-                kw = dict(do_sample=cfg.temperature > 0, max_new_tokens=cfg.max_new_tokens,
-                          pad_token_id=tok.pad_token_id, stop_strings=[cfg.stop], tokenizer=tok)
-                if cfg.temperature > 0:
-                    kw.update(temperature=cfg.temperature, top_p=cfg.top_p, top_k=0)
-                gen = model.generate(**enc, **kw)
-                width = enc["input_ids"].shape[1]
-                for row, att, full in zip(enc["input_ids"], enc["attention_mask"], gen):
-                    p_ids = row[att.bool()].tolist()
-                    r_ids = self._cut(full[width:].tolist())
-                    out.append(Generation(tok.decode(r_ids, skip_special_tokens=True), p_ids, r_ids))
-        return out
+from sprpo_lib.agent import AgentConfig, HistoryStep, extract_action, fit_prompt
+from sprpo_lib.engines.base import Generation, Generator
+from sprpo_lib.envs.base import Observation, TaskPool
+from sprpo_lib.io import JsonLines
+from sprpo_lib.progress import progress_bar
 
 
 # ----------------------------------------------------------------------------- records
@@ -382,7 +289,7 @@ def run_groups(
         records[eid] = EpisodeRecord(pool.name, split, idx, task_id, g, r, instruction)
         current[eid], history[eid] = obs, []
     live = sorted(current)
-    bar = tqdm(total=max_steps, desc=f"rollout {pool.name}", disable=not progress, leave=False)
+    bar = progress_bar(total=max_steps, desc=f"rollout {pool.name}", disable=not progress, leave=False)
     for step in range(max_steps):
         if not live:
             break
@@ -434,7 +341,7 @@ class RandomAdmissibleGenerator:
         self.rng = random.Random(seed)
 
     def __call__(self, prompts: Sequence[str]) -> list[Generation]:
-        from .envs.baselines import random_action
+        from sprpo_lib.envs.baselines import random_action
 
         out = []
         for p in prompts:

@@ -59,15 +59,15 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 import torch
-from tqdm.auto import tqdm
 
-from .agent import AgentConfig, HistoryStep, build_prompt, chat_text, extract_action
-from .envs.base import TaskPool
-from .envs.baselines import random_action
-from .losses import token_logprobs
-from .manifest import CorruptFileError, JsonLines, atomic_dir, atomic_write_json, read_json, read_safetensors
-from .models import LoraSettings, Policy, add_lora, lora_on_last_layers
-from .registry import Registry
+from sprpo_lib.agent import AgentConfig, HistoryStep, build_prompt, chat_text, extract_action
+from sprpo_lib.envs.base import TaskPool
+from sprpo_lib.envs.baselines import random_action
+from sprpo_lib.io import CorruptFileError, JsonLines, atomic_dir, atomic_write_json, read_json, read_safetensors
+from sprpo_lib.losses import token_logprobs
+from sprpo_lib.models import LoraSettings, Policy, add_lora, lora_on_last_layers
+from sprpo_lib.progress import progress_bar
+from sprpo_lib.registry import Registry
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +220,7 @@ def collect_demonstrations(
 
 def save_demos(path: str | Path, demos: Sequence[Demo]) -> Path:
     """Write demonstrations as JSON lines (atomically)."""
-    from .manifest import atomic_write_text
+    from sprpo_lib.io import atomic_write_text
 
     return atomic_write_text(path, "".join(json.dumps(asdict(d)) + "\n" for d in demos))
 
@@ -396,7 +396,7 @@ def _lora_settings(model, cfg: SFTConfig) -> LoraSettings:
     return lora_on_last_layers(model, cfg.lora, cfg.lora_layers)
 
 
-def _lr_at(step: int, total: int, cfg: SFTConfig) -> float:
+def lr_at(step: int, total: int, cfg: SFTConfig) -> float:
     """Learning rate of optimizer step ``step`` (0-based)."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
@@ -419,7 +419,7 @@ def save_adapter(policy: Policy, path: str | Path) -> Path:
 def check_adapter(path: str | Path) -> Path:
     """A whole peft adapter folder (``save_pretrained``, safetensors): ``adapter_config.json``
     a JSON object, every tensor of ``adapter_model.safetensors`` readable (a truncated or
-    garbage file is refused).  Raises :class:`~sprpo_lib.manifest.CorruptFileError` naming
+    garbage file is refused).  Raises :class:`~sprpo_lib.io.CorruptFileError` naming
     the bad file, ``FileNotFoundError`` when the folder is missing."""
     path = Path(path)
     if not path.is_dir():
@@ -456,7 +456,7 @@ def load_adapter(policy: Policy, path: str | Path, trainable: bool = False, merg
     policy.model.eval()
     policy.meta["sft_adapter"] = str(path)
     if merge:
-        from .models import merge_lora
+        from sprpo_lib.models import merge_lora
 
         merge_lora(policy)
     return policy
@@ -530,7 +530,7 @@ def train_sft(
     step, n_tok_all, stopped = 0, 0, "done"
     first_loss = final_loss = None
     win_nll, win_tok = 0.0, 0
-    bar = tqdm(total=total, desc="sft", disable=not progress, leave=False)
+    bar = progress_bar(total=total, desc="sft", disable=not progress, leave=False)
     model.train()
     try:
         for epoch in range(cfg.epochs):
@@ -542,7 +542,7 @@ def train_sft(
                     break
                 chunk = [encoded[i] for i in order[s0 : s0 + per_step]]
                 n_tok = sum(len(r) for _, r in chunk)
-                lr = _lr_at(step, total, cfg)
+                lr = lr_at(step, total, cfg)
                 for g in opt.param_groups:
                     g["lr"] = lr
                 opt.zero_grad(set_to_none=True)
@@ -643,7 +643,7 @@ def admissible_from_prompt(prompt: str) -> list[str]:
     return [line[2:] for line in block.splitlines() if line.startswith("- ")]
 
 
-def _is_admissible(action: str, admissible: Sequence[str]) -> bool:
+def is_admissible(action: str, admissible: Sequence[str]) -> bool:
     if action in admissible:
         return True
     for a in admissible:  # a template "name[<...>]" admits any "name[...]"
@@ -684,9 +684,9 @@ def evaluate_format(
         episodes with every response valid), ``first_valid_rate`` (first step valid),
         ``mean_length``, ``steps``, ``generate_s``, ``env_s``, ``seconds``.
     """
-    from .agent import token_counter
-    from .engines import close_engine, make_engine
-    from .rollout import EpisodeLog, GenerationConfig, SerialEnvs, run_groups
+    from sprpo_lib.agent import token_counter
+    from sprpo_lib.engines import GenerationConfig, close_engine, make_engine
+    from sprpo_lib.rollout import EpisodeLog, SerialEnvs, run_groups
 
     agent = agent or AgentConfig()
     gen = gen or GenerationConfig(temperature=0.4)
@@ -709,7 +709,7 @@ def evaluate_format(
         "success_rate": sum(e.success for e in episodes) / n_ep,
         "mean_score": sum(e.score for e in episodes) / n_ep,
         "valid_rate": sum(s.valid for s in steps) / n_st,
-        "admissible_rate": sum(s.valid and _is_admissible(s.action, admissible_from_prompt(s.prompt))
+        "admissible_rate": sum(s.valid and is_admissible(s.action, admissible_from_prompt(s.prompt))
                                for s in steps) / n_st,
         "all_valid_rate": sum(all(s.valid for s in e.steps) for e in episodes) / n_ep,
         "first_valid_rate": sum(bool(e.steps) and e.steps[0].valid for e in episodes) / n_ep,

@@ -1,8 +1,8 @@
 """RL training of LLM agents: GiGPO advantages + PPO with LoRA, for every method in
 :mod:`sprpo_lib.methods` (App. B "Training Details", Algs. 1-4).
 
-    python -m sprpo_lib.train --env webshop --method sprpo --profile cpu --seed 0
-    python -m sprpo_lib.train --profile smoke method.rho=0.1 rollout.group_size=4
+    sprpo-train --env webshop --method sprpo --profile cpu --seed 0   # = python -m sprpo_lib.train
+    sprpo-train --profile smoke method.rho=0.1 rollout.group_size=4
 
 One iteration k (Alg. 1) is :meth:`Trainer.collect` then :meth:`Trainer.update`:
 
@@ -34,20 +34,21 @@ from pathlib import Path
 
 import torch
 
-from .actor import Actor
-from .agent import AgentConfig, token_counter
-from .batch import build_batch
-from .checkpoint import load_checkpoint, save_checkpoint
-from .config import TrainConfig, config_dict, load_config
-from .envs import make_pool
-from .evaluate import eval_is_current, evaluate_policy
-from .manifest import CorruptFileError, JsonLines, atomic_dir, atomic_write_json, git_commit, read_cached
-from .methods import make_method
-from .models import add_lora, load_policy, lora_on_last_layers
-from .engines import close_engine, effective_weights, make_engine
-from .rollout import EpisodeLog, ProcessEnvs, SerialEnvs, run_groups
+from sprpo_lib.actor import Actor
+from sprpo_lib.agent import AgentConfig, token_counter
+from sprpo_lib.batch import build_batch
+from sprpo_lib.checkpoint import load_checkpoint, save_checkpoint
+from sprpo_lib.config import TrainConfig, config_dict, load_config
+from sprpo_lib.engines import close_engine, effective_weights, make_engine
+from sprpo_lib.envs import make_pool
+from sprpo_lib.heldout import eval_is_current, evaluate_policy
+from sprpo_lib.io import CorruptFileError, JsonLines, atomic_dir, atomic_write_json, read_cached
+from sprpo_lib.manifest import git_commit
+from sprpo_lib.methods import make_method
+from sprpo_lib.models import add_lora, load_policy, lora_on_last_layers
+from sprpo_lib.paths import project_path, runs_dir
+from sprpo_lib.rollout import EpisodeLog, ProcessEnvs, SerialEnvs, run_groups
 
-ROOT = Path(__file__).resolve().parents[1]
 log = logging.getLogger(__name__)
 
 __all__ = ["Trainer", "train", "load_config", "TrainConfig", "warm_start_key", "default_out_dir", "main"]
@@ -61,7 +62,7 @@ class Trainer:
         self.progress = progress
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        self.out = Path(out_dir or cfg.out_dir or default_out_dir(cfg))
+        self.out = project_path(out_dir or cfg.out_dir or default_out_dir(cfg))
         self.policy = load_policy(cfg.model.spec, dtype=cfg.model.dtype, seed=cfg.seed)
         factory = partial(make_pool, cfg.env.name, cfg.env.data_dir, cfg.env.seed)
         self.envs = ProcessEnvs(factory, cfg.env.workers) if cfg.env.workers else SerialEnvs(factory)
@@ -196,14 +197,20 @@ def warm_start_key(cfg: TrainConfig, agent: AgentConfig) -> str:
     ).encode()).hexdigest()[:12]
 
 
+def warm_start_dir(cfg: TrainConfig, agent: AgentConfig | None = None) -> Path:
+    """The one folder of a warm start: ``runs/sft/<env>-<key>`` under the project root
+    (adapter, ``eval.json``, ``eval_episodes.jsonl``); ``agent`` defaults to the run's."""
+    return runs_dir("sft", f"{cfg.env.name}-{warm_start_key(cfg, agent or cfg.rollout.agent)}")
+
+
 def warm_start_policy(policy, pool, cfg: TrainConfig, agent: AgentConfig, progress: bool = True) -> Path:
     """Supervised warm start: behaviour cloning on demonstrations in the exact RL prompt
     format, cached under ``runs/sft/<env>-<key>/``, then merged into the base weights,
     so RL adds its own fresh LoRA on top, as it would on an instruct model."""
-    from .models import merge_lora
-    from .sft import load_adapter, warm_start
+    from sprpo_lib.models import merge_lora
+    from sprpo_lib.sft import load_adapter, warm_start
 
-    out = ROOT / "runs" / "sft" / f"{cfg.env.name}-{warm_start_key(cfg, agent)}"
+    out = warm_start_dir(cfg, agent)
     if (out / "adapter").is_dir() and not adapter_is_whole(out / "adapter"):  # a cache: rebuilt, never loaded
         shutil.rmtree(out / "adapter")
         for name in ("eval.json", "eval_episodes.jsonl"):  # they described the old adapter
@@ -221,7 +228,8 @@ def warm_start_policy(policy, pool, cfg: TrainConfig, agent: AgentConfig, progre
 
 
 def default_out_dir(cfg: TrainConfig) -> Path:
-    return ROOT / "runs" / "train" / f"{cfg.env.name}-{cfg.method.name}-{cfg.profile}-seed{cfg.seed}"
+    """A run's folder: ``runs/train/<env>-<method>-<profile>-seed<seed>`` under the project root."""
+    return runs_dir("train", f"{cfg.env.name}-{cfg.method.name}-{cfg.profile}-seed{cfg.seed}")
 
 
 def _publish_adapter(model, final: Path) -> None:
@@ -232,7 +240,7 @@ def _publish_adapter(model, final: Path) -> None:
 def adapter_is_whole(path: Path) -> bool:
     """Whether ``path`` is a whole saved adapter (missing or damaged: False, with a warning
     for damage, so that it is written again)."""
-    from .sft import check_adapter
+    from sprpo_lib.sft import check_adapter
 
     if not path.is_dir():
         return False
@@ -262,9 +270,9 @@ def is_complete(cfg: TrainConfig, out: Path) -> bool:
 
 def train(cfg: TrainConfig, out_dir: str | Path | None = None, fresh: bool = False, progress: bool = True) -> Path:
     """Run (or resume, or extend) training; returns the output folder."""
-    from tqdm.auto import tqdm
+    from sprpo_lib.progress import progress_bar
 
-    done = Path(out_dir or cfg.out_dir or default_out_dir(cfg))
+    done = project_path(out_dir or cfg.out_dir or default_out_dir(cfg))
     if not fresh and is_complete(cfg, done):  # nothing to do: found without loading the model
         return done
 
@@ -287,13 +295,13 @@ def train(cfg: TrainConfig, out_dir: str | Path | None = None, fresh: bool = Fal
         start = 0 if done is None else done + 1
         metrics = JsonLines(out / "metrics.jsonl")
         metrics.truncate(lambda row: row["iteration"] < start)  # drop iterations after the checkpoint
-        bar = tqdm(range(start, cfg.iterations), desc=f"train {cfg.method.name}", disable=not progress,
+        bar = progress_bar(range(start, cfg.iterations), desc=f"train {cfg.method.name}", disable=not progress,
                    initial=start, total=cfg.iterations)
         for k in bar:
             m = tr.iteration(k)
             metrics.append(m)
             tr.save(k)
-            bar.set_postfix(success=f"{m['success']:.2f}", valid=f"{m['valid_rate']:.2f}")
+            bar.set_postfix(success=f"{m['success']:.2f}", valid=f"{m['valid_rate']:.2f}", last_s=f"{m['wall_s']:.0f}")
         final = out / "final"
         if start < cfg.iterations or not adapter_is_whole(final / "adapter"):  # (re)written with its eval dropped
             _publish_adapter(tr.model, final)
@@ -307,13 +315,13 @@ def train(cfg: TrainConfig, out_dir: str | Path | None = None, fresh: bool = Fal
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sprpo_lib.train", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="sprpo-train", description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", default="cpu", help="smoke | cpu | paper (sprpo_lib/configs/*.yaml)")
     ap.add_argument("--env", choices=["webshop", "alfworld"])
     ap.add_argument("--method", help="vanilla | gaussian | sam | sprpo")
     ap.add_argument("--seed", type=int)
     ap.add_argument("--iterations", type=int)
-    ap.add_argument("--out", help="output folder (default runs/train/<env>-<method>-<profile>-seed<seed>)")
+    ap.add_argument("--out", help="output folder (default runs/train/<env>-<method>-<profile>-seed<seed>; relative paths are under the project root)")
     ap.add_argument("--fresh", action="store_true", help="delete the output folder and start over")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--warm-start-only", action="store_true",

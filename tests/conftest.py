@@ -8,6 +8,9 @@ import types
 import pytest
 import torch
 
+from sprpo_lib.engines import GenerationConfig
+from sprpo_lib.models import LoraSettings, add_lora, load_policy
+
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
@@ -59,3 +62,65 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# ----------------------------------------------------------------------------- engine test helpers
+# (shared by test_engines.py and test_engine_openvino.py)
+# varied lengths (a few to ~150 characters), more prompts than one batch
+PROMPTS = [f"task {i}: " + "put the mug in the coffeemachine, then look. " * (i % 4) + "x" * (7 * i % 11)
+           for i in range(11)]
+NEVER = "@@never@@"
+
+
+def greedy(**kw) -> GenerationConfig:
+    return GenerationConfig(**{"temperature": 0.0, "max_new_tokens": 24, "batch_size": 4, **kw})
+
+
+def lora_policy(spec: str):
+    pol = load_policy(spec, seed=0)
+    add_lora(pol, LoraSettings(rank=4, alpha=8))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, p in pol.model.named_parameters():
+            if "lora_B" in n:  # B starts at zero: make the adapters do something
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    return pol
+
+
+def same_tokens(a, b) -> int:
+    return sum(x.response_ids == y.response_ids and x.prompt_ids == y.prompt_ids and x.text == y.text
+               for x, y in zip(a, b))
+
+
+def stop_that_splits(texts: list[str]) -> str:
+    """A two-letter string that some responses contain (at different places) and some do not."""
+    best, score = None, -1
+    for t in texts:
+        for i in range(len(t) - 1):
+            s = t[i : i + 2]
+            if not (s.isascii() and s.isalnum()):
+                continue
+            where = {x.find(s) for x in texts}
+            hits = sum(s in x for x in texts)
+            if 0 < hits < len(texts) and len(where) > score:
+                best, score = s, len(where)
+    assert best is not None, "no usable stop string in these outputs"
+    return best
+
+
+def scripted(spec: str, chain: str):
+    """A tiny model whose greedy continuation of a chat prompt is ``chain`` then the
+    end-of-turn token: attention and FFN outputs are zeroed so the logits depend on the
+    current token only, and the output layer maps each token to its successor."""
+    pol = load_policy(spec, seed=0)
+    tok, m = pol.tokenizer, pol.model
+    with torch.no_grad():
+        for layer in m.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        e = m.model.embed_tokens.weight
+        m.lm_head.weight.zero_()
+        seq = [tok.convert_tokens_to_ids(t) for t in tok.tokenize("\n" + chain)] + [tok.eos_token_id]
+        for a, b in zip(seq, seq[1:]):
+            m.lm_head.weight[b] += 20 * e[a] / e[a].norm()
+    return pol

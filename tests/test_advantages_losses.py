@@ -17,8 +17,12 @@ from sprpo_lib.advantages import (
     AdvantageConfig,
     AdvantageOutput,
     StepSample,
+    build_step_groups,
+    combine_advantages,
     compute_advantages,
+    episode_relative_advantages,
     register_advantage,
+    step_relative_advantages,
     to_token_advantages,
 )
 from sprpo_lib.losses import (
@@ -115,6 +119,25 @@ def test_gigpo_mean_std_mode():
     assert float(out.episode_advantages[0]) == pytest.approx(1 / math.sqrt(3), abs=1e-5)
     assert float(out.episode_advantages[3]) == pytest.approx(-2 / math.sqrt(3), abs=1e-5)
     assert float(out.step_advantages[10]) == pytest.approx(1 / math.sqrt(2), abs=1e-5)
+
+
+def test_the_four_named_steps_against_the_hand_derivation():
+    """GiGPO's four steps one at a time (Eq. 3, Eq. 6, Eqs. 5/7, Eq. 8), each against the
+    values derived by hand above, in mean mode with gamma = 0.5 and omega = 0.3."""
+    steps = _batch()
+    cfg = AdvantageConfig(gamma=0.5, norm="mean", omega=0.3)
+    rows = {}
+    for i, s in enumerate(steps):
+        rows.setdefault(s.episode, []).append(i)
+    ep, _ = episode_relative_advantages(steps, rows, cfg)  # Eq. 3
+    assert ep == pytest.approx(EP_MEAN, abs=1e-12)
+    gid, members = build_step_groups(steps)  # Eq. 6
+    assert members[gid[0]] == [0, 3, 6] and members[gid[1]] == [1, 5, 7] and len(members) == 7
+    st, returns = step_relative_advantages(steps, rows, members, cfg)  # Eqs. 5, 7
+    assert returns == pytest.approx(RETURNS, abs=1e-12) and st == pytest.approx(ST_MEAN, abs=1e-12)
+    total = combine_advantages(ep, st, cfg.omega)  # Eq. 8
+    assert total == pytest.approx([e + 0.3 * a for e, a in zip(EP_MEAN, ST_MEAN)], abs=1e-12)
+    _close(compute_advantages(steps, "gigpo", gamma=0.5, norm="mean", omega=0.3).advantages, total)
 
 
 def test_step_groups_are_anchor_and_task_scoped():

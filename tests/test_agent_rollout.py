@@ -6,17 +6,9 @@ from functools import partial
 import pytest
 
 from sprpo_lib.agent import AgentConfig, HistoryStep, build_prompt, chat_text, extract_action
+from sprpo_lib.engines import Generation, GenerationConfig, HFGenerator
 from sprpo_lib.envs.webshop import make_webshop_pool
-from sprpo_lib.rollout import (
-    EpisodeLog,
-    Generation,
-    GenerationConfig,
-    HFGenerator,
-    ProcessEnvs,
-    RandomAdmissibleGenerator,
-    SerialEnvs,
-    run_groups,
-)
+from sprpo_lib.rollout import EpisodeLog, ProcessEnvs, RandomAdmissibleGenerator, SerialEnvs, run_groups
 
 
 def test_prompt_matches_paper_structure():

@@ -20,11 +20,7 @@ textworld = pytest.importorskip("textworld")
 from textworld.envs import PddlEnv  # noqa: E402
 
 from sprpo_lib.envs import alfworld_gen as gen  # noqa: E402
-from sprpo_lib.envs.alfworld import (  # noqa: E402
-    AlfworldDataError,
-    AlfworldTask,
-    make_alfworld_pool,
-)
+from sprpo_lib.envs.alfworld import AlfworldDataError, AlfworldTask, make_alfworld_pool
 from sprpo_lib.envs.base import Episode, TaskHandle, TaskPool  # noqa: E402
 
 SEED = 0

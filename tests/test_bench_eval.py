@@ -2,10 +2,9 @@
 episodes (paired difference exactly zero), and the reported rates follow from the counts."""
 from __future__ import annotations
 
-
 import pytest
 
-from sprpo_lib.bench import _engine_runs, bench_eval
+from sprpo_lib.bench.suite import bench_eval, engine_runs
 
 
 def test_bench_eval_side_by_side(one_thread):
@@ -26,9 +25,9 @@ def test_bench_eval_side_by_side(one_thread):
 
 
 def test_engine_spec_parses_generation_settings():
-    assert _engine_runs("openvino") == ("openvino", "auto", {})
-    assert _engine_runs("hf:bfloat16") == ("hf", "bfloat16", {})
-    assert _engine_runs("openvino:auto:prefix_caching=false+batch_size=8") == (
+    assert engine_runs("openvino") == ("openvino", "auto", {})
+    assert engine_runs("hf:bfloat16") == ("hf", "bfloat16", {})
+    assert engine_runs("openvino:auto:prefix_caching=false+batch_size=8") == (
         "openvino", "auto", {"prefix_caching": False, "batch_size": 8})
     with pytest.raises(ValueError, match="FIELD=VALUE"):
-        _engine_runs("openvino:auto:prefix_cache=false")
+        engine_runs("openvino:auto:prefix_cache=false")

@@ -17,12 +17,13 @@ import pytest
 import torch
 
 import sprpo_lib.evaluate as E
+import sprpo_lib.heldout as H
 import sprpo_lib.train as T
 from sprpo_lib.agent import AgentConfig
 from sprpo_lib.engines import ENGINES, HFEngine
 from sprpo_lib.envs import make_pool
-from sprpo_lib.experiments import calibration_pool, plan
-from sprpo_lib.manifest import CorruptFileError, file_record, read_json_lines, read_safetensors, verify_file
+from sprpo_lib.io import CorruptFileError, file_record, read_json_lines, read_safetensors, verify_file
+from sprpo_lib.paper.experiments import calibration_pool, plan
 from sprpo_lib.train import Trainer, load_config, train
 
 AGENT = AgentConfig(max_obs_chars=100, history_len=1)  # short prompts for the byte-level tiny model
@@ -282,7 +283,7 @@ IDS = torch.randint(3, 250, (1, 12), generator=torch.Generator().manual_seed(0))
 
 
 def _warm_trainer(root, monkeypatch, name):
-    monkeypatch.setattr(T, "ROOT", root)
+    monkeypatch.setenv("SPRPO_HOME", str(root))
     tr = Trainer(load_config("smoke", WARM), root / name, progress=False)
     tr.envs.close()
     return tr
@@ -309,8 +310,8 @@ def _episodes(path: Path) -> list[dict]:
 def test_e_corrupt_warm_start_adapter_is_trained_again(warm, tmp_path, monkeypatch, file, damage, caplog):
     """The warm start is a cache: a damaged adapter file is never loaded; the warm start is
     trained again (with a warning naming the file) and gives the same policy."""
-    from sprpo_lib.sft import check_adapter, load_adapter
     from sprpo_lib.models import load_policy
+    from sprpo_lib.sft import check_adapter, load_adapter
 
     shutil.copytree(warm["root"] / "runs", tmp_path / "runs")
     adapter = tmp_path / warm["dir"] / "adapter"
@@ -334,10 +335,10 @@ def test_e_corrupt_warm_start_evaluation_is_recomputed(warm, tmp_path, monkeypat
     fresh, episodes = json.loads((ws / "eval.json").read_text()), _episodes(ws / "eval_episodes.jsonl")
     (drop_last_line if damage == "line dropped" else DAMAGE[damage])(ws / file)
     with pytest.raises(CorruptFileError) as err:  # what the training report reads: one clear error
-        E.load_eval(ws / "eval.json")
+        H.load_eval(ws / "eval.json")
     assert err.value.path == ws / file and "rerun the training command" in str(err.value)
     _warm_trainer(tmp_path, monkeypatch, "b")  # the next training run evaluates again
-    again = E.load_eval(ws / "eval.json")
+    again = H.load_eval(ws / "eval.json")
     assert {k: again[k] for k in ("episodes", "success_rate", "mean_score", "valid_rate", "indices")} == \
            {k: fresh[k] for k in ("episodes", "success_rate", "mean_score", "valid_rate", "indices")}
     assert _episodes(ws / "eval_episodes.jsonl") == episodes

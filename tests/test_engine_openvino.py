@@ -11,14 +11,19 @@ import torch
 
 pytest.importorskip("openvino")
 
-from sprpo_lib.engines import Engine, HFEngine, bake_weights, make_engine  # noqa: E402
+from sprpo_lib.engines import (  # noqa: E402
+    Engine,
+    GenerationConfig,  # noqa: E402
+    HFEngine,
+    bake_weights,
+    make_engine,
+)
 from sprpo_lib.models import load_policy  # noqa: E402
 from sprpo_lib.perturb import FFNChannels, dropout_mask, sample_xi  # noqa: E402
-from sprpo_lib.rollout import GenerationConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from test_engines import NEVER, PROMPTS, _greedy, _lora_policy, _same, _scripted, _stop_that_splits  # noqa: E402
+from conftest import NEVER, PROMPTS, greedy, lora_policy, same_tokens, scripted, stop_that_splits  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -40,7 +45,7 @@ def ov_cache(tmp_path_factory):
 
 
 def _ov(pol, cfg, **kw):
-    from sprpo_lib.engine_openvino import OpenVINOEngine
+    from sprpo_lib.engines.openvino import OpenVINOEngine
 
     return OpenVINOEngine(pol, cfg, **kw)
 
@@ -48,10 +53,10 @@ def _ov(pol, cfg, **kw):
 @pytest.mark.parametrize("backend", ["genai", "loop"])
 def test_greedy_equals_hf_engine(tiny_spec, backend):
     pol = load_policy(tiny_spec)
-    ref = HFEngine(pol, _greedy())(PROMPTS)
-    eng = _ov(pol, _greedy(), prefill_tokens=300, backend=backend)  # loop: several prefill groups, joined states
+    ref = HFEngine(pol, greedy())(PROMPTS)
+    eng = _ov(pol, greedy(), prefill_tokens=300, backend=backend)  # loop: several prefill groups, joined states
     got = eng(PROMPTS)
-    assert _same(ref, got) == len(PROMPTS)
+    assert same_tokens(ref, got) == len(PROMPTS)
     assert isinstance(eng, Engine) and eng.calls == 1 and eng.backend == backend
     if backend == "loop":
         assert sum(len(g.response_ids) - 1 for g in got) == eng.stats["decode_rows"]
@@ -66,7 +71,7 @@ SERVED_BF16 = {"other": "float32", "avx2": "float32", "avx512": "float32", "avx5
 
 @pytest.mark.parametrize("cls", sorted(SERVED_BF16))
 def test_serving_precision_per_cpu_class(cls):
-    from sprpo_lib.engine_openvino import serving_precision
+    from sprpo_lib.engines.openvino import serving_precision
 
     got, notice = serving_precision("bfloat16", cls)
     assert got == SERVED_BF16[cls]
@@ -87,29 +92,53 @@ def test_serving_precision_per_cpu_class(cls):
         serving_precision("float32", cls, forced="int8")
 
 
+@pytest.mark.parametrize("cls", sorted(SERVED_BF16))
+@pytest.mark.parametrize("threads", [1, 2])
+def test_one_thread_bfloat16_on_amx_avoids_the_plugin_crash(cls, threads):
+    """OpenVINO 2026.4.1 dies of SIGFPE compiling bfloat16 with one thread on AMX: there the
+    genai worker's oneDNN is capped at AVX512-BF16 (bfloat16 kept), the in-process loop backend
+    serves float32 with a notice, and a forced bfloat16 loop is one clear error; every other
+    class, thread count and precision is left alone, as is a cap the user set."""
+    from sprpo_lib.engines.openvino import ONE_THREAD_AMX_CAP, one_thread_amx
+
+    hit = cls == "amx" and threads == 1
+    assert one_thread_amx("float32", cls, threads, "genai", env={}) == ("float32", {}, None)
+    prec, env, notice = one_thread_amx("bfloat16", cls, threads, "genai", env={})
+    assert (prec, env, notice) == ("bfloat16", ONE_THREAD_AMX_CAP if hit else {}, None)
+    prec, env, notice = one_thread_amx("bfloat16", cls, threads, "loop", env={})
+    assert prec == ("float32" if hit else "bfloat16") and env == {} and (notice is not None) == hit
+    if hit:
+        assert "\n" not in notice
+        with pytest.raises(ValueError, match="backend='genai', threads=2, or precision='float32'"):
+            one_thread_amx("bfloat16", cls, threads, "loop", forced="bfloat16", env={})
+    user_cap = {"ONEDNN_MAX_CPU_ISA": "AVX2"}
+    assert one_thread_amx("bfloat16", cls, threads, "genai", env=user_cap) == ("bfloat16", {}, None)
+
+
 @pytest.mark.parametrize("backend", ["genai", "loop"])
 def test_precision_follows_the_policy_dtype_where_the_cpu_runs_it(tiny_spec, backend, caplog):
     """On this machine's CPU class a bfloat16 policy is served as the table above says (with a
     one-line notice where it falls back); ``precision`` overrides; anything else is one error."""
-    from sprpo_lib.engine_openvino import serving_precision
+    from sprpo_lib.engines.openvino import one_thread_amx, serving_precision
     from sprpo_lib.hardware import cpu_class
 
     pol = load_policy(tiny_spec, dtype="bfloat16")
-    with caplog.at_level("WARNING", logger="sprpo_lib.engine_openvino"):
-        eng = _ov(pol, _greedy(), backend=backend)
+    with caplog.at_level("WARNING", logger="sprpo_lib.engines.openvino"):
+        eng = _ov(pol, greedy(), backend=backend)
     plugin_bf16 = "BF16" in eng.core.get_property("CPU", "OPTIMIZATION_CAPABILITIES")
     want = serving_precision("bfloat16", cpu_class(), None, plugin_bf16)[0]
+    want = one_thread_amx(want, cpu_class(), eng.threads, backend)[0]
     assert eng.cpu_class == cpu_class() and eng.compute_dtype == eng.stats["precision"] == want
     assert any("served in float32" in r.message for r in caplog.records) == (want == "float32")
     got = eng(PROMPTS)
     assert all(g.response_ids for g in got)
     if backend == "loop" and want == "bfloat16":
         assert "bf" in str(eng._compiled.get_property("INFERENCE_PRECISION_HINT")).lower()
-    assert _ov(pol, _greedy(), backend=backend, precision="float32").compute_dtype == "float32"
+    assert _ov(pol, greedy(), backend=backend, precision="float32").compute_dtype == "float32"
     f32 = load_policy(tiny_spec)
-    assert _ov(f32, _greedy(), backend=backend).compute_dtype == "float32"
+    assert _ov(f32, greedy(), backend=backend).compute_dtype == "float32"
     with pytest.raises(ValueError, match="precision must be one of"):
-        _ov(f32, _greedy(), backend=backend, precision="int8")
+        _ov(f32, greedy(), backend=backend, precision="int8")
 
 
 @pytest.mark.parametrize("cap, emulated", [("AVX2", "avx2"), ("AVX512_CORE", "avx512")])
@@ -122,13 +151,13 @@ def test_bfloat16_policy_on_an_emulated_lower_cpu_class(monkeypatch, caplog, cap
     want = min(cpu_class(), emulated, key=CPU_CLASSES.index)  # a cap never raises the class
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
     pol = load_policy("tiny-llama", dtype="bfloat16")
-    with caplog.at_level("WARNING", logger="sprpo_lib.engine_openvino"):
-        eng = _ov(pol, _greedy())
+    with caplog.at_level("WARNING", logger="sprpo_lib.engines.openvino"):
+        eng = _ov(pol, greedy())
     assert eng.cpu_class == want and eng.compute_dtype == SERVED_BF16[want] == "float32"
     assert [r.message for r in caplog.records if "served in float32" in r.message]
     assert all(g.response_ids for g in eng(PROMPTS[:4]))
     with pytest.raises(ValueError, match=f"class '{want}'"):
-        _ov(pol, _greedy(), precision="bfloat16")
+        _ov(pol, greedy(), precision="bfloat16")
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
@@ -140,38 +169,38 @@ def test_a_stalled_call_is_repeated_with_the_same_tokens(temperature):
     cfg = GenerationConfig(temperature=temperature, top_p=0.9, max_new_tokens=16, batch_size=4, seed=3)
     calm, hung = _ov(pol, cfg), _ov(pol, cfg, deadline_s=3)
     first = calm(PROMPTS)
-    assert _same(hung(PROMPTS), first) == len(PROMPTS)
+    assert same_tokens(hung(PROMPTS), first) == len(PROMPTS)
     second = calm(PROMPTS)
     hung.stall_next(60)  # sleeps far past the deadline
     got = hung(PROMPTS)
-    assert _same(got, second) == len(PROMPTS)
+    assert same_tokens(got, second) == len(PROMPTS)
     assert hung.stats["retries"] == 1 and hung.stats["worker_starts"] == 2 and calm.stats["retries"] == 0
     assert hung.calls == calm.calls == 2
 
 
 def test_a_call_that_keeps_stalling_gives_one_clear_error():
     pol = load_policy("tiny-llama")
-    eng = _ov(pol, _greedy(), deadline_s=1, attempts=2)
+    eng = _ov(pol, greedy(), deadline_s=1, attempts=2)
     eng.stall_next(60, calls=2)
     with pytest.raises(RuntimeError, match=r"2 attempts.*rollout\.engine=hf"):
         eng(PROMPTS[:2])
     assert eng.stats["retries"] == 2
-    assert _same(eng(PROMPTS[:2]), HFEngine(pol, _greedy())(PROMPTS[:2])) == 2  # and it serves again
+    assert same_tokens(eng(PROMPTS[:2]), HFEngine(pol, greedy())(PROMPTS[:2])) == 2  # and it serves again
 
 
 def test_a_dead_worker_is_replaced(tmp_path):
     """A worker killed between calls (a crash) is restarted, weights reloaded since kept."""
     import signal
 
-    pol = _lora_policy("tiny-qwen2")
+    pol = lora_policy("tiny-qwen2")
     fc = FFNChannels(pol.model)
     xi = sample_xi(0.3, fc.shape, seed=3)
-    eng = _ov(pol, _greedy())
+    eng = _ov(pol, greedy())
     eng.load_weights(bake_weights(pol.model, xi=xi))
     with fc.set(xi=xi):
-        want = HFEngine(pol, _greedy())(PROMPTS)
+        want = HFEngine(pol, greedy())(PROMPTS)
     os.kill(eng.worker_pid, signal.SIGKILL)
-    assert _same(eng(PROMPTS), want) == len(PROMPTS)
+    assert same_tokens(eng(PROMPTS), want) == len(PROMPTS)
     assert eng.stats["retries"] == 1
     scratch = eng.scratch_dir
     assert scratch is not None and scratch.is_dir()
@@ -185,9 +214,8 @@ def test_a_dead_worker_is_replaced(tmp_path):
 ORPHAN = """
 import os, sys
 import torch
-from sprpo_lib.engines import make_engine
+from sprpo_lib.engines import GenerationConfig, make_engine
 from sprpo_lib.models import load_policy
-from sprpo_lib.rollout import GenerationConfig
 torch.set_num_threads(1)
 eng = make_engine("openvino", load_policy("tiny-llama"), GenerationConfig(temperature=0, max_new_tokens=4))
 eng.stall_next(600)  # the worker sleeps as a hung call would, then its driver dies
@@ -221,7 +249,7 @@ def test_a_worker_ends_when_its_driver_dies(tmp_path):
 
 
 def test_a_closed_engine_says_so():
-    eng = _ov(load_policy("tiny-llama"), _greedy())
+    eng = _ov(load_policy("tiny-llama"), greedy())
     eng.close()
     assert eng.worker_pid is None
     with pytest.raises(RuntimeError, match="after close"):
@@ -231,20 +259,20 @@ def test_a_closed_engine_says_so():
 def test_engine_options_are_checked(monkeypatch):
     pol = load_policy("tiny-llama")
     with pytest.raises(ValueError, match="deadline_s must be > 0"):
-        _ov(pol, _greedy(), deadline_s=0)
+        _ov(pol, greedy(), deadline_s=0)
     with pytest.raises(ValueError, match="attempts must be >= 1"):
-        _ov(pol, _greedy(), attempts=0)
+        _ov(pol, greedy(), attempts=0)
     monkeypatch.setenv("SPRPO_ENGINE_DEADLINE_S", "soon")
     with pytest.raises(ValueError, match="SPRPO_ENGINE_DEADLINE_S='soon'"):
-        _ov(pol, _greedy())
+        _ov(pol, greedy())
     monkeypatch.setenv("SPRPO_ENGINE_DEADLINE_S", "45")
-    assert _ov(pol, _greedy()).call_deadline(10) == 45
+    assert _ov(pol, greedy()).call_deadline(10) == 45
 
 
 def test_bench_churn_counts_builds_hangs_and_injected_stalls(tmp_path):
     import json
 
-    from sprpo_lib import bench
+    from sprpo_lib.bench import suite as bench
 
     out = tmp_path / "churn.json"
     argv = ["churn", "--rounds", "2", "--deadline", "2", "--stall-every", "2", "--stall-s", "30", "--threads", "1",
@@ -257,21 +285,21 @@ def test_bench_churn_counts_builds_hangs_and_injected_stalls(tmp_path):
 
 
 def test_baked_lora_and_perturbation_load_into_the_engine(tiny_spec):
-    pol = _lora_policy(tiny_spec)
+    pol = lora_policy(tiny_spec)
     fc = FFNChannels(pol.model)
     xi, mask = sample_xi(0.3, fc.shape, seed=3), dropout_mask(0.3, fc.shape, seed=4)
-    hf = HFEngine(pol, _greedy())
+    hf = HFEngine(pol, greedy())
     lora = hf(PROMPTS)
     with fc.set(xi=xi, mask=mask):
         hooked = hf(PROMPTS)
-    assert _same(lora, hooked) < len(PROMPTS)  # the perturbation matters here
-    eng = _ov(pol, _greedy())  # LoRA merged at construction (default backend: genai)
-    assert _same(eng(PROMPTS), lora) == len(PROMPTS)
+    assert same_tokens(lora, hooked) < len(PROMPTS)  # the perturbation matters here
+    eng = _ov(pol, greedy())  # LoRA merged at construction (default backend: genai)
+    assert same_tokens(eng(PROMPTS), lora) == len(PROMPTS)
     eng.load_weights(bake_weights(pol.model, xi=xi, mask=mask))
-    assert _same(eng(PROMPTS), hooked) == len(PROMPTS)
+    assert same_tokens(eng(PROMPTS), hooked) == len(PROMPTS)
     assert eng.stats["reload_s"] >= 0
     eng.load_weights(bake_weights(pol.model))  # and back
-    assert _same(eng(PROMPTS), lora) == len(PROMPTS)
+    assert same_tokens(eng(PROMPTS), lora) == len(PROMPTS)
     sd = bake_weights(pol.model)
     sd.pop("model.layers.0.mlp.up_proj.weight")
     with pytest.raises(KeyError, match="up_proj"):
@@ -283,26 +311,26 @@ def test_engine_built_under_attached_hooks_serves_the_perturbed_policy(tiny_spec
     attached FFNChannels factor (xi and mask, two instances multiplied) must be folded in."""
     from sprpo_lib.compress import perturbation
 
-    pol = _lora_policy(tiny_spec)
-    hf = HFEngine(pol, _greedy())
+    pol = lora_policy(tiny_spec)
+    hf = HFEngine(pol, greedy())
     clean = hf(PROMPTS)
     fc = FFNChannels(pol.model)
     with fc.set(xi=sample_xi(0.3, fc.shape, seed=3)), perturbation(pol.model, "dropout", 0.3, seed=4):
         hooked = hf(PROMPTS)
-        eng = _ov(pol, _greedy())
-    assert _same(clean, hooked) < len(PROMPTS)
-    assert _same(eng(PROMPTS), hooked) == len(PROMPTS)
+        eng = _ov(pol, greedy())
+    assert same_tokens(clean, hooked) < len(PROMPTS)
+    assert same_tokens(eng(PROMPTS), hooked) == len(PROMPTS)
 
 
 @pytest.mark.parametrize("backend", ["genai", "loop"])
 def test_stop_strings_match_hf_engine(backend):
     pol = load_policy("tiny-llama", seed=2)
-    free = HFEngine(pol, _greedy(stop=NEVER, max_new_tokens=32))(PROMPTS)
-    stop = _stop_that_splits([g.text for g in free])
-    cfg = _greedy(stop=stop, max_new_tokens=32)
+    free = HFEngine(pol, greedy(stop=NEVER, max_new_tokens=32))(PROMPTS)
+    stop = stop_that_splits([g.text for g in free])
+    cfg = greedy(stop=stop, max_new_tokens=32)
     ref = HFEngine(pol, cfg)(PROMPTS)
     got = _ov(pol, cfg, backend=backend)(PROMPTS)
-    assert _same(ref, got) == len(PROMPTS)
+    assert same_tokens(ref, got) == len(PROMPTS)
     stopped = [g for g in got if g.text.endswith(stop)]
     assert 0 < len(stopped) < len(PROMPTS) and all(stop not in g.text[:-len(stop)] for g in stopped)
 
@@ -312,12 +340,12 @@ def test_sampling_is_a_function_of_seed_and_calls():
     cfg = GenerationConfig(temperature=0.7, top_p=0.9, max_new_tokens=16, batch_size=4, seed=5)
     a, b = _ov(pol, cfg), _ov(pol, cfg)
     a1, a2, b1 = a(PROMPTS), a(PROMPTS), b(PROMPTS)
-    assert _same(a1, b1) == len(PROMPTS)
-    assert _same(a1, a2) < len(PROMPTS)  # the next call draws new samples
+    assert same_tokens(a1, b1) == len(PROMPTS)
+    assert same_tokens(a1, a2) < len(PROMPTS)  # the next call draws new samples
     b.calls = 1
-    assert _same(b(PROMPTS), a2) == len(PROMPTS)
+    assert same_tokens(b(PROMPTS), a2) == len(PROMPTS)
     other = _ov(pol, GenerationConfig(temperature=0.7, top_p=0.9, max_new_tokens=16, batch_size=4, seed=6))
-    assert _same(other(PROMPTS), a1) < len(PROMPTS)
+    assert same_tokens(other(PROMPTS), a1) < len(PROMPTS)
     same = a([PROMPTS[0]] * 4)  # one call, one prompt four times (a rollout group): four samples
     assert len({tuple(g.response_ids) for g in same}) > 1
     before = torch.random.get_rng_state()
@@ -327,15 +355,15 @@ def test_sampling_is_a_function_of_seed_and_calls():
 
 def test_conversion_is_cached(ov_cache):
     pol = load_policy("tiny-qwen2", seed=7)
-    first = _ov(pol, _greedy())
+    first = _ov(pol, greedy())
     irs = sorted(p.name for p in (ov_cache / "openvino").iterdir() if not p.name.startswith("."))
-    again = _ov(pol, _greedy())
+    again = _ov(pol, greedy())
     assert not again.stats["converted"] and again.ir == first.ir
     other = load_policy("tiny-qwen2", seed=8)  # same architecture, other weights: graph reused
-    eng = _ov(other, _greedy())
+    eng = _ov(other, greedy())
     assert not eng.stats["converted"]
     assert sorted(p.name for p in (ov_cache / "openvino").iterdir() if not p.name.startswith(".")) == irs
-    assert _same(eng(PROMPTS[:4]), HFEngine(other, _greedy())(PROMPTS[:4])) == 4
+    assert same_tokens(eng(PROMPTS[:4]), HFEngine(other, greedy())(PROMPTS[:4])) == 4
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage"])
@@ -345,38 +373,38 @@ def test_a_corrupt_cached_ir_is_converted_again(tmp_path, monkeypatch, name, dam
     next engine converts the model again (never reads it as a model) and decodes as HF."""
     monkeypatch.setenv("SPRPO_CACHE", str(tmp_path))
     pol = load_policy("tiny-qwen2", seed=11)
-    first = _ov(pol, _greedy())
+    first = _ov(pol, greedy())
     assert first.stats["converted"]
     f = first.ir / name
     data = f.read_bytes()
     f.write_bytes(data[: len(data) // 2] if damage == "truncate" else bytes(reversed(data)))
-    again = _ov(pol, _greedy())
+    again = _ov(pol, greedy())
     assert again.stats["converted"] and again.ir == first.ir
-    assert _same(again(PROMPTS[:4]), HFEngine(pol, _greedy())(PROMPTS[:4])) == 4
-    assert not _ov(pol, _greedy()).stats["converted"]  # the new copy is whole
+    assert same_tokens(again(PROMPTS[:4]), HFEngine(pol, greedy())(PROMPTS[:4])) == 4
+    assert not _ov(pol, greedy()).stats["converted"]  # the new copy is whole
 
 
 def test_registry_builds_it_and_names_the_package(monkeypatch):
     pol = load_policy("tiny-qwen2")
-    eng = make_engine("openvino", pol, _greedy())
+    eng = make_engine("openvino", pol, greedy())
     assert type(eng).__name__ == "OpenVINOEngine" and eng.cfg.temperature == 0
     monkeypatch.setitem(sys.modules, "openvino", None)  # as if not installed
     with pytest.raises(ImportError, match=r"pip install openvino=="):
-        make_engine("openvino", pol, _greedy())
+        make_engine("openvino", pol, greedy())
 
 
 @pytest.mark.parametrize("backend", ["genai", "loop"])
 def test_end_of_turn_is_kept(backend):
-    pol = _scripted("tiny-qwen2", "ok")
-    got = _ov(pol, _greedy(stop=NEVER), backend=backend)(PROMPTS[:5])
-    assert _same(HFEngine(pol, _greedy(stop=NEVER))(PROMPTS[:5]), got) == 5
+    pol = scripted("tiny-qwen2", "ok")
+    got = _ov(pol, greedy(stop=NEVER), backend=backend)(PROMPTS[:5])
+    assert same_tokens(HFEngine(pol, greedy(stop=NEVER))(PROMPTS[:5]), got) == 5
     assert all(g.text == "ok" and g.response_ids[-1] == pol.tokenizer.eos_token_id for g in got)
 
 
 def test_bench_generate_compares_openvino_side_by_side(tmp_path):
     import json
 
-    from sprpo_lib import bench
+    from sprpo_lib.bench import suite as bench
 
     out = tmp_path / "generate.json"
     argv = ["generate", "--model", "tiny-llama", "--prompts", "3", "--new-tokens", "6", "--repeats", "1",
@@ -399,12 +427,12 @@ def test_prefix_caching_reuses_prefixes_and_changes_no_output(tiny_spec):
     pol = load_policy(tiny_spec)
     history = [f"task {i}: " + "you see a mug on the table and a coffeemachine. " * (6 + i) for i in range(4)]
     calls = [history, [h + "you pick up the mug. next?" for h in history]]
-    ref = HFEngine(pol, _greedy())
-    on, off = _ov(pol, _greedy()), _ov(pol, _greedy(prefix_caching=False))
+    ref = HFEngine(pol, greedy())
+    on, off = _ov(pol, greedy()), _ov(pol, greedy(prefix_caching=False))
     for prompts in calls:
         want = ref(prompts)
-        assert _same(want, on(prompts)) == len(prompts)
-        assert _same(want, off(prompts)) == len(prompts)
+        assert same_tokens(want, on(prompts)) == len(prompts)
+        assert same_tokens(want, off(prompts)) == len(prompts)
     assert on.backend == off.backend == "genai"
     assert on.scheduler["enable_prefix_caching"] and not off.scheduler["enable_prefix_caching"]
 
@@ -444,10 +472,10 @@ def test_ir_emits_every_positions_logits_from_the_lm_head(tiny_spec):
     import numpy as np
     import openvino as ov
 
-    from sprpo_lib.engine_openvino import lm_head_matmul, slice_last_logits
+    from sprpo_lib.engines.openvino import lm_head_matmul, slice_last_logits
 
     pol = load_policy(tiny_spec)
-    eng = _ov(pol, _greedy(), backend="genai")
+    eng = _ov(pol, greedy(), backend="genai")
     ids = pol.tokenizer("the cat sat on the mat", return_tensors="pt")["input_ids"]
     n = ids.shape[1]
     with torch.no_grad():

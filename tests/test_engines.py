@@ -3,45 +3,27 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import NEVER, PROMPTS, greedy, lora_policy, same_tokens, scripted, stop_that_splits
 
 from sprpo_lib.engines import (
     ENGINES,
     Engine,
+    GenerationConfig,
     HFEngine,
-    _select,
+    HFGenerator,
     bake_weights,
     load_baked,
     make_engine,
     plain_copy,
 )
-from sprpo_lib.models import LoraSettings, add_lora, ffn_modules, load_policy
+from sprpo_lib.engines.base import select_tokens
+from sprpo_lib.models import ffn_modules, load_policy
 from sprpo_lib.perturb import FFNChannels, dropout_mask, sample_xi
-from sprpo_lib.rollout import GenerationConfig, HFGenerator
-
-# varied lengths (a few to ~150 characters), more prompts than one batch
-PROMPTS = [f"task {i}: " + "put the mug in the coffeemachine, then look. " * (i % 4) + "x" * (7 * i % 11)
-           for i in range(11)]
-NEVER = "@@never@@"
-
-
-def _greedy(**kw) -> GenerationConfig:
-    return GenerationConfig(**{"temperature": 0.0, "max_new_tokens": 24, "batch_size": 4, **kw})
-
-
-def _lora_policy(spec: str):
-    pol = load_policy(spec, seed=0)
-    add_lora(pol, LoraSettings(rank=4, alpha=8))
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for n, p in pol.model.named_parameters():
-            if "lora_B" in n:  # B starts at zero: make the adapters do something
-                p.copy_(0.05 * torch.randn(p.shape, generator=g))
-    return pol
 
 
 # ----------------------------------------------------------------------------- bake_weights
 def test_baked_weights_reproduce_hooked_lora_model(tiny_spec):
-    pol = _lora_policy(tiny_spec)
+    pol = lora_policy(tiny_spec)
     fc = FFNChannels(pol.model)
     xi, mask = sample_xi(0.2, fc.shape, seed=3), dropout_mask(0.3, fc.shape, seed=4)
     before = {k: v.clone() for k, v in pol.model.state_dict().items()}
@@ -94,44 +76,23 @@ def test_bake_rejects_wrong_shapes_and_incomplete_weights():
 
 
 # ----------------------------------------------------------------------------- HFEngine vs HFGenerator
-def _same(a, b) -> int:
-    return sum(x.response_ids == y.response_ids and x.prompt_ids == y.prompt_ids and x.text == y.text
-               for x, y in zip(a, b))
-
-
 def test_greedy_equals_hf_generator(tiny_spec):
     pol = load_policy(tiny_spec)
-    ref = HFGenerator(pol, _greedy())(PROMPTS)
-    eng = HFEngine(pol, _greedy(), prefill_tokens=300)  # several prefill groups per batch
+    ref = HFGenerator(pol, greedy())(PROMPTS)
+    eng = HFEngine(pol, greedy(), prefill_tokens=300)  # several prefill groups per batch
     got = eng(PROMPTS)
-    assert _same(ref, got) == len(PROMPTS)
+    assert same_tokens(ref, got) == len(PROMPTS)
     assert isinstance(eng, Engine) and eng.calls == 1
     # padding waste: prefilled tokens (with padding) stay close to the real prompt tokens
     real = sum(len(g.prompt_ids) for g in got)
     assert real <= eng.stats["prefill_tokens"] < 1.1 * real
 
 
-def _stop_that_splits(texts: list[str]) -> str:
-    """A two-letter string that some responses contain (at different places) and some do not."""
-    best, score = None, -1
-    for t in texts:
-        for i in range(len(t) - 1):
-            s = t[i : i + 2]
-            if not (s.isascii() and s.isalnum()):
-                continue
-            where = {x.find(s) for x in texts}
-            hits = sum(s in x for x in texts)
-            if 0 < hits < len(texts) and len(where) > score:
-                best, score = s, len(where)
-    assert best is not None, "no usable stop string in these outputs"
-    return best
-
-
 def test_stop_strings_and_dropped_rows_match_hf_generator():
     pol = load_policy("tiny-llama", seed=2)
-    free = HFGenerator(pol, _greedy(stop=NEVER, max_new_tokens=32))(PROMPTS)
-    stop = _stop_that_splits([g.text for g in free])
-    cfg = _greedy(stop=stop, max_new_tokens=32)
+    free = HFGenerator(pol, greedy(stop=NEVER, max_new_tokens=32))(PROMPTS)
+    stop = stop_that_splits([g.text for g in free])
+    cfg = greedy(stop=stop, max_new_tokens=32)
     ref = HFGenerator(pol, cfg)(PROMPTS)
     eng = HFEngine(pol, cfg)
     shapes: list[tuple[int, int]] = []
@@ -141,7 +102,7 @@ def test_stop_strings_and_dropped_rows_match_hf_generator():
         got = eng(PROMPTS)
     finally:
         handle.remove()
-    assert _same(ref, got) == len(PROMPTS)
+    assert same_tokens(ref, got) == len(PROMPTS)
     stopped = [g for g in got if g.text.endswith(stop)]
     assert 0 < len(stopped) < len(PROMPTS) and all(stop not in g.text[:-len(stop)] for g in stopped)
     assert {len(g.response_ids) for g in stopped} != {cfg.max_new_tokens}
@@ -151,58 +112,40 @@ def test_stop_strings_and_dropped_rows_match_hf_generator():
     assert min(batches) < max(batches)  # the decode batch shrank
 
 
-def _scripted(spec: str, chain: str):
-    """A tiny model whose greedy continuation of a chat prompt is ``chain`` then the
-    end-of-turn token: attention and FFN outputs are zeroed so the logits depend on the
-    current token only, and the output layer maps each token to its successor."""
-    pol = load_policy(spec, seed=0)
-    tok, m = pol.tokenizer, pol.model
-    with torch.no_grad():
-        for layer in m.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        e = m.model.embed_tokens.weight
-        m.lm_head.weight.zero_()
-        seq = [tok.convert_tokens_to_ids(t) for t in tok.tokenize("\n" + chain)] + [tok.eos_token_id]
-        for a, b in zip(seq, seq[1:]):
-            m.lm_head.weight[b] += 20 * e[a] / e[a].norm()
-    return pol
-
-
 def test_end_of_turn_is_kept_and_matches_hf_generator(tiny_spec):
-    pol = _scripted(tiny_spec, "ok")
-    cfg = _greedy(stop=NEVER)
+    pol = scripted(tiny_spec, "ok")
+    cfg = greedy(stop=NEVER)
     ref = HFGenerator(pol, cfg)(PROMPTS[:5])
     got = HFEngine(pol, cfg)(PROMPTS[:5])
-    assert _same(ref, got) == 5
+    assert same_tokens(ref, got) == 5
     assert all(g.text == "ok" and g.response_ids[-1] == pol.tokenizer.eos_token_id for g in got)
 
 
 def test_repetition_penalty_of_the_model_is_applied():
     pol = load_policy("tiny-qwen2")
     pol.model.generation_config.repetition_penalty = 1.5
-    ref = HFGenerator(pol, _greedy())(PROMPTS)
-    got = HFEngine(pol, _greedy())(PROMPTS)
-    assert _same(ref, got) == len(PROMPTS)
+    ref = HFGenerator(pol, greedy())(PROMPTS)
+    got = HFEngine(pol, greedy())(PROMPTS)
+    assert same_tokens(ref, got) == len(PROMPTS)
     pol.model.generation_config.repetition_penalty = 1.0
-    assert _same(HFEngine(pol, _greedy())(PROMPTS), got) < len(PROMPTS)  # it made a difference
+    assert same_tokens(HFEngine(pol, greedy())(PROMPTS), got) < len(PROMPTS)  # it made a difference
     pol.model.generation_config.no_repeat_ngram_size = 3
     with pytest.raises(NotImplementedError, match="no_repeat_ngram_size"):
-        HFEngine(pol, _greedy())(PROMPTS)
+        HFEngine(pol, greedy())(PROMPTS)
 
 
 def test_ffn_hooks_apply_and_baked_weights_load_into_the_engine():
     pol = load_policy("tiny-qwen2")
     fc = FFNChannels(pol.model).set(xi=sample_xi(0.5, FFNChannels(pol.model).shape, seed=0))
-    eng = HFEngine(pol, _greedy())
+    eng = HFEngine(pol, greedy())
     plain = eng(PROMPTS)
     with fc:
         hooked = eng(PROMPTS)
-        ref = HFGenerator(pol, _greedy())(PROMPTS)
-    assert _same(hooked, ref) == len(PROMPTS) and _same(hooked, plain) < len(PROMPTS)
+        ref = HFGenerator(pol, greedy())(PROMPTS)
+    assert same_tokens(hooked, ref) == len(PROMPTS) and same_tokens(hooked, plain) < len(PROMPTS)
     eng.load_weights(bake_weights(pol.model, xi=fc.xi))
     assert eng.model is not pol.model
-    assert _same(eng(PROMPTS), hooked) == len(PROMPTS)
+    assert same_tokens(eng(PROMPTS), hooked) == len(PROMPTS)
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -211,12 +154,12 @@ def test_sampling_is_a_function_of_seed_and_calls():
     cfg = GenerationConfig(temperature=0.7, top_p=0.9, max_new_tokens=16, batch_size=4, seed=5)
     a, b = HFEngine(pol, cfg), HFEngine(pol, cfg)
     a1, a2, b1 = a(PROMPTS), a(PROMPTS), b(PROMPTS)
-    assert _same(a1, b1) == len(PROMPTS)
-    assert _same(a1, a2) < len(PROMPTS)  # the next call draws new samples
+    assert same_tokens(a1, b1) == len(PROMPTS)
+    assert same_tokens(a1, a2) < len(PROMPTS)  # the next call draws new samples
     b.calls = 1
-    assert _same(b(PROMPTS), a2) == len(PROMPTS)
+    assert same_tokens(b(PROMPTS), a2) == len(PROMPTS)
     other = HFEngine(pol, GenerationConfig(temperature=0.7, top_p=0.9, max_new_tokens=16, batch_size=4, seed=6))
-    assert _same(other(PROMPTS), a1) < len(PROMPTS)
+    assert same_tokens(other(PROMPTS), a1) < len(PROMPTS)
     before = torch.random.get_rng_state()
     a(PROMPTS)
     assert torch.equal(before, torch.random.get_rng_state())  # the global stream is left alone
@@ -233,11 +176,11 @@ def test_token_selection_matches_transformers_processors():
     logits = 3 * torch.randn(4, 50, generator=g)
     seen = torch.randint(0, 50, (4, 9), generator=g)
     hf = RepetitionPenaltyLogitsProcessor(1.3)(seen, logits.clone())
-    assert torch.equal(_select(logits, seen, 1.3, _greedy(), None), hf.argmax(-1))
+    assert torch.equal(select_tokens(logits, seen, 1.3, greedy(), None), hf.argmax(-1))
     cfg = GenerationConfig(temperature=0.5, top_p=0.8)
     warped = TopPLogitsWarper(0.8)(seen, TemperatureLogitsWarper(0.5)(seen, logits.clone()))
     allowed = torch.isfinite(warped)
-    draws = torch.stack([_select(logits, None, 1.0, cfg, torch.Generator().manual_seed(s)) for s in range(200)])
+    draws = torch.stack([select_tokens(logits, None, 1.0, cfg, torch.Generator().manual_seed(s)) for s in range(200)])
     assert allowed.gather(1, draws.T).all()  # only nucleus tokens are drawn
     assert (allowed.sum(1) > 1).any() and (allowed.sum(1) < 50).all()
 
@@ -245,7 +188,7 @@ def test_token_selection_matches_transformers_processors():
 # ----------------------------------------------------------------------------- registry
 def test_registry_names_valid_engines():
     pol = load_policy("tiny-qwen2")
-    eng = make_engine("hf", pol, _greedy())
+    eng = make_engine("hf", pol, greedy())
     assert isinstance(eng, HFEngine) and eng.cfg.temperature == 0
     with pytest.raises(ValueError, match="unknown generation engine 'nope'; valid names: hf, openvino, vllm"):
         make_engine("nope", pol)
@@ -260,7 +203,7 @@ def test_registry_names_valid_engines():
 def test_bench_generate_compares_engines_on_webshop_prompts(tmp_path):
     import json
 
-    from sprpo_lib import bench
+    from sprpo_lib.bench import suite as bench
 
     out = tmp_path / "generate.json"
     argv = ["generate", "--model", "tiny-llama", "--prompts", "3", "--new-tokens", "6", "--repeats", "2",
@@ -277,8 +220,8 @@ def test_bench_generate_compares_engines_on_webshop_prompts(tmp_path):
 def test_bench_prompts_splits_the_token_budget_by_section(tmp_path):
     import json
 
-    from sprpo_lib import bench
     from sprpo_lib.agent import PROMPT_SECTIONS, token_counter
+    from sprpo_lib.bench import suite as bench
     from sprpo_lib.models import load_policy
 
     out = tmp_path / "prompts.json"

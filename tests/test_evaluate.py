@@ -227,16 +227,18 @@ def test_file_digest_memo(tmp_path, monkeypatch):
     f, memo = tmp_path / "w.safetensors", tmp_path / "memo.json"
     f.write_bytes(b"abc")
     calls = []
-    real = E.sha256_file
-    monkeypatch.setattr(E, "sha256_file", lambda p: calls.append(p) or real(p))
-    monkeypatch.setattr(E, "_MEMO", {})
+    import sprpo_lib.evaluate.cells as cells
+
+    real = cells.sha256_file
+    monkeypatch.setattr(cells, "sha256_file", lambda p: calls.append(p) or real(p))
+    E.clear_digest_memo()
     d1 = E.file_digest(f, memo)
     E.file_digest(f, memo)
     assert len(calls) == 2 and not memo.exists()  # just written: too fresh to trust its mtime
     old = time.time() - 60
     os.utime(f, (old, old))
     E.file_digest(f, memo)
-    monkeypatch.setattr(E, "_MEMO", {})  # a new process: the memo file serves
+    E.clear_digest_memo()  # a new process: the memo file serves
     assert E.file_digest(f, memo) == d1 and len(calls) == 3 and memo.exists()
     f.write_bytes(b"abcd")
     os.utime(f, (old, old))
@@ -330,8 +332,8 @@ def test_config_from_a_training_run(tmp_path, pool, counter):
     """A run folder gives the base model (tiny models: the run's seed), the RL adapter,
     the profile's prompt settings and step limit, and the method / seed tags."""
     from sprpo_lib.config import config_dict, load_config
+    from sprpo_lib.io import atomic_write_json
     from sprpo_lib.models import LoraSettings, add_lora, load_policy
-    from sprpo_lib.manifest import atomic_write_json
 
     tc = load_config("smoke", **{"method.name": "sprpo", "seed": 1})
     run = tmp_path / "webshop-sprpo-smoke-seed1"

@@ -9,9 +9,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from sprpo_lib import experiments as X
 from sprpo_lib.config import config_dict, load_config
-from sprpo_lib import results as R
+from sprpo_lib.paper import experiments as X
+from sprpo_lib.paper import results as R
 
 
 def test_plan_lookup_and_validation():

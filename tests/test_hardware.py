@@ -48,7 +48,7 @@ def test_cache_hit_returns_the_same_numbers_without_probing(monkeypatch, tmp_pat
     assert (i1["source"], i2["source"]) == ("probe", "cache")
     assert i1["matmul"] == i2["matmul"] and i1["key"] == i2["key"]
     path = tmp_path / "cache" / "hardware" / "dtype-probe.json"
-    assert json.loads(path.read_text())  # written where models.cache_dir() points
+    assert json.loads(path.read_text())  # written where paths.cache_dir() points
     hardware.fast_dtype(SHAPES[:2])  # other shapes: another key, another probe
     assert len(calls) == 2
     threads = torch.get_num_threads()
@@ -161,7 +161,7 @@ def test_machine_info_and_manifests_record_the_cpu_class(tmp_path, monkeypatch):
 
 
 def test_bench_machine_reports_rates_and_floors(tmp_path):
-    from sprpo_lib import bench
+    from sprpo_lib.bench import suite as bench
 
     out = tmp_path / "machine.json"
     assert bench.main(["machine", "--model", "tiny-qwen2", "--out", str(out)]) == 0

@@ -6,7 +6,10 @@ import json
 import pandas as pd
 import pytest
 
-from sprpo_lib.reproduce import NOTEBOOKS, PROFILES, plan, run
+from sprpo_lib.paths import notebooks_dir
+from sprpo_lib.reproduce import PROFILES, plan, run
+
+NOTEBOOKS = notebooks_dir()
 
 
 def test_every_notebook_has_one_parameters_cell_and_is_in_every_profile():
@@ -111,3 +114,66 @@ def test_result_notebooks_smoke_and_render_only(tmp_path):
     again = run("smoke", only=["03", "04", "05", "06"], runs_dir=tmp_path / "runs", out_dir=str(out), render_only=True)
     assert [r["status"] for r in again] == ["rendered"] * 4
     assert digest == {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.glob("*.tex")}
+
+
+@pytest.fixture(autouse=True)
+def notebooks_folder_untouched():
+    """No notebook run writes into notebooks/ (JupyterLab runs them there; outputs go to figures/)."""
+    before = sorted(p.name for p in NOTEBOOKS.iterdir())
+    yield
+    assert sorted(p.name for p in NOTEBOOKS.iterdir()) == before
+
+
+def test_the_package_imports_from_the_notebooks_folder():
+    """JupyterLab starts a notebook's kernel in notebooks/: the installed package (pip install -e .)
+    is the checkout's, and its project root is the checkout, not the working directory."""
+    import subprocess
+    import sys
+
+    from sprpo_lib.paths import package_checkout
+
+    code = "import sprpo_lib, sprpo_lib.paths as p; print(sprpo_lib.__file__); print(p.project_root())"
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("PYTHONPATH", "SPRPO_HOME")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=NOTEBOOKS, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:] + "\nfix: pip install --no-deps -e . (README, first command)"
+    where, root = out.stdout.split()
+    assert where == str(package_checkout() / "sprpo_lib" / "__init__.py") and root == str(package_checkout())
+
+
+def test_jupyterlab_lists_the_numbered_notebooks():
+    """What JupyterLab's file browser shows at the repository root (its contents API)."""
+    from jupyter_server.services.contents.filemanager import FileContentsManager
+
+    from sprpo_lib.paths import package_checkout
+
+    cm = FileContentsManager(root_dir=str(package_checkout()))
+    listed = {m["name"] for m in cm.get("notebooks", content=True)["content"] if m["type"] == "notebook"}
+    assert {p.name for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")} <= listed and len(listed) >= 8
+
+
+@pytest.mark.slow
+def test_committed_results_render_byte_identical_from_the_notebooks_folder(tmp_path):
+    """``cd notebooks && papermill 0X.ipynb ... -p render_only True`` on the committed cpu results:
+    every CSV, LaTeX and Markdown file is written again byte for byte, and nothing lands in
+    notebooks/ (the fixture checks)."""
+    import hashlib
+    import shutil
+
+    import papermill as pm
+
+    from sprpo_lib.paths import figures_dir
+
+    committed = figures_dir()
+    out = shutil.copytree(committed, tmp_path / "figures")
+    digest = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in committed.iterdir()
+              if p.suffix in (".csv", ".tex", ".md") and p.name[:2] in ("03", "04", "05", "06", "he")}
+    inputs = {p.name for p in committed.glob("*_rows.csv")} | {"06_overhead_webshop.csv"}  # what rendering reads
+    for name in set(digest) - inputs:  # rendering must write these again, not find them
+        (out / name).unlink()
+    for nb in ("03_motivation", "04_robustness", "05_landscape", "06_overhead"):
+        pm.execute_notebook(str(NOTEBOOKS / f"{nb}.ipynb"), str(tmp_path / f"{nb}.ipynb"), cwd=str(NOTEBOOKS),
+                            parameters={"profile": "cpu", "render_only": True, "out_dir": str(out),
+                                        "cache_dir": str(tmp_path / "no_cache")}, kernel_name="python3",
+                            progress_bar=False)
+    got = {name: hashlib.sha256((out / name).read_bytes()).hexdigest() for name in digest if (out / name).is_file()}
+    assert got == digest

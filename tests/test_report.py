@@ -1,11 +1,11 @@
-"""Paired held-out comparison of the warm start and the RL policy (sprpo_lib.report)."""
+"""Paired held-out comparison of the warm start and the RL policy (sprpo_lib.paper.report)."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from sprpo_lib.report import mcnemar_exact_p, paired_outcomes
+from sprpo_lib.paper.report import mcnemar_exact_p, paired_outcomes
 
 
 def test_mcnemar_exact_p_closed_forms():

@@ -10,14 +10,14 @@ import torch
 import torch.nn.functional as F
 
 from sprpo_lib.agent import AgentConfig
+from sprpo_lib.engines import Generation, GenerationConfig, HFGenerator
 from sprpo_lib.envs.webshop import make_webshop_pool
 from sprpo_lib.models import LORA_TARGETS, LoraSettings, load_policy
-from sprpo_lib.rollout import Generation, GenerationConfig, HFGenerator, SerialEnvs, run_groups
+from sprpo_lib.rollout import SerialEnvs, run_groups
 from sprpo_lib.sft import (
     IGNORE_INDEX,
     Demo,
     SFTConfig,
-    _lr_at,
     admissible_from_prompt,
     collate,
     collect_demonstrations,
@@ -25,6 +25,7 @@ from sprpo_lib.sft import (
     evaluate_format,
     load_adapter,
     load_demos,
+    lr_at,
     response_nll,
     save_demos,
     train_sft,
@@ -289,8 +290,8 @@ def test_long_prompts_are_skipped_and_config_checked(demos):
         with pytest.raises(ValueError):
             SFTConfig(**bad)
     cfg = SFTConfig(lr=1.0, warmup_steps=2, schedule="linear")
-    assert [_lr_at(s, 6, cfg) for s in range(6)] == pytest.approx([0.5, 1.0, 1.0, 0.75, 0.5, 0.25])
-    assert _lr_at(5, 6, SFTConfig(lr=1.0, schedule="cosine")) == pytest.approx(0.5 * (1 + math.cos(math.pi * 5 / 6)))
+    assert [lr_at(s, 6, cfg) for s in range(6)] == pytest.approx([0.5, 1.0, 1.0, 0.75, 0.5, 0.25])
+    assert lr_at(5, 6, SFTConfig(lr=1.0, schedule="cosine")) == pytest.approx(0.5 * (1 + math.cos(math.pi * 5 / 6)))
 
 
 def test_warm_start_and_evaluate_format(pool, tmp_path):
@@ -311,11 +312,11 @@ def test_admissible_parsing_and_demo_io(demos, tmp_path):
     acts = admissible_from_prompt(demos[1].prompt)
     assert acts[0] == "click[back to search]" and all(a.startswith("click[") for a in acts)
     assert admissible_from_prompt(demos[0].prompt) == ["search[<your query>]"]
-    from sprpo_lib.sft import _is_admissible
+    from sprpo_lib.sft import is_admissible
 
-    assert _is_admissible("search[red shoes]", ["search[<your query>]"])
-    assert not _is_admissible("search[]", ["search[<your query>]"])
-    assert not _is_admissible("click[nope]", acts) and _is_admissible(acts[2], acts)
+    assert is_admissible("search[red shoes]", ["search[<your query>]"])
+    assert not is_admissible("search[]", ["search[<your query>]"])
+    assert not is_admissible("click[nope]", acts) and is_admissible(acts[2], acts)
     save_demos(tmp_path / "d.jsonl", demos)
     assert load_demos(tmp_path / "d.jsonl") == demos
     assert isinstance(demos[0], Demo)

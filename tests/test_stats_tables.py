@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from sprpo_lib import stats, tables
+from sprpo_lib.paper import stats, tables
 
 
 def episodes(method: str, train_seed: int, family: str, strength: float, successes: list[int],

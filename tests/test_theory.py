@@ -1,4 +1,4 @@
-"""sprpo_lib.theory against closed forms and independent re-computations (Lemma 1,
+"""sprpo_lib.paper.theory against closed forms and independent re-computations (Lemma 1,
 Theorem 1, Corollary 1, Theorem 2 of the paper), plus the notebook's smoke run."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from sprpo_lib import theory as th
+from sprpo_lib.paper import theory as th
 
 
 def _switch_mdp(gamma: float) -> th.MDP:

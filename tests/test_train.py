@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from sprpo_lib.actor import SURROGATE
 from sprpo_lib.batch import build_batch
-from sprpo_lib.methods import _leaf
+from sprpo_lib.methods import grad_leaf
 from sprpo_lib.train import Trainer, load_config, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +54,7 @@ def test_sensitivity_matches_finite_differences(tmp_path):
     a = tr.actor
     a.backward(batch, xi)  # stores old log-probs at theta_k
     a.step()
-    leaf = _leaf(xi, a)
+    leaf = grad_leaf(xi, a)
     a.backward(batch, leaf, terms=SURROGATE)
     g = leaf.grad.double()
     a.zero_grad()
@@ -164,9 +164,8 @@ def test_kill9_resume_matches_uninterrupted_run(tmp_path):
 
 
 def test_warm_start_is_cached_and_merged(tmp_path, monkeypatch):
-    import sprpo_lib.train as T
 
-    monkeypatch.setattr(T, "ROOT", tmp_path)
+    monkeypatch.setenv("SPRPO_HOME", str(tmp_path))
     ov = ["warm_start=true", "sft.n_tasks=2", "sft.epochs=1", "sft.lora.rank=4", "iterations=1"]
     a = Trainer(load_config("smoke", ov), tmp_path / "a", progress=False)
     sft_dir = a.warm_start_dir
@@ -197,9 +196,8 @@ def test_extend_run_and_refuse_other_config(tmp_path):
 def test_warm_start_and_final_eval_on_same_held_out_tasks(tmp_path, monkeypatch):
     import json
 
-    import sprpo_lib.train as T
 
-    monkeypatch.setattr(T, "ROOT", tmp_path)
+    monkeypatch.setenv("SPRPO_HOME", str(tmp_path))
     ov = ["warm_start=true", "sft.n_tasks=2", "sft.epochs=1", "sft.lora.rank=4", "sft.eval_tasks=3",
           "eval_tasks=3", "iterations=1", "rollout.tasks_per_step=1"]
     out = train(load_config("smoke", ov), tmp_path / "run", progress=False)
@@ -210,7 +208,7 @@ def test_warm_start_and_final_eval_on_same_held_out_tasks(tmp_path, monkeypatch)
     assert sorted(e["task_index"] for e in eps) == [2, 3, 4]
     assert start["temperature"] == final["temperature"] == 0.4  # Table 3 validation temperature
     cfg = load_config("smoke", ov)
-    import sprpo_lib.evaluate as E
+    import sprpo_lib.heldout as E
 
     assert E.eval_is_current(out / "final" / "eval.json", cfg, 3)
     assert not E.eval_is_current(out / "final" / "eval.json", cfg, 4)  # other task count: redo

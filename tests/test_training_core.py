@@ -15,11 +15,12 @@ from sprpo_lib.actor import Actor
 from sprpo_lib.advantages import StepSample, compute_advantages
 from sprpo_lib.agent import AgentConfig, HistoryStep, build_prompt, fit_prompt
 from sprpo_lib.batch import Batch, Sample, build_batch
+from sprpo_lib.engines import Generation
 from sprpo_lib.envs.base import Observation
 from sprpo_lib.losses import PPOLossConfig, kl_penalty, ppo_dual_clip_loss, token_logprobs
-from sprpo_lib.methods import _leaf
+from sprpo_lib.methods import grad_leaf
 from sprpo_lib.models import LoraSettings, add_lora, load_policy
-from sprpo_lib.rollout import Generation, SerialEnvs, run_groups
+from sprpo_lib.rollout import SerialEnvs, run_groups
 from sprpo_lib.train import Trainer, load_config
 
 
@@ -207,7 +208,7 @@ def _direct_surrogate_grads(tr, batch, xi):
     """Gradient of the token-mean clipped surrogate, sample by sample without padding or
     micro-batches, by torch.autograd.grad: an independent re-computation."""
     a = tr.actor
-    leaf = _leaf(xi, a)
+    leaf = grad_leaf(xi, a)
     a.fc.set(xi=leaf)
     logps, olds, advs = [], [], []
     with torch.enable_grad(), a.fc:

@@ -462,9 +462,9 @@ def test_matching_helpers_follow_the_original():
 
 
 def test_title_nouns_heuristic_without_spacy_model():
-    from sprpo_lib.envs.webshop import _spacy_pipeline
+    from sprpo_lib.envs.webshop import spacy_pipeline
 
-    if _spacy_pipeline() is not None:
+    if spacy_pipeline() is not None:
         pytest.skip("spaCy's en_core_web_sm is installed; the heuristic is not used")
     nouns = title_nouns({"name": "The Set of 2 Bar Stools, Gray"})
     assert nouns == ["set", "bar", "stools", "gray"]

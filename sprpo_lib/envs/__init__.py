@@ -4,21 +4,21 @@ real data (``data_dir``, or ``$WEBSHOP_DATA`` / ``$ALFWORLD_DATA``) or the offli
 default.  Modules are imported on use: ALFWorld pulls in TextWorld."""
 from __future__ import annotations
 
-from ..registry import Registry
+from sprpo_lib.registry import Registry
 
 ENVIRONMENTS: Registry = Registry("environment", "env.name")
 
 
 @ENVIRONMENTS.register("webshop")
 def _webshop(data_dir=None, seed: int = 0):
-    from .webshop import make_webshop_pool
+    from sprpo_lib.envs.webshop import make_webshop_pool
 
     return make_webshop_pool(data_dir, seed=seed)
 
 
 @ENVIRONMENTS.register("alfworld")
 def _alfworld(data_dir=None, seed: int = 0):
-    from .alfworld import make_alfworld_pool
+    from sprpo_lib.envs.alfworld import make_alfworld_pool
 
     return make_alfworld_pool(data_dir, seed=seed)
 

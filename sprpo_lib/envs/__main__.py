@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from . import ENVIRONMENTS, make_pool
-from .baselines import play
+from sprpo_lib.envs import ENVIRONMENTS, make_pool
+from sprpo_lib.envs.baselines import play
 
 
 def main(argv: list[str] | None = None) -> int:

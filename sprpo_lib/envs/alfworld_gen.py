@@ -61,12 +61,12 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Sequence
 
-import numpy as np
-
 import alfworld.gen.constants as C
 import alfworld.gen.goal_library as glib
+import numpy as np
 
-from sprpo_lib.manifest import atomic_write_json, cache_dir
+from sprpo_lib.io import atomic_write_json
+from sprpo_lib.paths import cache_dir
 
 GENERATOR_VERSION = 1
 
@@ -472,7 +472,7 @@ def _problem_text(task_id: str, receptacles: list[Receptacle],
 
 # --------------------------------------------------------------------------- files
 def default_cache_root() -> Path:
-    """``<cache root>/alfworld`` (:func:`sprpo_lib.manifest.cache_dir`)."""
+    """``<cache root>/alfworld`` (:func:`sprpo_lib.paths.cache_dir`)."""
     return cache_dir() / "alfworld"
 
 

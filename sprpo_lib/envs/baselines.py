@@ -8,7 +8,7 @@ import re
 import time
 from typing import Sequence
 
-from .base import TaskPool
+from sprpo_lib.envs.base import TaskPool
 
 _TEMPLATE = re.compile(r"^(\w+)\[<[^>]*>\]$")
 
@@ -29,7 +29,7 @@ def play(pool: TaskPool, split: str, indices: Sequence[int], agent: str = "rando
     """Play ``rollouts`` episodes of each task with the ``random`` or ``expert`` agent;
     success, mean score and episode length overall and per task type (where the task
     handle has one, e.g. ALFWorld's six types)."""
-    from tqdm.auto import tqdm
+    from sprpo_lib.progress import progress_bar
 
     if agent not in ("random", "expert"):
         raise ValueError(f"agent must be 'random' or 'expert', got {agent!r}")
@@ -37,7 +37,7 @@ def play(pool: TaskPool, split: str, indices: Sequence[int], agent: str = "rando
     t0 = time.perf_counter()
     episodes, wins, score, steps = 0, 0, 0.0, 0
     per_type: dict[str, list[int]] = {}
-    for i in tqdm(list(indices), desc=f"{agent} agent {pool.name}/{split}", disable=not progress, leave=False):
+    for i in progress_bar(list(indices), desc=f"{agent} agent {pool.name}/{split}", disable=not progress, leave=False):
         task = pool.open(split, i)
         counts = per_type.setdefault(getattr(task, "task_type", pool.name), [0, 0])
         for _ in range(rollouts):

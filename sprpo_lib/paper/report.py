@@ -16,9 +16,10 @@ from typing import Mapping, Sequence
 
 import pandas as pd
 
-from .config import TrainConfig, config_from_dict
-from .evaluate import load_eval
-from .train import ROOT, default_out_dir, load_config, train, warm_start_key
+from sprpo_lib.config import TrainConfig, config_from_dict
+from sprpo_lib.heldout import load_eval
+from sprpo_lib.paths import project_path
+from sprpo_lib.train import default_out_dir, load_config, train, warm_start_dir
 
 __all__ = ["run_grid", "find_runs", "load_metrics", "before_after", "paired_outcomes", "mcnemar_exact_p", "plot_training"]
 
@@ -43,7 +44,7 @@ def _grid(profile, env, methods, seeds, overrides, out_root):
     for seed in sorted({s for v in per.values() for s in v}):
         for method in (m for m in methods if seed in per[m]):
             cfg = load_config(profile, list(overrides), **{"env.name": env, "method.name": method, "seed": seed})
-            out.append((cfg, Path(out_root) / default_out_dir(cfg).name if out_root else default_out_dir(cfg)))
+            out.append((cfg, project_path(out_root) / default_out_dir(cfg).name if out_root else default_out_dir(cfg)))
     return out
 
 
@@ -102,7 +103,7 @@ def paired_outcomes(start_episodes: str | Path, final_episodes: str | Path) -> d
     (``eval_episodes.jsonl`` files): tasks solved only after RL (``gained``), only
     before (``lost``), the exact McNemar p-value, the mean score change and a sign test
     on the scores (tasks whose score rose / fell, exact two-sided p)."""
-    from .manifest import read_json_lines
+    from sprpo_lib.io import read_json_lines
 
     def by_task(path):  # every line whole, or one error naming the file
         return {e["task_id"]: e for e in read_json_lines(path)}
@@ -135,7 +136,7 @@ def before_after(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
                "rollout_success_last": m["success"].iloc[-1],
                "rollout_success_first_half": m["success"].iloc[: max(1, len(m) // 2)].mean(),
                "rollout_success_second_half": m["success"].iloc[len(m) // 2:].mean()}
-        start = ROOT / "runs" / "sft" / f"{cfg.env.name}-{warm_start_key(cfg, cfg.rollout.agent)}" / "eval.json"
+        start = warm_start_dir(cfg) / "eval.json"
         final = d / "final" / "eval.json"
         for name, path in (("start", start), ("final", final)):
             if cfg.warm_start or name == "final":

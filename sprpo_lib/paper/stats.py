@@ -90,7 +90,7 @@ def summarize(rows: pd.DataFrame, by: Sequence[str] = ("env",), method: str = "m
               train_seed: str = "train_seed") -> pd.DataFrame:
     """Episode rows -> one row per (method, ``by``, family, strength): success ``mean``,
     ``std`` over training seeds, ``n`` seeds, ``retention``, and the seed-mean score
-    ``score``.  The input of :mod:`sprpo_lib.tables`."""
+    ``score``.  The input of :mod:`sprpo_lib.paper.tables`."""
     per = policy_success(rows, by, method, train_seed)
     out = mean_std(per, "success", by, method, train_seed)
     score = mean_std(per, "score", by, method, train_seed)[[method, *by, *SETTING, "mean"]]

@@ -9,6 +9,7 @@
     python -m sprpo_lib.bench update [--dtypes float32,bfloat16]
     python -m sprpo_lib.bench prompts [--prompts 64]
     python -m sprpo_lib.bench churn [--rounds 500] [--deadline 30] [--stall-every 0]
+    python -m sprpo_lib.bench report   # runs/bench/*.json -> figures/bench_<machine>.md, README block
 
 Speed claims are ratios measured side by side in one run (e.g. generation with and
 without the perturbation hook, interleaved, median of repeats).  Results go to
@@ -25,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from .manifest import atomic_write_json, git_commit
-
-ROOT = Path(__file__).resolve().parents[1]
+from sprpo_lib.io import atomic_write_json
+from sprpo_lib.manifest import git_commit
+from sprpo_lib.paths import project_path, runs_dir
 
 
 def _sync(device) -> None:
@@ -47,12 +48,12 @@ def fixed_length_calibration(tokenizer, n: int, length: int, seed: int = 0) -> l
     chunks; content matters little for timing)."""
     import random
 
-    from .quickstart import _OBJECTS, _PLACES, DEMO_PROMPT
+    from sprpo_lib.paper.quickstart import DEMO_OBJECTS, DEMO_PLACES, DEMO_PROMPT
 
     rng = random.Random(seed)
     stream: list[int] = []
     while len(stream) < n * length:
-        obj, place = rng.choice(_OBJECTS), rng.choice(_PLACES)
+        obj, place = rng.choice(DEMO_OBJECTS), rng.choice(DEMO_PLACES)
         text = DEMO_PROMPT.replace("mug", obj).replace("coffeemachine", place)
         msg = [{"role": "user", "content": text}, {"role": "assistant", "content": f"<action>go to {place} 1</action>"}]
         enc = tokenizer.apply_chat_template(msg, tokenize=True, return_dict=True)
@@ -65,10 +66,10 @@ def bench_perturb(model: str = "smollm2-135m", n_calib: int = 128, calib_len: in
                   dtype: str | None = None) -> dict:
     """Load time, generation tokens/s with and without the FFN hook, and the time of
     RTN (INT4), Fisher scoring and SparseGPT (all FFN weights, r = 0.5)."""
-    from .compress import fisher_scores, rtn_quantize, sparsegpt_prune
-    from .models import load_policy
-    from .perturb import FFNChannels, sample_xi
-    from .quickstart import DEMO_PROMPT
+    from sprpo_lib.compress import fisher_scores, rtn_quantize, sparsegpt_prune
+    from sprpo_lib.models import load_policy
+    from sprpo_lib.paper.quickstart import DEMO_PROMPT
+    from sprpo_lib.perturb import FFNChannels, sample_xi
 
     res: dict = {"model": model, "threads": torch.get_num_threads(), "device": device}
     if device.startswith("cuda"):
@@ -128,9 +129,10 @@ def env_vs_generation(pool_factory, split: str, model: str, n_tasks: int = 4, gr
     time for the same batch: one :func:`run_groups` call with the real model, side by
     side.  Defaults mirror the ``cpu`` profile's rollout batch (4 tasks x 4 rollouts,
     24 new tokens, observations cut at 300 characters) with 10 steps."""
-    from .agent import AgentConfig
-    from .models import load_policy
-    from .rollout import GenerationConfig, HFGenerator, SerialEnvs, run_groups
+    from sprpo_lib.agent import AgentConfig
+    from sprpo_lib.engines import GenerationConfig, HFGenerator
+    from sprpo_lib.models import load_policy
+    from sprpo_lib.rollout import SerialEnvs, run_groups
 
     pol = load_policy(model)
     envs = SerialEnvs(pool_factory)
@@ -155,7 +157,7 @@ def bench_webshop(n_episodes: int = 200, seed: int = 0,
     decisions), and the oracle's mean reward / success rate over the episodes.
     """
     t0 = time.perf_counter()
-    from .envs.webshop import DEFAULT_N_PRODUCTS, WebShopPool, generate_catalogue
+    from sprpo_lib.envs.webshop import DEFAULT_N_PRODUCTS, WebShopPool, generate_catalogue
 
     catalogue = generate_catalogue(seed, n_products or DEFAULT_N_PRODUCTS)
     gen_s = time.perf_counter() - t0
@@ -217,8 +219,8 @@ def bench_alfworld(pool=None, split: str = "valid_seen", n_tasks: int = 3,
     import textworld
     from textworld.envs import PddlEnv
 
-    from .envs import alfworld_gen
-    from .envs.alfworld import make_alfworld_pool
+    from sprpo_lib.envs import alfworld_gen
+    from sprpo_lib.envs.alfworld import make_alfworld_pool
 
     pool = pool or make_alfworld_pool()
     indices = list(range(n_tasks))
@@ -291,14 +293,14 @@ def bench_envs(n_episodes: int = 200, model: str | None = "smollm2-135m", n_task
     and, with ``model``, environment vs. generation time for one rollout batch."""
     from functools import partial
 
-    from .envs.webshop import make_webshop_pool
+    from sprpo_lib.envs.webshop import make_webshop_pool
 
     vs = dict(n_tasks=n_tasks, group_size=group_size, max_steps=max_steps)
     res = {"webshop": bench_webshop(n_episodes=n_episodes)}
     if model:
         res["webshop"]["vs_model"] = env_vs_generation(partial(make_webshop_pool, seed=0), "test", model, **vs)
     try:
-        from .envs.alfworld import make_alfworld_pool
+        from sprpo_lib.envs.alfworld import make_alfworld_pool
     except ImportError as err:  # the alfworld package is optional for WebShop-only users
         res["alfworld"] = {"skipped": f"alfworld not importable: {err}"}
     else:
@@ -319,9 +321,9 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 2, ov
     import copy
     import dataclasses
 
-    from .batch import build_batch
-    from .methods import MethodConfig, make_method
-    from .train import Trainer, load_config
+    from sprpo_lib.batch import build_batch
+    from sprpo_lib.methods import MethodConfig, make_method
+    from sprpo_lib.train import Trainer, load_config
 
     cfg = load_config(profile, list(overrides or []) + [f"env.name={env}", "method.name=sprpo"])
     tr = Trainer(cfg, progress=True)
@@ -387,7 +389,8 @@ def shape_config(model: str = "smollm2-135m"):
     model is converted first (minutes, once) if it has not been yet."""
     from transformers import AutoConfig, Qwen2Config
 
-    from .models import DEFAULT_MODEL, QWEN25_15B_SHAPE, TINY_SPECS, TinyConfig, cache_dir, load_policy
+    from sprpo_lib.models import DEFAULT_MODEL, QWEN25_15B_SHAPE, TINY_SPECS, TinyConfig, load_policy
+    from sprpo_lib.paths import cache_dir
 
     if model in TINY_SPECS:
         shape = QWEN25_15B_SHAPE if model == "random-qwen2.5-1.5b" else TinyConfig()
@@ -412,7 +415,7 @@ def bench_machine(model: str = "smollm2-135m", context: int = 500) -> dict:
     FLOPs per prompt token at a ``context``-token prompt (:func:`hardware.prefill_flops`)
     and per generated token, with the floors they imply on this machine (prefill at the
     256-row rate; a decode step reads every weight once, at the measured bandwidth)."""
-    from . import hardware as hw
+    from sprpo_lib import hardware as hw
 
     config = shape_config(model)
     matmul = hw.probe_matmul(hw.linear_shapes(config))
@@ -439,8 +442,8 @@ def webshop_prompts(n: int = 16, max_steps: int = 3, seed: int = 0) -> list[str]
     """``n`` real WebShop prompts as a rollout builds them (test tasks 0..n-1, the cpu
     profile's prompt settings); prompt i is taken after ``i % (max_steps + 1)`` steps of
     the visible-information shopper, so search, results and item pages all appear."""
-    from .agent import AgentConfig, HistoryStep, build_prompt
-    from .envs.webshop import make_webshop_pool, visible_shopper_action
+    from sprpo_lib.agent import AgentConfig, HistoryStep, build_prompt
+    from sprpo_lib.envs.webshop import make_webshop_pool, visible_shopper_action
 
     agent = AgentConfig(history_len=2, max_obs_chars=1000, history_obs_chars=120, echo_instruction=False)
     pool = make_webshop_pool(seed=seed)
@@ -471,8 +474,8 @@ def bench_prompts(model: str = "smollm2-135m", n_prompts: int = 64, max_steps: i
     section boundaries).  Where the prefill FLOPs go, before any engine runs."""
     import numpy as np
 
-    from .agent import PROMPT_SECTIONS, prompt_sections, token_counter
-    from .models import load_policy
+    from sprpo_lib.agent import PROMPT_SECTIONS, prompt_sections, token_counter
+    from sprpo_lib.models import load_policy
 
     tok = load_policy(model, dtype="float32").tokenizer
     total = token_counter(tok)
@@ -513,11 +516,10 @@ def bench_generate(model: str = "smollm2-135m", n_prompts: int = 16, new_tokens:
     :data:`sprpo_lib.engines.ENGINES`, plus ``openvino_loop`` (the OpenVINO engine's own decode
     loop), computing in the policy's dtype; they are built once (conversion, load and one ``load_weights`` reload are reported
     under ``openvino``, not timed as generation) and reset to call 0 for each run."""
-    from . import hardware as hw
-    from .agent import AgentConfig
-    from .engines import make_engine
-    from .models import load_policy
-    from .rollout import GenerationConfig, HFGenerator
+    from sprpo_lib import hardware as hw
+    from sprpo_lib.agent import AgentConfig
+    from sprpo_lib.engines import GenerationConfig, HFGenerator, make_engine
+    from sprpo_lib.models import load_policy
 
     prompts = webshop_prompts(n_prompts, max_steps)
     agent = AgentConfig(history_len=2, max_obs_chars=1000, history_obs_chars=120, echo_instruction=False)
@@ -537,8 +539,8 @@ def bench_generate(model: str = "smollm2-135m", n_prompts: int = 16, new_tokens:
             cfg = GenerationConfig(temperature=temp, max_new_tokens=new_tokens, batch_size=batch_size, seed=0)
             if name in OPENVINO_ENGINES:
                 if (dtype, name) not in built:
-                    from .engine_openvino import OpenVINOEngine
-                    from .engines import bake_weights
+                    from sprpo_lib.engines import bake_weights
+                    from sprpo_lib.engines.openvino import OpenVINOEngine
 
                     eng = OpenVINOEngine(pol, cfg, agent, backend=OPENVINO_ENGINES[name])
                     t0 = time.perf_counter()
@@ -587,9 +589,9 @@ def bench_update(model: str = "smollm2-135m", dtypes: tuple[str, ...] = ("float3
     """One PPO forward/backward (the actor's ``backward``) per dtype on the same batch of
     random token sequences, interleaved ``repeats`` rounds (best): does training run at
     the speed of the dtype ``dtype: auto`` picks for generation?"""
-    from .actor import Actor
-    from .batch import Batch, Sample
-    from .models import LoraSettings, add_lora, load_policy, lora_on_last_layers
+    from sprpo_lib.actor import Actor
+    from sprpo_lib.batch import Batch, Sample
+    from sprpo_lib.models import LoraSettings, add_lora, load_policy, lora_on_last_layers
 
     g = torch.Generator().manual_seed(0)
     batch = Batch([Sample(torch.randint(3, 4000, (prompt_len + response_len,), generator=g).tolist(), response_len,
@@ -620,15 +622,15 @@ def bench_update(model: str = "smollm2-135m", dtypes: tuple[str, ...] = ("float3
 EVAL_ENGINES = ("hf", "openvino")
 
 
-def _engine_runs(spec: str) -> tuple[str, str, dict]:
+def engine_runs(spec: str) -> tuple[str, str, dict]:
     """``engine``, ``engine:dtype`` (dtype float32 | bfloat16 | auto) or
-    ``engine:dtype:field=value`` (a :class:`~sprpo_lib.rollout.GenerationConfig` setting, e.g.
+    ``engine:dtype:field=value`` (a :class:`~sprpo_lib.engines.GenerationConfig` setting, e.g.
     ``openvino:auto:prefix_caching=false``)."""
     import dataclasses
 
     import yaml
 
-    from .rollout import GenerationConfig
+    from sprpo_lib.engines import GenerationConfig
 
     name, _, rest = spec.partition(":")
     dtype, _, opts = rest.partition(":")
@@ -656,15 +658,15 @@ def bench_eval(profile: str = "cpu", env: str = "webshop", engines: tuple[str, .
 
     import numpy as np
 
-    from . import hardware as hw
-    from .agent import token_counter
-    from .config import load_config
-    from .engines import close_engine, make_engine
-    from .envs import make_pool
-    from .evaluate import eval_temperature, held_out_tasks
-    from .models import load_policy
-    from .rollout import SerialEnvs, run_groups
-    from .train import warm_start_policy
+    from sprpo_lib import hardware as hw
+    from sprpo_lib.agent import token_counter
+    from sprpo_lib.config import load_config
+    from sprpo_lib.engines import close_engine, make_engine
+    from sprpo_lib.envs import make_pool
+    from sprpo_lib.heldout import eval_temperature, held_out_tasks
+    from sprpo_lib.models import load_policy
+    from sprpo_lib.rollout import SerialEnvs, run_groups
+    from sprpo_lib.train import warm_start_policy
 
     overrides = {"env.name": env, **({"model.spec": model} if model else {})}
     cfg = load_config(profile, **overrides)
@@ -676,7 +678,7 @@ def bench_eval(profile: str = "cpu", env: str = "webshop", engines: tuple[str, .
     n_train = pool.splits()[cfg.sft.split]
     batch_tasks = [(cfg.sft.split, int(i)) for i in rng.choice(n_train, cfg.rollout.tasks_per_step, replace=False)]
     config = shape_config(cfg.model.spec)
-    runs = [_engine_runs(e) for e in engines]
+    runs = [engine_runs(e) for e in engines]
     policies: dict = {}
     for _, dt, _ in runs:
         if dt not in policies:
@@ -750,15 +752,14 @@ def bench_churn(model: str = "tiny-llama", rounds: int = 500, deadline_s: float 
     drops both.  Reports builds, calls, ``hangs`` (calls past their deadline, caught and
     repeated), ``unrecovered`` (calls that failed every attempt), token mismatches and
     wall time.  ``stall_every``: inject a stall of ``stall_s`` seconds (fault injection,
-    :meth:`~sprpo_lib.engine_openvino.OpenVINOEngine.stall_next`) into one call every that
+    :meth:`~sprpo_lib.engines.openvino.OpenVINOEngine.stall_next`) into one call every that
     many rounds, to show recovery under churn (``injected``, not counted as hangs)."""
     import gc
 
-    from . import hardware as hw
-    from .engine_openvino import OpenVINOEngine
-    from .engines import make_engine
-    from .models import load_policy
-    from .rollout import GenerationConfig
+    from sprpo_lib import hardware as hw
+    from sprpo_lib.engines import GenerationConfig, make_engine
+    from sprpo_lib.engines.openvino import OpenVINOEngine
+    from sprpo_lib.models import load_policy
 
     gen = {"temperature": 0.0, "max_new_tokens": new_tokens, "batch_size": 4}
     pol = load_policy(model)
@@ -811,7 +812,7 @@ def _print_table(res: dict, prefix: str = "") -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sprpo_lib.bench", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="sprpo-bench", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="what", required=True)
     p = sub.add_parser("perturb", help="hook overhead, RTN, Fisher and SparseGPT timings")
     p.add_argument("--model", default="smollm2-135m")
@@ -877,7 +878,15 @@ def main(argv: list[str] | None = None) -> int:
     for sp in (p, e, t, m, g, u, v, q, c):
         sp.add_argument("--threads", type=int, default=2, help="torch threads (set explicitly: 2 cores here)")
         sp.add_argument("--out", type=Path, help="JSON path (default runs/bench/<what>.json)")
+    r = sub.add_parser("report", help="runs/bench/*.json as figures/bench_<machine>.md and the README's bench block")
+    r.add_argument("--dir", type=Path, default=None, help="benchmark JSON folder (default runs/bench/)")
     args = ap.parse_args(argv)
+    if args.what == "report":
+        from sprpo_lib.bench.report import report
+
+        for path in report(project_path(args.dir) if args.dir else None):
+            print(path)
+        return 0
     torch.set_num_threads(args.threads)
     t0 = time.time()
     if args.what == "perturb":
@@ -903,7 +912,7 @@ def main(argv: list[str] | None = None) -> int:
         res = bench_envs(args.episodes, args.model or None, args.tasks, args.group, args.max_steps)
     else:
         res = bench_train(args.profile, args.env, args.repeats, args.overrides)
-    out = args.out or ROOT / "runs" / "bench" / f"{args.what}.json"
+    out = project_path(args.out) if args.out else runs_dir("bench", f"{args.what}.json")
     record = {"bench": args.what, "commit": git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "machine": platform.machine(), "torch": torch.__version__, "wall_s": round(time.time() - t0, 1),
               "results": res}

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .compress import perturbation
-from .models import Policy
+from sprpo_lib.compress import perturbation
+from sprpo_lib.models import Policy
 
 # App. C families at one representative (strong) level each.
 DEMO_LEVELS: dict[str, float] = {
@@ -41,8 +41,8 @@ DEMO_PROMPT = (
     "Response: Output the next action in <action>...</action>."
 )
 
-_PLACES = ["countertop", "sinkbasin", "fridge", "microwave", "cabinet", "drawer", "shelf", "desk", "sofa", "toilet"]
-_OBJECTS = ["mug", "apple", "knife", "book", "pencil", "cloth", "egg", "tomato", "plate", "keychain"]
+DEMO_PLACES = ["countertop", "sinkbasin", "fridge", "microwave", "cabinet", "drawer", "shelf", "desk", "sofa", "toilet"]
+DEMO_OBJECTS = ["mug", "apple", "knife", "book", "pencil", "cloth", "egg", "tomato", "plate", "keychain"]
 _PRODUCTS = ["wireless headphones", "running shoes", "green tea", "phone case", "desk lamp", "yoga mat"]
 
 
@@ -54,8 +54,8 @@ def synthetic_calibration(policy: Policy, n: int = 32, max_new_tokens: int = 24,
     prompts = []
     for i in range(n):
         if i % 2 == 0:
-            obj, a, b = rng.choice(_OBJECTS), rng.choice(_PLACES), rng.choice(_PLACES)
-            acts = "\n".join(f"- go to {p} {rng.randint(1, 3)}" for p in rng.sample(_PLACES, 4))
+            obj, a, b = rng.choice(DEMO_OBJECTS), rng.choice(DEMO_PLACES), rng.choice(DEMO_PLACES)
+            acts = "\n".join(f"- go to {p} {rng.randint(1, 3)}" for p in rng.sample(DEMO_PLACES, 4))
             prompts.append(
                 f"Task: put some {obj} on {b}.\n\nInteraction context: none.\n\nCurrent observation: "
                 f"You are in the middle of a room. You see a {a} 1 and a {b} 1.\n\n"

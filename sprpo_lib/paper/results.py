@@ -1,11 +1,11 @@
 """Rendering of the robustness experiments: figures, tables, paired comparisons, text
-examples and headline numbers from tidy rows (:mod:`sprpo_lib.experiments`) and run
+examples and headline numbers from tidy rows (:mod:`sprpo_lib.paper.experiments`) and run
 folders.  Pure functions of their inputs (the logic of notebooks 03-07):
 
 * :func:`plot_motivation` (Fig. 1), :func:`plot_curves` (Fig. 3), :func:`plot_landscape`
   (Fig. 4): PNG + PDF;
 * :func:`paired_comparisons`: the reference method minus each baseline at every
-  setting, paired bootstrap over tasks (:func:`sprpo_lib.stats.paired_bootstrap`);
+  setting, paired bootstrap over tasks (:func:`sprpo_lib.paper.stats.paired_bootstrap`);
 * :func:`overhead` / :func:`overhead_latex`: App. "Training overhead" from the runs'
   own per-iteration metrics;
 * :func:`pick_examples` / :func:`examples_markdown`: App. "Qualitative Examples",
@@ -22,17 +22,19 @@ from typing import Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-from .manifest import atomic_write_text
-from .stats import paired_bootstrap, summarize
-from .tables import FAMILY_LABELS, METHOD_LABELS, strength_label
+from sprpo_lib.compress import FAMILIES
+from sprpo_lib.io import atomic_write_text
+from sprpo_lib.methods import METHOD_DISPLAY
+from sprpo_lib.paper.stats import paired_bootstrap, summarize
+from sprpo_lib.paper.tables import FAMILY_LABELS, METHOD_LABELS, strength_label
 
 __all__ = ["COLORS", "save_figure", "plot_motivation", "plot_curves", "plot_landscape", "landscape_grid",
            "paired_comparisons", "overhead", "overhead_latex", "pick_examples", "examples_markdown", "headline",
            "headline_markdown", "replace_block"]
 
-COLORS = {"vanilla": "#7f7f7f", "gaussian": "#1f77b4", "sam": "#ff7f0e", "sprpo": "#d62728"}
+COLORS = {m: d.color for m, d in METHOD_DISPLAY.items()}
 CURVE_FAMILIES = ("gaussian", "dropout", "fisher", "sparsegpt", "rtn")
-_AXIS = {"gaussian": r"$\sigma$", "dropout": "$p$", "fisher": "$r$", "sparsegpt": "$r$", "rtn": "bits"}
+_AXIS = {f: FAMILIES[f].axis for f in CURVE_FAMILIES}
 
 
 def _plt():
@@ -206,7 +208,7 @@ def overhead(run_dirs: Sequence[str | Path], quiet: float | None = 0.9) -> pd.Da
     at least ``quiet`` x the highest of all iterations (the uncontended level, about the
     thread count); ``excluded`` counts the others (shared or paused machine).  ``None``
     keeps every iteration."""
-    from .report import load_metrics
+    from sprpo_lib.paper.report import load_metrics
 
     m = load_metrics(run_dirs)
     if m.empty:
@@ -236,7 +238,7 @@ def overhead(run_dirs: Sequence[str | Path], quiet: float | None = 0.9) -> pd.Da
 
 def overhead_latex(table: pd.DataFrame, methods: Sequence[str] = ("vanilla", "sprpo")) -> str:
     """The overhead table in the paper's layout (Environment, Method, Rollout, Update, Total)."""
-    from .tables import ENV_LABELS
+    from sprpo_lib.paper.tables import ENV_LABELS
 
     lines = [r"\begin{tabular}{@{}llrrr@{}}", r"\toprule", r"Environment & Method & Rollout & Update & Total \\"]
     for i, (env, sub) in enumerate(table[table["method"].isin(methods)].groupby("env", sort=False)):
@@ -407,21 +409,21 @@ def write_json(path: str | Path, obj) -> Path:
 
 
 def summary_of(rows: pd.DataFrame, by: Sequence[str] = ("env",)) -> pd.DataFrame:
-    """:func:`sprpo_lib.stats.summarize` of result rows."""
+    """:func:`sprpo_lib.paper.stats.summarize` of result rows."""
     return summarize(rows, by)
 
 
 def manifests(paths: Sequence[str | Path], config: Mapping, wall_seconds: float, *, seed: int | None = None,
               extra: Mapping | None = None) -> list[Path]:
     """A manifest beside every artifact (:func:`sprpo_lib.manifest.write_manifest`)."""
-    from .manifest import write_manifest
+    from sprpo_lib.manifest import write_manifest
 
     return [write_manifest(p, dict(config), seed, wall_seconds, dict(extra or {})) for p in paths]
 
 
 def absent_envs(profile: str, envs: Sequence[str]) -> list[str]:
     """Sentences for the environments a profile has no runs of (stated, not drawn)."""
-    from .experiments import PLANS
+    from sprpo_lib.paper.experiments import PLANS
 
     have = PLANS.get(profile, {})
     return [f"{e}: profile {profile!r} trains no {e} policies, so its panels and tables are absent here "

@@ -1205,7 +1205,8 @@ def plot_fig2(trajs: dict, finals: pd.DataFrame, toy: ToyLandscape | None = None
 def save_figure(fig, out_dir: str | Path, stem: str, config: dict, seed: int | None, wall_seconds: float,
                 extra: dict | None = None) -> list[Path]:
     """Render ``fig`` to PNG and PDF in memory and write each atomically with its manifest."""
-    from .manifest import atomic_write_bytes, write_manifest
+    from sprpo_lib.io import atomic_write_bytes
+    from sprpo_lib.manifest import write_manifest
 
     plt = _plt()
     paths = []
@@ -1251,7 +1252,8 @@ def save_table(df: pd.DataFrame, out_dir: str | Path, stem: str, config: dict, s
                caption: str = "") -> list[Path]:
     """Write ``df`` as CSV (and, with ``latex_columns``, as a booktabs .tex) atomically, each
     with its manifest."""
-    from .manifest import atomic_write_text, write_manifest
+    from sprpo_lib.io import atomic_write_text
+    from sprpo_lib.manifest import write_manifest
 
     paths = [atomic_write_text(Path(out_dir) / f"{stem}.csv", df.to_csv(index=False))]
     if latex_columns:

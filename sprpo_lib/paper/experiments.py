@@ -2,7 +2,7 @@
 notebooks 03-07).
 
 A :class:`Plan` says, for one training profile and environment, which policies exist
-(methods x training seeds, trained by :func:`sprpo_lib.report.run_grid`) and what is
+(methods x training seeds, trained by :func:`sprpo_lib.paper.report.run_grid`) and what is
 evaluated on them (App. C):
 
 * ``table``: Table 1's strong settings, every policy (clean is always included);
@@ -16,7 +16,7 @@ evaluated on them (App. C):
 Every evaluation goes through :func:`sprpo_lib.evaluate.evaluate`: one content-keyed
 cell per (policy, family, strength, evaluation seed), so a rerun computes only missing
 cells and a killed sweep resumes.  Every policy is evaluated on the same tasks with the
-same evaluation seeds (the paired design of :func:`sprpo_lib.stats.paired_bootstrap`).
+same evaluation seeds (the paired design of :func:`sprpo_lib.paper.stats.paired_bootstrap`).
 The calibration pool of App. C (Fisher, SparseGPT) is collected once from the first
 Vanilla policy's rollouts on training tasks and shared by every method.
 """
@@ -30,14 +30,26 @@ from typing import Mapping, Sequence
 
 import pandas as pd
 
-from .evaluate import (DEFAULT_CACHE, EvalConfig, ModelSource, build_calibration_pool, canonical_hash,
-                       config_from_run, evaluate, load_calibration, save_calibration)
-from .manifest import atomic_write_text, read_cached
+from sprpo_lib.compress import FAMILIES
+from sprpo_lib.evaluate import (
+    DEFAULT_CACHE,
+    EvalConfig,
+    ModelSource,
+    build_calibration_pool,
+    canonical_hash,
+    config_from_run,
+    evaluate,
+    load_calibration,
+    save_calibration,
+)
+from sprpo_lib.io import atomic_write_text, read_cached
+from sprpo_lib.methods import METHOD_DISPLAY
+from sprpo_lib.paths import project_path
 
 __all__ = ["Plan", "PLANS", "plan", "policies", "calibration_pool", "robustness_rows", "landscape_rows",
            "save_rows", "load_rows", "ROW_KEEP", "METHOD_ORDER"]
 
-METHOD_ORDER = ("vanilla", "gaussian", "sam", "sprpo")
+METHOD_ORDER = tuple(METHOD_DISPLAY)
 #: Columns kept in the committed result CSVs (one row per episode).
 ROW_KEEP = ("env", "split", "split_label", "task_index", "family", "strength", "w2", "seed", "method", "train_seed",
             "success", "score", "length", "valid_rate", "trace", "cell")
@@ -113,9 +125,9 @@ class Plan:
         return json.loads(json.dumps(dataclasses.asdict(self), default=list))
 
 
-_PAPER_CURVES = {f: tuple(v) for f, v in {
-    "gaussian": (0.02, 0.05, 0.10, 0.15, 0.20), "dropout": (0.01, 0.02, 0.03, 0.04, 0.05),
-    "fisher": (0.05, 0.10, 0.15, 0.20), "rtn": (8, 6, 4)}.items()}
+#: Fig. 3's curves: App. C's levels of the families whose levels are the same in both
+#: environments (SparseGPT's differ, so it appears in the tables only).
+_PAPER_CURVES = {f: FAMILIES[f].levels["webshop"] for f in ("gaussian", "dropout", "fisher", "rtn")}
 
 #: Plans per profile and env.  ``smoke``: the tiny random model, seconds (tests).
 #: ``cpu``: the embedded SmolLM2 on the offline WebShop, sized for an overnight run on
@@ -160,7 +172,7 @@ def plan(profile: str, env: str, **changes) -> Plan:
 # ----------------------------------------------------------------------------- policies
 def policies(p: Plan, runs_root: str | Path | None = None, progress: bool = True) -> dict[tuple[str, int], Path]:
     """Train, resume or find every policy of the plan; ``{(method, seed): run folder}``."""
-    from .report import run_grid
+    from sprpo_lib.paper.report import run_grid
 
     dirs = run_grid(p.profile, p.env, p.methods, {m: list(p.seeds[m]) for m in p.methods}, list(p.overrides),
                     out_root=runs_root, progress=progress)
@@ -179,17 +191,17 @@ def calibration_pool(p: Plan, runs: Mapping[tuple[str, int], Path], cache_dir: s
     ``<cache_dir>/calibration/`` (named by that policy's content hash), shared by every
     method's Fisher scores and SparseGPT.  A stored pool that does not verify (truncated,
     garbage, or not matching its recorded hash) is rebuilt, with a warning."""
-    from .envs import make_pool
+    from sprpo_lib.envs import make_pool
 
     vanilla = sorted(k for k in runs if k[0] == "vanilla")
     if not vanilla:
         raise ValueError("calibration pool: the plan trains no Vanilla policy (App. C collects the pool from one)")
-    cfg = _eval_config(p, runs[vanilla[0]], Path(cache_dir))
-    source = ModelSource(cfg, Path(cache_dir) / "file_hashes.json")
+    cfg = _eval_config(p, runs[vanilla[0]], project_path(cache_dir))
+    source = ModelSource(cfg, project_path(cache_dir) / "file_hashes.json")
     ident = source.identity()
     key = canonical_hash({"model": ident, "env": p.env, "n": p.calibration_size, "agent": dataclasses.asdict(cfg.agent),
                           "max_new_tokens": cfg.max_new_tokens, "max_steps": cfg.max_steps, "engine": cfg.engine})
-    path = Path(cache_dir) / "calibration" / f"{p.env}-{key[:16]}.json"
+    path = project_path(cache_dir) / "calibration" / f"{p.env}-{key[:16]}.json"
     if read_cached(path, load_calibration) is None:
         pool = make_pool(cfg.env, cfg.data_dir, cfg.env_seed)
         calib = build_calibration_pool(
@@ -215,7 +227,7 @@ def robustness_rows(p: Plan, runs: Mapping[tuple[str, int], Path], *, methods: S
     """Episode rows of every evaluation of the plan (clean, Table 1, Fig. 3 curves) for
     ``methods`` (default all): the table settings on every policy, the curve strengths
     on the policies of ``curve_seeds``.  Cached per cell; returns one row per episode."""
-    cache_dir = Path(cache_dir)
+    cache_dir = project_path(cache_dir)
     methods = list(methods or p.methods)
     keep = [(m, s) for (m, s) in p.runs() if m in methods]
     need_calib = any(f in ("fisher", "sparsegpt") for f, _ in p.settings())
@@ -246,7 +258,7 @@ def landscape_rows(p: Plan, runs: Mapping[tuple[str, int], Path], *, cache_dir: 
     for m in p.landscape_methods:
         run = runs[m, p.landscape_seed]
         for w2 in p.landscape_grid:
-            cfg = _eval_config(p, run, Path(cache_dir), family="plane", strengths=tuple(float(w) for w in p.landscape_grid),
+            cfg = _eval_config(p, run, project_path(cache_dir), family="plane", strengths=tuple(float(w) for w in p.landscape_grid),
                                perturbation_options={"w2": float(w2), "direction_seed": p.direction_seed})
             if p.landscape_tasks is not None:
                 cfg = dataclasses.replace(cfg, tasks=p.landscape_tasks)

@@ -18,7 +18,7 @@ installed) or by our own decode loop (``"loop"``).
   that IR with its own weights put in (no conversion, nothing written to the cache).
 * :meth:`OpenVINOEngine.load_weights` replaces the weight constants and recompiles (``loop``)
   or builds a new pipeline on a scratch copy of the IR (``genai``): seconds, no reconversion.
-* ``genai`` runs in a worker process (:mod:`sprpo_lib.ov_worker`, one per engine, kept across
+* ``genai`` runs in a worker process (:mod:`sprpo_lib.engines.ov_worker`, one per engine, kept across
   weight reloads), so that every call has a deadline (:meth:`OpenVINOEngine.call_deadline`):
   a call past it is abandoned, the worker killed, the pipeline built again in a new one and
   the call repeated with the same seeds (the same tokens); ``stats["retries"]`` counts it,
@@ -40,7 +40,7 @@ installed) or by our own decode loop (``"loop"``).
   seeded by ``(call_seed(cfg, k), i)``: reproducible, not HFEngine's draws.
 * ``loop``: :class:`~sprpo_lib.engines.HFEngine`'s decoding (prompts sorted by length and
   prefilled in similar-length groups whose states are joined, finished rows dropped with
-  ``beam_idx``, :func:`~sprpo_lib.engines._select` with a torch generator); cache columns only
+  ``beam_idx``, :func:`~sprpo_lib.engines.select_tokens` with a torch generator); cache columns only
   dropped rows used are not trimmed.  About half the speed of ``genai`` on SmolLM2.
 
 The engine decodes with the weights it was given: at construction ``effective_weights(policy.model)``
@@ -76,13 +76,21 @@ import numpy as np
 import torch
 from torch import nn
 
-from .agent import chat_text
-from .engines import (HFEngine, _base_model, _check_generation_config, _eos_ids, _select, bake_weights,
-                      effective_weights,
-                      call_seed, cut_response)
-from .hardware import cpu_class
-from .rollout import Generation
-from .manifest import CorruptFileError, atomic_dir, atomic_write_json, cache_dir, file_record, read_json, verify_file
+from sprpo_lib.agent import chat_text
+from sprpo_lib.engines.base import (
+    Generation,
+    base_model,
+    call_seed,
+    check_generation_config,
+    cut_response,
+    effective_weights,
+    eos_ids,
+    select_tokens,
+)
+from sprpo_lib.engines.hf import HFEngine
+from sprpo_lib.hardware import cpu_class
+from sprpo_lib.io import CorruptFileError, atomic_dir, atomic_write_json, file_record, read_json, verify_file
+from sprpo_lib.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +144,31 @@ def serving_precision(policy_dtype: str, cls: str, forced: str | None = None, pl
     return want, None
 
 
+#: OpenVINO 2026.4.1's CPU plugin dies of SIGFPE compiling a bfloat16 graph with one inference
+#: thread on an AMX CPU (seen on a Xeon with AMX; oneDNN capped below AMX, or two threads, compile).
+ONE_THREAD_AMX_CAP = {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
+
+
+def one_thread_amx(precision: str, cls: str, threads: int, backend: str, forced: str | None = None,
+                   env: Mapping[str, str] | None = None) -> tuple[str, dict, str | None]:
+    """The workaround for :data:`ONE_THREAD_AMX_CAP`'s crash: ``(precision, worker_env,
+    notice)``.  The ``genai`` backend keeps bfloat16 in a worker process whose oneDNN is
+    capped at AVX512-BF16 (same arithmetic, no AMX tiles); the in-process ``loop`` backend
+    cannot cap a oneDNN already in use, so it serves float32 with a notice (a ``forced``
+    bfloat16 is an error).  Nothing changes elsewhere or when the user set a cap."""
+    env = os.environ if env is None else env
+    if not (precision == "bfloat16" and cls == "amx" and threads == 1 and not env.get("ONEDNN_MAX_CPU_ISA")):
+        return precision, {}, None
+    if backend == "genai":
+        return precision, dict(ONE_THREAD_AMX_CAP), None
+    why = ("OpenVINO's AMX kernels crash compiling bfloat16 with one inference thread; the loop backend runs "
+           "in this process and cannot avoid them")
+    if forced:
+        raise ValueError(f"OpenVINOEngine precision='bfloat16' with backend='loop' and threads=1 on this AMX CPU: {why}; "
+                         "use backend='genai', threads=2, or precision='float32'")
+    return "float32", {}, f"openvino engine: bfloat16 policy served in float32 by the loop backend ({why})"
+
+
 def _genai():
     """``openvino_genai`` or None when not installed."""
     try:
@@ -185,7 +218,7 @@ def architecture_key(model: nn.Module, tokenizer=None) -> str:
     import transformers
 
     ov = _ov()
-    base = _base_model(model)
+    base = base_model(model)
     cfg = base.config.to_dict()
     for k in ("torch_dtype", "dtype", "transformers_version", "_name_or_path"):
         cfg.pop(k, None)
@@ -240,7 +273,7 @@ class _Wrapper(nn.Module):
 def _tracing_copy(model: nn.Module) -> nn.Module:
     """A float32 copy of the architecture (sdpa attention) with every parameter set to a
     non-trivial value (no zeros, no ones), so conversion folds no weight away."""
-    base = _base_model(model)
+    base = base_model(model)
     config = copy.deepcopy(base.config)
     try:
         config._attn_implementation = "sdpa"
@@ -392,17 +425,18 @@ class WorkerLost(RuntimeError):
 
 
 class PipelineWorker:
-    """A process serving one GenAI pipeline (:mod:`sprpo_lib.ov_worker`): requests with a
+    """A process serving one GenAI pipeline (:mod:`sprpo_lib.engines.ov_worker`): requests with a
     deadline, killed when one passes it.  The process runs the worker as a script (no
     package import, no torch) and talks JSON over a socket pair."""
 
-    def __init__(self):
+    def __init__(self, env: Mapping[str, str] | None = None):
         ours, theirs = socket.socketpair()
         # -P: the script's folder (this package) must not shadow modules on the worker's path
         flags = ["-P"] if sys.version_info >= (3, 11) else []
         try:
             self.proc = subprocess.Popen([sys.executable, *flags, str(WORKER), str(theirs.fileno()), str(os.getpid())],
-                                         pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+                                         pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                                         env={**os.environ, **env} if env else None)
         finally:
             theirs.close()
         self.conn = Connection(ours.detach())
@@ -527,6 +561,7 @@ class OpenVINOEngine(HFEngine):
         plugin_bf16 = "BF16" in self.core.get_property("CPU", "OPTIMIZATION_CAPABILITIES")
         # the policy's dtype (dtype "auto" measured which is faster here) where the plugin can run it
         policy_dtype = str(next(policy.model.parameters()).dtype).replace("torch.", "")
+        precision_arg = precision
         precision, notice = serving_precision(policy_dtype, self.cpu_class, precision, plugin_bf16)
         if notice:
             log.warning(notice)
@@ -549,7 +584,7 @@ class OpenVINOEngine(HFEngine):
         self._finalizer = weakref.finalize(self, self._res.close)
         self.stats.update({"converted": False, "convert_s": 0.0, "retries": 0, "worker_starts": 0,
                            "worker_cpu_s": 0.0})
-        base = _base_model(policy.model)
+        base = base_model(policy.model)
         self._n_layers, self._kvh, self._hd = _dims(base.config)
         self._template = None  # architecture copy naming the state-dict keys
         weights = effective_weights(policy.model)  # LoRA merged, attached FFN hooks folded in
@@ -562,6 +597,11 @@ class OpenVINOEngine(HFEngine):
                                f"(pip install openvino-genai==2026.4.1.0 openvino-tokenizers==2026.4.1.0); "
                                f"tokenizer IR present: {has_tokenizer}")
         self.backend = backend
+        forced = precision_arg
+        precision, self._worker_env, notice = one_thread_amx(precision, self.cpu_class, self.threads, backend, forced)
+        if notice:
+            log.warning(notice)
+        self.compute_dtype = precision
         if backend == "loop":  # our loop reads the last position's logits only (genai gathers its own rows)
             slice_last_logits(self._ovm)
         self._build()
@@ -593,7 +633,7 @@ class OpenVINOEngine(HFEngine):
         ov = _ov()
         with atomic_dir(target) as tmp:
             ov.save_model(ovm, str(Path(tmp) / "openvino_model.xml"), compress_to_fp16=False)
-            meta = {"architecture": arch, "class": type(_base_model(model)).__name__, "openvino": ov.__version__,
+            meta = {"architecture": arch, "class": type(base_model(model)).__name__, "openvino": ov.__version__,
                     "converter": CONVERTER_VERSION, "convert_s": self.stats["convert_s"],
                     "tokenizer": _save_tokenizer(self.policy.tokenizer, Path(tmp))}
             # what a reader checks the folder against (ir_is_whole): size and SHA-256 of every file
@@ -691,8 +731,8 @@ class OpenVINOEngine(HFEngine):
         ids = tok(texts, add_special_tokens=False)["input_ids"] if texts else []
         seed = call_seed(cfg, self.calls)
         self.calls += 1
-        penalty = _check_generation_config(self.policy.model, cfg.temperature > 0)
-        stops = _eos_ids(self.policy.model, tok) | ({tok.pad_token_id} if tok.pad_token_id is not None else set())
+        penalty = check_generation_config(self.policy.model, cfg.temperature > 0)
+        stops = eos_ids(self.policy.model, tok) | ({tok.pad_token_id} if tok.pad_token_id is not None else set())
         configs = []
         for i in range(len(ids)):
             g = {"max_new_tokens": cfg.max_new_tokens, "eos_token_id": tok.eos_token_id, "stop_token_ids": sorted(stops),
@@ -753,7 +793,7 @@ class OpenVINOEngine(HFEngine):
             try:
                 w = self._res.worker
                 if w is None:
-                    w = self._res.worker = PipelineWorker()
+                    w = self._res.worker = PipelineWorker(self._worker_env)
                     self.stats["worker_starts"] += 1
                     self._built = False
                 if not self._built:
@@ -874,7 +914,7 @@ class OpenVINOEngine(HFEngine):
         if penalty != 1.0:  # generate() penalises every id in the sequence so far
             seen = torch.tensor([[p[0]] * (att.shape[1] - len(p)) + p for p in prompts])
         for step in range(cfg.max_new_tokens):
-            nxt = _select(logits, seen, penalty, cfg, gen)
+            nxt = select_tokens(logits, seen, penalty, cfg, gen)
             keep = []
             for j, t in enumerate(nxt.tolist()):
                 row = alive[j]

@@ -2,7 +2,7 @@
 OpenVINO GenAI ``ContinuousBatchingPipeline`` and decodes token ids on request.
 
 Why a process: a native call that never returns cannot be interrupted from Python, but
-a process can be killed.  The driver (:class:`~sprpo_lib.engine_openvino.PipelineWorker`)
+a process can be killed.  The driver (:class:`~sprpo_lib.engines.openvino.PipelineWorker`)
 waits for every reply with a deadline; past it, it kills this process, starts a new one
 and repeats the call with the same seeds.
 

@@ -1,4 +1,4 @@
-"""The paper's results tables from :func:`sprpo_lib.stats.summarize` output: LaTeX in
+"""The paper's results tables from :func:`sprpo_lib.paper.stats.summarize` output: LaTeX in
 the paper's layout (booktabs) and CSV with the same numbers.
 
 * :func:`main_table`: Table 1: one block per environment, methods as rows, a few
@@ -20,17 +20,18 @@ from typing import Mapping, Sequence
 
 import pandas as pd
 
-from .manifest import atomic_write_text
+from sprpo_lib.compress import FAMILIES
+from sprpo_lib.io import atomic_write_text
+from sprpo_lib.methods import METHOD_DISPLAY
 
 __all__ = ["FAMILY_LABELS", "METHOD_LABELS", "ENV_LABELS", "strength_label", "meanstd", "best_flags", "main_frame",
            "main_table", "appendix_frame", "appendix_table", "default_levels", "to_csv", "write_text"]
 
 FAMILY_ORDER = ("clean", "gaussian", "dropout", "fisher", "sparsegpt", "rtn")
-FAMILY_LABELS = {"clean": "Clean", "gaussian": "Gaussian", "dropout": "Dropout", "fisher": "Structured pruning",
-                 "sparsegpt": "Unstructured pruning", "rtn": "Quantization"}
-METHOD_LABELS = {"vanilla": "Vanilla", "gaussian": "Gaussian", "sam": "SAM", "sprpo": "SPrPO"}
+#: Labels and symbols of the families and methods, read from their one table each.
+FAMILY_LABELS = {f: FAMILIES[f].label for f in FAMILY_ORDER}
+METHOD_LABELS = {m: d.label for m, d in METHOD_DISPLAY.items()}
 ENV_LABELS = {"webshop": "WebShop", "alfworld": "ALFWorld"}
-_SYMBOLS = {"gaussian": r"\sigma", "dropout": "p", "fisher": "r", "sparsegpt": "r"}
 MACROS = (r"\providecommand{\meanstd}[2]{\ensuremath{#1\,{\scriptstyle\pm\,#2}}}" "\n"
           r"\providecommand{\bestmeanstd}[2]{\ensuremath{\mathbf{#1}\,{\scriptstyle\pm\,#2}}}" "\n")
 
@@ -45,7 +46,8 @@ def strength_label(family: str, strength: float, short: bool = False, clean_labe
     v = f"{strength:.2f}"
     if short and v.startswith("0."):
         v = v[1:]
-    return f"${_SYMBOLS.get(family, 's')}={v}$"
+    spec = FAMILIES.get(family)
+    return f"${spec.latex if spec and spec.latex else 's'}={v}$"
 
 
 def _num(x: float, digits: int) -> str:

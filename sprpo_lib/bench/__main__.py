@@ -1,0 +1,3 @@
+from sprpo_lib.bench.suite import main
+
+raise SystemExit(main())

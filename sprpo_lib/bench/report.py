@@ -1,0 +1,150 @@
+"""``sprpo-bench report``: every benchmark JSON of the project (``runs/bench/*.json``) as one
+Markdown file per machine, ``figures/bench_<machine>.md`` with the JSON it was made from
+(each with a manifest), and the README's short ``bench`` block.  Nothing in either is
+typed: each line is read off a benchmark's own record, with the machine it ran on."""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from pathlib import Path
+
+from sprpo_lib.io import CorruptFileError, atomic_write_text, read_json
+from sprpo_lib.manifest import write_manifest
+from sprpo_lib.paths import figures_dir, project_root, runs_dir
+
+log = logging.getLogger(__name__)
+
+
+def machine_of(record: dict) -> dict:
+    """The machine facts a benchmark recorded (``results.machine``), or what is known."""
+    res = record.get("results") or {}
+    m = res.get("machine") if isinstance(res, dict) else None
+    return m if isinstance(m, dict) else {"machine": record.get("machine", "unknown")}
+
+
+def machine_slug(machine: dict) -> str:
+    """A file-name key for a machine: CPU model and CPU class, e.g. ``intel-xeon-processor-amx``."""
+    name = f"{machine.get('cpu_model') or machine.get('machine', 'unknown')} {machine.get('cpu_class', '')}"
+    name = re.sub(r"\((r|tm)\)", "", name.lower())
+    return re.sub(r"[^a-z0-9]+", "-", name).strip("-")
+
+
+def machine_line(machine: dict) -> str:
+    keys = ("cpu_model", "cpu_class", "capability", "logical_cpus", "torch")
+    return ", ".join(f"{k} {machine[k]}" for k in keys if machine.get(k) is not None)
+
+
+def _eval_rows(res: dict) -> list[str]:
+    lines = ["| engine | held-out: wall | episodes/min | wall / prefill floor | success | paired vs first [95% CI] "
+             "| rollout batch: wall (floor ratio) | retries |", "|---|---|---|---|---|---|---|---|"]
+    for spec, row in res.items():
+        if not isinstance(row, dict) or "eval" not in row:
+            continue
+        ev, ro = row["eval"], row.get("rollout") or {}
+        paired = next((v for k, v in ev.items() if k.startswith("paired_vs_")), None)
+        pv = (f"{100 * paired['success_diff']:+.1f} pp [{100 * paired['ci95'][0]:+.1f}, {100 * paired['ci95'][1]:+.1f}]"
+              if paired else "")
+        rollout = f"{ro['wall_s']} s ({ro['wall_over_prefill_floor']}x)" if ro else ""
+        retries = ev.get("engine_retries", 0) + ro.get("engine_retries", 0)
+        lines.append(f"| `{spec}` ({row.get('dtype')}) | {ev['wall_s']} s | {ev['episodes_per_min']} | "
+                     f"{ev['wall_over_prefill_floor']}x | {round(100 * ev['success'], 1)}% of {ev['episodes']} | {pv} | "
+                     f"{rollout} | {retries} |")
+    return lines
+
+
+def _churn_rows(res: dict) -> list[str]:
+    keys = ("model", "rounds", "builds", "calls", "hangs", "retries", "unrecovered", "mismatches", "injected", "wall_s")
+    return ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys),
+            "| " + " | ".join(str(res.get(k, "")) for k in keys) + " |"]
+
+
+def _machine_rows(res: dict) -> list[str]:
+    lines = ["| dtype | prefill GFLOP/s | decode GFLOP/s | prefill floor s / 1k tokens |", "|---|---|---|---|"]
+    for d, g in res.get("prefill_gflops", {}).items():
+        lines.append(f"| {d} | {g} | {res.get('decode_gflops', {}).get(d)} | "
+                     f"{res.get('prefill_floor_s_per_1k_tokens', {}).get(d)} |")
+    lines.append(f"\nBandwidth {res.get('bandwidth_gbs')} GB/s; faster dtype here: {res.get('fast_dtype')}.")
+    return lines
+
+
+def _flat_rows(res, prefix: str = "") -> list[str]:
+    out = []
+    for k, v in (res.items() if isinstance(res, dict) else []):
+        if k == "machine":
+            continue
+        if isinstance(v, dict):
+            out += _flat_rows(v, f"{prefix}{k}.")
+        elif not isinstance(v, list):
+            out.append(f"| `{prefix}{k}` | {v} |")
+    return out
+
+
+SUMMARIES = {"eval": _eval_rows, "churn": _churn_rows, "machine": _machine_rows}
+
+
+def headline(record: dict) -> str | None:
+    """One phrase of a benchmark's main numbers for the README, or None."""
+    name, res = record.get("bench"), record.get("results") or {}
+    if name == "eval":
+        return "; ".join(f"`{spec}` {row['eval']['episodes_per_min']} held-out episodes/min, "
+                         f"{row['eval']['wall_over_prefill_floor']}x its prefill floor"
+                         for spec, row in res.items() if isinstance(row, dict) and "eval" in row)
+    if name == "churn":
+        return f"{res.get('hangs')} hangs and {res.get('retries')} retries in {res.get('builds')} engine builds"
+    if name == "machine":
+        return ", ".join(f"{d} {g} GFLOP/s" for d, g in res.get("prefill_gflops", {}).items()) + " prefill matmul"
+    return None
+
+
+def section(record: dict, path: Path) -> str:
+    """One benchmark's Markdown: its command name, date, wall time and table."""
+    name, res = record.get("bench", path.stem), record.get("results") or {}
+    rows = SUMMARIES.get(name, lambda r: ["| what | value |", "|---|---|", *_flat_rows(r)])(res)
+    return (f"### `{path.stem}` (`sprpo-bench {name}`, {record.get('date', '')[:10]}, {record.get('wall_s')} s)\n\n"
+            + "\n".join(rows) + "\n")
+
+
+def collect(bench_dir: Path) -> dict[str, list[tuple[Path, dict]]]:
+    """Benchmark records per machine slug (unreadable files are skipped with a warning)."""
+    out: dict[str, list[tuple[Path, dict]]] = {}
+    for path in sorted(bench_dir.glob("*.json")):
+        try:
+            rec = read_json(path)
+        except CorruptFileError as err:
+            log.warning("%s", err.with_fix("skipped in the report; run the benchmark again"))
+            continue
+        if isinstance(rec, dict) and "bench" in rec:
+            out.setdefault(machine_slug(machine_of(rec)), []).append((path, rec))
+    return out
+
+
+def report(bench_dir: Path | None = None, out_dir: Path | None = None, readme: Path | None = None) -> list[Path]:
+    """Write ``bench_<machine>.md`` / ``.json`` per machine and refresh the README block."""
+    from sprpo_lib.paper.results import replace_block
+
+    t0 = time.time()
+    bench_dir, out_dir = bench_dir or runs_dir("bench"), out_dir or figures_dir()
+    written, summary = [], []
+    for slug, records in collect(bench_dir).items():
+        machine = machine_of(records[0][1])
+        md = (f"# Benchmarks on {machine.get('cpu_model', slug)}\n\nMachine: {machine_line(machine)}.\n"
+              f"Generated by `sprpo-bench report` from `runs/bench/*.json`; compare ratios within one run only.\n\n"
+              + "\n".join(section(rec, p) for p, rec in records))
+        md_path = atomic_write_text(out_dir / f"bench_{slug}.md", md)
+        js_path = atomic_write_text(out_dir / f"bench_{slug}.json",
+                                    json.dumps({p.stem: rec for p, rec in records}, indent=1, default=str) + "\n")
+        for p in (md_path, js_path):
+            write_manifest(p, {"sources": [str(p.name) for p, _ in records]}, None, time.time() - t0,
+                           extra={"machine_of_runs": machine})
+        written += [md_path, js_path]
+        phrases = [f"{p.stem}: {h}" for p, rec in records if (h := headline(rec))]
+        summary.append(f"- {machine.get('cpu_model', slug)} (class {machine.get('cpu_class', '?')}; "
+                       f"[all tables](figures/{md_path.name})): " + "; ".join(phrases or [p.stem for p, _ in records]))
+    readme = readme or project_root() / "README.md"
+    text = readme.read_text() if readme.is_file() else ""
+    if "<!-- bench:begin -->" in text and summary:
+        atomic_write_text(readme, replace_block(text, "bench", "<!-- generated by sprpo-bench report; do not edit -->\n"
+                                                + "\n".join(summary) + "\n"))
+    return written

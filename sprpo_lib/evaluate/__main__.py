@@ -1,0 +1,3 @@
+from sprpo_lib.evaluate.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,136 @@
+"""``python -m sprpo_lib.evaluate`` (``sprpo-eval``): one robustness evaluation, or the
+calibration pool, from the command line."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from sprpo_lib.evaluate.calibration import build_calibration_pool, save_calibration
+from sprpo_lib.evaluate.cells import DEFAULT_CACHE
+from sprpo_lib.evaluate.sweep import EvalConfig, ModelSource, config_from_profile, config_from_run, evaluate
+from sprpo_lib.io import atomic_write_text
+from sprpo_lib.paths import project_path
+
+logger = logging.getLogger(__name__)
+
+# ============================================================================ command line
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="sprpo-eval",
+        description="Evaluate an LLM agent under a deployment perturbation (App. C); rows are cached per cell "
+                    "under --cache-dir, so a rerun computes only missing cells.")
+    ap.add_argument("--model", help="HF directory (safetensors), hub id in the local cache, smollm2-135m, tiny-qwen2")
+    ap.add_argument("--adapter", nargs="+", default=[], metavar="DIR",
+                    help="peft adapter dir(s) (safetensors), merged in order before perturbing")
+    ap.add_argument("--run", help="a training run folder: model, adapters, prompt settings and tags from it")
+    ap.add_argument("--profile", help="take prompt/generation settings from a training profile (smoke|cpu|paper)")
+    ap.add_argument("--env", default=None, help="webshop | alfworld (default webshop, or the run's)")
+    ap.add_argument("--family", default="clean", help="clean | gaussian | dropout | fisher | sparsegpt | rtn")
+    ap.add_argument("--strength", nargs="+", type=float, default=[],
+                    help="sigma | p | r | bits; default: App. C's levels for the family and env")
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0], help="evaluation seeds (generation + draw)")
+    ap.add_argument("--tasks", type=int, help="first N tasks of each split (default: all held-out tasks)")
+    ap.add_argument("--split", nargs="+", help="splits (default: webshop test; alfworld valid_seen valid_unseen)")
+    ap.add_argument("--engine", default=None, help="generation engine (default hf)")
+    ap.add_argument("--no-prefix-caching", action="store_true",
+                    help="engines with a paged KV cache (openvino, vllm) recompute every prompt in full")
+    ap.add_argument("--calibration", help="calibration pool JSON (fisher, sparsegpt)")
+    ap.add_argument("--build-calibration", metavar="PATH",
+                    help="collect the calibration pool from this policy's rollouts on training tasks, write it, exit")
+    ap.add_argument("--calibration-size", type=int, default=128, help="sequences in a built pool (App. C: 128)")
+    ap.add_argument("--temperature", type=float, default=None, help="sampling temperature (App. C: 0.4)")
+    ap.add_argument("--max-new-tokens", type=int)
+    ap.add_argument("--max-steps", type=int, help="episode step limit (default: the env's, 15 / 50)")
+    ap.add_argument("--batch-size", type=int)
+    ap.add_argument("--dtype", default=None, help="auto | float32 | bfloat16")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--trust-remote-code", action="store_true", help="allow model code from the model folder")
+    ap.add_argument("--cache-dir", default=str(DEFAULT_CACHE))
+    ap.add_argument("--tag", nargs="+", default=[], metavar="KEY=VALUE", help="columns added to every row")
+    ap.add_argument("--out", help="write the rows as CSV here")
+    ap.add_argument("--no-progress", action="store_true")
+    return ap
+
+
+def config_from_args(args) -> EvalConfig:
+    """The :class:`EvalConfig` a command line describes (ValueError on bad input)."""
+    import yaml
+
+    tags = {}
+    for t in args.tag:
+        if "=" not in t:
+            raise ValueError(f"--tag: {t!r} must look like KEY=VALUE, e.g. --tag method=sprpo train_seed=0")
+        k, v = t.split("=", 1)
+        tags[k] = yaml.safe_load(v)  # numbers stay numbers (train_seed=0)
+    kw = {"family": args.family, "strengths": tuple(args.strength), "seeds": tuple(args.seeds), "tasks": args.tasks,
+          "splits": tuple(args.split) if args.split else None, "calibration": args.calibration,
+          "device": args.device, "trust_remote_code": args.trust_remote_code, "cache_dir": args.cache_dir}
+    opt = {"env": args.env, "engine": args.engine, "temperature": args.temperature,
+           "max_new_tokens": args.max_new_tokens, "max_steps": args.max_steps, "batch_size": args.batch_size,
+           "dtype": args.dtype, "prefix_caching": False if args.no_prefix_caching else None}
+    kw.update({k: v for k, v in opt.items() if v is not None})
+    if args.run:
+        if args.model or args.adapter:
+            raise ValueError("--run sets the model and adapters; drop --model/--adapter (or drop --run)")
+        cfg = config_from_run(args.run, **kw)
+        if tags:
+            cfg.tags = {**cfg.tags, **tags}
+        return cfg
+    if not args.model:
+        raise ValueError("--model: no model given; expected a HF directory, a cached hub id, smollm2-135m or "
+                         "tiny-qwen2 (or --run <training run folder>)")
+    kw.update(model=args.model, adapters=tuple(args.adapter), tags=tags)
+    kw.setdefault("env", "webshop")
+    if args.profile:
+        env = kw.pop("env")
+        return config_from_profile(args.profile, env, **kw)
+    return EvalConfig(**kw)
+
+
+def _summary(rows) -> str:
+    g = rows.groupby(["family", "strength", "split_label", "seed"], sort=False)
+    s = g.agg(episodes=("success", "size"), success=("success", "mean"), score=("score", "mean"),
+              length=("length", "mean"))
+    s["success"] = (100 * s["success"]).round(2)
+    return s.round(3).to_string()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
+    args = ap.parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+    except ValueError as err:
+        ap.error(str(err))
+    progress = not args.no_progress
+    if args.build_calibration:
+        from sprpo_lib.envs import make_pool
+
+        if args.calibration_size < 1:
+            ap.error("--calibration-size: expected a positive number of sequences (App. C: 128)")
+        source = ModelSource(cfg, project_path(cfg.cache_dir) / "file_hashes.json")
+        pol = source.policy()
+        pool = make_pool(cfg.env, cfg.data_dir, cfg.env_seed)
+        calib = build_calibration_pool(
+            pol, pool, cfg.agent, n=args.calibration_size, temperature=cfg.temperature,
+            max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, max_steps=cfg.max_steps,
+            seed=cfg.seeds[0], engine=cfg.engine, progress=progress,
+            source={"model": cfg.model, "adapters": list(cfg.adapters), "model_identity": source.identity()})
+        save_calibration(args.build_calibration, calib)
+        print(f"calibration pool: {len(calib)} sequences, hash {calib.hash[:12]} -> {args.build_calibration}")
+        return 0
+    try:
+        rows = evaluate(cfg, progress=progress)
+    except ValueError as err:
+        ap.error(str(err))
+    if args.out:
+        atomic_write_text(project_path(args.out), rows.to_csv(index=False))
+    print(_summary(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,544 @@
+"""One robustness evaluation (:class:`EvalConfig`): the evaluated model, the cells it
+plays (each stored in the cache of :mod:`~sprpo_lib.evaluate.cells`), and sweeps of
+several configurations, including those read off training runs and profiles."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+from sprpo_lib.agent import AgentConfig
+from sprpo_lib.evaluate.calibration import CalibrationPool, load_calibration
+from sprpo_lib.evaluate.cells import (
+    CALIBRATED_FAMILIES,
+    DEFAULT_CACHE,
+    EVAL_SPLITS,
+    EVALUATOR_VERSION,
+    RANDOM_FAMILIES,
+    ROW_COLUMNS,
+    SPLIT_LABELS,
+    Cell,
+    CellCache,
+    cell_key,
+    check_strength,
+    data_source,
+    dir_digest,
+    episode_log,
+    episode_rows,
+    families,
+    select_tasks,
+    state_dict_digest,
+    tasks_digest,
+)
+from sprpo_lib.io import CorruptFileError, atomic_write_bytes, canonical_hash, read_cached, read_json, read_safetensors
+from sprpo_lib.paths import project_path
+
+logger = logging.getLogger(__name__)
+
+# ============================================================================ one evaluation's settings
+@dataclass
+class EvalConfig:
+    """One robustness evaluation (App. C): a model, an environment's held-out tasks, a
+    perturbation family at some strengths, and evaluation seeds.
+
+    Attributes:
+        model: ``load_policy`` spec: a local HF directory (safetensors weights), a hub
+            id already in the local cache, ``"smollm2-135m"``, or ``"tiny-qwen2"`` /
+            ``"tiny-llama"`` (tests; initialised with ``model_seed``).
+        adapters: peft adapter directories (``save_pretrained``, safetensors), merged
+            into the weights in this order before any perturbation (a ``cpu``-profile
+            agent is the warm-start adapter, then the RL adapter).
+        env, data_dir, env_seed: the task pool (:func:`sprpo_lib.envs.make_pool`).
+        splits: held-out splits; ``None``: App. C's (:data:`EVAL_SPLITS`).
+        tasks: keep the first N tasks of each split (``None``: all of them).
+        family, strengths: the perturbation and its strengths (``()``: App. C's levels,
+            :data:`sprpo_lib.compress.PAPER_LEVELS`; ``clean`` has the single strength 0).
+        seeds: evaluation seeds; each seeds generation and the random families' draw.
+        temperature, top_p, max_new_tokens, batch_size: sampling (App. C: T = 0.4).
+        max_steps: episode step limit (``None``: the environment's, 15 / 50).
+        engine: generation engine (:func:`sprpo_lib.engines.make_engine`).
+        prefix_caching: engines with a paged KV cache reuse computed prompt prefixes
+            (``GenerationConfig.prefix_caching``); part of the cache key.
+        max_batched_tokens: the ``openvino`` scheduler's tokens per step
+            (``GenerationConfig.max_batched_tokens``); part of the cache key.
+        agent: prompt settings; must match the ones the policy was trained with.
+        calibration: calibration-pool JSON (:func:`build_calibration_pool`), needed by
+            ``fisher`` and ``sparsegpt``.
+        perturbation_options: extra keywords of the family (``scope`` of fisher,
+            ``group_size`` of rtn, ``blocksize``/``percdamp`` of sparsegpt,
+            ``batch_size``); part of the cache key.
+        dtype, device, trust_remote_code, model_seed: how the model is loaded.
+        cache_dir: the cell cache (default ``runs/eval_cache``; relative to the project root).
+        tags: columns added to every row (e.g. ``{"method": "sprpo", "train_seed": 0}``);
+            not part of the cache key.
+    """
+
+    model: str
+    adapters: tuple[str, ...] = ()
+    env: str = "webshop"
+    data_dir: str | None = None
+    env_seed: int = 0
+    splits: tuple[str, ...] | None = None
+    tasks: int | None = None
+    family: str = "clean"
+    strengths: tuple[float, ...] = ()
+    seeds: tuple[int, ...] = (0,)
+    temperature: float = 0.4
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    batch_size: int = 16
+    max_steps: int | None = None
+    engine: str = "hf"
+    prefix_caching: bool = True
+    max_batched_tokens: int = 1024
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    calibration: str | None = None
+    perturbation_options: dict = field(default_factory=dict)
+    dtype: str = "auto"
+    device: str = "cpu"
+    trust_remote_code: bool = False
+    model_seed: int = 0
+    cache_dir: str = str(DEFAULT_CACHE)
+    tags: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.adapters = tuple(str(a) for a in ([self.adapters] if isinstance(self.adapters, (str, Path))
+                                               else self.adapters))
+        self.splits = tuple(self.splits) if self.splits is not None else None
+        self.seeds = tuple(int(s) for s in self.seeds)
+        self.strengths = tuple(self.strengths)
+        self.validate()
+
+    # ------------------------------------------------------------------ checks
+    def validate(self) -> None:
+        """One clear ValueError per bad option: which option, what was expected, how to fix."""
+        from sprpo_lib.engines import ENGINES, GenerationConfig
+        from sprpo_lib.envs import ENVIRONMENTS
+
+        if self.env not in ENVIRONMENTS:
+            raise ValueError(f"--env / EvalConfig.env: unknown environment {self.env!r}; expected one of "
+                             f"{ENVIRONMENTS.names()}")
+        if self.family not in families():
+            check_strength(self.family, 0.0)  # the unknown-family error
+        for s in self.resolved_strengths():
+            check_strength(self.family, s)
+        if not self.seeds:
+            raise ValueError("--seeds / EvalConfig.seeds: no evaluation seed given; expected one or more integers, "
+                             "e.g. --seeds 0 1 2")
+        if len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"--seeds / EvalConfig.seeds: {list(self.seeds)} repeats a seed; give each seed once")
+        if self.tasks is not None and int(self.tasks) < 1:
+            raise ValueError(f"--tasks / EvalConfig.tasks: {self.tasks} selects no tasks; expected a positive count "
+                             "(the first N tasks of each split) or nothing for all held-out tasks")
+        if self.splits is not None and not self.splits:
+            raise ValueError("--split / EvalConfig.splits: empty list of splits; omit it for App. C's held-out sets")
+        if self.splits is None and self.env not in EVAL_SPLITS:
+            raise ValueError(f"--split / EvalConfig.splits: no App. C held-out split is known for {self.env!r}; "
+                             "name the splits to evaluate")
+        if self.engine not in ENGINES:
+            raise ValueError(f"--engine / EvalConfig.engine: unknown generation engine {self.engine!r}; expected one "
+                             f"of {sorted(ENGINES)}")
+        clash = sorted(set(self.tags) & set(ROW_COLUMNS))
+        if clash:
+            raise ValueError(f"--tag / EvalConfig.tags: {clash} would overwrite row columns; rename them "
+                             "(e.g. train_seed instead of seed)")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"--max-steps / EvalConfig.max_steps: expected >= 1 or None, got {self.max_steps}")
+        try:
+            GenerationConfig(temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens,
+                             batch_size=self.batch_size)
+        except ValueError as err:
+            raise ValueError(f"--temperature/--top-p/--max-new-tokens/--batch-size: {err}") from None
+        for a in self.adapters:
+            check_adapter_dir(a)
+        _check_options(self.family, self.perturbation_options)
+        _check_model_spec(self.model)
+        needs_calib = self.family in CALIBRATED_FAMILIES and any(s != 0 for s in self.resolved_strengths())
+        if needs_calib and not self.calibration:
+            raise ValueError(f"--calibration / EvalConfig.calibration: family {self.family!r} needs the shared "
+                             "calibration pool (App. C: 128 agent-interaction sequences). Fix: build it once from "
+                             "a Vanilla policy with --build-calibration PATH, then pass --calibration PATH")
+        if needs_calib and not project_path(self.calibration).is_file():
+            raise ValueError(f"--calibration / EvalConfig.calibration: {self.calibration} does not exist; build it "
+                             "with python -m sprpo_lib.evaluate --build-calibration PATH --model <vanilla policy> ...")
+
+    # ------------------------------------------------------------------ derived
+    def resolved_strengths(self) -> tuple[float, ...]:
+        """The strengths to evaluate: as given, else App. C's levels for the env."""
+        from sprpo_lib.compress import PAPER_LEVELS
+
+        if self.strengths:
+            return tuple(self.strengths)
+        if self.family == "clean":
+            return (0.0,)
+        levels = PAPER_LEVELS.get(self.family, {}).get(self.env)
+        if levels is None:
+            raise ValueError(f"--strength / EvalConfig.strengths: no App. C levels for {self.family!r} on "
+                             f"{self.env!r}; give the strengths")
+        return tuple(levels)
+
+    def cells(self) -> list[Cell]:
+        """Requested cells, strengths outer, seeds inner."""
+        return [Cell(self.family, check_strength(self.family, s), seed)
+                for s in self.resolved_strengths() for seed in self.seeds]
+
+    def generation(self, seed: int):
+        """The sampling settings of evaluation seed ``seed``."""
+        from sprpo_lib.engines import GenerationConfig
+
+        return GenerationConfig(temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens,
+                                batch_size=self.batch_size, seed=int(seed), prefix_caching=self.prefix_caching,
+                                max_batched_tokens=self.max_batched_tokens)
+
+
+def _check_model_spec(spec: str) -> None:
+    from sprpo_lib.models import DEFAULT_MODEL, TINY_SPECS, looks_like_hub_id
+
+    if spec in TINY_SPECS or spec == DEFAULT_MODEL:
+        return
+    p = Path(spec).expanduser()
+    if p.is_dir():
+        if not any(p.glob("*.safetensors")):
+            raise ValueError(f"--model / EvalConfig.model: {spec} holds no *.safetensors weights; expected a Hugging "
+                             "Face directory saved with save_pretrained(safe_serialization=True) (pickled weights "
+                             "are not loaded). Fix: re-save the model as safetensors")
+        return
+    if looks_like_hub_id(spec):
+        return
+    raise ValueError(f"--model / EvalConfig.model: {spec!r} is neither a known name ({DEFAULT_MODEL!r}, "
+                     f"{', '.join(TINY_SPECS)}), an existing directory, nor a hub id 'org/name'. Fix: pass the "
+                     "path of a local copy, e.g. --model /data/Qwen2.5-1.5B-Instruct")
+
+
+def _check_options(family: str, options: Mapping) -> None:
+    """Extra perturbation keywords must be ones the family takes (``calib``/``scores``
+    are the evaluator's business)."""
+    import inspect
+
+    from sprpo_lib.compress import PERTURBATIONS
+
+    if not options:
+        return
+    if family == "clean":
+        raise ValueError(f"EvalConfig.perturbation_options: {sorted(options)} given for the clean family, which "
+                         "takes none; drop them")
+    fn = PERTURBATIONS.get(family)
+    valid = [n for n, p in inspect.signature(fn).parameters.items()
+             if p.kind is p.KEYWORD_ONLY and n not in ("calib", "scores", "pad_id")]
+    bad = sorted(set(options) - set(valid))
+    if bad:
+        raise ValueError(f"EvalConfig.perturbation_options: family {family!r} takes no option(s) {bad}; "
+                         f"expected some of {valid}")
+
+
+def check_adapter_dir(path: str | Path) -> Path:
+    """A peft adapter directory with safetensors weights, or a ValueError saying what is missing."""
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise ValueError(f"--adapter / EvalConfig.adapters: {path} is not a directory; expected a peft adapter saved "
+                         "with save_pretrained (adapter_config.json + adapter_model.safetensors), e.g. "
+                         "runs/train/<run>/final/adapter")
+    missing = [n for n in ("adapter_config.json", "adapter_model.safetensors") if not (p / n).is_file()]
+    if missing:
+        raise ValueError(f"--adapter / EvalConfig.adapters: {path} lacks {missing}; expected a peft adapter saved "
+                         "with save_pretrained(safe_serialization=True) (pickled adapter_model.bin is not loaded)")
+    return p
+
+
+# ============================================================================ the evaluated model
+
+
+class ModelSource:
+    """The evaluated policy: identified by content before loading, loaded (and its
+    adapters merged) only when a cell has to be computed."""
+
+    def __init__(self, cfg: EvalConfig, memo_path: Path | None = None):
+        self.cfg = cfg
+        self.memo_path = memo_path
+        self._policy = None
+        self._merged = False
+        self._identity: dict | None = None
+
+    def _dir(self) -> Path | None:
+        from sprpo_lib.models import DEFAULT_MODEL, TINY_SPECS, convert_smollm2
+
+        spec = self.cfg.model
+        if spec in TINY_SPECS:
+            return None
+        if spec == DEFAULT_MODEL:
+            return convert_smollm2()
+        p = Path(spec).expanduser()
+        if p.is_dir():
+            return p
+        try:  # a hub id: its snapshot in the local cache, if there is one
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(spec, local_files_only=True))
+        except Exception:
+            return None
+
+    def dtype(self, model_dir: Path | None) -> str:
+        """The dtype the model is (or will be) loaded in: part of the key."""
+        from sprpo_lib.hardware import linear_shapes
+        from sprpo_lib.models import TINY_SPECS, resolve_dtype
+
+        cfg = self.cfg
+        if cfg.dtype != "auto":
+            return str(resolve_dtype(cfg.dtype)).replace("torch.", "")
+        if cfg.model in TINY_SPECS:
+            return "float32"
+        from transformers import AutoConfig
+
+        conf = AutoConfig.from_pretrained(str(model_dir or cfg.model), trust_remote_code=cfg.trust_remote_code)
+        conf = getattr(conf, "text_config", None) or conf
+        return str(resolve_dtype("auto", linear_shapes(conf), cfg.device)).replace("torch.", "")
+
+    def identity(self) -> dict:
+        """Content hashes of the base weights and of each adapter, plus dtype and device."""
+        if self._identity is None:
+            d = self._dir()
+            dtype = self.dtype(d)
+            if d is not None:
+                base = dir_digest(d, self.memo_path)
+            else:
+                base = state_dict_digest(self._load_base(dtype).model)
+            self._identity = {"base": base, "adapters": [dir_digest(check_adapter_dir(a), self.memo_path)
+                                                         for a in self.cfg.adapters],
+                              "dtype": dtype, "device": str(self.cfg.device).split(":")[0]}
+        return self._identity
+
+    def _load_base(self, dtype: str):
+        from sprpo_lib.models import load_policy
+
+        if self._policy is None:
+            self._policy = load_policy(self.cfg.model, dtype=dtype, device=self.cfg.device, seed=self.cfg.model_seed,
+                                       trust_remote_code=self.cfg.trust_remote_code)
+        return self._policy
+
+    def policy(self):
+        """The deployed policy: base weights with every adapter merged, in order."""
+        from sprpo_lib.sft import load_adapter
+
+        pol = self._load_base(self.identity()["dtype"])
+        if not self._merged:
+            for a in self.cfg.adapters:
+                load_adapter(pol, a, merge=True)
+            for p in pol.model.parameters():
+                p.requires_grad_(False)
+            pol.model.eval()
+            self._merged = True
+        return pol
+
+
+# ============================================================================ playing cells
+
+
+def cell_fields(cfg: EvalConfig, identity: Mapping, env_fields: Mapping, cell: Cell,
+                calib_hash: str | None) -> dict:
+    """Everything a cell's rows depend on: the key's content."""
+    return {
+        "evaluator": EVALUATOR_VERSION,
+        "model": dict(identity),
+        "env": dict(env_fields),
+        "generation": {"engine": cfg.engine, "prefix_caching": cfg.prefix_caching,
+                       "max_batched_tokens": cfg.max_batched_tokens,
+                       "temperature": cfg.temperature, "top_p": cfg.top_p,
+                       "max_new_tokens": cfg.max_new_tokens, "batch_size": cfg.batch_size,
+                       "stop": cfg.generation(0).stop},
+        "agent": dataclasses.asdict(cfg.agent),
+        "perturbation": {"family": cell.family, "strength": cell.strength,
+                         "options": dict(sorted(cfg.perturbation_options.items())) if cell.family != "clean" else {},
+                         "calibration": calib_hash if cell.family in CALIBRATED_FAMILIES else None},
+        "seed": cell.seed,
+    }
+
+
+def play_cell(policy, pool, tasks: Sequence[tuple[str, int]], cfg: EvalConfig, seed: int,
+              progress: bool = False, with_log: bool = False):
+    """Play one episode per task with evaluation seed ``seed`` under whatever
+    perturbation is in force on ``policy.model``; a fresh engine, so generation
+    depends only on the seed.  Returns the rows, or ``(rows, episode_log)``."""
+    from sprpo_lib.agent import token_counter
+    from sprpo_lib.engines import close_engine, make_engine
+    from sprpo_lib.rollout import SerialEnvs, run_groups
+
+    eng = make_engine(cfg.engine, policy, cfg.generation(seed), cfg.agent)
+    envs = SerialEnvs(lambda: pool)
+    try:
+        records, _ = run_groups(envs, list(tasks), 1, eng, cfg.agent, cfg.max_steps, progress=progress,
+                                count_tokens=token_counter(policy.tokenizer, cfg.agent))
+    finally:
+        envs.close()
+        close_engine(eng)
+    return (episode_rows(records), episode_log(records)) if with_log else episode_rows(records)
+
+
+def _fisher_scores(policy, calib: CalibrationPool, store: Path, identity: Mapping, options: Mapping,
+                   progress: bool):
+    """Fisher channel scores of this model on the shared pool (App. C), cached as
+    safetensors under ``<cache>/fisher/``."""
+    import safetensors.torch as st
+
+    from sprpo_lib.compress import fisher_scores
+
+    bs = int(options.get("batch_size", 8))
+    key = canonical_hash({"evaluator": EVALUATOR_VERSION, "model": dict(identity), "calibration": calib.hash,
+                          "batch_size": bs})
+    path = store / "fisher" / f"{key}.safetensors"
+    cached = read_cached(path, read_safetensors)
+    if cached is not None:
+        scores = cached.get("scores")
+        if scores is not None and scores.dim() == 2 and scores.is_floating_point() and bool(scores.isfinite().all()):
+            return scores
+        logger.warning("corrupt file %s: no finite 2-D tensor 'scores'; recomputing it", path)
+    scores = fisher_scores(policy.model, calib.sequences, batch_size=bs, pad_id=policy.tokenizer.pad_token_id,
+                           progress=progress)
+    atomic_write_bytes(path, st.save({"scores": scores.contiguous()}))
+    return scores
+
+
+def _check_calibration_fits(calib: CalibrationPool, policy) -> None:
+    vocab = policy.model.get_input_embeddings().weight.shape[0]
+    top = max(max(s) for s in calib.sequences)
+    if top >= vocab:
+        raise ValueError(f"--calibration: token id {top} is outside this model's vocabulary ({vocab}); the pool was "
+                         "built with another tokenizer. Build one from a policy of the same base model")
+
+
+def evaluate(cfg: EvalConfig, *, progress: bool = True, pool=None) -> "pd.DataFrame":  # noqa: F821
+    """Rows of every requested cell of ``cfg``, computing only cells missing from the cache.
+
+    Returns a DataFrame with one row per episode: ``env, split, split_label, task_index,
+    task_id, family, strength, seed, success, score, length, valid_rate, trace, model,
+    adapters, model_hash, adapter_hash, cell`` plus ``cfg.tags``.  Rows are ordered by
+    strength, seed, then task."""
+    import pandas as pd
+
+    from sprpo_lib.compress import perturbation
+    from sprpo_lib.envs import make_pool
+    from sprpo_lib.progress import progress_bar
+
+    cfg.validate()
+    store = project_path(cfg.cache_dir)
+    cache = CellCache(store)
+    pool = pool if pool is not None else make_pool(cfg.env, cfg.data_dir, cfg.env_seed)
+    tasks = select_tasks(pool, cfg.env, cfg.splits, cfg.tasks)
+    env_fields = {"name": cfg.env, "data": data_source(cfg.env, cfg.data_dir), "seed": cfg.env_seed,
+                  "max_steps": cfg.max_steps or pool.max_steps, "tasks": [list(t) for t in tasks],
+                  "content": tasks_digest(pool, tasks)}
+    requested = cfg.cells()
+    needs_calib = any(c.canonical().family in CALIBRATED_FAMILIES for c in requested)
+    calib = load_calibration(project_path(cfg.calibration)) if needs_calib else None
+    source = ModelSource(cfg, store / "file_hashes.json")
+    ident = source.identity()
+    keyed = {}
+    for c in requested:
+        canon = c.canonical()
+        if canon not in keyed:
+            f = cell_fields(cfg, ident, env_fields, canon, calib.hash if calib else None)
+            keyed[canon] = (cell_key(f), f)
+    results = {c: cache.get(k, f) for c, (k, f) in keyed.items()}
+    missing = [c for c, rows in results.items() if rows is None]
+    bar = progress_bar(total=len(keyed), initial=len(keyed) - len(missing), desc=f"eval {cfg.env} {cfg.family}",
+               unit="cell", disable=not progress)
+    # deterministic families are applied once per strength for all seeds; random ones per seed
+    groups: dict[tuple, list[Cell]] = {}
+    for c in missing:
+        groups.setdefault((c.family, c.strength, c.seed if c.family in RANDOM_FAMILIES else None), []).append(c)
+    for (family, strength, _), cells in groups.items():
+        policy = source.policy()
+        kw: dict = {}
+        if family != "clean":
+            kw = {"pad_id": policy.tokenizer.pad_token_id, **cfg.perturbation_options}
+            if family in CALIBRATED_FAMILIES:
+                _check_calibration_fits(calib, policy)
+                kw["calib"] = calib.sequences
+            if family == "fisher":
+                kw["scores"] = _fisher_scores(policy, calib, store, ident, cfg.perturbation_options, progress)
+                kw.pop("calib")
+        with perturbation(policy.model, "none" if family == "clean" else family, strength, cells[0].seed, **kw):
+            for c in cells:
+                bar.set_postfix_str(f"{c.family} {c.strength:g} seed {c.seed}")
+                t0 = time.perf_counter()
+                rows, log = play_cell(policy, pool, tasks, cfg, c.seed, progress=progress, with_log=True)
+                key, fields = keyed[c]
+                cache.put(key, fields, rows, time.perf_counter() - t0, log)
+                results[c] = rows
+                bar.update(1)
+    bar.close()
+    out = []
+    adapters = ";".join(cfg.adapters)
+    adapter_hash = canonical_hash(ident["adapters"])[:12] if cfg.adapters else ""
+    for c in requested:
+        key = keyed[c.canonical()][0]
+        for r in results[c.canonical()]:
+            out.append({**r, "split_label": SPLIT_LABELS.get(r["split"], r["split"]), "family": c.family,
+                        "strength": c.strength, "seed": c.seed, "model": cfg.model, "adapters": adapters,
+                        "model_hash": ident["base"][:12], "adapter_hash": adapter_hash, "cell": key[:12],
+                        **cfg.tags})
+    return pd.DataFrame(out, columns=[*ROW_COLUMNS, *cfg.tags])
+
+
+def sweep(cfgs: Iterable[EvalConfig], *, progress: bool = True) -> "pd.DataFrame":  # noqa: F821
+    """:func:`evaluate` for several configurations (families, models), rows concatenated.
+    Each configuration's cells are cached as soon as they are computed."""
+    import pandas as pd
+
+    frames = [evaluate(c, progress=progress) for c in cfgs]
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+# ============================================================================ configurations from training runs
+
+
+def config_from_run(run_dir: str | Path, **overrides) -> EvalConfig:
+    """An :class:`EvalConfig` for a training run folder (``runs/.../<env>-<method>-<profile>-seed<s>``):
+    its base model and dtype, the warm-start adapter (cached under ``runs/sft/``) when
+    the profile has one, then the run's ``final/adapter``; its prompt settings, step
+    limit, engine and response length; tags ``method``, ``train_seed``, ``profile``.
+    ``overrides`` replace any field (e.g. ``family="rtn"``, ``tasks=64``)."""
+    from sprpo_lib.config import config_from_dict
+    from sprpo_lib.train import warm_start_dir
+
+    run = Path(run_dir)
+    meta_path = run / "config.json"
+    if not meta_path.is_file():
+        raise ValueError(f"--run: {run} has no config.json; expected a training run folder (runs/train/<run>)")
+    try:
+        meta = read_json(meta_path, lambda m: None if isinstance(m.get("config"), dict) else "no 'config' object")
+    except CorruptFileError as err:
+        raise err.with_fix(f"the run cannot be identified; retrain it (python -m sprpo_lib.train --out {run} --fresh "
+                           "with its arguments)") from None
+    tc = config_from_dict(meta["config"])
+    adapters = []
+    if tc.warm_start:
+        adapters.append(str(warm_start_dir(tc) / "adapter"))
+    adapters.append(str(run / "final" / "adapter"))
+    g = tc.rollout.generation
+    base = dict(model=tc.model.spec, adapters=tuple(adapters), env=tc.env.name, data_dir=tc.env.data_dir,
+                env_seed=tc.env.seed, top_p=g.top_p, max_new_tokens=g.max_new_tokens, max_steps=tc.env.max_steps,
+                engine=tc.rollout.engine, prefix_caching=g.prefix_caching, max_batched_tokens=g.max_batched_tokens,
+                agent=tc.rollout.agent,
+                dtype=meta.get("dtype") or tc.model.dtype or "auto",
+                model_seed=tc.seed, tags={"method": tc.method.name, "train_seed": tc.seed, "profile": tc.profile})
+    base.update(overrides)
+    return EvalConfig(**base)
+
+
+def config_from_profile(profile: str, env: str, **overrides) -> EvalConfig:
+    """An :class:`EvalConfig` with a training profile's prompt settings, step limit,
+    engine and response length for ``env`` (so a policy is evaluated with the prompts
+    it was trained on); ``overrides`` set the model and anything else."""
+    from sprpo_lib.config import load_config
+
+    tc = load_config(profile, **{"env.name": env})
+    g = tc.rollout.generation
+    base = dict(model=tc.model.spec, env=env, data_dir=tc.env.data_dir, env_seed=tc.env.seed, top_p=g.top_p,
+                max_new_tokens=g.max_new_tokens, max_steps=tc.env.max_steps, engine=tc.rollout.engine,
+                prefix_caching=g.prefix_caching, max_batched_tokens=g.max_batched_tokens, agent=tc.rollout.agent,
+                dtype=tc.model.dtype or "auto")
+    base.update(overrides)
+    return EvalConfig(**base)

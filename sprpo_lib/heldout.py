@@ -1,0 +1,102 @@
+"""Held-out evaluation during training: the same tasks and the same generation seed for
+every policy compared (the warm start and the RL-trained policies), at the paper's
+validation temperature 0.4 (Table 2).  ``eval.json`` holds the numbers and the settings
+they were made with, ``eval_episodes.jsonl`` one line per episode."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from sprpo_lib.io import (
+    CorruptFileError,
+    atomic_write_json,
+    file_record,
+    read_cached,
+    read_json,
+    read_json_lines,
+    verify_file,
+)
+
+logger = logging.getLogger(__name__)
+
+# ============================================================================ held-out evaluation (training)
+
+
+def held_out_tasks(cfg, n_pool: int, count: int) -> list[int]:
+    """Training-pool tasks the warm start was not shown (indices after its
+    demonstrations; from 0 without a warm start)."""
+    first = min(cfg.sft.n_tasks, n_pool) if cfg.warm_start else 0
+    return list(range(first, min(n_pool, first + count)))
+
+
+def eval_temperature(cfg) -> float:
+    """``cfg.eval_temperature`` (0.4) or, if ``None``, the rollout temperature."""
+    return cfg.rollout.generation.temperature if cfg.eval_temperature is None else cfg.eval_temperature
+
+
+def eval_settings(cfg) -> dict:
+    """What a held-out evaluation's numbers depend on besides the policy and the tasks."""
+    g = cfg.rollout.generation
+    return {"temperature": eval_temperature(cfg), "top_p": g.top_p, "max_new_tokens": g.max_new_tokens,
+            "max_steps": cfg.env.max_steps, "engine": cfg.rollout.engine}
+
+
+def _eval_problem(res) -> str | None:
+    if not isinstance(res, dict):
+        return "not a JSON object"
+    bad = [k for k in ("episodes", "success_rate", "mean_score", "valid_rate")
+           if isinstance(res.get(k), bool) or not isinstance(res.get(k), (int, float))]
+    return f"no number {bad[0]!r}" if bad else None
+
+
+def load_eval(path: str | Path) -> dict:
+    """A held-out evaluation (``eval.json`` of :func:`evaluate_policy`), verified with its
+    ``eval_episodes.jsonl``: the log must match the SHA-256 and length recorded in
+    ``eval.json`` (an older ``eval.json`` without that record: the log, if any, must parse
+    whole, one line per episode).  Raises :class:`~sprpo_lib.io.CorruptFileError`
+    naming the bad file, or ``FileNotFoundError``."""
+    path = Path(path)
+    fix = ("rerun the training command that wrote it (python -m sprpo_lib.train with the same arguments, or "
+           "--warm-start-only for a warm start under runs/sft/): it is evaluated again")
+    episodes = path.parent / "eval_episodes.jsonl"
+    try:
+        res = read_json(path, _eval_problem)
+        if "log" in res:
+            if not episodes.is_file():
+                raise CorruptFileError(episodes, f"missing, though {path.name} records it")
+            verify_file(episodes, res["log"])
+        elif episodes.is_file():
+            read_json_lines(episodes, check=lambda eps: None if len(eps) == res["episodes"] else
+                            f"{len(eps)} episode lines where {path.name} counts {res['episodes']} (truncated)")
+    except CorruptFileError as err:
+        raise err.with_fix(fix) from None
+    return res
+
+
+def eval_is_current(path: Path, cfg, count: int) -> bool:
+    """An ``eval.json`` exists, is whole (:func:`load_eval`; a corrupt one is not current, so
+    it is recomputed) and was made with the current settings and task count."""
+    res = read_cached(path, load_eval)
+    return res is not None and res.get("episodes") == count and all(res.get(k) == v
+                                                                     for k, v in eval_settings(cfg).items())
+
+
+def evaluate_policy(policy, pool, cfg, agent, out: Path, count: int, progress: bool = True) -> dict:
+    """Success and score of ``policy`` on ``count`` held-out tasks (:func:`held_out_tasks`),
+    one rollout each at :func:`eval_temperature` with the generation seed ``cfg.sft.seed``;
+    written to ``out/eval.json`` and ``out/eval_episodes.jsonl`` (a killed evaluation
+    starts over)."""
+    from dataclasses import replace
+
+    from sprpo_lib.sft import evaluate_format
+
+    idx = held_out_tasks(cfg, pool.splits()[cfg.sft.split], count)
+    gen = replace(cfg.rollout.generation, temperature=eval_temperature(cfg), seed=cfg.sft.seed)
+    (out / "eval_episodes.jsonl").unlink(missing_ok=True)
+    res = evaluate_format(policy, pool, cfg.sft.split, idx, agent, gen, max_steps=cfg.env.max_steps,
+                          log_path=out / "eval_episodes.jsonl", progress=progress, engine=cfg.rollout.engine)
+    res.update(split=cfg.sft.split, indices=[idx[0], idx[-1]] if idx else [], **eval_settings(cfg))
+    if (out / "eval_episodes.jsonl").is_file():  # what load_eval checks the log against
+        res["log"] = file_record(out / "eval_episodes.jsonl")
+    atomic_write_json(out / "eval.json", res)
+    return res

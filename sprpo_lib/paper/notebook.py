@@ -1,0 +1,68 @@
+"""The steps every results notebook (03-07) repeats around its own figure or table:
+resolve its folders under the project root, state the environments its profile lacks,
+load each environment's plan, load-or-compute the result rows (cached apart from
+rendering: ``render_only`` reads the rows CSV, otherwise the rows are computed from the
+training runs and the cell cache and written to it), and write a manifest beside every
+artifact."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+import pandas as pd
+
+from sprpo_lib.paper import experiments as X
+from sprpo_lib.paper import results as R
+from sprpo_lib.paths import project_path
+
+ALL_ENVS = ("alfworld", "webshop")
+
+
+class ResultsPage:
+    """One results notebook's run: ``name`` (``"04_robustness"``) prefixes its files in
+    ``out_dir``; relative folders are taken under the project root, so the notebook
+    writes to the project's ``figures/`` from whatever folder it runs in."""
+
+    def __init__(self, name: str, profile: str, envs: Sequence[str], *, out_dir: str | Path = "figures",
+                 cache_dir: str | Path = "runs/eval_cache", runs_root: str | Path | None = None,
+                 render_only: bool = False):
+        self.t_start = time.time()
+        self.name, self.profile, self.envs, self.render_only = name, profile, list(envs), render_only
+        self.out = project_path(out_dir)
+        self.cache_dir = project_path(cache_dir)
+        self.runs_root = project_path(runs_root) if runs_root else None
+        for line in R.absent_envs(profile, ALL_ENVS):
+            print(line)
+        self.plans = {env: X.plan(profile, env) for env in self.envs}
+
+    def stem(self, env: str, suffix: str = "") -> Path:
+        """``<out>/<name>_<env><suffix>``: the path prefix of one environment's artifacts."""
+        return self.out / f"{self.name}_{env}{suffix}"
+
+    def runs(self, env: str) -> dict[tuple[str, int], Path]:
+        """The plan's training runs (trained, resumed or found)."""
+        return X.policies(self.plans[env], self.runs_root)
+
+    def rows(self, compute: Callable[[X.Plan, Mapping], pd.DataFrame], suffix: str = "_rows.csv",
+             save: Callable[[pd.DataFrame, Path], object] = X.save_rows) -> dict[str, pd.DataFrame]:
+        """Per environment: the rows in ``<stem><suffix>`` when rendering only, else
+        ``compute(plan, runs)``, written there with ``save``."""
+        out = {}
+        for env, p in self.plans.items():
+            path = self.stem(env, suffix)
+            if self.render_only:
+                out[env] = X.load_rows(path)
+            else:
+                out[env] = compute(p, self.runs(env))
+                save(out[env], path)
+        return out
+
+    def config(self, **extra) -> dict:
+        """What the manifests record: profile, environments, plans, render-only, and ``extra``."""
+        return {"profile": self.profile, "envs": self.envs, "plan": {e: p.as_dict() for e, p in self.plans.items()},
+                "render_only": self.render_only, **extra}
+
+    def manifests(self, artifacts: Sequence[str | Path], config: Mapping | None = None, **kw) -> list[Path]:
+        """A manifest beside every artifact, with the wall time since the page started."""
+        return R.manifests(artifacts, self.config() if config is None else config, time.time() - self.t_start, **kw)

@@ -1,0 +1,32 @@
+"""Progress bars for long work: one helper, so every bar behaves the same everywhere.
+
+* In a terminal, a plain ``tqdm`` bar; in JupyterLab, a widget (``tqdm.auto`` with
+  ``ipywidgets``).
+* Under ``sprpo-reproduce`` (``SPRPO_PROGRESS=lines``, inherited by the notebook kernels
+  papermill starts), a text bar on stderr redrawn at most every
+  :data:`LINE_INTERVAL_S` seconds, which ``reproduce`` streams to its own terminal: a
+  40-minute training cell shows its iterations, their seconds and an ETA there, not
+  only papermill's "cell 2/7".
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+PROGRESS_ENV = "SPRPO_PROGRESS"
+LINE_INTERVAL_S = 10.0
+
+
+def progress_bar(iterable=None, **kwargs):
+    """A ``tqdm`` bar (same arguments) in the form that suits where it is shown."""
+    if os.environ.get(PROGRESS_ENV) == "lines":
+        from tqdm.std import tqdm
+
+        kwargs.setdefault("file", sys.stderr)
+        kwargs.setdefault("mininterval", LINE_INTERVAL_S)
+        kwargs.setdefault("ascii", True)
+        kwargs.setdefault("ncols", 110)
+        return tqdm(iterable, **kwargs)
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, **kwargs)

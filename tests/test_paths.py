@@ -1,0 +1,80 @@
+"""Where things live (one project root, never the working directory), progress bars as
+lines under ``sprpo-reproduce``, and the benchmark report generated from benchmark JSON."""
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from sprpo_lib import paths
+from sprpo_lib.progress import PROGRESS_ENV, progress_bar
+
+
+def test_project_root_is_the_checkout_or_sprpo_home(monkeypatch, tmp_path):
+    monkeypatch.delenv(paths.HOME_ENV, raising=False)
+    assert paths.project_root() == paths.package_checkout()
+    assert (paths.project_root() / "notebooks").is_dir()
+    monkeypatch.setenv(paths.HOME_ENV, str(tmp_path))
+    assert paths.project_root() == tmp_path.resolve()
+    assert paths.runs_dir("train", "x") == tmp_path.resolve() / "runs" / "train" / "x"
+    assert paths.figures_dir() == tmp_path.resolve() / "figures"
+
+
+def test_no_path_depends_on_the_working_directory(monkeypatch, tmp_path):
+    monkeypatch.delenv(paths.HOME_ENV, raising=False)
+    here = paths.project_path("figures")
+    monkeypatch.chdir(tmp_path)
+    assert paths.project_path("figures") == here == paths.package_checkout() / "figures"
+    assert paths.project_path(tmp_path / "abs") == tmp_path / "abs"  # absolute paths are kept
+    assert paths.project_path("~/x") == paths.Path.home() / "x"
+
+
+def test_an_install_outside_a_checkout_asks_for_sprpo_home(monkeypatch, tmp_path):
+    monkeypatch.delenv(paths.HOME_ENV, raising=False)
+    monkeypatch.setattr(paths, "package_checkout", lambda: tmp_path)  # site-packages: no notebooks/ beside it
+    with pytest.raises(RuntimeError, match="set SPRPO_HOME"):
+        paths.project_root()
+
+
+def test_progress_bars_print_lines_under_reproduce(monkeypatch):
+    buf = io.StringIO()
+    monkeypatch.setenv(PROGRESS_ENV, "lines")
+    bar = progress_bar(range(3), desc="train sprpo", file=buf, mininterval=0)
+    assert type(bar).__module__ == "tqdm.std"  # plain text, whatever the front end
+    list(bar)
+    bar.close()
+    assert "train sprpo" in buf.getvalue() and "3/3" in buf.getvalue()
+    monkeypatch.delenv(PROGRESS_ENV)
+    assert type(progress_bar(range(1), disable=True)).__module__ in ("tqdm.std", "tqdm.notebook", "tqdm.asyncio")
+
+
+def test_bench_report_writes_one_file_per_machine_and_the_readme_block(tmp_path):
+    from sprpo_lib.bench.report import report
+
+    bench, out = tmp_path / "bench", tmp_path / "figures"
+    bench.mkdir()
+    amx = {"cpu_model": "Intel(R) Xeon(R) Processor", "cpu_class": "amx", "capability": "AVX512"}
+    zen = {"cpu_model": "AMD EPYC", "cpu_class": "avx512_bf16"}
+    churn = {"builds": 1000, "calls": 2000, "hangs": 0, "retries": 0, "wall_s": 495.6, "machine": amx}
+    ev = {"machine": amx, "openvino": {"engine": "openvino", "dtype": "bfloat16",
+                                       "eval": {"wall_s": 57.8, "episodes": 64, "episodes_per_min": 66.4,
+                                                "wall_over_prefill_floor": 1.13, "success": 0.2188}}}
+    for name, rec in {"churn": {"bench": "churn", "results": churn, "date": "2026-11-25T16:00:00Z", "wall_s": 497.9},
+                      "eval": {"bench": "eval", "results": ev, "date": "2026-11-25T17:00:00Z", "wall_s": 300},
+                      "machine": {"bench": "machine", "date": "2026-11-24", "wall_s": 60,
+                                  "results": {"machine": zen, "prefill_gflops": {"bfloat16": 739.2}}}}.items():
+        (bench / f"{name}.json").write_text(json.dumps(rec))
+    (bench / "torn.json").write_text('{"bench": "eval", "res')  # a killed writer's file is skipped, not fatal
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- bench:begin -->\nold\n<!-- bench:end -->\nrest\n")
+    written = report(bench, out, readme)
+    assert sorted(p.name for p in written) == ["bench_amd-epyc-avx512-bf16.json", "bench_amd-epyc-avx512-bf16.md",
+                                               "bench_intel-xeon-processor-amx.json", "bench_intel-xeon-processor-amx.md"]
+    md = (out / "bench_intel-xeon-processor-amx.md").read_text()
+    assert "| 1000 | 2000 | 0 | 0 |" in md and "66.4" in md and "1.13x" in md
+    assert (out / "bench_intel-xeon-processor-amx.md.manifest.json").is_file()
+    text = readme.read_text()
+    assert "old" not in text and text.startswith("intro\n") and text.endswith("rest\n")
+    assert "0 hangs and 0 retries in 1000 engine builds" in text and "66.4 held-out episodes/min" in text
+    assert "bfloat16 739.2 GFLOP/s prefill matmul" in text
