@@ -359,7 +359,7 @@ def fast_dtype(shapes: Sequence[Shape], device: str | torch.device = "cpu", *, c
             return getattr(torch, hit["choice"]), {**hit, "key": key, "source": "cache"}
     t0 = time.perf_counter()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    matmul = (probe or _default_probe)(shapes)
+    matmul = (probe or default_probe)(shapes)
     info = {"matmul": matmul["matmul"], "bandwidth_gbs": matmul.get("bandwidth_gbs"),
             "choice": pick_dtype(matmul["matmul"]), "probe_s": round(time.perf_counter() - t0, 2),
             "loadavg_1min": load,  # other processes' load at probe time (the numbers assume an idle machine)
@@ -373,6 +373,6 @@ def fast_dtype(shapes: Sequence[Shape], device: str | torch.device = "cpu", *, c
     return getattr(torch, info["choice"]), {**info, "key": key, "source": "probe"}
 
 
-def _default_probe(shapes: Sequence[Shape]) -> dict:
+def default_probe(shapes: Sequence[Shape]) -> dict:
     """The measurement behind :func:`fast_dtype`: matmul GFLOP/s and bandwidth on the CPU."""
     return {"matmul": probe_matmul(shapes), "bandwidth_gbs": round(probe_bandwidth(), 1)}

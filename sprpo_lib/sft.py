@@ -21,7 +21,7 @@ or :func:`warm_start` for the first two steps in one call.
   prompt with :func:`agent.build_prompt` from the same state :func:`rollout.run_groups`
   would use (instruction, current observation, admissible actions, and the history of
   ``(parsed action, next observation)`` pairs), and :func:`train_sft` wraps it with
-  :func:`agent.chat_text` and tokenizes it exactly as :class:`rollout.HFGenerator`
+  :func:`agent.chat_text` and tokenizes it exactly as :class:`~sprpo_lib.engines.HFGenerator`
   does.  The target is ``<action>{expert action}</action>`` followed by the
   tokenizer's end-of-turn token (``<|im_end|>`` for ChatML models).
 * **DAgger-lite.**  With ``expert_prob < 1`` the *executed* action is, with
@@ -266,7 +266,7 @@ class SFTConfig:
             (the first ``n_tasks`` tasks of ``split``).
         demonstrator: who labels the demonstrations: ``"expert"`` (the environment's
             oracle; default) or ``"shopper"`` (WebShop only: a scripted shopper that uses
-            only the information in the prompt (its success rate is in the README);
+            only the information in the prompt (``python -m sprpo_lib.envs`` scores it);
             the oracle clicks the goal's hidden product id, a choice a cloned policy
             cannot infer from the page).  See :func:`collect_demonstrations`.
         log_every: optimizer steps between lines of ``metrics.jsonl`` (and the progress
@@ -325,7 +325,7 @@ class SFTConfig:
 def encode_demo(tokenizer, demo: Demo, agent: AgentConfig | None = None) -> tuple[list[int], list[int]]:
     """``(prompt_ids, response_ids)`` of a demonstration.
 
-    The prompt is tokenized exactly as :class:`rollout.HFGenerator` tokenizes it (chat
+    The prompt is tokenized exactly as :class:`~sprpo_lib.engines.HFGenerator` tokenizes it (chat
     template with the generation prompt, no extra special tokens), so ``prompt_ids``
     equals the ``Generation.prompt_ids`` RL records for the same state.  The response is
     the target text followed by the end-of-turn (eos) token.
@@ -672,7 +672,7 @@ def evaluate_format(
     (:func:`sprpo_lib.engines.make_engine`), the code path of RL rollouts.
 
     Args:
-        gen: a :class:`rollout.GenerationConfig` (default: temperature 0.4, the paper's
+        gen: a :class:`~sprpo_lib.engines.GenerationConfig` (default: temperature 0.4, the paper's
             validation temperature).
         log_path: optional :class:`rollout.EpisodeLog` JSONL of the episodes.
 

@@ -133,7 +133,7 @@ def test_precision_follows_the_policy_dtype_where_the_cpu_runs_it(tiny_spec, bac
     got = eng(PROMPTS)
     assert all(g.response_ids for g in got)
     if backend == "loop" and want == "bfloat16":
-        assert "bf" in str(eng._compiled.get_property("INFERENCE_PRECISION_HINT")).lower()
+        assert "bf" in str(eng.compiled_model.get_property("INFERENCE_PRECISION_HINT")).lower()
     assert _ov(pol, greedy(), backend=backend, precision="float32").compute_dtype == "float32"
     f32 = load_policy(tiny_spec)
     assert _ov(f32, greedy(), backend=backend).compute_dtype == "float32"

@@ -41,7 +41,7 @@ def test_real_probe_measures_both_dtypes_and_picks_one():
 
 def test_cache_hit_returns_the_same_numbers_without_probing(monkeypatch, tmp_path):
     calls: list = []
-    monkeypatch.setattr(hardware, "_default_probe", _fake_probe(100.0, 300.0, calls))
+    monkeypatch.setattr(hardware, "default_probe", _fake_probe(100.0, 300.0, calls))
     d1, i1 = hardware.fast_dtype(SHAPES)
     d2, i2 = hardware.fast_dtype(SHAPES)
     assert len(calls) == 1 and d1 == d2 == torch.bfloat16
@@ -70,16 +70,16 @@ def test_cache_hit_returns_the_same_numbers_without_probing(monkeypatch, tmp_pat
 
 def test_decision_follows_the_larger_throughput(monkeypatch):
     calls: list = []
-    monkeypatch.setattr(hardware, "_default_probe", _fake_probe(120.0, 15.0, calls))
+    monkeypatch.setattr(hardware, "default_probe", _fake_probe(120.0, 15.0, calls))
     assert hardware.fast_dtype(SHAPES, cache=False)[0] == torch.float32
-    monkeypatch.setattr(hardware, "_default_probe", _fake_probe(120.0, 400.0, calls))
+    monkeypatch.setattr(hardware, "default_probe", _fake_probe(120.0, 400.0, calls))
     assert hardware.fast_dtype(SHAPES, cache=False)[0] == torch.bfloat16
     assert hardware.pick_dtype({"float32": {"gflops": 5.0}, "bfloat16": {"gflops": 5.0}}) == "float32"
 
 
 def test_cuda_is_bfloat16_without_probe(monkeypatch):
     calls: list = []
-    monkeypatch.setattr(hardware, "_default_probe", _fake_probe(1.0, 1.0, calls))
+    monkeypatch.setattr(hardware, "default_probe", _fake_probe(1.0, 1.0, calls))
     dtype, info = hardware.fast_dtype(SHAPES, "cuda")
     assert dtype == torch.bfloat16 and info["source"] == "cuda" and not calls
 
@@ -95,7 +95,7 @@ def test_bad_dtype_strings_give_one_clear_error():
 
 def test_tiny_auto_is_float32_and_real_auto_is_probed(monkeypatch, tmp_path):
     calls: list = []
-    monkeypatch.setattr(hardware, "_default_probe", _fake_probe(10.0, 20.0, calls))
+    monkeypatch.setattr(hardware, "default_probe", _fake_probe(10.0, 20.0, calls))
     assert load_policy("tiny-qwen2").dtype == torch.float32 and not calls
     src = load_policy("tiny-llama", seed=1)
     src.model.save_pretrained(tmp_path / "m")

@@ -112,6 +112,38 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def defined_names(path: Path) -> set[str]:
+    """Names a module defines at its top level (functions, classes, assignments, imports)."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+def unresolved(root: Path = PKG, files: list[Path] | None = None) -> list[str]:
+    """Imports of package modules that do not exist, or of names those modules do not define."""
+    mods = {module_name(p, root): p for p in root.rglob("*.py")}
+    bad = []
+    for path in files or list(mods.values()):
+        name = module_name(path, root) if path.is_relative_to(root) else None
+        for target, imported, line in imports(path, name):
+            if not target.startswith("sprpo_lib"):
+                continue
+            where = f"{path.name}:{line}"
+            if target not in mods:
+                bad.append(f"{where}: no module {target}")
+            elif imported and imported != "*" and f"{target}.{imported}" not in mods \
+                    and imported not in defined_names(mods[target]):
+                bad.append(f"{where}: {target} defines no {imported}")
+    return bad
+
+
 def test_every_module_has_a_layer():
     edges, _ = graph()
     assert [m for m in edges if m != "sprpo_lib" and layer(m) < 0] == []
@@ -153,12 +185,15 @@ def test_the_checks_catch_what_they_guard_against(tmp_path):
     for f in ("__init__.py", "bench/__init__.py"):
         (pkg / f).write_text("")
     (pkg / "io.py").write_text("from sprpo_lib.train import _helper\n")  # up, private, and with train: a cycle
-    (pkg / "train.py").write_text("from sprpo_lib import io\n\ndef f():\n    from sprpo_lib.bench import x\n")
+    (pkg / "train.py").write_text("from sprpo_lib import io\nimport sprpo_lib.io as alias\n\n"
+                                  "def f():\n    from sprpo_lib.bench import x\n    from sprpo_lib.gone import y\n")
     edges, private = graph(pkg)
     assert cycles(edges) == [["sprpo_lib.io", "sprpo_lib.train"]]
     assert layer("sprpo_lib.train") > layer("sprpo_lib.io")  # io -> train goes up
     assert private == ["sprpo_lib/io.py:1 imports _helper from sprpo_lib.train"]
     assert "sprpo_lib.bench" in edges["sprpo_lib.train"]
+    assert sorted(unresolved(pkg)) == ["io.py:1: sprpo_lib.train defines no _helper",
+                                       "train.py:5: sprpo_lib.bench defines no x", "train.py:6: no module sprpo_lib.gone"]
 
 
 @pytest.mark.parametrize("name", ["sprpo_lib.bench", "sprpo_lib.evaluate", "sprpo_lib.reproduce", "sprpo_lib.train"])
@@ -169,3 +204,49 @@ def test_python_dash_m_entry_points_exist(name):
     assert spec is not None
     if spec.submodule_search_locations:  # a package: runs its __main__
         assert importlib.util.find_spec(f"{name}.__main__") is not None
+
+
+def test_every_import_of_the_package_resolves():
+    """What ruff cannot see: each ``sprpo_lib`` import names an existing module and a name it defines."""
+    assert unresolved(files=[*PKG.rglob("*.py"), *TESTS.glob("*.py")]) == []
+
+
+def test_engine_registry_paths_resolve():
+    """The registry names its plug-ins by import path: each path is a module defining the class."""
+    from sprpo_lib.engines import ENGINES
+
+    mods = {module_name(p): p for p in PKG.rglob("*.py")}
+    for name, entry in ENGINES.items():
+        module, _, attr = entry.partition(":")
+        assert module in mods and attr in defined_names(mods[module]), (name, entry)
+        assert layer(module) == layer("sprpo_lib.engines")
+
+
+def test_tests_touch_no_private_attribute_of_the_package():
+    """``module._name`` and ``monkeypatch.setattr(module, "_name", ...)`` on package modules."""
+    bad = []
+    for p in TESTS.glob("*.py"):
+        tree = ast.parse(p.read_text())
+        aliases = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                aliases |= {a.asname or a.name for a in node.names if a.name.startswith("sprpo_lib")}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sprpo_lib"):
+                aliases |= {a.asname or a.name for a in node.names if a.name[:1].islower()}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__") \
+                    and isinstance(node.value, ast.Name) and node.value.id in aliases:
+                bad.append(f"{p.name}:{node.lineno} {node.value.id}.{node.attr}")
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "setattr" and len(node.args) >= 2 \
+                    and isinstance(node.args[0], ast.Name) and node.args[0].id in aliases \
+                    and isinstance(node.args[1], ast.Constant) and str(node.args[1].value).startswith("_"):
+                bad.append(f"{p.name}:{node.lineno} setattr({node.args[0].id}, {node.args[1].value!r})")
+    assert bad == []
+
+
+def test_the_layers_here_are_the_packages_docstring():
+    """The package docstring draws the same layers, in the same order."""
+    doc = sprpo_lib.__doc__
+    pos = [doc.index(f"``{n}``") if f"``{n}``" in doc else doc.index(f"``{n}/``") for names in LAYERS for n in names]
+    firsts = [pos[sum(len(x) for x in LAYERS[:i])] for i in range(len(LAYERS))]
+    assert firsts == sorted(firsts)

@@ -173,19 +173,19 @@ def test_bfloat16_noise_is_not_quantised_away():
     ulp = torch.finfo(torch.bfloat16).eps * exact.abs()
     fc.set(xi=torch.full(fc.shape, 3e-3))
     with fc:
-        fast = fc._make_hook(0)(None, (base,))[0]
+        fast = fc.layer_hook(0)(None, (base,))[0]
     assert fast.dtype == torch.bfloat16
     assert torch.all((fast.double() - exact).abs() <= ulp)
     assert (fast != base).float().mean() > 0.3  # 1 + 3e-3 in bf16 would be exactly 1.0
     fc.set(xi=torch.full(fc.shape, 3e-3).requires_grad_(True))
     with fc:
-        slow = fc._make_hook(0)(None, (base,))[0]
+        slow = fc.layer_hook(0)(None, (base,))[0]
     assert torch.equal(slow, (base.float() * torch.tensor(1.003)).to(torch.bfloat16))
     keep = torch.ones(fc.shape)
     keep[0, :5] = 0
     fc.set(xi=torch.full(fc.shape, 0.1), mask=keep)
     with fc:
-        masked = fc._make_hook(0)(None, (base,))[0]
+        masked = fc.layer_hook(0)(None, (base,))[0]
     assert torch.all(masked[..., :5] == 0)
 
 

@@ -157,7 +157,8 @@ def bench_webshop(n_episodes: int = 200, seed: int = 0,
     decisions), and the oracle's mean reward / success rate over the episodes.
     """
     t0 = time.perf_counter()
-    from sprpo_lib.envs.webshop import DEFAULT_N_PRODUCTS, WebShopPool, generate_catalogue
+    from sprpo_lib.envs.webshop import DEFAULT_N_PRODUCTS, WebShopPool
+    from sprpo_lib.envs.webshop_catalog import generate_catalogue
 
     catalogue = generate_catalogue(seed, n_products or DEFAULT_N_PRODUCTS)
     gen_s = time.perf_counter() - t0
@@ -493,7 +494,7 @@ def bench_prompts(model: str = "smollm2-135m", n_prompts: int = 64, max_steps: i
                          for k in (*PROMPT_SECTIONS, "chat_and_joins")}}
 
 
-GENERATE_ENGINES = ("hf_generator", "hf")  # the reference rollout.HFGenerator, then registry engines
+GENERATE_ENGINES = ("hf_generator", "hf")  # the reference engines.HFGenerator, then registry engines
 # OpenVINO engine variants: the registry's "openvino" (GenAI backend when installed) and our own
 # decode loop on the same IR; each computes in the policy's dtype
 OPENVINO_ENGINES = {"openvino": None, "openvino_loop": "loop"}
@@ -512,7 +513,7 @@ def bench_generate(model: str = "smollm2-135m", n_prompts: int = 16, new_tokens:
     256-row matmul rate for the dtype).  Greedy runs are compared token for token with
     the first engine's (``greedy_equal``); ``repeat_equal`` says whether every round gave
     the same outputs (same seed, fresh generator).  ``hf_generator`` is
-    rollout.HFGenerator (the reference); other names come from
+    engines.HFGenerator (the reference); other names come from
     :data:`sprpo_lib.engines.ENGINES`, plus ``openvino_loop`` (the OpenVINO engine's own decode
     loop), computing in the policy's dtype; they are built once (conversion, load and one ``load_weights`` reload are reported
     under ``openvino``, not timed as generation) and reset to call 0 for each run."""

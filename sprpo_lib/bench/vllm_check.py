@@ -60,7 +60,7 @@ def _compare(ref: list[Generation], out: list[Generation]) -> dict:
 def check(n_prompts: int = 16, new_tokens: int = 48, sigma: float = 0.1, drop: float = 0.1, seed: int = 0,
           out: str | Path | None = None, model: str = "smollm2-135m") -> dict:
     """VLLMEngine vs HFEngine (float32, greedy), token for token, on ``n_prompts`` real WebShop
-    prompts (:func:`sprpo_lib.bench.webshop_prompts`), in four weight settings, one vLLM engine:
+    prompts (:func:`sprpo_lib.bench.suite.webshop_prompts`), in four weight settings, one vLLM engine:
 
     1. ``unperturbed``: the weights the engine was built with (HF: the policy's own forward);
     2. ``gaussian_xi_mask``: ``bake_weights(model, xi, mask)``, xi ~ N(0, sigma^2) (seed 1), channel

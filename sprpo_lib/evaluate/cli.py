@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, max_steps=cfg.max_steps,
             seed=cfg.seeds[0], engine=cfg.engine, progress=progress,
             source={"model": cfg.model, "adapters": list(cfg.adapters), "model_identity": source.identity()})
-        save_calibration(args.build_calibration, calib)
+        save_calibration(project_path(args.build_calibration), calib)
         print(f"calibration pool: {len(calib)} sequences, hash {calib.hash[:12]} -> {args.build_calibration}")
         return 0
     try:

@@ -503,7 +503,7 @@ def config_from_run(run_dir: str | Path, **overrides) -> EvalConfig:
     from sprpo_lib.config import config_from_dict
     from sprpo_lib.train import warm_start_dir
 
-    run = Path(run_dir)
+    run = project_path(run_dir)
     meta_path = run / "config.json"
     if not meta_path.is_file():
         raise ValueError(f"--run: {run} has no config.json; expected a training run folder (runs/train/<run>)")

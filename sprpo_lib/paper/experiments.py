@@ -130,15 +130,15 @@ class Plan:
 _PAPER_CURVES = {f: FAMILIES[f].levels["webshop"] for f in ("gaussian", "dropout", "fisher", "rtn")}
 
 #: Plans per profile and env.  ``smoke``: the tiny random model, seconds (tests).
-#: ``cpu``: the embedded SmolLM2 on the offline WebShop, sized for an overnight run on
-#: 2 cores (README "What the cpu profile runs").  ``paper``: App. C in full.
+#: ``cpu``: the embedded SmolLM2 on the offline WebShop, sized for about two hours on
+#: 2 cores.  ``paper``: App. C in full.
 PLANS: dict[str, dict[str, Plan]] = {
     "smoke": {"webshop": Plan(
         "smoke", "webshop", seeds={"vanilla": (0,), "gaussian": (0,), "sam": (0,), "sprpo": (0,)},
         tasks=2, eval_seeds=(0,), table=TABLE1["webshop"], curves={"gaussian": (0.1, 0.2)},
         landscape_grid=(-0.2, 0.0, 0.2), landscape_tasks=1, calibration_size=6)},
     "cpu": {"webshop": Plan(
-        # sized for one ~2 h run on 2 cores (README "What the cpu profile runs"): every policy on
+        # sized for one ~2 h run on 2 cores: every policy on
         # the same 40 test goals and evaluation seed (paired design), Table 1's five settings
         "cpu", "webshop", seeds={"vanilla": (0, 1), "gaussian": (0,), "sam": (0,), "sprpo": (0, 1)},
         tasks=40, eval_seeds=(0,), table=TABLE1["webshop"],
@@ -146,7 +146,7 @@ PLANS: dict[str, dict[str, Plan]] = {
                 "sparsegpt": (0.20, 0.40), "rtn": (6, 4)},
         curve_seeds=(0,), curve_methods=("vanilla", "sprpo"), landscape_grid=(-0.2, -0.1, 0.0, 0.1, 0.2),
         # OpenVINO in the policy's dtype: 1.47x HF's episodes/min in bf16 on the held-out set, success
-        # within the paired interval (README "Generation engines"); the cpu profile trains on it too
+        # within the paired interval (sprpo-bench eval); the cpu profile trains on it too
         landscape_tasks=8, calibration_size=32, engine="openvino")},
     "paper": {env: Plan(
         "paper", env, tasks=None, eval_seeds=(0,), table=TABLE1[env],

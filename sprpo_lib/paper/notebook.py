@@ -12,6 +12,7 @@ from typing import Callable, Mapping, Sequence
 
 import pandas as pd
 
+from sprpo_lib.evaluate import DEFAULT_CACHE
 from sprpo_lib.paper import experiments as X
 from sprpo_lib.paper import results as R
 from sprpo_lib.paths import project_path
@@ -22,11 +23,12 @@ ALL_ENVS = ("alfworld", "webshop")
 class ResultsPage:
     """One results notebook's run: ``name`` (``"04_robustness"``) prefixes its files in
     ``out_dir``; relative folders are taken under the project root, so the notebook
-    writes to the project's ``figures/`` from whatever folder it runs in."""
+    writes to the project's ``figures/`` from whatever folder it runs in.  ``overrides``
+    (``key=value`` training-config changes, e.g. ``model.spec=...``) apply to every plan."""
 
     def __init__(self, name: str, profile: str, envs: Sequence[str], *, out_dir: str | Path = "figures",
-                 cache_dir: str | Path = "runs/eval_cache", runs_root: str | Path | None = None,
-                 render_only: bool = False):
+                 cache_dir: str | Path = DEFAULT_CACHE, runs_root: str | Path | None = None,
+                 render_only: bool = False, overrides: Sequence[str] = ()):
         self.t_start = time.time()
         self.name, self.profile, self.envs, self.render_only = name, profile, list(envs), render_only
         self.out = project_path(out_dir)
@@ -34,7 +36,8 @@ class ResultsPage:
         self.runs_root = project_path(runs_root) if runs_root else None
         for line in R.absent_envs(profile, ALL_ENVS):
             print(line)
-        self.plans = {env: X.plan(profile, env) for env in self.envs}
+        # training-config overrides (sprpo-reproduce --model) reach every plan's runs
+        self.plans = {env: X.plan(profile, env, overrides=tuple(overrides) or None) for env in self.envs}
 
     def stem(self, env: str, suffix: str = "") -> Path:
         """``<out>/<name>_<env><suffix>``: the path prefix of one environment's artifacts."""

@@ -67,7 +67,7 @@ def load_metrics(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
     """One row per (run, iteration): the ``metrics.jsonl`` columns plus ``env``,
     ``method``, ``seed``, ``profile``, ``temperature`` (of the rollouts) and ``run``."""
     frames = []
-    for d in map(Path, run_dirs):
+    for d in map(project_path, run_dirs):
         cfg = _config(d)
         rows = [json.loads(ln) for ln in (d / "metrics.jsonl").read_text().splitlines() if ln.strip()]
         if not rows:
@@ -128,7 +128,7 @@ def before_after(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
     task-by-task comparison of :func:`paired_outcomes`, and the mean rollout success of
     the first and last iterations (at the rollout noise)."""
     rows = []
-    for d in map(Path, run_dirs):
+    for d in map(project_path, run_dirs):
         cfg = _config(d)
         m = load_metrics([d])
         row = {"run": d.name, "env": cfg.env.name, "method": cfg.method.name, "seed": cfg.seed,

@@ -30,6 +30,8 @@ from statistics import NormalDist
 import numpy as np
 import pandas as pd
 
+from sprpo_lib.paths import project_path
+
 # --------------------------------------------------------------------------------------
 # sizes
 # --------------------------------------------------------------------------------------
@@ -1214,7 +1216,7 @@ def save_figure(fig, out_dir: str | Path, stem: str, config: dict, seed: int | N
                     ("pdf", {"metadata": {"CreationDate": None, "Producer": None}})):
         buf = io.BytesIO()
         fig.savefig(buf, format=ext, **kw)
-        path = atomic_write_bytes(Path(out_dir) / f"{stem}.{ext}", buf.getvalue())
+        path = atomic_write_bytes(project_path(out_dir) / f"{stem}.{ext}", buf.getvalue())
         write_manifest(path, config, seed, wall_seconds, extra)
         paths.append(path)
     plt.close(fig)
@@ -1255,9 +1257,9 @@ def save_table(df: pd.DataFrame, out_dir: str | Path, stem: str, config: dict, s
     from sprpo_lib.io import atomic_write_text
     from sprpo_lib.manifest import write_manifest
 
-    paths = [atomic_write_text(Path(out_dir) / f"{stem}.csv", df.to_csv(index=False))]
+    paths = [atomic_write_text(project_path(out_dir) / f"{stem}.csv", df.to_csv(index=False))]
     if latex_columns:
-        paths.append(atomic_write_text(Path(out_dir) / f"{stem}.tex",
+        paths.append(atomic_write_text(project_path(out_dir) / f"{stem}.tex",
                                        to_booktabs(df[latex_columns], caption, f"tab:{stem}")))
     for path in paths:
         write_manifest(path, config, seed, wall_seconds, extra)
