@@ -249,6 +249,25 @@ def cut_response(ids: list[int], eos_id: int | None, pad_id: int | None) -> list
     return ids
 
 
+def accept_tokens(tokens: Sequence[int], alive: list[int], new: list[list[int]], tails: list[str],
+                  piece, eos: set[int], pad: int | None, stop: str) -> list[int]:
+    """One decode step's bookkeeping for the engines that decode themselves: append each live
+    row's token to ``new[row]`` and return the positions (in ``alive``) of the rows still
+    going, i.e. not ended by an end-of-sequence or padding token or by ``stop``, which is
+    matched on the row's text tail (``tails[row]``, updated; ``piece(t)``: a token's text)."""
+    keep_tail = max(0, len(stop) - 1)
+    keep = []
+    for j, t in enumerate(tokens):
+        row = alive[j]
+        new[row].append(t)
+        window = tails[row] + piece(t) if stop else ""
+        if t in eos or t == pad or (stop and stop in window):
+            continue
+        tails[row] = window[len(window) - keep_tail:] if keep_tail else ""
+        keep.append(j)
+    return keep
+
+
 # generation_config settings that make transformers' generate() change the logits in ways
 # HFEngine does not reproduce; a model that sets one of them is refused, not silently
 # decoded differently.  (repetition_penalty is reproduced.)

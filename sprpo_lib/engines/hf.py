@@ -12,6 +12,7 @@ from sprpo_lib.agent import AgentConfig, chat_text
 from sprpo_lib.engines.base import (
     Generation,
     GenerationConfig,
+    accept_tokens,
     call_seed,
     check_generation_config,
     cut_response,
@@ -215,7 +216,7 @@ class HFEngine:
                   eos: set[int]) -> list[list[int]]:
         """Decode one batch (rows sorted by decreasing length); raw new tokens per row."""
         cfg, pad = self.cfg, self.policy.tokenizer.pad_token_id
-        stop, keep_tail = cfg.stop, max(0, len(cfg.stop) - 1)
+        stop = cfg.stop
         logits, cache, att, pos = self._prefill(model, prompts)
         alive = list(range(len(prompts)))
         new: list[list[int]] = [[] for _ in prompts]
@@ -224,15 +225,7 @@ class HFEngine:
             seen = torch.tensor([[p[0]] * (att.shape[1] - len(p)) + p for p in prompts], device=att.device)
         for step in range(cfg.max_new_tokens):
             nxt = select_tokens(logits, seen, penalty, cfg, gen)
-            keep = []
-            for j, t in enumerate(nxt.tolist()):
-                row = alive[j]
-                new[row].append(t)
-                window = tails[row] + self._piece(t) if stop else ""
-                if t in eos or t == pad or (stop and stop in window):
-                    continue
-                tails[row] = window[len(window) - keep_tail:] if keep_tail else ""
-                keep.append(j)
+            keep = accept_tokens(nxt.tolist(), alive, new, tails, self._piece, eos, pad, stop)
             if not keep or step + 1 == cfg.max_new_tokens:
                 break
             if len(keep) < len(alive):  # drop finished rows from the batch and the cache

@@ -79,6 +79,7 @@ from torch import nn
 from sprpo_lib.agent import chat_text
 from sprpo_lib.engines.base import (
     Generation,
+    accept_tokens,
     base_model,
     call_seed,
     check_generation_config,
@@ -912,7 +913,7 @@ class OpenVINOEngine(HFEngine):
                   eos: set[int]) -> list[list[int]]:
         """Decode one batch (rows sorted by decreasing length); raw new tokens per row."""
         cfg, pad = self.cfg, self.policy.tokenizer.pad_token_id
-        stop, keep_tail = cfg.stop, max(0, len(cfg.stop) - 1)
+        stop = cfg.stop
         logits, att, pos = self._prefill(model, prompts)
         alive = list(range(len(prompts)))
         new: list[list[int]] = [[] for _ in prompts]
@@ -921,15 +922,7 @@ class OpenVINOEngine(HFEngine):
             seen = torch.tensor([[p[0]] * (att.shape[1] - len(p)) + p for p in prompts])
         for step in range(cfg.max_new_tokens):
             nxt = select_tokens(logits, seen, penalty, cfg, gen)
-            keep = []
-            for j, t in enumerate(nxt.tolist()):
-                row = alive[j]
-                new[row].append(t)
-                window = tails[row] + self._piece(t) if stop else ""
-                if t in eos or t == pad or (stop and stop in window):
-                    continue
-                tails[row] = window[len(window) - keep_tail:] if keep_tail else ""
-                keep.append(j)
+            keep = accept_tokens(nxt.tolist(), alive, new, tails, self._piece, eos, pad, stop)
             if not keep or step + 1 == cfg.max_new_tokens:
                 break
             beam = np.asarray(keep, dtype=np.int32)
