@@ -185,6 +185,13 @@ def run(profile: str, only: list[str] | None = None, force: bool = False, model:
             pm.execute_notebook(str(path), str(out_nb), parameters=params, cwd=str(path.parent), kernel_name="python3",
                                 progress_bar=not stream, log_output=stream,
                                 stdout_file=sys.stdout if stream else None, stderr_file=sys.stderr if stream else None)
+        except pm.PapermillExecutionError as err:
+            if not (render_only and err.ename == "FileNotFoundError"):
+                raise
+            # rendering needs cached results that are not here (training runs are not committed): say so, go on
+            print(f"{head}: not rendered: {err.evalue}")
+            records.append({"notebook": path.stem, "status": "inputs missing", "artifacts": []})
+            continue
         finally:
             for k, v in saved.items():
                 os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
