@@ -221,7 +221,9 @@ def stage_table(profile: str, out_dir: str | Path | None = None) -> str:
         paths = list(out.glob(f"{nb}_*.manifest.json")) + (list(out.glob(f"headline_{profile}.*.manifest.json"))
                                                            if nb == "04_robustness" else [])
         mans = [m for m in (read_cached(p) for p in paths) if isinstance(m, dict)]
-        computed = [m for m in mans if not (m.get("config") or {}).get("render_only")]
+        # a render-only pass carries the computing run's record along (paper.notebook.ResultsPage)
+        computed = [m.get("computed") or m for m in mans
+                    if m.get("computed") or not (m.get("config") or {}).get("render_only")]
         if not computed:
             lines.append(f"| `{nb}` | {'rendered only' if mans else 'not run'} | | |")
             continue

@@ -13,11 +13,14 @@ from typing import Callable, Mapping, Sequence
 import pandas as pd
 
 from sprpo_lib.evaluate import DEFAULT_CACHE
+from sprpo_lib.io import read_cached
 from sprpo_lib.paper import experiments as X
 from sprpo_lib.paper import results as R
 from sprpo_lib.paths import project_path
 
 ALL_ENVS = ("alfworld", "webshop")
+#: What a render-only manifest keeps of the manifest of the run that computed the artifact.
+COMPUTED_KEYS = ("wall_seconds", "date", "commit", "host")
 
 
 class ResultsPage:
@@ -67,5 +70,19 @@ class ResultsPage:
                 "render_only": self.render_only, **extra}
 
     def manifests(self, artifacts: Sequence[str | Path], config: Mapping | None = None, **kw) -> list[Path]:
-        """A manifest beside every artifact, with the wall time since the page started."""
+        """A manifest beside every artifact, with the wall time since the page started.  A
+        render-only pass keeps the record of the run that computed the artifact (``computed``:
+        its wall time, date, commit and machine), so redrawing loses no provenance."""
+        if self.render_only:
+            for a in artifacts:
+                old = read_cached(Path(f"{a}.manifest.json"))
+                if isinstance(old, dict):
+                    computed = old.get("computed") or (None if (old.get("config") or {}).get("render_only") else
+                                                       {k: old.get(k) for k in COMPUTED_KEYS})
+                    if computed:
+                        R.manifests([a], self.config() if config is None else config, time.time() - self.t_start,
+                                    **{**kw, "extra": {**(kw.get("extra") or {}), "computed": computed}})
+                        continue
+                R.manifests([a], self.config() if config is None else config, time.time() - self.t_start, **kw)
+            return [Path(f"{a}.manifest.json") for a in artifacts]
         return R.manifests(artifacts, self.config() if config is None else config, time.time() - self.t_start, **kw)
