@@ -66,6 +66,19 @@ class MethodConfig:
             decay with the gradient norm, with sigma = rho at the log-average channel
             and at the first gradient norm.  The geometric mean because S_hat is
             heavy-tailed: the arithmetic mean is dominated by a few channels.
+            ``"energy"``: the energy-normalised rule (:func:`energy_sigma`).  Corollary 1
+            bounds ``sum_c sigma_c^2 S_c``; at a fixed noise energy the entropy-maximising
+            allocation under that bound is ``sigma_c ~ S_c^(-1/2)`` (alpha = 1).  S-bar is an
+            EMA of S_hat over iterations (a Monte-Carlo estimate of the expectation over xi
+            in Corollary 1), floored at its ``s_quantile`` quantile (scale-free); weights
+            ``w_c = S-bar_c^(-alpha/2)``; ``sigma_c = min(sigma_max, tau_k w_c)`` with tau_k
+            solved so that ``RMS_c(sigma) = rho * s_k``, where ``s_k = clip((m-bar_k /
+            m-bar_ref)^p, s_lo, s_hi)``, m-bar an EMA of m_hat and m-bar_ref the mean of the
+            first ``ref_after`` measurements.  Invariant to any rescaling of the loss.
+        ema: weight of the past in the EMAs of ``scale="energy"`` (0: the last measurement).
+        s_quantile: quantile of S-bar at which ``scale="energy"`` floors it.
+        s_lo, s_hi, p: the schedule's clip range and exponent (``scale="energy"``).
+        ref_after: measurements averaged into m-bar_ref (``scale="energy"``).
     """
 
     name: str = "vanilla"
@@ -78,13 +91,24 @@ class MethodConfig:
     s_floor: float = 1e-6
     sigma_max: float = 1.0
     scale: str = "raw"
+    ema: float = 0.8
+    s_quantile: float = 0.05
+    s_lo: float = 0.5
+    s_hi: float = 1.5
+    p: float = 1.0
+    ref_after: int = 2
 
     def __post_init__(self):
         METHODS.get(self.name)  # an unknown name lists the valid ones
         if self.sensitivity not in ("replay", "one_pass"):
             raise ValueError(f"method.sensitivity must be 'replay' or 'one_pass', got {self.sensitivity!r}")
-        if self.scale not in ("raw", "relative"):
-            raise ValueError(f"method.scale must be 'raw' (Alg. 1 literally) or 'relative', got {self.scale!r}")
+        if self.scale not in ("raw", "relative", "energy"):
+            raise ValueError(f"method.scale must be 'raw' (Alg. 1 literally), 'relative' or 'energy', got {self.scale!r}")
+        if not 0 <= self.ema < 1 or not 0 <= self.s_quantile < 1:
+            raise ValueError(f"method.ema and method.s_quantile must be in [0, 1), got {self.ema}, {self.s_quantile}")
+        if not 0 < self.s_lo <= 1 <= self.s_hi or self.ref_after < 1:
+            raise ValueError(f"method.s_lo <= 1 <= method.s_hi (both > 0) and method.ref_after >= 1 expected, got "
+                             f"{self.s_lo}, {self.s_hi}, {self.ref_after}")
         for k in ("sigma", "sam_rho", "rho", "alpha", "s_floor", "sigma_max"):
             if getattr(self, k) < 0:
                 raise ValueError(f"method.{k} must be >= 0, got {getattr(self, k)}")
@@ -165,6 +189,43 @@ class SAM(Method):
         return {**stats, "sam_g_norm": float(norm), "sam_xi_norm": float(adv_xi.norm())}
 
 
+def energy_sigma(S_bar: torch.Tensor, alpha: float, target_rms: float, sigma_max: float,
+                 s_quantile: float = 0.05) -> tuple[torch.Tensor, dict]:
+    """``scale="energy"``: ``sigma_c = min(sigma_max, tau w_c)``, ``w_c = S_c^(-alpha/2)`` with S
+    floored at its ``s_quantile`` quantile, and tau solved so that ``RMS_c(sigma) = target_rms``
+    (clamped channels hold ``sigma_max``; the others share the rest of the energy).  Scaling
+    S by any positive factor leaves sigma unchanged.  Returns sigma (float32) and
+    ``{"tau", "clamped_frac", "energy_ratio"}``, where the energy ratio is V / V_G:
+    ``V = sum sigma^2 S`` against the same sum for isotropic noise of equal energy (<= 1 by
+    Chebyshev's sum inequality, sigma being non-increasing in S)."""
+    S = S_bar.double()
+    S = S.clamp_min(max(float(torch.quantile(S.flatten(), s_quantile)), 1e-300))
+    if alpha == 0:
+        w = torch.ones_like(S)
+    else:
+        w = (S / S.max()).pow(-alpha / 2.0)  # scale-free before the power: no overflow for tiny S
+    n, clamped = w.numel(), torch.zeros_like(w, dtype=torch.bool)
+    target2 = float(target_rms) ** 2
+    tau = float(target_rms) / float(w.pow(2).mean().sqrt())  # exact when nothing clamps (alpha = 0: target)
+    for _ in range(w.numel() + 1):  # water-filling: a clamped channel stays clamped as tau grows
+        now = tau * w >= sigma_max
+        if torch.equal(now, clamped):
+            break
+        clamped = now
+        free = w[~clamped]
+        rest = n * target2 - int(clamped.sum()) * sigma_max ** 2
+        if free.numel() == 0 or rest <= 0:  # the target exceeds what sigma_max allows: all at the cap
+            tau = float("inf")
+            break
+        tau = (rest / float(free.pow(2).sum())) ** 0.5
+    sigma = (tau * w).clamp(max=sigma_max) if tau != float("inf") else torch.full_like(w, sigma_max)
+    v = float((sigma.pow(2) * S).sum())
+    v_iso = float(sigma.pow(2).mean() * S.sum())
+    info = {"tau": tau, "clamped_frac": float((sigma >= sigma_max).double().mean()),
+            "energy_ratio": v / v_iso if v_iso > 0 else 1.0}
+    return sigma.float(), info
+
+
 @register_method("sprpo")
 class SPrPO(Method):
     """Stable Perturbation-Robust Policy Optimization (Alg. 1).
@@ -186,10 +247,27 @@ class SPrPO(Method):
         self.S_hat = torch.ones(self.shape, dtype=torch.float64)  # line 1
         self.m_hat = 1.0
         self.m_ref = 0.0  # first measured m_hat (scale="relative"); 0 = not measured yet
+        # scale="energy": EMAs of S_hat and m_hat, and the reference m-bar (mean of the first measurements)
+        self.S_bar = torch.ones(self.shape, dtype=torch.float64)
+        self.m_bar, self.m_bar_ref, self.n_measured, self.m_first = 1.0, 0.0, 0, 0.0
+        self.last: dict = {}  # the last sigma's diagnostics
+
+    def schedule(self) -> tuple[float, float]:
+        """``scale="energy"``: s_k before and after clipping (1 until m-bar_ref is known)."""
+        c = self.cfg
+        if not c.schedule or self.m_bar_ref <= 0:
+            return 1.0, 1.0
+        raw = (self.m_bar / self.m_bar_ref) ** c.p
+        return raw, min(max(raw, c.s_lo), c.s_hi)
 
     def sigma(self) -> torch.Tensor:
         """Line 3: sigma = rho * m_hat * S_hat^(-alpha/2)."""
         c = self.cfg
+        if c.scale == "energy":
+            s_raw, s_k = self.schedule()
+            sig, info = energy_sigma(self.S_bar, c.alpha, c.rho * s_k, c.sigma_max, c.s_quantile)
+            self.last = {"s_k_raw": s_raw, "s_k": s_k, "rho": c.rho, **info}
+            return sig
         S = self.S_hat.clamp_min(max(float(self.S_hat.mean()) * c.s_floor, 1e-30))
         m = self.m_hat if c.schedule else 1.0
         if c.scale == "relative":
@@ -209,7 +287,7 @@ class SPrPO(Method):
         with actor.timing("sensitivity_s"):  # line 7: replay D_k at theta_{k+1} under xi_k
             actor.zero_grad()
             replay = actor.backward(batch, xi_leaf, terms=SURROGATE)
-            self._record(xi_leaf.grad, actor.grad_norm_sq())
+            self.record(xi_leaf.grad, actor.grad_norm_sq())
             actor.zero_grad()
         return {**stats, "replay_loss": replay["loss"], "S_hat_mean": float(self.S_hat.mean()), "m_hat": self.m_hat}
 
@@ -217,32 +295,53 @@ class SPrPO(Method):
         xi_leaf = grad_leaf(xi, actor)
         actor.zero_grad()
         stats = actor.backward(batch, xi_leaf, terms=SURROGATE)  # grad of L_k at theta_k
-        self._record(xi_leaf.grad, actor.grad_norm_sq())
+        self.record(xi_leaf.grad, actor.grad_norm_sq())
         if actor.loss_cfg.entropy_coeff or actor.kl_coef:  # the step's objective: add the regularisers' gradient
             actor.backward(batch, xi, terms=frozenset({"entropy", "kl"}))
         actor.step()  # line 6
         return {**stats, "S_hat_mean": float(self.S_hat.mean()), "m_hat": self.m_hat}
 
-    def _record(self, dloss_dxi: torch.Tensor, grad_norm_sq: float) -> None:
-        """Line 7: S_hat = |dL/dxi|^2 (the sign of loss = -L does not matter), m_hat = ||grad||^2."""
-        self.S_hat = dloss_dxi.detach().double().cpu().pow(2)
-        self.m_hat = float(grad_norm_sq)
+    def record(self, dloss_dxi: torch.Tensor, grad_norm_sq: float) -> None:
+        """Line 7: S_hat = |dL/dxi|^2 (the sign of loss = -L does not matter), m_hat = ||grad||^2.
+        ``scale="energy"`` folds them into its EMAs; an all-zero measurement (a batch without
+        a non-zero advantage) carries no information and is skipped."""
+        S_hat = dloss_dxi.detach().double().cpu().pow(2)
+        if self.cfg.scale == "energy" and not (float(S_hat.sum()) > 0 and grad_norm_sq > 0):
+            return
+        self.S_hat, self.m_hat = S_hat, float(grad_norm_sq)
         if self.m_ref <= 0:
             self.m_ref = self.m_hat
+        if self.cfg.scale == "energy":
+            e, first = self.cfg.ema, self.n_measured == 0
+            self.S_bar = self.S_hat.clone() if first else e * self.S_bar + (1 - e) * self.S_hat
+            self.m_bar = self.m_hat if first else e * self.m_bar + (1 - e) * self.m_hat
+            self.n_measured += 1
+            if self.n_measured <= self.cfg.ref_after:  # m-bar_ref: the mean of the first measurements
+                self.m_first += self.m_hat
+                self.m_bar_ref = self.m_first / self.n_measured
 
     def sigma_stats(self) -> dict:
         s = self.sigma()
-        return {"sigma_mean": float(s.mean()), "sigma_min": float(s.min()), "sigma_max": float(s.max()),
-                "sigma_clamped_frac": float((s >= self.cfg.sigma_max).float().mean())}
+        q = torch.quantile(s.double().flatten(), torch.tensor([0.01, 0.99], dtype=torch.float64))
+        out = {"sigma_mean": float(s.mean()), "sigma_min": float(s.min()), "sigma_max": float(s.max()),
+               "sigma_rms": float(s.double().pow(2).mean().sqrt()), "sigma_p1": float(q[0]), "sigma_p99": float(q[1]),
+               "sigma_clamped_frac": float((s >= self.cfg.sigma_max).float().mean())}
+        if self.cfg.scale == "energy":
+            out.update({k: self.last[k] for k in ("s_k_raw", "s_k", "tau", "rho", "energy_ratio")})
+        return out
+
+    _STATE = ("m_hat", "m_ref", "m_bar", "m_bar_ref", "n_measured", "m_first")
 
     def state_dict(self) -> dict:
-        return {"S_hat": self.S_hat.clone(), "m_hat": torch.tensor(self.m_hat, dtype=torch.float64),
-                "m_ref": torch.tensor(self.m_ref, dtype=torch.float64)}
+        return {"S_hat": self.S_hat.clone(), "S_bar": self.S_bar.clone(),
+                **{k: torch.tensor(float(getattr(self, k)), dtype=torch.float64) for k in self._STATE}}
 
     def load_state_dict(self, state: dict) -> None:
         self.S_hat = state["S_hat"].double().clone()
-        self.m_hat = float(state["m_hat"])
-        self.m_ref = float(state["m_ref"]) if "m_ref" in state else 0.0
+        self.S_bar = state["S_bar"].double().clone() if "S_bar" in state else torch.ones_like(self.S_hat)
+        for k in self._STATE:  # checkpoints written before a field existed start it afresh
+            if k in state:
+                setattr(self, k, int(state[k]) if k == "n_measured" else float(state[k]))
 
 
 def make_method(cfg: MethodConfig, shape: tuple[int, int], seed: int = 0) -> Method:

@@ -1,0 +1,126 @@
+"""SPrPO's energy-normalised noise rule (``method.scale=energy``) against its stated
+properties: alpha = 0 is isotropic at rho * s_k (and draws the Gaussian baseline's xi bit for
+bit without the schedule), invariance to rescaling the loss, the RMS bounds, Chebyshev's
+inequality against isotropic noise of equal energy, and the water-filling solve of tau."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sprpo_lib.methods import MethodConfig, energy_sigma, make_method
+
+SHAPE = (3, 40)
+
+
+def heavy_tailed(seed: int) -> torch.Tensor:
+    """A sensitivity map like the measured ones: log-normal, spanning several decades."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.exp(2.5 * torch.randn(SHAPE, generator=g, dtype=torch.float64)) * 1e-7
+
+
+def sprpo(**kw):
+    return make_method(MethodConfig(name="sprpo", scale="energy", **kw), SHAPE, seed=3)
+
+
+def measure(m, S: torch.Tensor, grad_sq: float, lam: float = 1.0) -> None:
+    """One line-7 measurement of a loss scaled by ``lam`` (dL/dxi scales by lam, S and m by lam^2)."""
+    m.record(lam * S.sqrt(), lam**2 * grad_sq)
+
+
+@pytest.mark.parametrize("schedule", [True, False])
+def test_alpha_zero_is_isotropic_at_rho_times_s_k(schedule):
+    """sigma_c = rho * s_k on every channel, s_k recomputed here from the EMA of m_hat, its
+    reference (the mean of the first two measurements) and the clip range; both ends reached."""
+    m = sprpo(alpha=0.0, rho=0.2, schedule=schedule, sigma_max=5.0)
+    m_bar, seen, ends = None, [], set()
+    for i, g in enumerate((1.0, 3.0, 40.0, 40.0, 40.0) + (1e-3,) * 16):
+        measure(m, heavy_tailed(i), g)
+        m_bar = g if m_bar is None else 0.8 * m_bar + 0.2 * g
+        seen.append(g)
+        s_k = min(max(m_bar / (sum(seen[:2]) / len(seen[:2])), 0.5), 1.5) if schedule else 1.0
+        assert m.schedule()[1] == pytest.approx(s_k, rel=1e-12)
+        assert torch.equal(m.sigma(), torch.full(SHAPE, 0.2 * m.schedule()[1], dtype=torch.float32))
+        ends.add(s_k)
+    assert ({0.5, 1.5} <= ends) if schedule else (ends == {1.0})
+
+
+def test_alpha_zero_without_schedule_draws_the_gaussian_baselines_xi():
+    gauss = make_method(MethodConfig(name="gaussian", sigma=0.2), SHAPE, seed=3)
+    m = sprpo(alpha=0.0, rho=0.2, schedule=False)
+    measure(m, heavy_tailed(0), 3.0)
+    for k in range(4):
+        assert torch.equal(m.rollout_xi(k), gauss.rollout_xi(k))
+
+
+@pytest.mark.parametrize("alpha", [0.5, 1.0, 2.0])
+def test_sigma_is_invariant_to_rescaling_the_loss(alpha):
+    runs = []
+    for lam in (1.0, 1e-3, 7.0):
+        m = sprpo(alpha=alpha)
+        for i, g in enumerate((2.0, 1.0, 4.0)):
+            measure(m, heavy_tailed(i), g, lam)
+            runs.append((lam, i, m.sigma()))
+    by_step = {}
+    for lam, i, s in runs:
+        by_step.setdefault(i, []).append(s)
+    for sigmas in by_step.values():
+        for s in sigmas[1:]:
+            torch.testing.assert_close(s, sigmas[0], rtol=1e-6, atol=0)
+
+
+def test_rms_stays_within_the_schedule_bounds():
+    g = torch.Generator().manual_seed(0)
+    m = sprpo(alpha=1.0, rho=0.2, sigma_max=10.0)
+    for i in range(12):
+        measure(m, heavy_tailed(i), float(torch.exp(3 * torch.randn((), generator=g))))
+        rms = float(m.sigma().double().pow(2).mean().sqrt())
+        assert 0.2 * 0.5 - 1e-6 <= rms <= 0.2 * 1.5 + 1e-6
+        assert rms == pytest.approx(0.2 * m.schedule()[1], rel=1e-5)
+
+
+@pytest.mark.parametrize("alpha", [0.5, 1.0, 2.0])
+@pytest.mark.parametrize("sigma_max", [0.3, 10.0])
+def test_no_more_energy_against_the_sensitivity_than_isotropic_noise(alpha, sigma_max):
+    """Chebyshev: sum sigma^2 S <= mean(sigma^2) * sum S, recomputed here in float64."""
+    for seed in range(5):
+        S = heavy_tailed(seed)
+        sigma, info = energy_sigma(S, alpha, 0.2, sigma_max, 0.05)
+        Sf = S.clamp_min(float(torch.quantile(S.flatten(), 0.05)))
+        v = float((sigma.double() ** 2 * Sf).sum())
+        v_iso = float((sigma.double() ** 2).mean() * Sf.sum())
+        assert v <= v_iso * (1 + 1e-9) and info["energy_ratio"] == pytest.approx(v / v_iso, rel=1e-5)
+
+
+def test_tau_solves_the_rms_with_clamped_channels():
+    """With sigma_max binding, the unclamped channels keep the shape S^(-alpha/2) and the RMS
+    is still the target (checked against a bisection on tau)."""
+    S = heavy_tailed(7)
+    sigma, info = energy_sigma(S, 1.0, 0.25, 0.5, 0.05)
+    Sf = S.clamp_min(float(torch.quantile(S.flatten(), 0.05)))
+    w = Sf.pow(-0.5)
+    lo, hi = 0.0, 1e9
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        rms = math.sqrt(float(((mid * w).clamp(max=0.5) ** 2).mean()))
+        lo, hi = (mid, hi) if rms < 0.25 else (lo, mid)
+    torch.testing.assert_close(sigma.double(), (lo * w).clamp(max=0.5), rtol=1e-5, atol=1e-7)
+    assert 0 < info["clamped_frac"] < 1 and float(sigma.double().pow(2).mean().sqrt()) == pytest.approx(0.25, rel=1e-5)
+    # a target above what sigma_max allows puts every channel at the cap
+    assert torch.equal(energy_sigma(S, 1.0, 0.9, 0.5)[0], torch.full(SHAPE, 0.5))
+
+
+def test_a_measurement_without_signal_is_skipped_and_state_round_trips():
+    m = sprpo()
+    measure(m, heavy_tailed(0), 2.0)
+    before = m.state_dict()
+    m.record(torch.zeros(SHAPE), 0.0)  # a batch whose advantages are all zero
+    after = m.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    measure(m, heavy_tailed(1), 5.0)
+    fresh = sprpo()
+    fresh.load_state_dict(m.state_dict())
+    assert torch.equal(fresh.sigma(), m.sigma()) and fresh.schedule() == m.schedule()
+    stats = m.sigma_stats()
+    assert {"sigma_rms", "sigma_p1", "sigma_p99", "s_k_raw", "s_k", "tau", "rho", "energy_ratio"} <= set(stats)
