@@ -54,18 +54,25 @@ class MethodConfig:
         s_floor: numerical guard, S_hat is clamped below at ``s_floor * mean(S_hat)``
             (and at 1e-30) before the power, so a channel whose gradient vanished does
             not get an infinite sigma.
-        sigma_max: numerical guard, every sigma_lc is clamped to at most this (a factor
-            1 + xi with |xi| >> 1 flips or explodes a channel).
-        scale: how SPrPO's statistics enter sigma.  ``"raw"`` (default) is Alg. 1 line 3
+        sigma_max: every sigma_lc is clamped to at most this.  A channel's factor 1 + xi
+            flips sign with probability Phi(-1 / sigma): 15.9% at sigma = 1, 2.3% at 0.5
+            (the default), 0.6% at 0.4, so a sign flip, which is not a small perturbation,
+            stays rare.
+        scale: how SPrPO's statistics enter sigma.  ``"energy"`` (default) is described
+            last.  ``"raw"`` is Alg. 1 line 3
             literally: sigma = rho * m_hat * S_hat^(-alpha/2) with the raw |dL/dxi|^2 and
             ||grad||^2, whose magnitudes depend on the loss scale and the model (on a
-            small model they put 99.6% of the channels at ``sigma_max``).
+            small model they put 99.6% of the channels at ``sigma_max``; not unit-free:
+            sigma scales with lambda under a rescaling lambda of the loss).
             ``"relative"`` (a documented deviation; the paper does not say how its
             statistics are scaled) uses S_hat / geomean(S_hat) and m_hat / m_1 (m_1 =
             the first measured m_hat): the same shape across channels and the same
             decay with the gradient norm, with sigma = rho at the log-average channel
             and at the first gradient norm.  The geometric mean because S_hat is
-            heavy-tailed: the arithmetic mean is dominated by a few channels.
+            heavy-tailed: the arithmetic mean is dominated by a few channels.  Its
+            anchor is one noisy measurement and S_hat a one-sample estimate (chi^2_1-like
+            noise inflates the mean sigma by about 1.5x): in the first ``cpu`` runs it
+            let sigma run away to the clamp.
             ``"energy"``: the energy-normalised rule (:func:`energy_sigma`).  Corollary 1
             bounds ``sum_c sigma_c^2 S_c``; at a fixed noise energy the entropy-maximising
             allocation under that bound is ``sigma_c ~ S_c^(-1/2)`` (alpha = 1).  S-bar is an
@@ -89,8 +96,8 @@ class MethodConfig:
     schedule: bool = True
     sensitivity: str = "replay"
     s_floor: float = 1e-6
-    sigma_max: float = 1.0
-    scale: str = "raw"
+    sigma_max: float = 0.5
+    scale: str = "energy"
     ema: float = 0.8
     s_quantile: float = 0.05
     s_lo: float = 0.5
@@ -189,6 +196,20 @@ class SAM(Method):
         return {**stats, "sam_g_norm": float(norm), "sam_xi_norm": float(adv_xi.norm())}
 
 
+def rank_correlation(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Spearman's rank correlation of two equally shaped tensors (flattened; ties broken
+    by position): whether S_hat of one iteration predicts the next one's (signal) or not
+    (noise), or how sigma orders channels against an importance score."""
+    x, y = a.detach().double().flatten(), b.detach().double().flatten()
+    if x.numel() != y.numel() or x.numel() < 2:
+        raise ValueError(f"rank_correlation: need two tensors of equal size >= 2, got {x.numel()} and {y.numel()}")
+    rx = torch.empty_like(x).scatter_(0, x.argsort(), torch.arange(x.numel(), dtype=torch.float64))
+    ry = torch.empty_like(y).scatter_(0, y.argsort(), torch.arange(y.numel(), dtype=torch.float64))
+    rx, ry = rx - rx.mean(), ry - ry.mean()
+    den = float(rx.norm() * ry.norm())
+    return float((rx * ry).sum()) / den if den > 0 else 0.0
+
+
 def energy_sigma(S_bar: torch.Tensor, alpha: float, target_rms: float, sigma_max: float,
                  s_quantile: float = 0.05) -> tuple[torch.Tensor, dict]:
     """``scale="energy"``: ``sigma_c = min(sigma_max, tau w_c)``, ``w_c = S_c^(-alpha/2)`` with S
@@ -251,6 +272,7 @@ class SPrPO(Method):
         self.S_bar = torch.ones(self.shape, dtype=torch.float64)
         self.m_bar, self.m_bar_ref, self.n_measured, self.m_first = 1.0, 0.0, 0, 0.0
         self.last: dict = {}  # the last sigma's diagnostics
+        self.rank_corr = float("nan")  # Spearman of the last two S_hat measurements
 
     def schedule(self) -> tuple[float, float]:
         """``scale="energy"``: s_k before and after clipping (1 until m-bar_ref is known)."""
@@ -289,7 +311,12 @@ class SPrPO(Method):
             replay = actor.backward(batch, xi_leaf, terms=SURROGATE)
             self.record(xi_leaf.grad, actor.grad_norm_sq())
             actor.zero_grad()
-        return {**stats, "replay_loss": replay["loss"], "S_hat_mean": float(self.S_hat.mean()), "m_hat": self.m_hat}
+        # the surrogate's change theta_k -> theta_{k+1} on D_k under xi_k (L = -pg_loss), the margin Corollary 1 needs
+        change = stats.get("pg_loss", 0.0) - replay.get("pg_loss", 0.0)
+        return {**stats, "replay_loss": replay["loss"], "surrogate_change": change, **self._measured()}
+
+    def _measured(self) -> dict:
+        return {"S_hat_mean": float(self.S_hat.mean()), "m_hat": self.m_hat, "S_rank_corr": self.rank_corr}
 
     def _update_one_pass(self, actor: Actor, batch, xi: torch.Tensor) -> dict:
         xi_leaf = grad_leaf(xi, actor)
@@ -299,7 +326,7 @@ class SPrPO(Method):
         if actor.loss_cfg.entropy_coeff or actor.kl_coef:  # the step's objective: add the regularisers' gradient
             actor.backward(batch, xi, terms=frozenset({"entropy", "kl"}))
         actor.step()  # line 6
-        return {**stats, "S_hat_mean": float(self.S_hat.mean()), "m_hat": self.m_hat}
+        return {**stats, **self._measured()}
 
     def record(self, dloss_dxi: torch.Tensor, grad_norm_sq: float) -> None:
         """Line 7: S_hat = |dL/dxi|^2 (the sign of loss = -L does not matter), m_hat = ||grad||^2.
@@ -308,6 +335,8 @@ class SPrPO(Method):
         S_hat = dloss_dxi.detach().double().cpu().pow(2)
         if self.cfg.scale == "energy" and not (float(S_hat.sum()) > 0 and grad_norm_sq > 0):
             return
+        measured_before = self.m_ref > 0
+        self.rank_corr = rank_correlation(self.S_hat, S_hat) if measured_before else float("nan")
         self.S_hat, self.m_hat = S_hat, float(grad_norm_sq)
         if self.m_ref <= 0:
             self.m_ref = self.m_hat
@@ -325,12 +354,13 @@ class SPrPO(Method):
         q = torch.quantile(s.double().flatten(), torch.tensor([0.01, 0.99], dtype=torch.float64))
         out = {"sigma_mean": float(s.mean()), "sigma_min": float(s.min()), "sigma_max": float(s.max()),
                "sigma_rms": float(s.double().pow(2).mean().sqrt()), "sigma_p1": float(q[0]), "sigma_p99": float(q[1]),
-               "sigma_clamped_frac": float((s >= self.cfg.sigma_max).float().mean())}
+               "sigma_clamped_frac": float((s >= self.cfg.sigma_max).float().mean()),
+               "sigma_layer_rms": [round(float(v), 6) for v in s.double().pow(2).mean(1).sqrt()]}
         if self.cfg.scale == "energy":
             out.update({k: self.last[k] for k in ("s_k_raw", "s_k", "tau", "rho", "energy_ratio")})
         return out
 
-    _STATE = ("m_hat", "m_ref", "m_bar", "m_bar_ref", "n_measured", "m_first")
+    _STATE = ("m_hat", "m_ref", "m_bar", "m_bar_ref", "n_measured", "m_first", "rank_corr")
 
     def state_dict(self) -> dict:
         return {"S_hat": self.S_hat.clone(), "S_bar": self.S_bar.clone(),

@@ -310,6 +310,17 @@ def sample_xi(
     return z * sigma
 
 
+def xi_stats(xi: torch.Tensor | None) -> dict[str, float]:
+    """The realised perturbation of one iteration: RMS, max |xi| and the fraction of
+    channels whose factor ``1 + xi`` is negative (a sign flip, not a perturbation);
+    all zero when there is none."""
+    if xi is None:
+        return {"rms": 0.0, "max_abs": 0.0, "flip_frac": 0.0}
+    x = xi.detach().double()
+    return {"rms": float(x.pow(2).mean().sqrt()), "max_abs": float(x.abs().max()),
+            "flip_frac": float((x < -1).double().mean())}
+
+
 def dropout_mask(
     p: float, shape: tuple[int, int], seed: int | None = None, generator: torch.Generator | None = None
 ) -> torch.Tensor:

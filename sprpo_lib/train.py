@@ -47,6 +47,7 @@ from sprpo_lib.manifest import git_commit
 from sprpo_lib.methods import make_method
 from sprpo_lib.models import add_lora, load_policy, lora_on_last_layers
 from sprpo_lib.paths import project_path, runs_dir
+from sprpo_lib.perturb import xi_stats
 from sprpo_lib.rollout import EpisodeLog, ProcessEnvs, SerialEnvs, run_groups
 
 log = logging.getLogger(__name__)
@@ -135,6 +136,8 @@ class Trainer:
         batch, adv_stats = build_batch(episodes, cfg.update.adv, cfg.update.estimator)
         ustats = self.update(batch, xi, k)
         n = len(episodes)
+        steps = [s for e in episodes for s in e.steps]
+        cap = cfg.rollout.generation.max_new_tokens
         m = {
             "iteration": k,
             "success": sum(e.success for e in episodes) / n,
@@ -146,7 +149,10 @@ class Trainer:
             "rollout_s": round(rst["rollout_s"], 3),
             "generate_s": round(rst["generate_s"], 3),
             "env_s": round(rst["env_s"], 3),
+            # rollout health: responses cut at max_new_tokens (no closing tag can follow)
+            "truncated_frac": sum(len(s.response_ids) >= cap for s in steps) / max(1, len(steps)),
             **{f"xi_{k2}": v for k2, v in sig.items()},
+            **{f"xi_real_{k2}": v for k2, v in xi_stats(xi).items()},
             **adv_stats,
             **{k2: v for k2, v in ustats.items() if isinstance(v, (int, float))},
         }

@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from sprpo_lib.methods import MethodConfig, energy_sigma, make_method
+from sprpo_lib.methods import MethodConfig, energy_sigma, make_method, rank_correlation
+from sprpo_lib.perturb import xi_stats
 
 SHAPE = (3, 40)
 
@@ -117,10 +118,35 @@ def test_a_measurement_without_signal_is_skipped_and_state_round_trips():
     before = m.state_dict()
     m.record(torch.zeros(SHAPE), 0.0)  # a batch whose advantages are all zero
     after = m.state_dict()
-    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(torch.allclose(before[k], after[k], rtol=0, atol=0, equal_nan=True) for k in before)
     measure(m, heavy_tailed(1), 5.0)
+    assert -1 <= m.rank_corr <= 1  # a second measurement: its rank agreement with the first
     fresh = sprpo()
     fresh.load_state_dict(m.state_dict())
     assert torch.equal(fresh.sigma(), m.sigma()) and fresh.schedule() == m.schedule()
     stats = m.sigma_stats()
     assert {"sigma_rms", "sigma_p1", "sigma_p99", "s_k_raw", "s_k", "tau", "rho", "energy_ratio"} <= set(stats)
+    assert len(stats["sigma_layer_rms"]) == SHAPE[0]
+    assert fresh.rank_corr == m.rank_corr
+
+
+def test_rank_correlation_against_a_float64_reference():
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(7, 9, generator=g, dtype=torch.float64)
+    b = a + 0.5 * torch.randn(7, 9, generator=g, dtype=torch.float64)
+    ra = a.flatten().argsort().argsort().double()
+    rb = b.flatten().argsort().argsort().double()
+    ref = float(((ra - ra.mean()) * (rb - rb.mean())).sum() / ((ra - ra.mean()).norm() * (rb - rb.mean()).norm()))
+    assert abs(rank_correlation(a, b) - ref) < 1e-12
+    assert rank_correlation(a, a.exp()) == pytest.approx(1.0)  # a monotone map keeps the ranks
+    assert rank_correlation(a, -a) == pytest.approx(-1.0)
+    with pytest.raises(ValueError, match="equal size"):
+        rank_correlation(a, b[:2])
+
+
+def test_realised_xi_statistics():
+    xi = torch.tensor([[0.0, -1.5], [0.5, -0.5]])
+    st = xi_stats(xi)
+    assert st["rms"] == pytest.approx((0.25 + 2.25 + 0.25) ** 0.5 / 2)
+    assert st["max_abs"] == 1.5 and st["flip_frac"] == 0.25
+    assert xi_stats(None) == {"rms": 0.0, "max_abs": 0.0, "flip_frac": 0.0}

@@ -2,6 +2,8 @@
 direction, configs, and exact resume after kill -9."""
 from __future__ import annotations
 
+import math
+
 import os
 import signal
 import subprocess
@@ -72,7 +74,7 @@ def test_sensitivity_matches_finite_differences(tmp_path):
 
 
 def test_sprpo_update_sets_state_from_replay(tmp_path):
-    tr = _trainer(tmp_path, "method.name=sprpo")
+    tr = _trainer(tmp_path, "method.name=sprpo", "method.scale=raw", "method.sigma_max=1.0")  # Alg. 1 line 3 literally
     batch, xi = _rollout_batch(tr)
     assert torch.equal(tr.method.sigma(), torch.full(tr.shape, 0.2))  # S = m = 1 at start, sigma = rho
     st = tr.method.update(tr.actor, batch, 0, xi)
@@ -82,6 +84,18 @@ def test_sprpo_update_sets_state_from_replay(tmp_path):
     torch.testing.assert_close(tr.method.sigma(), expect)
     tr.method.S_hat.zero_()  # guard: vanished sensitivities never give inf/NaN sigma
     assert torch.isfinite(tr.method.sigma()).all() and tr.method.sigma().max() <= 1.0
+
+
+def test_default_energy_rule_after_a_real_replay(tmp_path):
+    """The default rule on a real line-7 measurement: RMS sigma = rho (the schedule waits for
+    its reference), no channel above sigma_max, the surrogate change and diagnostics logged."""
+    tr = _trainer(tmp_path, "method.name=sprpo")
+    batch, xi = _rollout_batch(tr)
+    st = tr.method.update(tr.actor, batch, 0, xi)
+    sig = tr.method.sigma().double()
+    assert float(sig.pow(2).mean().sqrt()) == pytest.approx(tr.cfg.method.rho, rel=1e-6)
+    assert float(sig.max()) <= tr.cfg.method.sigma_max
+    assert math.isfinite(st["surrogate_change"]) and math.isnan(st["S_rank_corr"])  # one measurement: no pair yet
 
 
 def _adapter(out: Path):
@@ -130,7 +144,7 @@ def test_config_profiles_and_errors():
     with pytest.raises(ValueError, match="key.sub=value"):
         load_config("smoke", ["method.rho"])
     cpu = load_config("cpu")
-    assert cpu.sft.demonstrator == "shopper" and cpu.eval_temperature == 0.4 and cpu.method.scale == "relative"
+    assert cpu.sft.demonstrator == "shopper" and cpu.eval_temperature == 0.4 and cpu.method.scale == "energy" and cpu.update.adv.norm == "mean"
     with pytest.raises(ValueError, match="sft.demonstrator=expert"):
         load_config("cpu", **{"env.name": "alfworld"})
     assert load_config("cpu", ["sft.demonstrator=expert"], **{"env.name": "alfworld"}).sft.demonstrator == "expert"
