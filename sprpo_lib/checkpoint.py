@@ -136,6 +136,23 @@ def _candidates(out: Path) -> list[Path]:
     return first + rest
 
 
+def final_method_state(out: Path) -> dict[str, torch.Tensor] | None:
+    """The method state (tensors) of a run's newest whole checkpoint, read without a model:
+    SPrPO's statistics after its last update.  ``None`` when no checkpoint holds one."""
+    root = Path(out) / "checkpoints"
+    if not (root / "latest").is_file():
+        return None
+    for ck in _candidates(Path(out)):
+        path = ck / "method.safetensors"
+        if not path.is_file():
+            continue
+        try:
+            return read_safetensors(path)
+        except CorruptFileError as err:
+            log.warning("%s; trying an older checkpoint", err)
+    return None
+
+
 def load_checkpoint(out: Path, model, opt, method, cfg) -> tuple[int, dict] | None:
     """Load the latest checkpoint into ``model``/``opt``/``method``; returns its
     iteration and state (``None`` if there is none).  A checkpoint of a different

@@ -387,11 +387,13 @@ class MethodDisplay:
     color: str
 
 
-#: Every method's label and colour, in the paper's order (the baselines, then SPrPO); the
-#: plans, figures and tables read it.
+#: Every method's label and colour, in the paper's order (the baselines, then SPrPO), and
+#: the warm-start reference; the plans, figures and tables read it.
 METHOD_DISPLAY: dict[str, MethodDisplay] = {
     "vanilla": MethodDisplay("Vanilla", "#7f7f7f"),
     "gaussian": MethodDisplay("Gaussian", "#1f77b4"),
     "sam": MethodDisplay("SAM", "#ff7f0e"),
     "sprpo": MethodDisplay("SPrPO", "#d62728"),
+    # not a training method: the supervised warm start every cpu run starts from (a reference row)
+    "warm_start": MethodDisplay("Warm start", "#2ca02c"),
 }

@@ -38,7 +38,7 @@ from sprpo_lib.paths import runs_dir as project_runs
 from sprpo_lib.progress import PROGRESS_ENV
 
 #: Notebooks of the robustness experiments (plans in :data:`sprpo_lib.paper.experiments.PLANS`).
-RESULT_NOTEBOOKS = ("03_motivation", "04_robustness", "05_landscape", "06_overhead", "07_examples")
+RESULT_NOTEBOOKS = ("03_motivation", "04_robustness", "05_landscape", "06_overhead", "07_examples", "08_ablations")
 
 #: What each notebook reproduces and what it writes (README "What reproduces what" is generated
 #: from this table).
@@ -55,6 +55,9 @@ NOTEBOOK_INFO: dict[str, tuple[str, str]] = {
     "05_landscape": ("Fig. 4 (reward landscape)", "`05_landscape_<env>.png/.pdf`, `_grid.csv`"),
     "06_overhead": ("appendix table \"Training overhead\"", "`06_overhead_<env>.tex/.csv`"),
     "07_examples": ("appendix \"Qualitative examples\"", "`07_examples_<env>.md/.csv`"),
+    "08_ablations": ("Fig. 5, appendix tables \"Component ablations\" and \"Hyperparameter study\" (WebShop)",
+                     "`08_ablations_<env>_fig5.png/.pdf`, `_components.tex/.csv`, `_hyperparameters.tex/.csv`, "
+                     "`_paired.csv`"),
 }
 
 
@@ -86,6 +89,7 @@ PROFILES: dict[str, dict] = {
                             "seeds": [0, 1, 2]},
             "02_theory": {"preset": "paper"},
             **{nb: {"profile": "paper", "envs": ["alfworld", "webshop"]} for nb in RESULT_NOTEBOOKS},
+            "08_ablations": {"profile": "paper", "envs": ["webshop"]},
         },
     },
 }

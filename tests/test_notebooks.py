@@ -65,19 +65,24 @@ def test_training_notebook_smoke(tmp_path):
     assert (out / "01_training_webshop.png").read_bytes()[:4] == b"\x89PNG"
     man = json.loads((out / "01_training_webshop.png.manifest.json").read_text())
     assert man["config"]["profile"] == "smoke" and set(man["run_commits"]) == set(runs)
+    # SPrPO's sigma figure: per-layer RMS sigma over training, Spearman with Fisher importance per layer
+    corr = pd.read_csv(out / "01_training_webshop_sigma_fisher.csv")
+    assert set(corr.run) == {"webshop-sprpo-smoke-seed0"} and corr.spearman.between(-1, 1).all()
+    assert (out / "01_training_webshop_sigma.png").is_file() and "xi_real_flip_frac" in m and "truncated_frac" in m
 
 
 @pytest.mark.slow
 def test_result_notebooks_smoke_and_render_only(tmp_path):
-    """03-07 end to end on the tiny model (policies trained, cells evaluated and cached), then
+    """03-08 end to end on the tiny model (policies trained, cells evaluated and cached), then
     --render-only redraws the same tables from the result CSVs without evaluating."""
     import hashlib
 
     from sprpo_lib.evaluate import load_episode_log
 
     out = tmp_path / "figs"
-    recs = run("smoke", only=["03", "04", "05", "06", "07"], force=True, runs_dir=tmp_path / "runs", out_dir=str(out))
-    assert [r["status"] for r in recs] == ["ok"] * 5
+    recs = run("smoke", only=["03", "04", "05", "06", "07", "08"], force=True, runs_dir=tmp_path / "runs",
+               out_dir=str(out))
+    assert [r["status"] for r in recs] == ["ok"] * 6
     rows = pd.read_csv(out / "04_robustness_webshop_rows.csv")
     assert set(rows.method) == {"vanilla", "gaussian", "sam", "sprpo"}
     per_cell = rows.groupby(["method", "family", "strength"]).size()
@@ -106,13 +111,30 @@ def test_result_notebooks_smoke_and_render_only(tmp_path):
     for name in ("04_robustness_webshop_table1.tex", "05_landscape_webshop.png", "headline_smoke.md"):
         man = json.loads((out / f"{name}.manifest.json").read_text())
         assert {"config", "commit", "date", "wall_seconds", "host"} <= set(man) and man["config"]["profile"] == "smoke"
+    # 08: every variant paired with full SPrPO on the same tasks; main runs reused, not retrained
+    abl = pd.read_csv(out / "08_ablations_webshop_rows.csv")
+    assert set(abl.method) == {"full", "rho0", "alpha0", "sam_5e-3", "lr_profile", "lr0.0003"}
+    assert set(abl[abl.method.str.startswith("lr")].family) == {"clean"}
+    cells = {m: set(rows[rows.method == m].cell) for m in ("vanilla", "sprpo", "sam")}
+    assert set(abl[abl.method == "rho0"].cell) <= cells["vanilla"] and set(abl[abl.method == "full"].cell) <= cells["sprpo"]
+    assert set(abl[abl.method == "sam_5e-3"].cell) <= cells["sam"]  # the main SAM run, found by its config
+    assert not set(abl[abl.method == "alpha0"].cell) & cells["sprpo"]  # a trained variant: its own cells
+    trained = sorted(p.parent.name for p in (tmp_path / "runs" / "smoke" / "train" / "ablation").glob("*/*/config.json"))
+    assert trained == ["alpha0", "lr0.0003"]
+    comp = (out / "08_ablations_webshop_components.tex").read_text()
+    assert "\\toprule" in comp and "Full SPrPO*" in comp and "w/o sensitivity" in comp
+    ab_paired = pd.read_csv(out / "08_ablations_webshop_paired.csv")
+    assert set(ab_paired.baseline) == {"rho0", "alpha0", "sam_5e-3", "lr_profile", "lr0.0003"}
+    assert (ab_paired.success_lo <= ab_paired.success_diff).all() and (ab_paired.success_mde80 >= 0).all()
+    assert (out / "08_ablations_webshop_fig5.png").read_bytes()[:4] == b"\x89PNG"
     digest = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.glob("*.tex")}
     # render-only: nothing evaluated (an empty cache would fail any evaluation), same tables
     import shutil
 
     shutil.rmtree(tmp_path / "runs" / "smoke" / "eval_cache" / "cells")
-    again = run("smoke", only=["03", "04", "05", "06"], runs_dir=tmp_path / "runs", out_dir=str(out), render_only=True)
-    assert [r["status"] for r in again] == ["rendered"] * 4
+    again = run("smoke", only=["03", "04", "05", "06", "08"], runs_dir=tmp_path / "runs", out_dir=str(out),
+                render_only=True)
+    assert [r["status"] for r in again] == ["rendered"] * 5
     assert digest == {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.glob("*.tex")}
 
 

@@ -3,7 +3,6 @@ direction, configs, and exact resume after kill -9."""
 from __future__ import annotations
 
 import math
-
 import os
 import signal
 import subprocess

@@ -376,8 +376,8 @@ def play_cell(policy, pool, tasks: Sequence[tuple[str, int]], cfg: EvalConfig, s
     return (episode_rows(records), episode_log(records)) if with_log else episode_rows(records)
 
 
-def _fisher_scores(policy, calib: CalibrationPool, store: Path, identity: Mapping, options: Mapping,
-                   progress: bool):
+def fisher_scores_cached(policy, calib: CalibrationPool, store: Path, identity: Mapping, options: Mapping,
+                         progress: bool):
     """Fisher channel scores of this model on the shared pool (App. C), cached as
     safetensors under ``<cache>/fisher/``."""
     import safetensors.torch as st
@@ -457,7 +457,7 @@ def evaluate(cfg: EvalConfig, *, progress: bool = True, pool=None) -> "pd.DataFr
                 _check_calibration_fits(calib, policy)
                 kw["calib"] = calib.sequences
             if family == "fisher":
-                kw["scores"] = _fisher_scores(policy, calib, store, ident, cfg.perturbation_options, progress)
+                kw["scores"] = fisher_scores_cached(policy, calib, store, ident, cfg.perturbation_options, progress)
                 kw.pop("calib")
         with perturbation(policy.model, "none" if family == "clean" else family, strength, cells[0].seed, **kw):
             for c in cells:

@@ -43,13 +43,16 @@ from sprpo_lib.evaluate import (
     save_calibration,
 )
 from sprpo_lib.io import atomic_write_text, read_cached
-from sprpo_lib.methods import METHOD_DISPLAY
+from sprpo_lib.methods import METHOD_DISPLAY, METHODS
 from sprpo_lib.paths import project_path
 
 __all__ = ["Plan", "PLANS", "plan", "policies", "calibration_pool", "robustness_rows", "landscape_rows",
-           "save_rows", "load_rows", "ROW_KEEP", "METHOD_ORDER"]
+           "save_rows", "load_rows", "ROW_KEEP", "METHOD_ORDER", "eval_config", "TABLE1",
+           "WARM_START", "warm_start_config"]
 
-METHOD_ORDER = tuple(METHOD_DISPLAY)
+METHOD_ORDER = tuple(m for m in METHOD_DISPLAY if m in METHODS)
+#: The ``method`` of the warm-start policy's rows (a reference, not a trained method).
+WARM_START = "warm_start"
 #: Columns kept in the committed result CSVs (one row per episode).
 ROW_KEEP = ("env", "split", "split_label", "task_index", "family", "strength", "w2", "seed", "method", "train_seed",
             "success", "score", "length", "valid_rate", "trace", "cell")
@@ -66,7 +69,9 @@ class Plan:
         profile, env: the training profile (``sprpo_lib/configs/<profile>.yaml``) and env.
         methods, seeds: the trained policies: ``seeds[method]`` training seeds each.
         overrides: training-config overrides (``key=value``) shared by every run.
-        tasks: the first N held-out tasks of each split (``None``: App. C's full sets).
+        tasks: the first N held-out tasks of each split (``None``: App. C's full sets),
+            clean and at Table 1's settings: where the paper's claims are.
+        curve_tasks: the first N tasks at the curves' other strengths (``None``: ``tasks``).
         eval_seeds: evaluation seeds (generation stream and random families' draw).
         table: Table 1's (family, strength) columns after clean.
         curves: Fig. 3's strengths per family.
@@ -79,6 +84,9 @@ class Plan:
         direction_seed: seed of the two shared directions of the plane.
         calibration_size: App. C's calibration pool (128 sequences).
         engine: generation engine of the evaluation (``None``: the training profile's).
+        warm_start_row: evaluate the warm-start policy (when the profile has one) like a
+            curve policy, as method ``warm_start``: the reference that shows whether RL
+            made the agent more or less fragile than its starting point.
     """
 
     profile: str
@@ -87,6 +95,7 @@ class Plan:
     seeds: Mapping[str, tuple[int, ...]] = field(default_factory=lambda: {m: (0, 1, 2) for m in METHOD_ORDER})
     overrides: tuple[str, ...] = ()
     tasks: int | None = None
+    curve_tasks: int | None = None
     eval_seeds: tuple[int, ...] = (0,)
     table: tuple[tuple[str, float], ...] = ()
     curves: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
@@ -99,6 +108,7 @@ class Plan:
     direction_seed: int = 0
     calibration_size: int = 128
     engine: str | None = None
+    warm_start_row: bool = True
 
     def __post_init__(self):
         missing = [m for m in self.methods if m not in self.seeds]
@@ -138,10 +148,12 @@ PLANS: dict[str, dict[str, Plan]] = {
         tasks=2, eval_seeds=(0,), table=TABLE1["webshop"], curves={"gaussian": (0.1, 0.2)},
         landscape_grid=(-0.2, 0.0, 0.2), landscape_tasks=1, calibration_size=6)},
     "cpu": {"webshop": Plan(
-        # sized for one ~2 h run on 2 cores: every policy on
-        # the same 40 test goals and evaluation seed (paired design), Table 1's five settings
+        # power where the paper's claims are: every policy on the same 200 test goals and evaluation
+        # seed (paired design), clean and at Table 1's five settings (minimum detectable SPrPO -
+        # Vanilla difference about 9 pp clean, 4-8 pp perturbed at 80% power); the curves' other
+        # strengths on 40 goals for Vanilla, SPrPO (seed 0) and the warm start
         "cpu", "webshop", seeds={"vanilla": (0, 1), "gaussian": (0,), "sam": (0,), "sprpo": (0, 1)},
-        tasks=40, eval_seeds=(0,), table=TABLE1["webshop"],
+        tasks=200, curve_tasks=40, eval_seeds=(0,), table=TABLE1["webshop"],
         curves={"gaussian": (0.10, 0.20), "dropout": (0.05,), "fisher": (0.10, 0.20),
                 "sparsegpt": (0.20, 0.40), "rtn": (6, 4)},
         curve_seeds=(0,), curve_methods=("vanilla", "sprpo"), landscape_grid=(-0.2, -0.1, 0.0, 0.1, 0.2),
@@ -179,7 +191,9 @@ def policies(p: Plan, runs_root: str | Path | None = None, progress: bool = True
     return dict(zip(p.runs(), dirs))
 
 
-def _eval_config(p: Plan, run: Path, cache_dir: Path, **kw) -> EvalConfig:
+def eval_config(p: Plan, run: Path, cache_dir: Path, **kw) -> EvalConfig:
+    """The evaluation config of one of the plan's policies: its run's model and prompt
+    settings, the plan's tasks, evaluation seeds and engine, and ``kw``."""
     extra = {"engine": p.engine} if p.engine else {}
     return config_from_run(run, tasks=p.tasks, seeds=p.eval_seeds, cache_dir=str(cache_dir), **extra, **kw)
 
@@ -196,7 +210,7 @@ def calibration_pool(p: Plan, runs: Mapping[tuple[str, int], Path], cache_dir: s
     vanilla = sorted(k for k in runs if k[0] == "vanilla")
     if not vanilla:
         raise ValueError("calibration pool: the plan trains no Vanilla policy (App. C collects the pool from one)")
-    cfg = _eval_config(p, runs[vanilla[0]], project_path(cache_dir))
+    cfg = eval_config(p, runs[vanilla[0]], project_path(cache_dir))
     source = ModelSource(cfg, project_path(cache_dir) / "file_hashes.json")
     ident = source.identity()
     key = canonical_hash({"model": ident, "env": p.env, "n": p.calibration_size, "agent": dataclasses.asdict(cfg.agent),
@@ -222,27 +236,51 @@ def _slim(rows: pd.DataFrame) -> pd.DataFrame:
     return rows[list(ROW_KEEP)]
 
 
+def warm_start_config(p: Plan, runs: Mapping[tuple[str, int], Path], cache_dir: Path, **kw) -> EvalConfig | None:
+    """The evaluation config of the plan's warm-start policy (the starting point every run
+    shares: its cached adapter without any RL adapter), tagged ``method="warm_start"``;
+    ``None`` when the profile has no warm start or the plan does not ask for the row."""
+    if not p.warm_start_row or not runs:
+        return None
+    first = runs[sorted(runs)[0]]
+    cfg = eval_config(p, first, cache_dir, **kw)
+    if len(cfg.adapters) < 2:  # no warm start: the run's own adapter only
+        return None
+    return dataclasses.replace(cfg, adapters=cfg.adapters[:1], model_seed=0,
+                               tags={**cfg.tags, "method": WARM_START, "train_seed": 0})
+
+
 def robustness_rows(p: Plan, runs: Mapping[tuple[str, int], Path], *, methods: Sequence[str] | None = None,
                     cache_dir: str | Path = DEFAULT_CACHE, progress: bool = True) -> pd.DataFrame:
     """Episode rows of every evaluation of the plan (clean, Table 1, Fig. 3 curves) for
-    ``methods`` (default all): the table settings on every policy, the curve strengths
-    on the policies of ``curve_seeds``.  Cached per cell; returns one row per episode."""
+    ``methods`` (default all, and the warm start): clean and the table settings on every
+    policy with ``tasks`` goals, the curves' other strengths on the policies of
+    ``curve_seeds`` / ``curve_methods`` (and the warm start) with ``curve_tasks`` goals.
+    Cached per cell; returns one row per episode."""
     cache_dir = project_path(cache_dir)
+    with_warm_start = methods is None or WARM_START in methods
     methods = list(methods or p.methods)
     keep = [(m, s) for (m, s) in p.runs() if m in methods]
     need_calib = any(f in ("fisher", "sparsegpt") for f, _ in p.settings())
     calib = str(calibration_pool(p, runs, cache_dir, progress)) if need_calib else None
     table = [("clean", 0.0), *[(f, float(s)) for f, s in p.table]]
-    frames = []
+    extra = [x for x in p.settings() if x not in table]
+    jobs = []  # (base config, settings, tasks)
     for m, s in keep:
         on_curve = (p.curve_seeds is None or s in p.curve_seeds) and (p.curve_methods is None or m in p.curve_methods)
-        wanted = p.settings() if on_curve else table
+        base = eval_config(p, runs[m, s], cache_dir)
+        jobs += [(base, table, p.tasks)] + ([(base, extra, p.curve_tasks or p.tasks)] if on_curve and extra else [])
+    ws = warm_start_config(p, runs, cache_dir)
+    if ws is not None and with_warm_start:
+        jobs += [(ws, table, p.tasks)] + ([(ws, extra, p.curve_tasks or p.tasks)] if extra else [])
+    frames = []
+    for base, wanted, tasks in jobs:
         by_family: dict[str, list[float]] = {}
         for fam, st in wanted:
             by_family.setdefault(fam, []).append(st)
         for fam, strengths in by_family.items():
-            cfg = _eval_config(p, runs[m, s], cache_dir, family=fam, strengths=tuple(strengths),
-                               calibration=calib if fam in ("fisher", "sparsegpt") else None)
+            cfg = dataclasses.replace(base, family=fam, strengths=tuple(strengths), tasks=tasks,
+                                      calibration=calib if fam in ("fisher", "sparsegpt") else None)
             frames.append(evaluate(cfg, progress=progress))
     return _slim(pd.concat(frames, ignore_index=True))
 
@@ -258,7 +296,7 @@ def landscape_rows(p: Plan, runs: Mapping[tuple[str, int], Path], *, cache_dir: 
     for m in p.landscape_methods:
         run = runs[m, p.landscape_seed]
         for w2 in p.landscape_grid:
-            cfg = _eval_config(p, run, project_path(cache_dir), family="plane", strengths=tuple(float(w) for w in p.landscape_grid),
+            cfg = eval_config(p, run, project_path(cache_dir), family="plane", strengths=tuple(float(w) for w in p.landscape_grid),
                                perturbation_options={"w2": float(w2), "direction_seed": p.direction_seed})
             if p.landscape_tasks is not None:
                 cfg = dataclasses.replace(cfg, tasks=p.landscape_tasks)

@@ -28,11 +28,13 @@ from sprpo_lib.methods import METHOD_DISPLAY
 from sprpo_lib.paper.stats import paired_bootstrap, summarize
 from sprpo_lib.paper.tables import FAMILY_LABELS, METHOD_LABELS, strength_label
 
-__all__ = ["COLORS", "save_figure", "plot_motivation", "plot_curves", "plot_landscape", "landscape_grid",
+__all__ = ["COLORS", "save_figure", "plot_motivation", "plot_curves", "plot_landscape", "landscape_grid", "plot_ablation",
            "paired_comparisons", "overhead", "overhead_latex", "pick_examples", "examples_markdown", "headline",
            "headline_markdown", "replace_block"]
 
 COLORS = {m: d.color for m, d in METHOD_DISPLAY.items()}
+#: z_{0.975} + z_{0.80}: a difference of this many standard errors is detected with 80% power.
+MDE80_Z = 1.959964 + 0.841621
 CURVE_FAMILIES = ("gaussian", "dropout", "fisher", "sparsegpt", "rtn")
 _AXIS = {f: FAMILIES[f].axis for f in CURVE_FAMILIES}
 
@@ -114,7 +116,7 @@ def plot_motivation(summary: pd.DataFrame, path: str | Path, *, method: str = "v
         part = part.sort_values("strength", ascending=(fam != "rtn"))
         for _, r in part.iterrows():
             bars.append((f"{FAMILY_LABELS.get(fam, fam).replace(' pruning', '')}\n"
-                         f"{strength_label(fam, r['strength']).replace('$', '').replace(chr(92) + 'sigma', 'σ')}",
+                         f"{plain(strength_label(fam, r['strength']))}",
                          float(r["mean"]), float(0 if pd.isna(r["std"]) else r["std"]), fam))
     fig, ax = plt.subplots(figsize=(max(5.0, 0.55 * len(bars) + 1), 3.2))
     palette = dict(zip(("clean", *CURVE_FAMILIES), plt.get_cmap("tab10").colors))
@@ -164,6 +166,50 @@ def plot_landscape(rows: pd.DataFrame, methods: Sequence[str], path: str | Path,
     return save_figure(fig, path)
 
 
+def plain(label: str) -> str:
+    """A LaTeX label as plain text for a figure or Markdown (``$\\rho=0.1$`` -> ``ρ=0.1``)."""
+    for tex, uni in (("$", ""), ("\\sigma", "σ"), ("\\rho", "ρ"), ("\\alpha", "α")):
+        label = label.replace(tex, uni)
+    return label
+
+
+def plot_ablation(summary: pd.DataFrame, panels: Sequence[tuple[str, Sequence[tuple[str, str]]]],
+                  settings: Sequence[tuple[str, float]], path: str | Path, *, env: str, title: str = "") -> list[Path]:
+    """Fig. 5: one panel per group ``(title, [(variant key, label)])``: each variant's clean
+    success and its mean success over the perturbed ``settings`` (bars: mean over training
+    seeds; whiskers: the std where there are several seeds)."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(3.3 * max(1, len(panels)), 3.1), squeeze=False)
+    pert = [x for x in settings if x[0] != "clean"]
+    for ax, (ptitle, members) in zip(axes[0], panels):
+        x = np.arange(len(members))
+        clean, cstd, mean_p, pstd = [], [], [], []
+        for k, _ in members:
+            sel = summary[(summary["env"] == env) & (summary["method"] == k)]
+            c = sel[sel["family"] == "clean"]
+            clean.append(float(c["mean"].iloc[0]) if len(c) else math.nan)
+            cstd.append(float(c["std"].fillna(0).iloc[0]) if len(c) else 0.0)
+            ps = sel[[(f, st) in pert for f, st in zip(sel["family"], sel["strength"])]]
+            mean_p.append(float(ps["mean"].mean()) if len(ps) == len(pert) else math.nan)
+            pstd.append(float(ps["std"].fillna(0).mean()) if len(ps) == len(pert) else 0.0)
+        ax.bar(x - 0.2, clean, 0.4, yerr=cstd, capsize=2, color="#9ecae1", label="clean")
+        ax.bar(x + 0.2, mean_p, 0.4, yerr=pstd, capsize=2, color="#de2d26", label="mean of Table 1's perturbations")
+        for xi, a, b in zip(x, clean, mean_p):
+            for dx, v in ((-0.2, a), (0.2, b)):
+                if not math.isnan(v):
+                    ax.text(xi + dx, v + 1, f"{v:.0f}", ha="center", va="bottom", fontsize=6)
+        ax.set_xticks(x, [plain(lab) for _, lab in members], fontsize=7, rotation=20)
+        ax.set(title=plain(ptitle), ylim=(0, 100))
+        ax.title.set_fontsize(8)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][0].set_ylabel("success (%)")
+    axes[0][0].legend(fontsize=6, loc="upper right")
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
 # ----------------------------------------------------------------------------- paired statistics
 def paired_comparisons(rows: pd.DataFrame, reference: str, baselines: Sequence[str],
                        settings: Sequence[tuple[str, float]], *, n_resamples: int = 10_000,
@@ -171,7 +217,9 @@ def paired_comparisons(rows: pd.DataFrame, reference: str, baselines: Sequence[s
     """``reference`` minus each baseline at each setting: success and retention
     differences (percentage points) with paired 95% bootstrap intervals over tasks, on
     the training seeds both methods share (their policies are paired by seed).  A
-    setting either method lacks is skipped."""
+    setting either method lacks is skipped.  ``success_mde80`` is the smallest true
+    difference this design detects with 80% power at two-sided 5% (normal approximation:
+    (1.96 + 0.84) x the bootstrap standard error of the paired difference)."""
     out = []
     for b in baselines:
         shared = sorted(set(rows.loc[rows["method"] == reference, "train_seed"])
@@ -188,11 +236,12 @@ def paired_comparisons(rows: pd.DataFrame, reference: str, baselines: Sequence[s
                         "train_seeds": " ".join(map(str, shared)), "tasks": r["tasks"],
                         "episodes": r["episodes_per_method"], "success_diff": r["success"],
                         "success_lo": r["success_ci"][0], "success_hi": r["success_ci"][1],
+                        "success_mde80": MDE80_Z * r["success_se"],
                         "retention_diff": r["retention"] if fam != "clean" else math.nan,
                         "retention_lo": r["retention_ci"][0] if fam != "clean" else math.nan,
                         "retention_hi": r["retention_ci"][1] if fam != "clean" else math.nan})
     cols = ["reference", "baseline", "family", "strength", "train_seeds", "tasks", "episodes", "success_diff",
-            "success_lo", "success_hi", "retention_diff", "retention_lo", "retention_hi"]
+            "success_lo", "success_hi", "success_mde80", "retention_diff", "retention_lo", "retention_hi"]
     return pd.DataFrame(out, columns=cols)
 
 
@@ -364,7 +413,7 @@ def headline_markdown(h: Mapping, methods: Sequence[str]) -> str:
         fam, s = c.split("@")
         if fam == "clean":
             return "Clean"
-        txt = strength_label(fam, float(s)).replace("$", "").replace("\\sigma", "σ")
+        txt = plain(strength_label(fam, float(s)))
         return f"{FAMILY_LABELS.get(fam, fam)} {txt}"
 
     head = ["Method", *[label(c) for c in cols]]

@@ -25,7 +25,8 @@ from sprpo_lib.io import atomic_write_text
 from sprpo_lib.methods import METHOD_DISPLAY
 
 __all__ = ["FAMILY_LABELS", "METHOD_LABELS", "ENV_LABELS", "strength_label", "meanstd", "best_flags", "main_frame",
-           "main_table", "appendix_frame", "appendix_table", "default_levels", "to_csv", "write_text"]
+           "main_table", "appendix_frame", "appendix_table", "default_levels", "ablation_frame", "ablation_table", "to_csv",
+           "write_text"]
 
 FAMILY_ORDER = ("clean", "gaussian", "dropout", "fisher", "sparsegpt", "rtn")
 #: Labels and symbols of the families and methods, read from their one table each.
@@ -214,6 +215,52 @@ def appendix_table(summary: pd.DataFrame, env: str, methods: Sequence[str], *, m
         first = "" if fam == prev else FAMILY_LABELS.get(fam, fam)
         lines.append(" & ".join([first, strength_label(fam, s, clean_label=clean_label), *cells]) + r" \\")
         prev = fam
+    lines += [r"\bottomrule", r"\end{tabular}"]
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- ablation tables
+def ablation_frame(summary: pd.DataFrame, env: str, groups: Sequence[tuple[str, Sequence[tuple[str, str]]]],
+                   settings: Sequence[tuple[str, float]], *, method: str = "method", digits: int = 2) -> pd.DataFrame:
+    """The ablation tables as tidy rows: per group ``(title, [(variant key, row label)])``,
+    variant and column ``(family, strength)``: ``mean, std, n, retention, best`` (best
+    within the group's column, ties included)."""
+    out = []
+    for title, members in groups:
+        for j, (fam, s) in enumerate(settings):
+            cells = [_cell(summary, {"env": env, method: k, "family": fam, "strength": s}) for k, _ in members]
+            for (k, label), c, b in zip(members, cells, best_flags([c["mean"] for c in cells], digits)):
+                out.append({"env": env, "group": title, "variant": k, "label": label, "column": j, "family": fam,
+                            "strength": s, **c, "best": b})
+    return pd.DataFrame(out, columns=["env", "group", "variant", "label", "column", "family", "strength", "mean",
+                                      "std", "n", "retention", "best"])
+
+
+def ablation_table(summary: pd.DataFrame, env: str, groups: Sequence[tuple[str, Sequence[tuple[str, str]]]],
+                   settings: Sequence[tuple[str, float]], *, first_column: str = "Value", method: str = "method",
+                   digits: int = 2) -> str:
+    """The App. tables "Hyperparameter study" / "Component ablations" in the paper's layout:
+    ``first_column`` then Table 1's columns (short headers), one italic title row per group
+    when there are several, ``mean +- std`` cells with the group's best mean bold."""
+    frame = ablation_frame(summary, env, groups, settings, method=method, digits=digits)
+    heads = []
+    for fam, s in settings:
+        name = {"clean": "Clean", "fisher": "Struct.", "sparsegpt": "Unstruct."}.get(fam, FAMILY_LABELS.get(fam, fam))
+        if fam not in ("clean", "rtn"):
+            name = rf"\shortstack{{{name}\\{strength_label(fam, s, short=True)}}}"
+        heads.append(strength_label(fam, s) if fam == "rtn" else name)
+    n = len(settings) + 1
+    lines = [rf"\begin{{tabular}}{{@{{}}l{'c' * len(settings)}@{{}}}}", r"\toprule", " & ".join([first_column, *heads]) + r" \\",
+             r"\midrule"]
+    for i, (title, members) in enumerate(groups):
+        if len(groups) > 1:
+            if i:
+                lines.append(r"\midrule")
+            lines += [rf"\multicolumn{{{n}}}{{l}}{{\textit{{{title}}}}} \\", r"\midrule"]
+        for k, label in members:
+            sub = frame[(frame["group"] == title) & (frame["variant"] == k)].sort_values("column")
+            cells = [meanstd(c["mean"], c["std"], bool(c["best"]), digits) for _, c in sub.iterrows()]
+            lines.append(" & ".join([label, *cells]) + r" \\")
     lines += [r"\bottomrule", r"\end{tabular}"]
     return "\n".join(lines) + "\n"
 

@@ -1,0 +1,202 @@
+"""The ablation and hyperparameter study (Sec. 5.4, Fig. 5, App. tables "Component
+ablations" and "Hyperparameter study") as a plan and cached computations (the layer
+under ``notebooks/08_ablations.ipynb``).
+
+An :class:`Ablation` lists training *variants*: a method plus config overrides, in the
+paper's groups (a) perturbation strategies at the same magnitude, (b) gradient-norm
+scheduling on and off, (c) the rho sweep, (d) the alpha sweep, and, for the ``cpu``
+profile, the learning-rate sweep of Vanilla that chose the profile's ``update.lr``.
+A variant whose training config equals a main run's (notebooks 01/04) *is* that run, as
+the paper's starred cells reuse Table 1's estimates; ``reuse`` names a main method that
+stands for a variant whose config differs only in a way that does not change the
+update (SPrPO at rho = 0 draws xi = 0: Vanilla's update, as the paper reuses Vanilla
+for rho = 0).  Other variants are trained under ``runs/ablation/<key>/``.
+
+Every variant is evaluated clean and at Table 1's settings on the first ``tasks`` test
+goals with the main plan's evaluation seeds and calibration pool, through the same
+content-keyed cells as notebook 04 (a reused run's cells are notebook 04's, restricted to
+these tasks), so each variant is paired with full SPrPO task by task.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import pandas as pd
+
+from sprpo_lib.config import config_dict, load_config
+from sprpo_lib.evaluate import DEFAULT_CACHE, evaluate
+from sprpo_lib.paper import experiments as X
+from sprpo_lib.paper.report import run_grid
+from sprpo_lib.paths import project_path, runs_dir
+
+__all__ = ["Variant", "Ablation", "ABLATIONS", "ablation", "variant_runs", "ablation_rows", "GROUP_TITLES", "REFERENCE"]
+
+#: The variant every other one is compared with: full SPrPO (the main runs).
+REFERENCE = "full"
+#: Row-group titles of the tables and panels, in the paper's order.
+GROUP_TITLES = {"strategy": "(a) perturbation strategy at the same magnitude",
+                "schedule": "(b) gradient-norm scheduling",
+                "rho": r"(c) $\rho$ sweep ($\alpha=1$)",
+                "alpha": r"(d) $\alpha$ sweep",
+                "components": "component ablations",
+                "lr": "learning rate (Vanilla)"}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One trained configuration of the study.
+
+    Attributes:
+        key: unique name (the ``method`` column of its result rows, its run folder).
+        groups: the table groups / figure panels it appears in, with its row label
+            in each (``{"alpha": "0.5"}``).
+        method: the training method.
+        overrides: training-config overrides on top of the profile and the main plan's.
+        reuse: a main-plan method whose runs stand for this variant (see module doc).
+        settings: ``"table"`` (clean and Table 1's settings) or ``"clean"``.
+    """
+
+    key: str
+    groups: Mapping[str, str]
+    method: str
+    overrides: tuple[str, ...] = ()
+    reuse: str | None = None
+    settings: str = "table"
+
+
+@dataclass(frozen=True)
+class Ablation:
+    """The study of one profile and environment: ``variants``, trained with ``seeds``
+    (a reused main run keeps the main plan's seeds), evaluated on the first ``tasks``
+    test goals."""
+
+    profile: str
+    env: str
+    variants: tuple[Variant, ...]
+    seeds: tuple[int, ...] = (0,)
+    tasks: int | None = None
+
+    def __post_init__(self):
+        keys = [v.key for v in self.variants]
+        if len(set(keys)) != len(keys) or REFERENCE not in keys:
+            raise ValueError(f"Ablation.variants: keys must be unique and include {REFERENCE!r}, got {keys}")
+
+    def variant(self, key: str) -> Variant:
+        return next(v for v in self.variants if v.key == key)
+
+    def group(self, name: str) -> list[tuple[str, str]]:
+        """``[(variant key, row label)]`` of one group, in order."""
+        return [(v.key, v.groups[name]) for v in self.variants if name in v.groups]
+
+    def as_dict(self) -> dict:
+        return {"profile": self.profile, "env": self.env, "seeds": list(self.seeds), "tasks": self.tasks,
+                "variants": [{**dataclasses.asdict(v), "groups": dict(v.groups)} for v in self.variants]}
+
+
+def _study(profile: str, env: str, rho: float, rhos: Sequence[float], *, seeds=(0,), tasks=None,
+           lrs: Sequence[float] = (), only: Sequence[str] | None = None) -> Ablation:
+    """The paper's variants around a profile's ``rho`` (grid ``rhos``; 0 reuses Vanilla);
+    ``only``: keep these variant keys (the smoke study keeps one of each kind)."""
+    v = [Variant(REFERENCE, {"strategy": "SPrPO*", "schedule": "on*", "rho": f"{rho:g}*", "alpha": "1*",
+                             "components": "Full SPrPO*"}, "sprpo"),
+         Variant("rho0", {"rho": "0 (Vanilla)*", "components": r"w/o perturbation ($\rho=0$)*"}, "sprpo",
+                 ("method.rho=0",), reuse="vanilla"),
+         Variant("alpha0", {"alpha": "0", "components": r"w/o sensitivity ($\alpha=0$)"}, "sprpo", ("method.alpha=0",)),
+         Variant("no_schedule", {"schedule": "off", "components": "w/o scheduling"}, "sprpo", ("method.schedule=false",)),
+         Variant("gaussian_rho", {"strategy": r"Gaussian $\sigma=\rho$"}, "gaussian", (f"method.sigma={rho:g}",)),
+         Variant("sam_0.1", {"strategy": r"SAM $\rho=0.1$"}, "sam", ("method.sam_rho=0.1",)),
+         Variant("sam_5e-3", {"strategy": r"SAM $\rho=0.005$"}, "sam", ("method.sam_rho=0.005",))]
+    v += [Variant(f"rho{r:g}", {"rho": f"{r:g}"}, "sprpo", (f"method.rho={r:g}",)) for r in rhos if r not in (0, rho)]
+    v += [Variant(f"alpha{a:g}", {"alpha": f"{a:g}"}, "sprpo", (f"method.alpha={a:g}",)) for a in (0.5, 2)]
+    if lrs:  # Vanilla at the profile's lr (its main runs, starred) and at the other rates
+        v += [Variant("lr_profile", {"lr": "profile*"}, "vanilla", settings="clean")]
+        v += [Variant(f"lr{lr:g}", {"lr": f"{lr:g}"}, "vanilla", (f"update.lr={lr:g}",), settings="clean") for lr in lrs]
+    v = [x for x in v if only is None or x.key in only]
+    return Ablation(profile, env, tuple(v), tuple(seeds), tasks)
+
+
+#: The study per profile and env.  ``cpu``: rho around the profile's 0.1 (isotropic 0.2
+#: already halves SmolLM2's held-out success), one training seed per variant, 100 test
+#: goals, and Vanilla's lr sweep; ``paper``: App. tables' grid and three seeds.
+ABLATIONS: dict[str, dict[str, Ablation]] = {
+    # smoke: one variant of each kind (a reused run, a main run found by its config, a trained
+    # variant, a clean-only one) on the tiny model, seconds
+    "smoke": {"webshop": _study("smoke", "webshop", 0.2, (0.0, 0.1, 0.2), tasks=2, lrs=(3e-4,),
+                                only=("full", "rho0", "alpha0", "sam_5e-3", "lr_profile", "lr0.0003"))},
+    "cpu": {"webshop": _study("cpu", "webshop", 0.1, (0.0, 0.05, 0.1, 0.2), tasks=100, lrs=(1e-4, 1e-3))},
+    "paper": {env: _study("paper", env, 0.2, (0.0, 0.1, 0.2, 0.3), seeds=(0, 1, 2)) for env in ("webshop",)},
+}
+
+
+def ablation(profile: str, env: str) -> Ablation:
+    """The study of ``profile`` on ``env`` (one clear error for a missing one)."""
+    if env not in ABLATIONS.get(profile, {}):
+        have = {p: sorted(a) for p, a in ABLATIONS.items()}
+        raise ValueError(f"ablation: no study for profile {profile!r} on {env!r}; studies exist for {have}")
+    return ABLATIONS[profile][env]
+
+
+def _cfg(p: X.Plan, method: str, seed: int, overrides: Sequence[str]):
+    return load_config(p.profile, [*p.overrides, *overrides], **{"env.name": p.env, "method.name": method, "seed": seed})
+
+
+def variant_runs(ab: Ablation, p: X.Plan, main: Mapping[tuple[str, int], Path], *,
+                 runs_root: str | Path | None = None, progress: bool = True) -> dict[tuple[str, int], Path]:
+    """``{(variant key, training seed): run folder}``: a main run where the variant's config
+    equals it (or ``reuse`` names its method), else a run trained, resumed or found under
+    ``<runs_root or runs/>/ablation/<key>/``."""
+    out: dict[tuple[str, int], Path] = {}
+    for v in ab.variants:
+        if v.reuse:
+            seeds = [s for (m, s) in main if m == v.reuse]
+            out.update({(v.key, s): main[v.reuse, s] for s in seeds})
+            continue
+        same = [s for (m, s) in main if m == v.method
+                and config_dict(_cfg(p, v.method, s, v.overrides)) == config_dict(_cfg(p, v.method, s, ()))]
+        if same:  # the variant is the main configuration: its runs, all seeds (starred)
+            out.update({(v.key, s): main[v.method, s] for s in same})
+            continue
+        root = project_path(runs_root) / "ablation" / v.key if runs_root else runs_dir("ablation", v.key)
+        dirs = run_grid(p.profile, p.env, [v.method], list(ab.seeds), [*p.overrides, *v.overrides], out_root=root,
+                        progress=progress)
+        out.update({(v.key, s): d for s, d in zip(ab.seeds, dirs)})
+    return out
+
+
+def ablation_rows(ab: Ablation, p: X.Plan, runs: Mapping[tuple[str, int], Path], main: Mapping[tuple[str, int], Path],
+                  *, cache_dir: str | Path = DEFAULT_CACHE, progress: bool = True) -> pd.DataFrame:
+    """Episode rows of every variant (``method`` = variant key, plus ``variant_method``),
+    clean and at Table 1's settings (``settings="clean"``: clean only), on the first
+    ``ab.tasks`` test goals.  A main run is evaluated with the main plan's cells (cached
+    by notebook 04) and restricted to those tasks."""
+    cache_dir = project_path(cache_dir)
+    table = [("clean", 0.0), *[(f, float(s)) for f, s in p.table]]
+    calib = (str(X.calibration_pool(p, main, cache_dir, progress))
+             if any(f in ("fisher", "sparsegpt") for f, _ in table) else None)
+    main_dirs = set(main.values())
+    frames = []
+    for (key, seed), run in runs.items():
+        v = ab.variant(key)
+        tasks = p.tasks if run in main_dirs else ab.tasks
+        wanted = table if v.settings == "table" else table[:1]
+        by_family: dict[str, list[float]] = {}
+        for fam, st in wanted:
+            by_family.setdefault(fam, []).append(st)
+        for fam, strengths in by_family.items():
+            cfg = X.eval_config(p, run, cache_dir, family=fam, strengths=tuple(strengths),
+                                calibration=calib if fam in ("fisher", "sparsegpt") else None)
+            cfg = dataclasses.replace(cfg, tasks=tasks, tags={**cfg.tags, "method": key, "variant_method": v.method})
+            df = evaluate(cfg, progress=progress)
+            if ab.tasks is not None:
+                df = df[df["task_index"] < ab.tasks]
+            frames.append(df)
+    rows = pd.concat(frames, ignore_index=True)
+    keep = [c for c in (*X.ROW_KEEP, "variant_method") if c in rows]
+    for c in X.ROW_KEEP:
+        if c not in rows:
+            rows[c] = 0.0 if c == "w2" else None
+    return rows[list(dict.fromkeys([*X.ROW_KEEP, *keep]))]
+

@@ -1,0 +1,129 @@
+"""SPrPO's noise over training and the channels it protects (notebook 01's sigma figure).
+
+* :func:`layer_sigma`: the RMS sigma of every layer at every iteration, from the runs'
+  ``metrics.jsonl`` (``xi_sigma_layer_rms``: the sigma each iteration's rollouts drew from);
+* :func:`final_sigma`: the per-channel sigma after the last update (the run's newest
+  checkpoint, Alg. 1 line 3 on the final statistics);
+* :func:`sigma_fisher`: per layer, Spearman's rank correlation between that sigma and the
+  diagonal-Fisher channel importance that structured pruning ranks by at evaluation
+  (App. C), on the same calibration pool and the same policy.  Sensitivity-aware noise
+  should protect (give small sigma to) the channels Fisher calls important, so a
+  negative correlation is what Corollary 1's allocation predicts;
+* :func:`plot_sigma`: the heatmap and the per-layer correlations.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import pandas as pd
+import torch
+
+from sprpo_lib.checkpoint import final_method_state
+from sprpo_lib.config import config_from_dict
+from sprpo_lib.evaluate import ModelSource, fisher_scores_cached, load_calibration
+from sprpo_lib.io import read_json
+from sprpo_lib.methods import make_method, rank_correlation
+from sprpo_lib.paper import experiments as X
+from sprpo_lib.paper.results import save_figure
+from sprpo_lib.paths import project_path
+
+__all__ = ["layer_sigma", "final_sigma", "sigma_fisher", "plot_sigma"]
+
+
+def layer_sigma(metrics: pd.DataFrame) -> pd.DataFrame:
+    """Long rows ``run, method, seed, iteration, layer, sigma_rms`` of the runs that logged
+    per-layer sigma (SPrPO)."""
+    col = "xi_sigma_layer_rms"
+    out = []
+    if col in metrics:
+        for r in metrics[metrics[col].notna()].itertuples(index=False):
+            r = r._asdict()
+            out += [{"run": r["run"], "method": r["method"], "seed": r["seed"], "iteration": r["iteration"],
+                     "layer": i, "sigma_rms": float(v)} for i, v in enumerate(r[col])]
+    return pd.DataFrame(out, columns=["run", "method", "seed", "iteration", "layer", "sigma_rms"])
+
+
+def final_sigma(run_dir: str | Path) -> torch.Tensor | None:
+    """The run's per-channel sigma ``[L, C]`` after its last update, or ``None`` (a method
+    without statistics, or no checkpoint)."""
+    run = project_path(run_dir)
+    cfg = config_from_dict(read_json(run / "config.json")["config"])
+    state = final_method_state(run)
+    if state is None or "S_bar" not in state:
+        return None
+    method = make_method(cfg.method, tuple(state["S_bar"].shape), cfg.seed)
+    method.load_state_dict(state)
+    return method.sigma()
+
+
+def sigma_fisher(plan: X.Plan, runs: Mapping[tuple[str, int], Path], run_dirs: Sequence[str | Path], *,
+                 cache_dir: str | Path, progress: bool = True) -> pd.DataFrame:
+    """Per SPrPO run and layer: Spearman's rank correlation of its final sigma with the
+    Fisher importance of its own final policy (warm start + RL adapter, merged) on the
+    plan's calibration pool; layer ``-1`` is all channels together.  The Fisher scores
+    are the evaluation's (cached in ``<cache_dir>/fisher/``, reused by structured pruning)."""
+    cache_dir = project_path(cache_dir)
+    calib_path = X.calibration_pool(plan, runs, cache_dir, progress)
+    calib = load_calibration(calib_path)
+    out = []
+    for d in map(project_path, run_dirs):
+        sigma = final_sigma(d)
+        if sigma is None:
+            continue
+        cfg = X.eval_config(plan, d, cache_dir)
+        source = ModelSource(cfg, cache_dir / "file_hashes.json")
+        fisher = fisher_scores_cached(source.policy(), calib, cache_dir, source.identity(), cfg.perturbation_options,
+                                      progress)
+        seed = cfg.tags.get("train_seed")
+        for layer in range(sigma.shape[0]):
+            out.append({"run": d.name, "seed": seed, "layer": layer,
+                        "spearman": rank_correlation(sigma[layer], fisher[layer])})
+        out.append({"run": d.name, "seed": seed, "layer": -1, "spearman": rank_correlation(sigma, fisher)})
+    return pd.DataFrame(out, columns=["run", "seed", "layer", "spearman"])
+
+
+def plot_sigma(layers: pd.DataFrame, corr: pd.DataFrame, path: str | Path, *, title: str = "") -> list[Path]:
+    """One heatmap per SPrPO run (layer x iteration, RMS sigma of the layer, one colour
+    scale), then Spearman(sigma, Fisher) per layer for every run (bars; the dashed line
+    is the all-channel correlation)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = list(dict.fromkeys(layers["run"]))
+    n = len(runs) + (1 if len(corr) else 0)
+    fig, axes = plt.subplots(1, max(1, n), figsize=(3.6 * max(1, n), 3.4), squeeze=False)
+    vmax = float(layers["sigma_rms"].max()) if len(layers) else 1.0
+    im = None
+    for ax, run in zip(axes[0], runs):
+        g = layers[layers["run"] == run].pivot_table(index="layer", columns="iteration", values="sigma_rms")
+        im = ax.imshow(g.to_numpy(), aspect="auto", origin="lower", cmap="magma", vmin=0, vmax=vmax,
+                       extent=(g.columns.min() - 0.5, g.columns.max() + 0.5, -0.5, len(g) - 0.5))
+        ax.set(xlabel="iteration", ylabel="layer", title=f"RMS sigma per layer\n{run}")
+        ax.title.set_fontsize(8)
+    if im is not None:
+        fig.colorbar(im, ax=axes[0][len(runs) - 1], label="RMS sigma")
+    if len(corr):
+        ax = axes[0][-1]
+        per = corr[corr["layer"] >= 0]
+        names = list(dict.fromkeys(per["run"]))
+        w = 0.8 / max(1, len(names))
+        for i, run in enumerate(names):
+            part = per[per["run"] == run]
+            line = ax.bar(part["layer"] + (i - (len(names) - 1) / 2) * w, part["spearman"], w, label=run)
+            overall = corr[(corr["run"] == run) & (corr["layer"] == -1)]["spearman"]
+            if len(overall):
+                ax.axhline(float(overall.iloc[0]), ls="--", lw=1, color=line.patches[0].get_facecolor())
+        ax.axhline(0, color="k", lw=0.6)
+        ax.set(xlabel="layer", ylabel="Spearman(sigma, Fisher importance)", ylim=(-1, 1),
+               title="channels protected vs. Fisher importance\n(negative: important channels get less noise)")
+        ax.title.set_fontsize(8)
+        ax.legend(fontsize=6)
+        ax.grid(axis="y", alpha=0.3)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
