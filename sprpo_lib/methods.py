@@ -355,9 +355,9 @@ class SPrPO(Method):
         out = {"sigma_mean": float(s.mean()), "sigma_min": float(s.min()), "sigma_max": float(s.max()),
                "sigma_rms": float(s.double().pow(2).mean().sqrt()), "sigma_p1": float(q[0]), "sigma_p99": float(q[1]),
                "sigma_clamped_frac": float((s >= self.cfg.sigma_max).float().mean()),
-               "sigma_layer_rms": [round(float(v), 6) for v in s.double().pow(2).mean(1).sqrt()]}
+               "sigma_layer_rms": [round(float(v), 6) for v in s.double().pow(2).mean(1).sqrt()], "rho": self.cfg.rho}
         if self.cfg.scale == "energy":
-            out.update({k: self.last[k] for k in ("s_k_raw", "s_k", "tau", "rho", "energy_ratio")})
+            out.update({k: self.last[k] for k in ("s_k_raw", "s_k", "tau", "energy_ratio")})
         return out
 
     _STATE = ("m_hat", "m_ref", "m_bar", "m_bar_ref", "n_measured", "m_first", "rank_corr")

@@ -243,7 +243,8 @@ def stage_table(profile: str, out_dir: str | Path | None = None) -> str:
 
 def update_readme(profile: str, out_dir: str, readme: Path | None = None) -> bool:
     """Refresh the README's generated blocks from ``out_dir``: the headline numbers
-    (``headline-<profile>``, from ``headline_<profile>.md``), the stage times
+    (``headline-<profile>``, from ``headline_<profile>.md``), the paper's claims against
+    them (``claims-<profile>``, from ``claims_<profile>.md``), the stage times
     (``stages-<profile>``, from the manifests) and the notebook table (``notebooks``).
     No number in the README is typed by hand."""
     from sprpo_lib.paper.results import replace_block
@@ -253,11 +254,12 @@ def update_readme(profile: str, out_dir: str, readme: Path | None = None) -> boo
     if not readme.is_file():
         return False
     text = readme.read_text()
-    src = project_path(out_dir) / f"headline_{profile}.md"
-    if src.is_file() and f"<!-- headline-{profile}:begin -->" in text:
-        where = src.relative_to(root) if src.is_relative_to(root) else src
-        text = replace_block(text, f"headline-{profile}", f"<!-- generated from {where}; do not edit -->\n"
-                             + src.read_text())
+    for block in ("headline", "claims"):  # written by notebooks 04 and 08
+        src = project_path(out_dir) / f"{block}_{profile}.md"
+        if src.is_file() and f"<!-- {block}-{profile}:begin -->" in text:
+            where = src.relative_to(root) if src.is_relative_to(root) else src
+            text = replace_block(text, f"{block}-{profile}", f"<!-- generated from {where}; do not edit -->\n"
+                                 + src.read_text())
     if f"<!-- stages-{profile}:begin -->" in text:
         text = replace_block(text, f"stages-{profile}", "<!-- generated from the manifests by sprpo-reproduce; "
                              "do not edit -->\n" + stage_table(profile, out_dir))

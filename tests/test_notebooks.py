@@ -69,6 +69,8 @@ def test_training_notebook_smoke(tmp_path):
     corr = pd.read_csv(out / "01_training_webshop_sigma_fisher.csv")
     assert set(corr.run) == {"webshop-sprpo-smoke-seed0"} and corr.spearman.between(-1, 1).all()
     assert (out / "01_training_webshop_sigma.png").is_file() and "xi_real_flip_frac" in m and "truncated_frac" in m
+    health = pd.read_csv(out / "01_training_webshop_sigma_health.csv")
+    assert list(health.run) == ["webshop-sprpo-smoke-seed0"] and health.rms_over_rho_max.iloc[0] <= 1.5 + 1e-9
 
 
 @pytest.mark.slow
@@ -113,18 +115,20 @@ def test_result_notebooks_smoke_and_render_only(tmp_path):
         assert {"config", "commit", "date", "wall_seconds", "host"} <= set(man) and man["config"]["profile"] == "smoke"
     # 08: every variant paired with full SPrPO on the same tasks; main runs reused, not retrained
     abl = pd.read_csv(out / "08_ablations_webshop_rows.csv")
-    assert set(abl.method) == {"full", "rho0", "alpha0", "sam_5e-3", "lr_profile", "lr0.0003"}
-    assert set(abl[abl.method.str.startswith("lr")].family) == {"clean"}
+    assert set(abl.method) == {"full", "rho0", "alpha0", "sam_5e-3", "lr_profile", "lr0.0003", "scale_relative"}
+    assert set(abl[abl.method.str.startswith(("lr", "scale"))].family) == {"clean"}
     cells = {m: set(rows[rows.method == m].cell) for m in ("vanilla", "sprpo", "sam")}
     assert set(abl[abl.method == "rho0"].cell) <= cells["vanilla"] and set(abl[abl.method == "full"].cell) <= cells["sprpo"]
     assert set(abl[abl.method == "sam_5e-3"].cell) <= cells["sam"]  # the main SAM run, found by its config
     assert not set(abl[abl.method == "alpha0"].cell) & cells["sprpo"]  # a trained variant: its own cells
     trained = sorted(p.parent.name for p in (tmp_path / "runs" / "smoke" / "train" / "ablation").glob("*/*/config.json"))
-    assert trained == ["alpha0", "lr0.0003"]
+    assert trained == ["alpha0", "lr0.0003", "scale_relative"]
+    rules = pd.read_csv(out / "08_ablations_webshop_noise_rules.csv")
+    assert set(rules.rule) == {"energy*", "relative"} and rules.xi_sigma_rms.notna().all()
     comp = (out / "08_ablations_webshop_components.tex").read_text()
     assert "\\toprule" in comp and "Full SPrPO*" in comp and "w/o sensitivity" in comp
     ab_paired = pd.read_csv(out / "08_ablations_webshop_paired.csv")
-    assert set(ab_paired.baseline) == {"rho0", "alpha0", "sam_5e-3", "lr_profile", "lr0.0003"}
+    assert set(ab_paired.baseline) == {"rho0", "alpha0", "sam_5e-3", "lr_profile", "lr0.0003", "scale_relative"}
     assert (ab_paired.success_lo <= ab_paired.success_diff).all() and (ab_paired.success_mde80 >= 0).all()
     assert (out / "08_ablations_webshop_fig5.png").read_bytes()[:4] == b"\x89PNG"
     digest = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.glob("*.tex")}

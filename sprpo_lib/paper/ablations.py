@@ -4,7 +4,8 @@ under ``notebooks/08_ablations.ipynb``).
 
 An :class:`Ablation` lists training *variants*: a method plus config overrides, in the
 paper's groups (a) perturbation strategies at the same magnitude, (b) gradient-norm
-scheduling on and off, (c) the rho sweep, (d) the alpha sweep, and, for the ``cpu``
+scheduling on and off, (c) the rho sweep, (d) the alpha sweep, SPrPO under the three
+noise rules of ``method.scale`` (the evidence for the default), and, for the ``cpu``
 profile, the learning-rate sweep of Vanilla that chose the profile's ``update.lr``.
 A variant whose training config equals a main run's (notebooks 01/04) *is* that run, as
 the paper's starred cells reuse Table 1's estimates; ``reuse`` names a main method that
@@ -32,7 +33,8 @@ from sprpo_lib.paper import experiments as X
 from sprpo_lib.paper.report import run_grid
 from sprpo_lib.paths import project_path, runs_dir
 
-__all__ = ["Variant", "Ablation", "ABLATIONS", "ablation", "variant_runs", "ablation_rows", "GROUP_TITLES", "REFERENCE"]
+__all__ = ["Variant", "Ablation", "ABLATIONS", "ablation", "variant_runs", "ablation_rows", "noise_rules", "GROUP_TITLES",
+           "REFERENCE"]
 
 #: The variant every other one is compared with: full SPrPO (the main runs).
 REFERENCE = "full"
@@ -42,7 +44,8 @@ GROUP_TITLES = {"strategy": "(a) perturbation strategy at the same magnitude",
                 "rho": r"(c) $\rho$ sweep ($\alpha=1$)",
                 "alpha": r"(d) $\alpha$ sweep",
                 "components": "component ablations",
-                "lr": "learning rate (Vanilla)"}
+                "lr": "learning rate (Vanilla)",
+                "scale": "noise rule (method.scale)"}
 
 
 @dataclass(frozen=True)
@@ -51,8 +54,8 @@ class Variant:
 
     Attributes:
         key: unique name (the ``method`` column of its result rows, its run folder).
-        groups: the table groups / figure panels it appears in, with its row label
-            in each (``{"alpha": "0.5"}``).
+        groups: the table groups / figure panels it appears in, with its position and
+            row label in each (``{"alpha": (0.5, "0.5")}``).
         method: the training method.
         overrides: training-config overrides on top of the profile and the main plan's.
         reuse: a main-plan method whose runs stand for this variant (see module doc).
@@ -60,7 +63,7 @@ class Variant:
     """
 
     key: str
-    groups: Mapping[str, str]
+    groups: Mapping[str, tuple[float, str]]
     method: str
     overrides: tuple[str, ...] = ()
     reuse: str | None = None
@@ -89,31 +92,42 @@ class Ablation:
 
     def group(self, name: str) -> list[tuple[str, str]]:
         """``[(variant key, row label)]`` of one group, in order."""
-        return [(v.key, v.groups[name]) for v in self.variants if name in v.groups]
+        members = sorted((v.groups[name][0], i, v.key, v.groups[name][1]) for i, v in enumerate(self.variants)
+                         if name in v.groups)
+        return [(key, label) for _, _, key, label in members]
 
     def as_dict(self) -> dict:
         return {"profile": self.profile, "env": self.env, "seeds": list(self.seeds), "tasks": self.tasks,
-                "variants": [{**dataclasses.asdict(v), "groups": dict(v.groups)} for v in self.variants]}
+                "variants": [{**dataclasses.asdict(v), "groups": {g: list(x) for g, x in v.groups.items()}}
+                             for v in self.variants]}
 
 
 def _study(profile: str, env: str, rho: float, rhos: Sequence[float], *, seeds=(0,), tasks=None,
            lrs: Sequence[float] = (), only: Sequence[str] | None = None) -> Ablation:
-    """The paper's variants around a profile's ``rho`` (grid ``rhos``; 0 reuses Vanilla);
-    ``only``: keep these variant keys (the smoke study keeps one of each kind)."""
-    v = [Variant(REFERENCE, {"strategy": "SPrPO*", "schedule": "on*", "rho": f"{rho:g}*", "alpha": "1*",
-                             "components": "Full SPrPO*"}, "sprpo"),
-         Variant("rho0", {"rho": "0 (Vanilla)*", "components": r"w/o perturbation ($\rho=0$)*"}, "sprpo",
+    """The paper's variants around a profile's ``rho`` (grid ``rhos``; 0 reuses Vanilla),
+    each group in the paper's row order (sweeps by value, full SPrPO last among the
+    components and strategies); ``only``: keep these variant keys (the smoke study keeps
+    one of each kind)."""
+    v = [Variant(REFERENCE, {"strategy": (3, "SPrPO*"), "schedule": (0, "on*"), "rho": (rho, f"{rho:g}*"),
+                             "alpha": (1, "1*"), "components": (3, "Full SPrPO*"), "scale": (2, "energy*")}, "sprpo"),
+         Variant("rho0", {"rho": (0, "0 (Vanilla)*"), "components": (0, r"w/o perturbation ($\rho=0$)*")}, "sprpo",
                  ("method.rho=0",), reuse="vanilla"),
-         Variant("alpha0", {"alpha": "0", "components": r"w/o sensitivity ($\alpha=0$)"}, "sprpo", ("method.alpha=0",)),
-         Variant("no_schedule", {"schedule": "off", "components": "w/o scheduling"}, "sprpo", ("method.schedule=false",)),
-         Variant("gaussian_rho", {"strategy": r"Gaussian $\sigma=\rho$"}, "gaussian", (f"method.sigma={rho:g}",)),
-         Variant("sam_0.1", {"strategy": r"SAM $\rho=0.1$"}, "sam", ("method.sam_rho=0.1",)),
-         Variant("sam_5e-3", {"strategy": r"SAM $\rho=0.005$"}, "sam", ("method.sam_rho=0.005",))]
-    v += [Variant(f"rho{r:g}", {"rho": f"{r:g}"}, "sprpo", (f"method.rho={r:g}",)) for r in rhos if r not in (0, rho)]
-    v += [Variant(f"alpha{a:g}", {"alpha": f"{a:g}"}, "sprpo", (f"method.alpha={a:g}",)) for a in (0.5, 2)]
+         Variant("alpha0", {"alpha": (0, "0"), "components": (1, r"w/o sensitivity ($\alpha=0$)")}, "sprpo",
+                 ("method.alpha=0",)),
+         Variant("no_schedule", {"schedule": (1, "off"), "components": (2, "w/o scheduling")}, "sprpo",
+                 ("method.schedule=false",)),
+         Variant("gaussian_rho", {"strategy": (0, r"Gaussian $\sigma=\rho$")}, "gaussian", (f"method.sigma={rho:g}",)),
+         Variant("sam_0.1", {"strategy": (1, r"SAM $\rho=0.1$")}, "sam", ("method.sam_rho=0.1",)),
+         Variant("sam_5e-3", {"strategy": (2, r"SAM $\rho=0.005$")}, "sam", ("method.sam_rho=0.005",))]
+    v += [Variant(f"scale_{sc}", {"scale": (i, sc)}, "sprpo", (f"method.scale={sc}",), settings="clean")
+          for i, sc in enumerate(("raw", "relative"))]
+    v += [Variant(f"rho{r:g}", {"rho": (r, f"{r:g}")}, "sprpo", (f"method.rho={r:g}",)) for r in rhos if r not in (0, rho)]
+    v += [Variant(f"alpha{a:g}", {"alpha": (a, f"{a:g}")}, "sprpo", (f"method.alpha={a:g}",)) for a in (0.5, 2)]
     if lrs:  # Vanilla at the profile's lr (its main runs, starred) and at the other rates
-        v += [Variant("lr_profile", {"lr": "profile*"}, "vanilla", settings="clean")]
-        v += [Variant(f"lr{lr:g}", {"lr": f"{lr:g}"}, "vanilla", (f"update.lr={lr:g}",), settings="clean") for lr in lrs]
+        lr0 = load_config(profile, **{"env.name": env}).update.lr
+        v += [Variant("lr_profile", {"lr": (lr0, f"{lr0:g}*")}, "vanilla", settings="clean")]
+        v += [Variant(f"lr{lr:g}", {"lr": (lr, f"{lr:g}")}, "vanilla", (f"update.lr={lr:g}",), settings="clean")
+              for lr in lrs if lr != lr0]
     v = [x for x in v if only is None or x.key in only]
     return Ablation(profile, env, tuple(v), tuple(seeds), tasks)
 
@@ -125,7 +139,7 @@ ABLATIONS: dict[str, dict[str, Ablation]] = {
     # smoke: one variant of each kind (a reused run, a main run found by its config, a trained
     # variant, a clean-only one) on the tiny model, seconds
     "smoke": {"webshop": _study("smoke", "webshop", 0.2, (0.0, 0.1, 0.2), tasks=2, lrs=(3e-4,),
-                                only=("full", "rho0", "alpha0", "sam_5e-3", "lr_profile", "lr0.0003"))},
+                                only=("full", "rho0", "alpha0", "sam_5e-3", "lr_profile", "lr0.0003", "scale_relative"))},
     "cpu": {"webshop": _study("cpu", "webshop", 0.1, (0.0, 0.05, 0.1, 0.2), tasks=100, lrs=(1e-4, 1e-3))},
     "paper": {env: _study("paper", env, 0.2, (0.0, 0.1, 0.2, 0.3), seeds=(0, 1, 2)) for env in ("webshop",)},
 }
@@ -200,3 +214,22 @@ def ablation_rows(ab: Ablation, p: X.Plan, runs: Mapping[tuple[str, int], Path],
             rows[c] = 0.0 if c == "w2" else None
     return rows[list(dict.fromkeys([*X.ROW_KEEP, *keep]))]
 
+
+
+def noise_rules(ab: Ablation, runs: Mapping[tuple[str, int], Path]) -> pd.DataFrame:
+    """The training metrics of SPrPO under each noise rule of the ``scale`` group, one row
+    per (rule, seed, iteration): RMS / mean / max sigma, clamped fraction, schedule, realised
+    sign flips, valid-action rate, rollout success and entropy (the evidence for the
+    default rule)."""
+    from sprpo_lib.paper.report import load_metrics
+
+    keys = [k for k, _ in ab.group("scale")]
+    dirs = [(k, s, d) for (k, s), d in runs.items() if k in keys]
+    if not dirs:
+        return pd.DataFrame()
+    m = load_metrics([d for _, _, d in dirs])
+    rule = {d.name: ab.variant(k).groups["scale"][1] for k, _, d in dirs}
+    m.insert(0, "rule", m["run"].map(rule))
+    cols = ["rule", "run", "seed", "iteration", "xi_rho", "xi_sigma_rms", "xi_sigma_mean", "xi_sigma_max",
+            "xi_sigma_clamped_frac", "xi_s_k", "xi_real_flip_frac", "valid_rate", "success", "entropy"]
+    return m[[c for c in cols if c in m]]

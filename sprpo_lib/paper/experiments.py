@@ -140,8 +140,8 @@ class Plan:
 _PAPER_CURVES = {f: FAMILIES[f].levels["webshop"] for f in ("gaussian", "dropout", "fisher", "rtn")}
 
 #: Plans per profile and env.  ``smoke``: the tiny random model, seconds (tests).
-#: ``cpu``: the embedded SmolLM2 on the offline WebShop, sized for about two hours on
-#: 2 cores.  ``paper``: App. C in full.
+#: ``cpu``: the embedded SmolLM2 on the offline WebShop, its evaluation budget on the
+#: paper's claims (Table 1's settings).  ``paper``: App. C in full.
 PLANS: dict[str, dict[str, Plan]] = {
     "smoke": {"webshop": Plan(
         "smoke", "webshop", seeds={"vanilla": (0,), "gaussian": (0,), "sam": (0,), "sprpo": (0,)},

@@ -102,31 +102,49 @@ def plot_curves(summary: pd.DataFrame, methods: Sequence[str], path: str | Path,
     return save_figure(fig, path)
 
 
-def plot_motivation(summary: pd.DataFrame, path: str | Path, *, method: str = "vanilla", title: str = "",
-                    families: Sequence[str] = CURVE_FAMILIES) -> list[Path]:
+def plot_motivation(summary: pd.DataFrame, path: str | Path, *, method: str = "vanilla",
+                    reference: str | None = None, title: str = "", families: Sequence[str] = CURVE_FAMILIES) -> list[Path]:
     """Fig. 1: one method's success at clean and at each family's strengths (bars, mean
-    +- std over its training seeds), the clean level as a dashed line."""
+    +- std over its training seeds), the clean level as a dashed line; ``reference`` (the
+    warm start) as outlined bars beside them, so the reader sees whether RL made the agent
+    more or less fragile than its starting point."""
     plt = _plt()
-    sel = summary[summary["method"] == method]
-    clean = sel[sel["family"] == "clean"]
-    bars = [("Clean", float(clean["mean"].iloc[0]) if len(clean) else math.nan,
-             float(clean["std"].fillna(0).iloc[0]) if len(clean) else 0.0, "clean")]
-    for fam in families:
-        part = sel[sel["family"] == fam]
-        part = part.sort_values("strength", ascending=(fam != "rtn"))
-        for _, r in part.iterrows():
-            bars.append((f"{FAMILY_LABELS.get(fam, fam).replace(' pruning', '')}\n"
-                         f"{plain(strength_label(fam, r['strength']))}",
-                         float(r["mean"]), float(0 if pd.isna(r["std"]) else r["std"]), fam))
-    fig, ax = plt.subplots(figsize=(max(5.0, 0.55 * len(bars) + 1), 3.2))
+
+    def bars_of(m: str) -> list[tuple]:
+        sel = summary[summary["method"] == m]
+        clean = sel[sel["family"] == "clean"]
+        out = [("Clean", float(clean["mean"].iloc[0]) if len(clean) else math.nan,
+                float(clean["std"].fillna(0).iloc[0]) if len(clean) else 0.0, "clean", 0.0)]
+        for fam in families:
+            part = sel[sel["family"] == fam].sort_values("strength", ascending=(fam != "rtn"))
+            for _, r in part.iterrows():
+                out.append((f"{FAMILY_LABELS.get(fam, fam).replace(' pruning', '')}\n"
+                            f"{plain(strength_label(fam, r['strength']))}",
+                            float(r["mean"]), float(0 if pd.isna(r["std"]) else r["std"]), fam, float(r["strength"])))
+        return out
+
+    bars = bars_of(method)
+    ref = {(b[3], b[4]): b for b in bars_of(reference)} if reference else {}
+    fig, ax = plt.subplots(figsize=(max(5.0, (0.8 if ref else 0.55) * len(bars) + 1), 3.2))
     palette = dict(zip(("clean", *CURVE_FAMILIES), plt.get_cmap("tab10").colors))
     x = np.arange(len(bars))
-    ax.bar(x, [b[1] for b in bars], yerr=[b[2] for b in bars], capsize=2, color=[palette.get(b[3]) for b in bars])
-    if len(clean):
+    w = 0.42 if ref else 0.8
+    dx = -w / 2 if ref else 0.0
+    ax.bar(x + dx, [b[1] for b in bars], w, yerr=[b[2] for b in bars], capsize=2, color=[palette.get(b[3]) for b in bars],
+           label=METHOD_LABELS.get(method, method))
+    if ref:
+        rb = [ref.get((b[3], b[4]), (None, math.nan, 0.0)) for b in bars]
+        ax.bar(x + w / 2, [r[1] for r in rb], w, yerr=[r[2] for r in rb], capsize=2, facecolor="none",
+               edgecolor=[palette.get(b[3]) for b in bars], hatch="//", label=METHOD_LABELS.get(reference, reference))
+        for xi, r in zip(x, rb):
+            if not math.isnan(r[1]):
+                ax.text(xi + w / 2, r[1] + 1, f"{r[1]:.0f}", ha="center", va="bottom", fontsize=6)
+        ax.legend(fontsize=7, loc="upper right")
+    if not math.isnan(bars[0][1]):
         ax.axhline(bars[0][1], ls="--", lw=1, color="k", alpha=0.6)
     for xi, b in zip(x, bars):
         if not math.isnan(b[1]):
-            ax.text(xi, b[1] + 1, f"{b[1]:.0f}", ha="center", va="bottom", fontsize=6)
+            ax.text(xi + dx, b[1] + 1, f"{b[1]:.0f}", ha="center", va="bottom", fontsize=6)
     ax.set_xticks(x, [b[0] for b in bars], fontsize=6)
     ax.set(ylabel="success (%)", ylim=(0, 105), title=title or f"{METHOD_LABELS.get(method, method)} under perturbations")
     fig.tight_layout()
@@ -433,13 +451,15 @@ def headline_markdown(h: Mapping, methods: Sequence[str]) -> str:
         lines.append(f"| {METHOD_LABELS.get(m, m)} | " + " | ".join(cells) + " |")
     text = "\n".join(lines) + "\n"
     if h.get("paired"):
-        text += "\nPaired differences (reference minus baseline, percentage points, 95% bootstrap over tasks):\n\n"
-        text += "| Setting | vs. | Success diff [95% CI] | Retention diff [95% CI] |\n|---|---|---|---|\n"
+        text += ("\nPaired differences (reference minus baseline, percentage points, 95% bootstrap over tasks; MDE: "
+                 "the smallest difference the design detects with 80% power):\n\n")
+        text += "| Setting | vs. | Success diff [95% CI] | MDE | Retention diff [95% CI] |\n|---|---|---|---|---|\n"
         for p in h["paired"]:
             ret = ("-" if p.get("retention_diff") is None else
                    f"{p['retention_diff']:+.1f} [{p['retention_lo']:+.1f}, {p['retention_hi']:+.1f}]")
+            mde = "-" if p.get("success_mde80") is None else f"{p['success_mde80']:.1f}"
             text += (f"| {label(p['family'] + '@' + str(p['strength']))} | {METHOD_LABELS.get(p['baseline'], p['baseline'])} | "
-                     f"{p['success_diff']:+.1f} [{p['success_lo']:+.1f}, {p['success_hi']:+.1f}] | {ret} |\n")
+                     f"{p['success_diff']:+.1f} [{p['success_lo']:+.1f}, {p['success_hi']:+.1f}] | {mde} | {ret} |\n")
     return text
 
 

@@ -28,7 +28,37 @@ from sprpo_lib.paper import experiments as X
 from sprpo_lib.paper.results import save_figure
 from sprpo_lib.paths import project_path
 
-__all__ = ["layer_sigma", "final_sigma", "sigma_fisher", "plot_sigma"]
+__all__ = ["layer_sigma", "final_sigma", "sigma_fisher", "plot_sigma", "noise_health", "HEALTH"]
+
+#: What a healthy noise schedule keeps to, per iteration: RMS sigma within these multiples of
+#: rho, at most this fraction of channels at sigma_max, and (after iteration 0) at least this
+#: valid-action rate in the run's own rollouts.
+HEALTH = {"rms_over_rho": (0.5, 1.5), "clamped_max": 0.05, "valid_min": 0.80}
+
+
+def noise_health(metrics: pd.DataFrame) -> pd.DataFrame:
+    """Per run with sigma statistics: the range of RMS sigma / rho over its iterations, the
+    largest clamped fraction, the lowest valid-action rate after iteration 0, the largest
+    sign-flip fraction of the realised xi, and whether every iteration kept to
+    :data:`HEALTH` (``healthy``)."""
+    need = {"xi_sigma_rms", "xi_rho"}
+    if not need <= set(metrics.columns):
+        return pd.DataFrame()
+    out = []
+    for run, m in metrics[metrics["xi_sigma_rms"].notna()].groupby("run", sort=False):
+        ratio = m["xi_sigma_rms"] / m["xi_rho"]
+        later = m[m["iteration"] > m["iteration"].min()]
+        row = {"run": run, "method": m["method"].iloc[0], "seed": m["seed"].iloc[0], "iterations": len(m),
+               "rho": float(m["xi_rho"].iloc[0]), "rms_over_rho_min": float(ratio.min()),
+               "rms_over_rho_max": float(ratio.max()), "clamped_max": float(m["xi_sigma_clamped_frac"].max()),
+               "valid_min_after_0": float(later["valid_rate"].min()) if len(later) else float("nan"),
+               "flip_max": float(m["xi_real_flip_frac"].max()) if "xi_real_flip_frac" in m else float("nan")}
+        lo, hi = HEALTH["rms_over_rho"]
+        row["healthy"] = bool(row["rms_over_rho_min"] >= lo and row["rms_over_rho_max"] <= hi
+                              and row["clamped_max"] <= HEALTH["clamped_max"]
+                              and not row["valid_min_after_0"] < HEALTH["valid_min"])
+        out.append(row)
+    return pd.DataFrame(out)
 
 
 def layer_sigma(metrics: pd.DataFrame) -> pd.DataFrame:

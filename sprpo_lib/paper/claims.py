@@ -1,0 +1,114 @@
+"""The paper's claims against this reproduction: for each claim, the paper's number, this
+run's paired difference with its 95% interval, the smallest difference the design can
+detect (80% power), and a reading that follows from those three by a fixed rule
+(:func:`reading`).  The README's claims section is :func:`claims_markdown` of the
+results (notebook 08 writes it after notebooks 04 and 08 have computed their paired
+comparisons); nothing in it is typed.
+
+``PAPER`` holds the paper's own numbers (WebShop, Table 1 and App. table "Component
+ablations", success %), the reference each claim is read against.
+"""
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import pandas as pd
+
+from sprpo_lib.paper.results import plain
+from sprpo_lib.paper.tables import FAMILY_LABELS, METHOD_LABELS, strength_label
+
+__all__ = ["PAPER", "reading", "claim_rows", "claims_markdown"]
+
+#: The paper's WebShop success (%) per method and Table 1 setting, and its component ablations.
+PAPER = {
+    "webshop": {
+        "table1": {
+            "vanilla": {"clean@0": 57.00, "gaussian@0.2": 18.73, "dropout@0.05": 12.20, "fisher@0.2": 2.27,
+                        "sparsegpt@0.4": 42.00, "rtn@6": 45.20},
+            "gaussian": {"clean@0": 50.60, "gaussian@0.2": 17.87, "dropout@0.05": 11.33, "fisher@0.2": 0.27,
+                         "sparsegpt@0.4": 34.33, "rtn@6": 39.80},
+            "sam": {"clean@0": 52.27, "gaussian@0.2": 15.20, "dropout@0.05": 8.87, "fisher@0.2": 0.60,
+                    "sparsegpt@0.4": 29.53, "rtn@6": 34.93},
+            "sprpo": {"clean@0": 60.00, "gaussian@0.2": 30.13, "dropout@0.05": 20.87, "fisher@0.2": 12.40,
+                      "sparsegpt@0.4": 50.20, "rtn@6": 55.67},
+        },
+        "components": {"alpha0": {"clean@0": 48.80}, "no_schedule": {"clean@0": 52.13}},
+    },
+}
+
+
+def _key(family: str, strength: float) -> str:
+    return f"{family}@{float(strength):g}"
+
+
+def reading(diff: float, lo: float, hi: float, mde: float, expected: float) -> str:
+    """What one paired comparison says about a claim whose paper difference is ``expected``:
+    the interval above or below zero decides; an interval across zero is "not resolved",
+    and says whether the paper's difference is below what the design detects."""
+    if lo > 0:
+        return "agrees (interval above 0)" if expected > 0 else "opposite sign to the paper (interval above 0)"
+    if hi < 0:
+        return "agrees (interval below 0)" if expected < 0 else "opposite sign to the paper (interval below 0)"
+    if math.isnan(mde):
+        return "not resolved"
+    return ("not resolved; the paper's difference is below this design's detectable "
+            f"{mde:.1f} pp" if abs(expected) < mde else "not resolved, though the design could detect the paper's difference")
+
+
+def _setting(family: str, strength: float) -> str:
+    return "clean" if family == "clean" else f"{FAMILY_LABELS.get(family, family)} {plain(strength_label(family, strength))}"
+
+
+def claim_rows(paired: pd.DataFrame, ablation_paired: pd.DataFrame | None, env: str,
+               paper: Mapping | None = None) -> pd.DataFrame:
+    """One row per (claim, setting): SPrPO minus each baseline (Table 1) and each ablation
+    variant minus full SPrPO (App. "Component ablations"), with the paper's difference."""
+    ref = (paper or PAPER).get(env, {})
+    t1 = ref.get("table1", {})
+    out = []
+    for r in paired.to_dict("records"):
+        base, k = r["baseline"], _key(r["family"], r["strength"])
+        if base not in t1 or k not in t1.get("sprpo", {}):
+            continue
+        expected = t1["sprpo"][k] - t1[base][k]
+        claim = (f"SPrPO {'matches or beats' if r['family'] == 'clean' else 'keeps more success than'} "
+                 f"{METHOD_LABELS.get(base, base)}")
+        out.append({"claim": claim, "setting": _setting(r["family"], r["strength"]), "paper": expected, **_nums(r)})
+    comp = ref.get("components", {})
+    if ablation_paired is not None:
+        full = t1.get("sprpo", {})
+        for r in ablation_paired.to_dict("records"):
+            k = _key(r["family"], r["strength"])
+            if r["baseline"] not in comp or k not in comp[r["baseline"]] or k not in full:
+                continue
+            name = {"alpha0": "w/o sensitivity (alpha = 0)", "no_schedule": "w/o scheduling"}[r["baseline"]]
+            # the ablation rows are reference (full) minus variant: the paper's full minus variant
+            out.append({"claim": f"full SPrPO beats {name}", "setting": _setting(r["family"], r["strength"]),
+                        "paper": full[k] - comp[r["baseline"]][k], **_nums(r)})
+    cols = ["claim", "setting", "paper", "diff", "lo", "hi", "mde80", "tasks", "reading"]
+    for r in out:
+        r["reading"] = reading(r["diff"], r["lo"], r["hi"], r["mde80"], r["paper"])
+    return pd.DataFrame(out, columns=cols)
+
+
+def _nums(r: Mapping) -> dict:
+    mde = r.get("success_mde80", float("nan"))
+    mde = float("nan") if mde is None else float(mde)
+    return {"diff": r["success_diff"], "lo": r["success_lo"], "hi": r["success_hi"], "mde80": mde,
+            "tasks": r["tasks"]}
+
+
+def claims_markdown(rows: pd.DataFrame, *, profile: str, env: str) -> str:
+    """The claims table of :func:`claim_rows` in Markdown."""
+    if rows.empty:
+        return f"No claim of the paper can be read from the {profile} profile's {env} results.\n"
+    lines = [f"Paper's claims on {env} against the `{profile}` profile: differences in success (percentage points), "
+             "SPrPO (full) minus the other policy or variant, paired over the same test goals and evaluation seeds (95% bootstrap over "
+             "tasks); MDE = the smallest difference this design detects with 80% power.\n",
+             "| Claim | Setting | Paper | This run [95% CI] | MDE | Tasks | Reading |", "|---|---|---|---|---|---|---|"]
+    for r in rows.to_dict("records"):
+        mde = "-" if math.isnan(r["mde80"]) else f"{r['mde80']:.1f}"
+        lines.append(f"| {r['claim']} | {r['setting']} | {r['paper']:+.1f} | {r['diff']:+.1f} [{r['lo']:+.1f}, "
+                     f"{r['hi']:+.1f}] | {mde} | {int(r['tasks'])} | {r['reading']} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,116 @@
+"""The ablation study's plan, tables and readings, and the noise-health check, on synthetic
+inputs with known answers (the end-to-end run is in test_notebooks)."""
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+
+from sprpo_lib.paper import ablations as A
+from sprpo_lib.paper import claims as C
+from sprpo_lib.paper import results as R
+from sprpo_lib.paper import sigma as S
+from sprpo_lib.paper import tables as T
+from sprpo_lib.paper.experiments import plan
+
+
+def _summary(values: dict[str, dict[tuple[str, float], float]], std: float = float("nan")) -> pd.DataFrame:
+    rows = [{"env": "webshop", "method": m, "family": f, "strength": s, "mean": v, "std": std, "n": 1, "retention": 50.0}
+            for m, cells in values.items() for (f, s), v in cells.items()]
+    return pd.DataFrame(rows)
+
+
+def test_each_study_has_the_papers_groups_and_a_unique_reference():
+    for profile, envs in A.ABLATIONS.items():
+        for env, ab in envs.items():
+            assert ab.variant(A.REFERENCE).method == "sprpo"
+            assert all(g in A.GROUP_TITLES for v in ab.variants for g in v.groups)
+    cpu = A.ablation("cpu", "webshop")
+    assert [lab for _, lab in cpu.group("components")][-1] == "Full SPrPO*"
+    assert {k for k, _ in cpu.group("alpha")} == {"full", "alpha0", "alpha0.5", "alpha2"}
+    assert cpu.variant("rho0").reuse == "vanilla" and cpu.tasks == 100
+    # the cpu rho grid sits around the profile's rho, and the Gaussian strategy uses sigma = rho
+    assert {lab for _, lab in cpu.group("rho")} == {"0 (Vanilla)*", "0.05", "0.1*", "0.2"}
+    assert cpu.variant("gaussian_rho").overrides == ("method.sigma=0.1",)
+    with pytest.raises(ValueError, match="no study for profile 'cpu' on 'alfworld'"):
+        A.ablation("cpu", "alfworld")
+    with pytest.raises(ValueError, match="must be unique and include 'full'"):
+        A.Ablation("cpu", "webshop", (A.Variant("x", {}, "sprpo"),))
+
+
+def test_a_variant_with_the_main_config_is_the_main_run_and_nothing_is_trained(tmp_path):
+    """The starred cells: full SPrPO, SAM at 5e-3 and Gaussian at sigma = rho are the main runs
+    (found by config equality), rho = 0 is Vanilla; only the remaining variants would train."""
+    p = plan("cpu", "webshop")
+    main = {(m, s): tmp_path / f"{m}{s}" for m, s in p.runs()}
+    ab = A.ablation("cpu", "webshop")
+    keep = ("full", "rho0", "sam_5e-3", "gaussian_rho", "lr_profile")
+    sub = A.Ablation("cpu", "webshop", tuple(v for v in ab.variants if v.key in keep), ab.seeds, ab.tasks)
+    runs = A.variant_runs(sub, p, main, runs_root=tmp_path / "never")
+    assert runs[("full", 0)] == main["sprpo", 0] and runs[("full", 1)] == main["sprpo", 1]
+    assert runs[("rho0", 1)] == main["vanilla", 1] and runs[("sam_5e-3", 0)] == main["sam", 0]
+    assert runs[("gaussian_rho", 0)] == main["gaussian", 0] and runs[("lr_profile", 0)] == main["vanilla", 0]
+    assert not (tmp_path / "never").exists()
+
+
+def test_ablation_table_bolds_the_best_of_each_group_in_the_papers_layout():
+    settings = [("clean", 0.0), ("gaussian", 0.2), ("rtn", 6.0)]
+    summ = _summary({"a": {s: 10.0 for s in settings}, "b": {s: 20.0 for s in settings},
+                     "c": {("clean", 0.0): 5.0, ("gaussian", 0.2): 30.0, ("rtn", 6.0): 1.0}})
+    groups = [("rho sweep", [("a", "0"), ("b", "0.1*")]), ("alpha sweep", [("c", "0"), ("a", "1*")])]
+    tex = T.ablation_table(summ, "webshop", groups, settings)
+    lines = tex.splitlines()
+    assert lines[2] == r"Value & Clean & \shortstack{Gaussian\\$\sigma=.20$} & INT6 \\"
+    assert r"\multicolumn{4}{l}{\textit{rho sweep}} \\" in lines and r"\multicolumn{4}{l}{\textit{alpha sweep}} \\" in lines
+    row_b = next(ln for ln in lines if ln.startswith("0.1*"))
+    assert row_b.count(r"\mathbf") == 3  # best in every column of its group
+    row_c = next(ln for ln in lines if ln.startswith("0 &") and "30.00" in ln)
+    assert r"\mathbf{30.00}" in row_c and r"\mathbf{5.00}" not in row_c  # group 2: c wins only the Gaussian column
+    frame = T.ablation_frame(summ, "webshop", groups, settings)
+    assert len(frame) == 4 * 3 and frame.groupby(["group", "column"])["best"].sum().min() >= 1
+
+
+@pytest.mark.parametrize("diff,lo,hi,mde,expected,text", [
+    (5.0, 1.0, 9.0, 4.0, 3.0, "agrees (interval above 0)"),
+    (-5.0, -9.0, -1.0, 4.0, 3.0, "opposite sign to the paper (interval below 0)"),
+    (1.0, -3.0, 5.0, 9.0, 3.0, "not resolved; the paper's difference is below this design's detectable 9.0 pp"),
+    (1.0, -3.0, 5.0, 2.0, 11.0, "not resolved, though the design could detect the paper's difference"),
+    (-4.0, -8.0, -0.5, 3.0, -2.0, "agrees (interval below 0)"),
+])
+def test_reading_of_a_claim_follows_its_interval(diff, lo, hi, mde, expected, text):
+    assert C.reading(diff, lo, hi, mde, expected) == text
+
+
+def test_claim_rows_take_the_papers_differences():
+    paired = pd.DataFrame([{"baseline": "vanilla", "family": "gaussian", "strength": 0.2, "success_diff": 4.0,
+                            "success_lo": -1.0, "success_hi": 9.0, "success_mde80": 7.0, "tasks": 200},
+                           {"baseline": "warm_start", "family": "clean", "strength": 0.0, "success_diff": 1.0,
+                            "success_lo": -1.0, "success_hi": 3.0, "success_mde80": 2.0, "tasks": 200}])
+    abl = pd.DataFrame([{"baseline": "no_schedule", "family": "clean", "strength": 0.0, "success_diff": 2.0,
+                         "success_lo": -3.0, "success_hi": 7.0, "success_mde80": 14.0, "tasks": 100}])
+    rows = C.claim_rows(paired, abl, "webshop")
+    assert list(rows.claim) == ["SPrPO keeps more success than Vanilla", "full SPrPO beats w/o scheduling"]
+    assert rows.paper.tolist() == pytest.approx([30.13 - 18.73, 60.00 - 52.13])
+    md = C.claims_markdown(rows, profile="cpu", env="webshop")
+    assert "| +11.4 | +4.0 [-1.0, +9.0] | 7.0 | 200 | not resolved, though" in md
+
+
+def test_noise_health_against_hand_computed_limits():
+    m = pd.DataFrame({"run": ["r"] * 3, "method": ["sprpo"] * 3, "seed": [0] * 3, "iteration": [0, 1, 2],
+                      "xi_rho": [0.1] * 3, "xi_sigma_rms": [0.1, 0.06, 0.14], "xi_sigma_clamped_frac": [0.0, 0.01, 0.05],
+                      "valid_rate": [0.5, 0.9, 0.81], "xi_real_flip_frac": [0.0, 0.0, 0.001]})
+    h = S.noise_health(m).iloc[0]
+    assert h.rms_over_rho_min == pytest.approx(0.6) and h.rms_over_rho_max == pytest.approx(1.4)
+    assert h.valid_min_after_0 == pytest.approx(0.81) and h.healthy  # iteration 0's 0.5 does not count
+    m.loc[2, "xi_sigma_clamped_frac"] = 0.06
+    assert not S.noise_health(m).iloc[0].healthy
+    assert S.noise_health(m.drop(columns="xi_rho")).empty  # runs without sigma statistics
+
+
+def test_motivation_figure_draws_the_warm_start_beside_vanilla(tmp_path):
+    summ = _summary({"vanilla": {("clean", 0.0): 40.0, ("gaussian", 0.2): 16.0},
+                     "warm_start": {("clean", 0.0): 25.0, ("gaussian", 0.2): 20.0}}, std=1.0)
+    paths = R.plot_motivation(summ, tmp_path / "fig1", reference="warm_start")
+    assert [p.suffix for p in paths] == [".png", ".pdf"] and all(p.stat().st_size > 0 for p in paths)
+    assert math.isclose(R.MDE80_Z, 2.8016, abs_tol=1e-3)
