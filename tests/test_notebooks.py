@@ -121,7 +121,7 @@ def test_result_notebooks_smoke_and_render_only(tmp_path):
     assert set(abl[abl.method == "rho0"].cell) <= cells["vanilla"] and set(abl[abl.method == "full"].cell) <= cells["sprpo"]
     assert set(abl[abl.method == "sam_5e-3"].cell) <= cells["sam"]  # the main SAM run, found by its config
     assert not set(abl[abl.method == "alpha0"].cell) & cells["sprpo"]  # a trained variant: its own cells
-    trained = sorted(p.parent.name for p in (tmp_path / "runs" / "smoke" / "train" / "ablation").glob("*/*/config.json"))
+    trained = sorted(p.parent.parent.name for p in (tmp_path / "runs" / "smoke" / "train" / "ablation").glob("*/*/config.json"))
     assert trained == ["alpha0", "lr0.0003", "scale_relative"]
     rules = pd.read_csv(out / "08_ablations_webshop_noise_rules.csv")
     assert set(rules.rule) == {"energy*", "relative"} and rules.xi_sigma_rms.notna().all()

@@ -227,9 +227,9 @@ def noise_rules(ab: Ablation, runs: Mapping[tuple[str, int], Path]) -> pd.DataFr
     dirs = [(k, s, d) for (k, s), d in runs.items() if k in keys]
     if not dirs:
         return pd.DataFrame()
-    m = load_metrics([d for _, _, d in dirs])
-    rule = {d.name: ab.variant(k).groups["scale"][1] for k, _, d in dirs}
-    m.insert(0, "rule", m["run"].map(rule))
-    cols = ["rule", "run", "seed", "iteration", "xi_rho", "xi_sigma_rms", "xi_sigma_mean", "xi_sigma_max",
+    # one frame per run: a variant's run folder has the main run's name under another root
+    m = pd.concat([load_metrics([d]).assign(rule=ab.variant(k).groups["scale"][1], variant=k) for k, _, d in dirs],
+                  ignore_index=True)
+    cols = ["rule", "variant", "run", "seed", "iteration", "xi_rho", "xi_sigma_rms", "xi_sigma_mean", "xi_sigma_max",
             "xi_sigma_clamped_frac", "xi_s_k", "xi_real_flip_frac", "valid_rate", "success", "entropy"]
     return m[[c for c in cols if c in m]]

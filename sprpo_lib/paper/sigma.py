@@ -36,19 +36,20 @@ __all__ = ["layer_sigma", "final_sigma", "sigma_fisher", "plot_sigma", "noise_he
 HEALTH = {"rms_over_rho": (0.5, 1.5), "clamped_max": 0.05, "valid_min": 0.80}
 
 
-def noise_health(metrics: pd.DataFrame) -> pd.DataFrame:
+def noise_health(metrics: pd.DataFrame, by: str = "run") -> pd.DataFrame:
     """Per run with sigma statistics: the range of RMS sigma / rho over its iterations, the
     largest clamped fraction, the lowest valid-action rate after iteration 0, the largest
     sign-flip fraction of the realised xi, and whether every iteration kept to
-    :data:`HEALTH` (``healthy``)."""
+    :data:`HEALTH` (``healthy``).  ``by``: the column that names a run (``variant`` for
+    ablation runs, whose folders repeat the main runs' names)."""
     need = {"xi_sigma_rms", "xi_rho"}
     if not need <= set(metrics.columns):
         return pd.DataFrame()
     out = []
-    for run, m in metrics[metrics["xi_sigma_rms"].notna()].groupby("run", sort=False):
+    for run, m in metrics[metrics["xi_sigma_rms"].notna()].groupby(by, sort=False):
         ratio = m["xi_sigma_rms"] / m["xi_rho"]
         later = m[m["iteration"] > m["iteration"].min()]
-        row = {"run": run, "method": m["method"].iloc[0], "seed": m["seed"].iloc[0], "iterations": len(m),
+        row = {by: run, "method": m["method"].iloc[0], "seed": m["seed"].iloc[0], "iterations": len(m),
                "rho": float(m["xi_rho"].iloc[0]), "rms_over_rho_min": float(ratio.min()),
                "rms_over_rho_max": float(ratio.max()), "clamped_max": float(m["xi_sigma_clamped_frac"].max()),
                "valid_min_after_0": float(later["valid_rate"].min()) if len(later) else float("nan"),
