@@ -103,6 +103,8 @@ def test_noise_health_against_hand_computed_limits():
     h = S.noise_health(m).iloc[0]
     assert h.rms_over_rho_min == pytest.approx(0.6) and h.rms_over_rho_max == pytest.approx(1.4)
     assert h.valid_min_after_0 == pytest.approx(0.81) and h.healthy  # iteration 0's 0.5 does not count
+    m.loc[2, "xi_sigma_rms"] = 0.15000000765  # float32 sigma at the clip: within rounding
+    assert S.noise_health(m).iloc[0].healthy
     m.loc[2, "xi_sigma_clamped_frac"] = 0.06
     assert not S.noise_health(m).iloc[0].healthy
     assert S.noise_health(m.drop(columns="xi_rho")).empty  # runs without sigma statistics

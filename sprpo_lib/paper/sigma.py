@@ -55,7 +55,8 @@ def noise_health(metrics: pd.DataFrame, by: str = "run") -> pd.DataFrame:
                "valid_min_after_0": float(later["valid_rate"].min()) if len(later) else float("nan"),
                "flip_max": float(m["xi_real_flip_frac"].max()) if "xi_real_flip_frac" in m else float("nan")}
         lo, hi = HEALTH["rms_over_rho"]
-        row["healthy"] = bool(row["rms_over_rho_min"] >= lo and row["rms_over_rho_max"] <= hi
+        tol = 1e-6  # sigma is float32: RMS at the schedule's clip lands within rounding of it
+        row["healthy"] = bool(row["rms_over_rho_min"] >= lo * (1 - tol) and row["rms_over_rho_max"] <= hi * (1 + tol)
                               and row["clamped_max"] <= HEALTH["clamped_max"]
                               and not row["valid_min_after_0"] < HEALTH["valid_min"])
         out.append(row)
