@@ -70,19 +70,26 @@ class ResultsPage:
                 "render_only": self.render_only, **extra}
 
     def manifests(self, artifacts: Sequence[str | Path], config: Mapping | None = None, **kw) -> list[Path]:
-        """A manifest beside every artifact, with the wall time since the page started.  A
-        render-only pass keeps the record of the run that computed the artifact (``computed``:
-        its wall time, date, commit and machine), so redrawing loses no provenance."""
-        if self.render_only:
-            for a in artifacts:
-                old = read_cached(Path(f"{a}.manifest.json"))
-                if isinstance(old, dict):
-                    computed = old.get("computed") or (None if (old.get("config") or {}).get("render_only") else
-                                                       {k: old.get(k) for k in COMPUTED_KEYS})
-                    if computed:
-                        R.manifests([a], self.config() if config is None else config, time.time() - self.t_start,
-                                    **{**kw, "extra": {**(kw.get("extra") or {}), "computed": computed}})
-                        continue
-                R.manifests([a], self.config() if config is None else config, time.time() - self.t_start, **kw)
-            return [Path(f"{a}.manifest.json") for a in artifacts]
-        return R.manifests(artifacts, self.config() if config is None else config, time.time() - self.t_start, **kw)
+        """A manifest beside every artifact, with the wall time since the page started
+        (:func:`write_manifests`)."""
+        return write_manifests(artifacts, self.config() if config is None else config, self.t_start, self.render_only,
+                               **kw)
+
+
+def write_manifests(artifacts: Sequence[str | Path], config: Mapping, t_start: float, render_only: bool,
+                    **kw) -> list[Path]:
+    """A manifest beside every artifact (:func:`sprpo_lib.paper.results.manifests`), with the
+    wall time since ``t_start``.  A render-only pass keeps the record of the run that computed
+    the artifact (``computed``: its wall time, date, commit and machine), so redrawing loses
+    no provenance and the stage times stay those of the computation."""
+    if not render_only:
+        return R.manifests(artifacts, config, time.time() - t_start, **kw)
+    for a in artifacts:
+        old = read_cached(Path(f"{a}.manifest.json"))
+        computed = None
+        if isinstance(old, dict):
+            computed = old.get("computed") or (None if (old.get("config") or {}).get("render_only") else
+                                               {k: old.get(k) for k in COMPUTED_KEYS})
+        extra = {**(kw.get("extra") or {}), **({"computed": computed} if computed else {})}
+        R.manifests([a], config, time.time() - t_start, **{**kw, "extra": extra})
+    return [Path(f"{a}.manifest.json") for a in artifacts]
