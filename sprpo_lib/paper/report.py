@@ -18,6 +18,7 @@ import pandas as pd
 
 from sprpo_lib.config import TrainConfig, config_from_dict
 from sprpo_lib.heldout import load_eval
+from sprpo_lib.methods import METHOD_DISPLAY
 from sprpo_lib.paths import project_path
 from sprpo_lib.train import default_out_dir, load_config, train, warm_start_dir
 
@@ -161,18 +162,27 @@ def plot_training(metrics: pd.DataFrame, summary: pd.DataFrame | None, path: str
 
     has_eval = summary is not None and "final_success" in summary and "start_success" in summary
     fig, axes = plt.subplots(1, 3 if has_eval else 2, figsize=(13 if has_eval else 9, 3.4))
+    from matplotlib.ticker import MaxNLocator
+
+    styles = ("-", ":", "-.", (0, (5, 2)))
     for run, df in metrics.groupby("run"):
-        label = f"{df['method'].iloc[0]} s{df['seed'].iloc[0]}"
-        line = axes[0].plot(df["iteration"], df["success"], marker="o", ms=3, label=label)[0]
-        axes[1].plot(df["iteration"], df["score"], marker="o", ms=3, color=line.get_color(), label=f"{label} score")
-        axes[1].plot(df["iteration"], df["valid_rate"], ls="--", color=line.get_color(), label=f"{label} valid")
+        method, seed = df["method"].iloc[0], int(df["seed"].iloc[0])
+        disp = METHOD_DISPLAY.get(method)
+        label = f"{disp.label if disp else method} s{seed}"
+        kw = {"color": disp.color if disp else None, "ls": styles[seed % len(styles)], "marker": "o", "ms": 3}
+        axes[0].plot(df["iteration"], df["success"], label=label, **kw)
+        axes[1].plot(df["iteration"], df["score"], label=f"{label} score", **kw)
+        axes[1].plot(df["iteration"], df["valid_rate"], color=kw["color"], ls=kw["ls"], marker="x", ms=3, alpha=0.5,
+                     label=f"{label} valid")
+    for ax in axes[:2]:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     temps = sorted(set(metrics["temperature"])) if "temperature" in metrics else []
     t = f", T={temps[0]:g}" if len(temps) == 1 else ""
     axes[0].set(xlabel="iteration", ylabel="rollout success", title=f"success (rollouts on training tasks{t})",
                 ylim=(-0.02, 1.02))
     axes[1].set(xlabel="iteration", ylabel="mean score / valid-action rate",
-                title="score (solid), valid actions (dashed)", ylim=(-0.02, 1.02))
-    axes[1].legend(fontsize=6)
+                title="score (dots), valid actions (crosses, faint)", ylim=(-0.02, 1.02))
+    axes[1].legend(fontsize=5, ncol=2, loc="lower left")
     axes[0].legend(fontsize=7)
     if has_eval:
         ax = axes[2]
