@@ -28,7 +28,7 @@ from typing import Mapping, Sequence
 import pandas as pd
 
 from sprpo_lib.config import config_dict, load_config
-from sprpo_lib.evaluate import DEFAULT_CACHE, evaluate
+from sprpo_lib.evaluate import DEFAULT_CACHE
 from sprpo_lib.paper import experiments as X
 from sprpo_lib.paper.report import run_grid
 from sprpo_lib.paths import project_path, runs_dir
@@ -196,24 +196,11 @@ def ablation_rows(ab: Ablation, p: X.Plan, runs: Mapping[tuple[str, int], Path],
         v = ab.variant(key)
         tasks = p.tasks if run in main_dirs else ab.tasks
         wanted = table if v.settings == "table" else table[:1]
-        by_family: dict[str, list[float]] = {}
-        for fam, st in wanted:
-            by_family.setdefault(fam, []).append(st)
-        for fam, strengths in by_family.items():
-            cfg = X.eval_config(p, run, cache_dir, family=fam, strengths=tuple(strengths),
-                                calibration=calib if fam in ("fisher", "sparsegpt") else None)
-            cfg = dataclasses.replace(cfg, tasks=tasks, tags={**cfg.tags, "method": key, "variant_method": v.method})
-            df = evaluate(cfg, progress=progress)
-            if ab.tasks is not None:
-                df = df[df["task_index"] < ab.tasks]
-            frames.append(df)
-    rows = pd.concat(frames, ignore_index=True)
-    keep = [c for c in (*X.ROW_KEEP, "variant_method") if c in rows]
-    for c in X.ROW_KEEP:
-        if c not in rows:
-            rows[c] = 0.0 if c == "w2" else None
-    return rows[list(dict.fromkeys([*X.ROW_KEEP, *keep]))]
-
+        base = X.eval_config(p, run, cache_dir)
+        base = dataclasses.replace(base, tags={**base.tags, "method": key, "variant_method": v.method})
+        for df in X.evaluate_settings(base, wanted, tasks=tasks, calibration=calib, progress=progress):
+            frames.append(df[df["task_index"] < ab.tasks] if ab.tasks is not None else df)
+    return X.slim_rows(pd.concat(frames, ignore_index=True), extra=("variant_method",))
 
 
 def noise_rules(ab: Ablation, runs: Mapping[tuple[str, int], Path]) -> pd.DataFrame:

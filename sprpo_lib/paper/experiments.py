@@ -32,6 +32,7 @@ import pandas as pd
 
 from sprpo_lib.compress import FAMILIES
 from sprpo_lib.evaluate import (
+    CALIBRATED_FAMILIES,
     DEFAULT_CACHE,
     EvalConfig,
     ModelSource,
@@ -48,7 +49,7 @@ from sprpo_lib.paths import project_path
 
 __all__ = ["Plan", "PLANS", "plan", "policies", "calibration_pool", "robustness_rows", "landscape_rows",
            "save_rows", "load_rows", "ROW_KEEP", "METHOD_ORDER", "eval_config", "TABLE1",
-           "WARM_START", "warm_start_config"]
+           "WARM_START", "warm_start_config", "evaluate_settings", "slim_rows"]
 
 METHOD_ORDER = tuple(m for m in METHOD_DISPLAY if m in METHODS)
 #: The ``method`` of the warm-start policy's rows (a reference, not a trained method).
@@ -229,11 +230,13 @@ def calibration_pool(p: Plan, runs: Mapping[tuple[str, int], Path], cache_dir: s
 
 
 # ----------------------------------------------------------------------------- sweeps
-def _slim(rows: pd.DataFrame) -> pd.DataFrame:
+def slim_rows(rows: pd.DataFrame, extra: Sequence[str] = ()) -> pd.DataFrame:
+    """The committed columns of result rows (:data:`ROW_KEEP`, missing ones filled) and
+    ``extra`` columns where present."""
     for c in ROW_KEEP:
         if c not in rows:
             rows[c] = 0.0 if c == "w2" else None
-    return rows[list(ROW_KEEP)]
+    return rows[list(dict.fromkeys([*ROW_KEEP, *(c for c in extra if c in rows)]))]
 
 
 def warm_start_config(p: Plan, runs: Mapping[tuple[str, int], Path], cache_dir: Path, **kw) -> EvalConfig | None:
@@ -273,16 +276,22 @@ def robustness_rows(p: Plan, runs: Mapping[tuple[str, int], Path], *, methods: S
     ws = warm_start_config(p, runs, cache_dir)
     if ws is not None and with_warm_start:
         jobs += [(ws, table, p.tasks)] + ([(ws, extra, p.curve_tasks or p.tasks)] if extra else [])
-    frames = []
-    for base, wanted, tasks in jobs:
-        by_family: dict[str, list[float]] = {}
-        for fam, st in wanted:
-            by_family.setdefault(fam, []).append(st)
-        for fam, strengths in by_family.items():
-            cfg = dataclasses.replace(base, family=fam, strengths=tuple(strengths), tasks=tasks,
-                                      calibration=calib if fam in ("fisher", "sparsegpt") else None)
-            frames.append(evaluate(cfg, progress=progress))
-    return _slim(pd.concat(frames, ignore_index=True))
+    frames = [df for base, wanted, tasks in jobs
+              for df in evaluate_settings(base, wanted, tasks=tasks, calibration=calib, progress=progress)]
+    return slim_rows(pd.concat(frames, ignore_index=True))
+
+
+def evaluate_settings(base: EvalConfig, settings: Sequence[tuple[str, float]], *, tasks: int | None,
+                      calibration: str | None, progress: bool = True) -> list[pd.DataFrame]:
+    """``base`` (one policy) evaluated at every ``(family, strength)`` of ``settings`` on the
+    first ``tasks`` goals: one :func:`evaluate` per family (its cells cached one by one), the
+    calibration pool passed to the families that need one."""
+    by_family: dict[str, list[float]] = {}
+    for fam, st in settings:
+        by_family.setdefault(fam, []).append(float(st))
+    return [evaluate(dataclasses.replace(base, family=fam, strengths=tuple(strengths), tasks=tasks,
+                                         calibration=calibration if fam in CALIBRATED_FAMILIES else None),
+                     progress=progress) for fam, strengths in by_family.items()]
 
 
 def landscape_rows(p: Plan, runs: Mapping[tuple[str, int], Path], *, cache_dir: str | Path = DEFAULT_CACHE,
@@ -291,7 +300,7 @@ def landscape_rows(p: Plan, runs: Mapping[tuple[str, int], Path], *, cache_dir: 
     all on the same plane (``direction_seed``) and tasks.  Rows carry ``strength`` = w1
     and ``w2``."""
     if not p.landscape_grid:
-        return _slim(pd.DataFrame(columns=list(ROW_KEEP)))
+        return slim_rows(pd.DataFrame(columns=list(ROW_KEEP)))
     frames = []
     for m in p.landscape_methods:
         run = runs[m, p.landscape_seed]
@@ -303,7 +312,7 @@ def landscape_rows(p: Plan, runs: Mapping[tuple[str, int], Path], *, cache_dir: 
             df = evaluate(cfg, progress=progress)
             df["w2"] = float(w2)
             frames.append(df)
-    return _slim(pd.concat(frames, ignore_index=True))
+    return slim_rows(pd.concat(frames, ignore_index=True))
 
 
 # ----------------------------------------------------------------------------- tidy files
