@@ -249,6 +249,17 @@ def cut_response(ids: list[int], eos_id: int | None, pad_id: int | None) -> list
     return ids
 
 
+def prefill_groups(prompts: Sequence[Sequence[int]], prefill_tokens: int) -> list[Sequence[Sequence[int]]]:
+    """Consecutive groups of (equal-width, left-padded) prompts, each about ``prefill_tokens``
+    tokens and at least one prompt: the prefill chunks of the loop backends."""
+    groups, start = [], 0
+    while start < len(prompts):
+        n = max(1, min(len(prompts) - start, prefill_tokens // max(1, len(prompts[start]))))
+        groups.append(prompts[start : start + n])
+        start += n
+    return groups
+
+
 def accept_tokens(tokens: Sequence[int], alive: list[int], new: list[list[int]], tails: list[str],
                   piece, eos: set[int], pad: int | None, stop: str) -> list[int]:
     """One decode step's bookkeeping for the engines that decode themselves: append each live

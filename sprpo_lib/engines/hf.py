@@ -19,6 +19,7 @@ from sprpo_lib.engines.base import (
     eos_ids,
     load_baked,
     plain_copy,
+    prefill_groups,
     select_tokens,
 )
 
@@ -181,11 +182,7 @@ class HFEngine:
 
         device, pad = self.policy.device, self.policy.tokenizer.pad_token_id
         width = len(prompts[0])
-        groups, start = [], 0
-        while start < len(prompts):
-            n = max(1, min(len(prompts) - start, self.prefill_tokens // max(1, len(prompts[start]))))
-            groups.append(prompts[start : start + n])
-            start += n
+        groups = prefill_groups(prompts, self.prefill_tokens)
         logits, layers = [], None
         att = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
         r = 0

@@ -86,6 +86,7 @@ from sprpo_lib.engines.base import (
     cut_response,
     effective_weights,
     eos_ids,
+    prefill_groups,
     select_tokens,
 )
 from sprpo_lib.engines.hf import HFEngine
@@ -876,11 +877,7 @@ class OpenVINOEngine(HFEngine):
         ov = _ov()
         pad = self.policy.tokenizer.pad_token_id
         width = len(prompts[0])
-        groups, start = [], 0
-        while start < len(prompts):
-            n = max(1, min(len(prompts) - start, self.prefill_tokens // max(1, len(prompts[start]))))
-            groups.append(prompts[start : start + n])
-            start += n
+        groups = prefill_groups(prompts, self.prefill_tokens)
         logits, states = [], None
         att = np.zeros((len(prompts), width), dtype=np.int64)
         r = 0
