@@ -53,15 +53,16 @@ class ResultsPage:
     def rows(self, compute: Callable[[X.Plan, Mapping], pd.DataFrame], suffix: str = "_rows.csv",
              save: Callable[[pd.DataFrame, Path], object] = X.save_rows) -> dict[str, pd.DataFrame]:
         """Per environment: the rows in ``<stem><suffix>`` when rendering only, else
-        ``compute(plan, runs)``, written there with ``save``."""
+        ``compute(plan, runs)``, written there with ``save`` and read back, so that a
+        computing pass and a render-only pass draw from the same (rounded) numbers."""
         out = {}
         for env, p in self.plans.items():
             path = self.stem(env, suffix)
             if self.render_only:
                 out[env] = X.load_rows(path)
             else:
-                out[env] = compute(p, self.runs(env))
-                save(out[env], path)
+                save(compute(p, self.runs(env)), path)
+                out[env] = X.load_rows(path)
         return out
 
     def config(self, **extra) -> dict:
