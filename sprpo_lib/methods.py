@@ -381,19 +381,21 @@ def make_method(cfg: MethodConfig, shape: tuple[int, int], seed: int = 0) -> Met
 # ----------------------------------------------------------------------------- display
 @dataclass(frozen=True)
 class MethodDisplay:
-    """How figures and tables show a method: its name and its one colour everywhere."""
+    """How figures and tables show a method: its name, its one colour and its one marker
+    everywhere."""
 
     label: str
     color: str
+    marker: str = "o"
 
 
 #: Every method's label and colour, in the paper's order (the baselines, then SPrPO), and
 #: the warm-start reference; the plans, figures and tables read it.
 METHOD_DISPLAY: dict[str, MethodDisplay] = {
-    "vanilla": MethodDisplay("Vanilla", "#7f7f7f"),
-    "gaussian": MethodDisplay("Gaussian", "#1f77b4"),
-    "sam": MethodDisplay("SAM", "#ff7f0e"),
-    "sprpo": MethodDisplay("SPrPO", "#d62728"),
+    "vanilla": MethodDisplay("Vanilla", "#7f7f7f", "o"),
+    "gaussian": MethodDisplay("Gaussian", "#1f77b4", "s"),
+    "sam": MethodDisplay("SAM", "#ff7f0e", "^"),
+    "sprpo": MethodDisplay("SPrPO", "#d62728", "D"),
     # not a training method: the supervised warm start every cpu run starts from (a reference row)
-    "warm_start": MethodDisplay("Warm start", "#2ca02c"),
+    "warm_start": MethodDisplay("Warm start", "#2ca02c", "v"),
 }

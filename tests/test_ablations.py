@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -116,3 +117,24 @@ def test_motivation_figure_draws_the_warm_start_beside_vanilla(tmp_path):
     paths = R.plot_motivation(summ, tmp_path / "fig1", reference="warm_start")
     assert [p.suffix for p in paths] == [".png", ".pdf"] and all(p.stat().st_size > 0 for p in paths)
     assert math.isclose(R.MDE80_Z, 2.8016, abs_tol=1e-3)
+
+
+def test_fig3_rows_per_env_categorical_precision_and_one_marker_per_method(tmp_path, monkeypatch):
+    cells = {("clean", 0.0): 40.0, ("gaussian", 0.1): 30.0, ("rtn", 8.0): 39.0, ("rtn", 6.0): 35.0,
+             ("rtn", 4.0): 5.0}
+    web = _summary({"vanilla": cells, "sprpo": {k: v + 1 for k, v in cells.items()}})
+    alf = web.assign(env="alfworld")
+    alf = alf[~((alf.method == "sprpo") & (alf.strength == 6.0))]  # a missing point keeps its neighbours' slots
+    figs = []
+    monkeypatch.setattr(R, "save_figure", lambda fig, path: figs.append(fig) or [])
+    R.plot_curves(pd.concat([web, alf]), ["vanilla", "sprpo"], tmp_path / "fig3", families=("gaussian", "rtn"))
+    axes = np.asarray(figs[0].axes).reshape(2, 2)
+    assert [ax.get_ylabel() for ax in axes[:, 0]] == ["success (%) - ALFWorld", "success (%) - WebShop"]
+    for row in axes:
+        rtn = row[1]
+        assert [t.get_text() for t in rtn.get_xticklabels()] == ["BF16", "INT8", "INT6", "INT4"]
+        lines = {c.get_label(): c.lines[0] for c in rtn.containers}  # errorbar: (data line, caps, bars)
+        assert {k: ln.get_marker() for k, ln in lines.items()} == {"Vanilla": "o", "SPrPO": "D"}
+        assert list(lines["Vanilla"].get_xdata()) == [0, 1, 2, 3]
+    sp = [c.lines[0] for c in axes[0, 1].containers if c.get_label() == "SPrPO"][0]
+    assert list(sp.get_xdata()) == [0, 1, 3] and list(sp.get_ydata()) == [41.0, 40.0, 6.0]

@@ -169,7 +169,8 @@ def plot_training(metrics: pd.DataFrame, summary: pd.DataFrame | None, path: str
         method, seed = df["method"].iloc[0], int(df["seed"].iloc[0])
         disp = METHOD_DISPLAY.get(method)
         label = f"{disp.label if disp else method} s{seed}"
-        kw = {"color": disp.color if disp else None, "ls": styles[seed % len(styles)], "marker": "o", "ms": 3}
+        kw = {"color": disp.color if disp else None, "ls": styles[seed % len(styles)],
+              "marker": disp.marker if disp else "o", "ms": 3}
         axes[0].plot(df["iteration"], df["success"], label=label, **kw)
         axes[1].plot(df["iteration"], df["score"], label=f"{label} score", **kw)
         axes[1].plot(df["iteration"], df["valid_rate"], color=kw["color"], ls=kw["ls"], marker="x", ms=3, alpha=0.5,
@@ -181,7 +182,7 @@ def plot_training(metrics: pd.DataFrame, summary: pd.DataFrame | None, path: str
     axes[0].set(xlabel="iteration", ylabel="rollout success", title=f"success (rollouts on training tasks{t})",
                 ylim=(-0.02, 1.02))
     axes[1].set(xlabel="iteration", ylabel="mean score / valid-action rate",
-                title="score (dots), valid actions (crosses, faint)", ylim=(-0.02, 1.02))
+                title="score (method markers), valid actions (crosses, faint)", ylim=(-0.02, 1.02))
     axes[1].legend(fontsize=5, ncol=2, loc="lower left")
     axes[0].legend(fontsize=7)
     if has_eval:

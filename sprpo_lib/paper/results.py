@@ -26,7 +26,7 @@ from sprpo_lib.compress import FAMILIES
 from sprpo_lib.io import atomic_write_text
 from sprpo_lib.methods import METHOD_DISPLAY
 from sprpo_lib.paper.stats import paired_bootstrap, summarize
-from sprpo_lib.paper.tables import FAMILY_LABELS, METHOD_LABELS, strength_label
+from sprpo_lib.paper.tables import ENV_LABELS, FAMILY_LABELS, METHOD_LABELS, strength_label
 
 __all__ = ["COLORS", "save_figure", "plot_motivation", "plot_curves", "plot_landscape", "landscape_grid", "plot_ablation",
            "paired_comparisons", "overhead", "overhead_latex", "pick_examples", "examples_markdown", "headline",
@@ -36,6 +36,8 @@ COLORS = {m: d.color for m, d in METHOD_DISPLAY.items()}
 #: z_{0.975} + z_{0.80}: a difference of this many standard errors is detected with 80% power.
 MDE80_Z = 1.959964 + 0.841621
 CURVE_FAMILIES = ("gaussian", "dropout", "fisher", "sparsegpt", "rtn")
+#: rows of a multi-environment figure, in the paper's order
+ENV_ORDER = tuple(ENV_LABELS)
 _AXIS = {f: FAMILIES[f].axis for f in CURVE_FAMILIES}
 
 
@@ -66,39 +68,58 @@ def save_figure(fig, path: str | Path) -> list[Path]:
 
 def _family_points(summary: pd.DataFrame, family: str, method: str) -> pd.DataFrame:
     """A method's curve for one family: the clean point (strength 0; 16 bits for RTN) then
-    the family's strengths."""
+    the family's strengths, growing (RTN: bits falling)."""
     sel = summary[summary["method"] == method]
     clean = sel[sel["family"] == "clean"].copy()
     clean["strength"] = 16.0 if family == "rtn" else 0.0
     fam = sel[sel["family"] == family]
-    return pd.concat([clean, fam]).sort_values("strength")
+    return pd.concat([clean, fam]).sort_values("strength", ascending=family != "rtn")
+
+
+def _marker(method: str) -> str:
+    d = METHOD_DISPLAY.get(method)
+    return d.marker if d else "o"
 
 
 def plot_curves(summary: pd.DataFrame, methods: Sequence[str], path: str | Path, *, title: str = "",
                 families: Sequence[str] = CURVE_FAMILIES, env_label: str = "") -> list[Path]:
     """Fig. 3: success (mean +- std over training seeds) against strength, one panel per
-    family, one line per method; the clean policy is the leftmost point (RTN: 16 bits,
-    axis reversed so strength grows to the right)."""
+    family, one line per method (its colour and marker), one row per environment of
+    ``summary["env"]`` (the paper's order: ALFWorld, then WebShop).  The clean policy is the
+    leftmost point; quantization is a categorical axis (BF16, INT8, INT6, INT4), the
+    precision falling to the right."""
     plt = _plt()
+    envs = [e for e in ENV_ORDER if "env" in summary and (summary["env"] == e).any()]
+    envs += [e for e in (summary["env"].unique() if "env" in summary else []) if e not in envs]
+    parts = [(e, summary[summary["env"] == e]) for e in envs] or [(None, summary)]
     fams = [f for f in families if (summary["family"] == f).any()]
-    fig, axes = plt.subplots(1, max(1, len(fams)), figsize=(3.1 * max(1, len(fams)), 2.9), squeeze=False)
-    for ax, fam in zip(axes[0], fams):
-        for m in methods:
-            pts = _family_points(summary, fam, m)
-            if pts.empty:
-                continue
-            err = pts["std"].fillna(0).to_numpy()
-            ax.errorbar(pts["strength"], pts["mean"], yerr=err, marker="o", ms=3.5, capsize=2, lw=1.4,
-                        color=COLORS.get(m), label=METHOD_LABELS.get(m, m))
-        ax.set(xlabel=_AXIS.get(fam, "strength"), title=FAMILY_LABELS.get(fam, fam), ylim=(-2, 102))
-        if fam == "rtn":
-            ax.invert_xaxis()
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel(f"success (%){' - ' + env_label if env_label else ''}")
-    axes[0][0].legend(fontsize=7)
+    ncol = max(1, len(fams))
+    fig, axes = plt.subplots(len(parts), ncol, figsize=(3.1 * ncol, 2.9 * len(parts)), squeeze=False)
+    for row, (env, part) in zip(axes, parts):
+        for ax, fam in zip(row, fams):
+            if fam == "rtn":  # categorical: the clean policy, then INT8, INT6, INT4
+                bits = sorted({float(b) for b in part.loc[part["family"] == fam, "strength"]}, reverse=True)
+                levels = [16.0, *bits]
+                ax.set_xticks(range(len(levels)), [strength_label("clean" if b == 16.0 else fam, b) for b in levels])
+            for m in methods:
+                pts = _family_points(part, fam, m)
+                if pts.empty:
+                    continue
+                xs = [levels.index(float(b)) for b in pts["strength"]] if fam == "rtn" else pts["strength"]
+                ax.errorbar(xs, pts["mean"], yerr=pts["std"].fillna(0).to_numpy(), marker=_marker(m), ms=4,
+                            capsize=2, lw=1.4, color=COLORS.get(m), label=METHOD_LABELS.get(m, m))
+            ax.set(xlabel="precision" if fam == "rtn" else _AXIS.get(fam, "strength"),
+                   title=FAMILY_LABELS.get(fam, fam), ylim=(-2, 102))
+            ax.grid(alpha=0.3)
+        label = ENV_LABELS.get(env, env) if env else env_label
+        row[0].set_ylabel(f"success (%){' - ' + label if label else ''}")
+    handles, labels = axes[0][0].get_legend_handles_labels()
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()
+    if handles:  # one legend for all panels, below them
+        fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=len(handles), fontsize=8,
+                   frameon=False)
     return save_figure(fig, path)
 
 
@@ -107,7 +128,8 @@ def plot_motivation(summary: pd.DataFrame, path: str | Path, *, method: str = "v
     """Fig. 1: one method's success at clean and at each family's strengths (bars, mean
     +- std over its training seeds), the clean level as a dashed line; ``reference`` (the
     warm start) as outlined bars beside them, so the reader sees whether RL made the agent
-    more or less fragile than its starting point."""
+    more or less fragile than its starting point.  Ticks give the strength; the family
+    names the group of ticks beneath; the value labels sit above the whiskers."""
     plt = _plt()
 
     def bars_of(m: str) -> list[tuple]:
@@ -118,35 +140,44 @@ def plot_motivation(summary: pd.DataFrame, path: str | Path, *, method: str = "v
         for fam in families:
             part = sel[sel["family"] == fam].sort_values("strength", ascending=(fam != "rtn"))
             for _, r in part.iterrows():
-                out.append((f"{FAMILY_LABELS.get(fam, fam).replace(' pruning', '')}\n"
-                            f"{plain(strength_label(fam, r['strength']))}",
-                            float(r["mean"]), float(0 if pd.isna(r["std"]) else r["std"]), fam, float(r["strength"])))
+                out.append((plain(strength_label(fam, r["strength"])), float(r["mean"]),
+                            float(0 if pd.isna(r["std"]) else r["std"]), fam, float(r["strength"])))
         return out
 
     bars = bars_of(method)
     ref = {(b[3], b[4]): b for b in bars_of(reference)} if reference else {}
-    fig, ax = plt.subplots(figsize=(max(5.0, (0.8 if ref else 0.55) * len(bars) + 1), 3.2))
+    fig, ax = plt.subplots(figsize=(max(5.0, (0.8 if ref else 0.6) * len(bars) + 1), 3.4))
     palette = dict(zip(("clean", *CURVE_FAMILIES), plt.get_cmap("tab10").colors))
     x = np.arange(len(bars))
     w = 0.42 if ref else 0.8
     dx = -w / 2 if ref else 0.0
+
+    def values(xs, heights, errs):
+        for xi, h, e in zip(xs, heights, errs):
+            if not math.isnan(h):
+                ax.text(xi, h + e + 1, f"{h:.0f}", ha="center", va="bottom", fontsize=6)
+
     ax.bar(x + dx, [b[1] for b in bars], w, yerr=[b[2] for b in bars], capsize=2, color=[palette.get(b[3]) for b in bars],
            label=METHOD_LABELS.get(method, method))
+    values(x + dx, [b[1] for b in bars], [b[2] for b in bars])
     if ref:
         rb = [ref.get((b[3], b[4]), (None, math.nan, 0.0)) for b in bars]
         ax.bar(x + w / 2, [r[1] for r in rb], w, yerr=[r[2] for r in rb], capsize=2, facecolor="none",
                edgecolor=[palette.get(b[3]) for b in bars], hatch="//", label=METHOD_LABELS.get(reference, reference))
-        for xi, r in zip(x, rb):
-            if not math.isnan(r[1]):
-                ax.text(xi + w / 2, r[1] + 1, f"{r[1]:.0f}", ha="center", va="bottom", fontsize=6)
+        values(x + w / 2, [r[1] for r in rb], [r[2] for r in rb])
         ax.legend(fontsize=7, loc="upper right")
     if not math.isnan(bars[0][1]):
         ax.axhline(bars[0][1], ls="--", lw=1, color="k", alpha=0.6)
-    for xi, b in zip(x, bars):
-        if not math.isnan(b[1]):
-            ax.text(xi + dx, b[1] + 1, f"{b[1]:.0f}", ha="center", va="bottom", fontsize=6)
-    ax.set_xticks(x, [b[0] for b in bars], fontsize=6)
-    ax.set(ylabel="success (%)", ylim=(0, 105), title=title or f"{METHOD_LABELS.get(method, method)} under perturbations")
+    ax.set_xticks(x, [b[0] for b in bars], fontsize=7)
+    for fam in ("clean", *families):  # the family under its group of ticks
+        idx = [i for i, b in enumerate(bars) if b[3] == fam]
+        if idx and fam != "clean":
+            ax.annotate(FAMILY_LABELS.get(fam, fam).replace(" pruning", "\npruning"), xy=(np.mean(idx), 0),
+                        xycoords=("data", "axes fraction"), xytext=(0, -20), textcoords="offset points",
+                        ha="center", va="top", fontsize=7)
+            if idx[0] > 0:
+                ax.axvline(idx[0] - 0.5, color="k", lw=0.5, alpha=0.3)
+    ax.set(ylabel="success (%)", ylim=(0, 110), title=title or f"{METHOD_LABELS.get(method, method)} under perturbations")
     fig.tight_layout()
     return save_figure(fig, path)
 
@@ -212,10 +243,10 @@ def plot_ablation(summary: pd.DataFrame, panels: Sequence[tuple[str, Sequence[tu
             pstd.append(float(ps["std"].fillna(0).mean()) if len(ps) == len(pert) else 0.0)
         ax.bar(x - 0.2, clean, 0.4, yerr=cstd, capsize=2, color="#9ecae1", label="clean")
         ax.bar(x + 0.2, mean_p, 0.4, yerr=pstd, capsize=2, color="#de2d26", label="mean of Table 1's perturbations")
-        for xi, a, b in zip(x, clean, mean_p):
-            for dx, v in ((-0.2, a), (0.2, b)):
-                if not math.isnan(v):
-                    ax.text(xi + dx, v + 1, f"{v:.0f}", ha="center", va="bottom", fontsize=6)
+        for xi, a, ea, b, eb in zip(x, clean, cstd, mean_p, pstd):
+            for dx, v, e in ((-0.2, a, ea), (0.2, b, eb)):
+                if not math.isnan(v):  # above the whisker
+                    ax.text(xi + dx, v + e + 1, f"{v:.0f}", ha="center", va="bottom", fontsize=6)
         ax.set_xticks(x, [plain(lab) for _, lab in members], fontsize=7, rotation=20)
         ax.set(title=plain(ptitle), ylim=(0, 100))
         ax.title.set_fontsize(8)
@@ -305,8 +336,6 @@ def overhead(run_dirs: Sequence[str | Path], quiet: float | None = 0.9) -> pd.Da
 
 def overhead_latex(table: pd.DataFrame, methods: Sequence[str] = ("vanilla", "sprpo")) -> str:
     """The overhead table in the paper's layout (Environment, Method, Rollout, Update, Total)."""
-    from sprpo_lib.paper.tables import ENV_LABELS
-
     lines = [r"\begin{tabular}{@{}llrrr@{}}", r"\toprule", r"Environment & Method & Rollout & Update & Total \\"]
     for i, (env, sub) in enumerate(table[table["method"].isin(methods)].groupby("env", sort=False)):
         lines.append(r"\midrule")

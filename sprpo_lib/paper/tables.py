@@ -32,7 +32,8 @@ FAMILY_ORDER = ("clean", "gaussian", "dropout", "fisher", "sparsegpt", "rtn")
 #: Labels and symbols of the families and methods, read from their one table each.
 FAMILY_LABELS = {f: FAMILIES[f].label for f in FAMILY_ORDER}
 METHOD_LABELS = {m: d.label for m, d in METHOD_DISPLAY.items()}
-ENV_LABELS = {"webshop": "WebShop", "alfworld": "ALFWorld"}
+#: the environments in the paper's order (tables and figure rows: ALFWorld, then WebShop)
+ENV_LABELS = {"alfworld": "ALFWorld", "webshop": "WebShop"}
 MACROS = (r"\providecommand{\meanstd}[2]{\ensuremath{#1\,{\scriptstyle\pm\,#2}}}" "\n"
           r"\providecommand{\bestmeanstd}[2]{\ensuremath{\mathbf{#1}\,{\scriptstyle\pm\,#2}}}" "\n")
 
