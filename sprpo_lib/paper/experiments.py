@@ -156,7 +156,7 @@ PLANS: dict[str, dict[str, Plan]] = {
         "cpu", "webshop", seeds={"vanilla": (0, 1), "gaussian": (0,), "sam": (0,), "sprpo": (0, 1)},
         tasks=200, curve_tasks=40, eval_seeds=(0,), table=TABLE1["webshop"],
         curves={"gaussian": (0.10, 0.20), "dropout": (0.05,), "fisher": (0.10, 0.20),
-                "sparsegpt": (0.20, 0.40), "rtn": (6, 4)},
+                "sparsegpt": (0.20, 0.40), "rtn": (8, 6, 4)},
         curve_seeds=(0,), curve_methods=("vanilla", "sprpo"), landscape_grid=(-0.2, -0.1, 0.0, 0.1, 0.2),
         # OpenVINO in the policy's dtype: 1.47x HF's episodes/min in bf16 on the held-out set, success
         # within the paired interval (sprpo-bench eval); the cpu profile trains on it too
