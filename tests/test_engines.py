@@ -222,15 +222,28 @@ def test_bench_prompts_splits_the_token_budget_by_section(tmp_path):
 
     from sprpo_lib.agent import PROMPT_SECTIONS, token_counter
     from sprpo_lib.bench import suite as bench
+    from sprpo_lib.config import load_config
+    from sprpo_lib.envs import make_pool
     from sprpo_lib.models import load_policy
+    from sprpo_lib.sft import collect_demonstrations
 
     out = tmp_path / "prompts.json"
-    assert bench.main(["prompts", "--model", "tiny-llama", "--prompts", "5", "--out", str(out)]) == 0
+    assert bench.main(["prompts", "--model", "tiny-llama", "--episodes", "3", "--out", str(out)]) == 0
     res = json.loads(out.read_text())["results"]
-    count = token_counter(load_policy("tiny-llama").tokenizer)
-    want = sum(count(p) for p in bench.webshop_prompts(5, 4)) / 5  # independent: whole templated prompts
-    assert res["mean_total_tokens"] == pytest.approx(want, abs=0.05)
+    # independent: the whole templated prompts of the shopper's episodes under the cpu agent settings
+    cfg = load_config("cpu")
+    demos = collect_demonstrations(make_pool("webshop"), "test", range(3), cfg.rollout.agent,
+                                   max_steps=cfg.env.max_steps, demonstrator="shopper")
+    count = token_counter(load_policy("tiny-llama").tokenizer, cfg.rollout.agent)
+    tokens = [count(d.prompt) for d in demos]
+    assert res["prompts"] == len(demos) and res["episodes"] == 3
+    assert res["mean_total_tokens"] == pytest.approx(sum(tokens) / len(tokens), abs=0.05)
+    assert res["tokens_per_episode"] == pytest.approx(sum(tokens) / 3, abs=0.05)
+    assert res["steps_per_episode"]["mean"] == pytest.approx(len(demos) / 3, abs=0.01)
     secs = res["sections"]
     assert set(secs) == {*PROMPT_SECTIONS, "chat_and_joins"}
     assert sum(v["share"] for v in secs.values()) == pytest.approx(1.0, abs=1e-3)
     assert all(secs[k]["mean_tokens"] > 0 for k in PROMPT_SECTIONS)
+    assert res["actions_per_step"] == pytest.approx(
+        sum(d.prompt.split("Available actions:\n")[1].split("\n\nResponse:")[0].count("- ") for d in demos) / len(demos),
+        abs=0.05)

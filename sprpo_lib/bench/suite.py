@@ -7,7 +7,7 @@
     python -m sprpo_lib.bench generate [--model smollm2-135m] [--prompts 16] [--engines hf_generator,hf,openvino]
     python -m sprpo_lib.bench eval [--engines hf:float32,hf:bfloat16,openvino,openvino:auto:prefix_caching=false] [--episodes 64]
     python -m sprpo_lib.bench update [--dtypes float32,bfloat16]
-    python -m sprpo_lib.bench prompts [--prompts 64]
+    python -m sprpo_lib.bench prompts [--env alfworld] [--episodes 16] [--override env.max_steps=50]
     python -m sprpo_lib.bench churn [--rounds 500] [--deadline 30] [--stall-every 0]
     python -m sprpo_lib.bench report   # runs/bench/*.json -> figures/bench_<machine>.md, README block
 
@@ -18,11 +18,13 @@ without the perturbation hook, interleaved, median of repeats).  Results go to
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import platform
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -467,28 +469,57 @@ def webshop_prompts(n: int = 16, max_steps: int = 3, seed: int = 0) -> list[str]
     return out
 
 
-def bench_prompts(model: str = "smollm2-135m", n_prompts: int = 64, max_steps: int = 4) -> dict:
-    """Token budget of the ``cpu`` profile's WebShop prompts by section
-    (:func:`~sprpo_lib.agent.prompt_sections`: task, interaction context, current
-    observation, available actions, template), mean tokens per prompt and share of the
-    templated prompt; ``chat_and_joins`` is the rest (chat template, BPE merges across
-    section boundaries).  Where the prefill FLOPs go, before any engine runs."""
+def bench_prompts(model: str = "smollm2-135m", episodes: int = 16, profile: str = "cpu", env: str = "webshop",
+                  split: str = "test", overrides: Sequence[str] = ()) -> dict:
+    """Token budget of a profile's prompts on ``env``: ``episodes`` demonstrator episodes
+    (the profile's ``sft.demonstrator``: WebShop's shopper, ALFWorld's expert) played on
+    ``split`` to the end or ``env.max_steps``, each step's prompt built as a rollout builds
+    it (:func:`sprpo_lib.sft.collect_demonstrations`, the profile's agent settings).
+    Per step: mean tokens of each section (:func:`~sprpo_lib.agent.prompt_sections`: task,
+    interaction context, current observation, available actions, template) and its share
+    of the templated prompt (``chat_and_joins``: chat template and BPE merges across
+    sections), the mean number of listed actions; per episode: steps and prompt tokens
+    (the prefill an episode costs).  Where the prefill FLOPs go, before any engine runs."""
     import numpy as np
 
     from sprpo_lib.agent import PROMPT_SECTIONS, prompt_sections, token_counter
+    from sprpo_lib.config import load_config
+    from sprpo_lib.envs import make_pool
     from sprpo_lib.models import load_policy
+    from sprpo_lib.sft import collect_demonstrations
 
+    cfg = load_config(profile, [f"env.name={env}", *overrides])
+    pool = make_pool(env, cfg.env.data_dir, cfg.env.seed)
+    agent = cfg.rollout.agent
+    demos = collect_demonstrations(pool, split, range(episodes), agent, max_steps=cfg.env.max_steps or pool.max_steps,
+                                   demonstrator=cfg.sft.demonstrator)
     tok = load_policy(model, dtype="float32").tokenizer
-    total = token_counter(tok)
+    total = token_counter(tok, agent)
     plain = lambda text: len(tok(text, add_special_tokens=False)["input_ids"])  # noqa: E731
     rows = []
-    for p in webshop_prompts(n_prompts, max_steps):
-        r = {k: plain(v) for k, v in prompt_sections(p).items()}
-        r["total"] = total(p)
+    for d in demos:
+        secs = prompt_sections(d.prompt)
+        r = {k: plain(v) for k, v in secs.items()}
+        r["total"] = total(d.prompt)
         r["chat_and_joins"] = r["total"] - sum(r[k] for k in PROMPT_SECTIONS)
+        r["actions"] = secs["available actions"].count("\n- ") + secs["available actions"].startswith("- ")
+        r["task_id"] = d.task_id
         rows.append(r)
+    per_ep: dict[str, list[int]] = {}
+    for r in rows:
+        per_ep.setdefault(r["task_id"], []).append(r["total"])
     mean_total = float(np.mean([r["total"] for r in rows]))
-    return {"model": model, "prompts": len(rows), "max_steps": max_steps, "mean_total_tokens": round(mean_total, 1),
+    totals = [r["total"] for r in rows]
+    return {"model": model, "profile": profile, "env": env, "split": split, "overrides": list(overrides),
+            "demonstrator": cfg.sft.demonstrator, "episodes": len(per_ep), "prompts": len(rows),
+            "agent": dataclasses.asdict(agent),
+            "steps_per_episode": {"mean": round(float(np.mean([len(v) for v in per_ep.values()])), 2),
+                                  "max": max(len(v) for v in per_ep.values())},
+            "mean_total_tokens": round(mean_total, 1),
+            "tokens_per_step": {"mean": round(mean_total, 1), "p95": float(np.percentile(totals, 95)),
+                                "max": int(max(totals))},
+            "tokens_per_episode": round(float(np.mean([sum(v) for v in per_ep.values()])), 1),
+            "actions_per_step": round(float(np.mean([r["actions"] for r in rows])), 1),
             "sections": {k: {"mean_tokens": round(float(np.mean([r[k] for r in rows])), 1),
                              "share": round(float(np.mean([r[k] for r in rows])) / mean_total, 4)}
                          for k in (*PROMPT_SECTIONS, "chat_and_joins")}}
@@ -856,10 +887,14 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--temperatures", default="0,0.4")
     g.add_argument("--max-steps", type=int, default=3, help="prompts after 0..max-steps shopper steps")
     g.add_argument("--repeats", type=int, default=2, help="interleaved rounds (best wall time)")
-    q = sub.add_parser("prompts", help="token budget of the cpu profile's WebShop prompts by section")
+    q = sub.add_parser("prompts", help="token budget of a profile's prompts by section, per step and per episode")
     q.add_argument("--model", default="smollm2-135m", help="tokenizer of this model")
-    q.add_argument("--prompts", type=int, default=64)
-    q.add_argument("--max-steps", type=int, default=4, help="prompts after 0..max-steps shopper steps")
+    q.add_argument("--episodes", type=int, default=16, help="demonstrator episodes, every step's prompt counted")
+    q.add_argument("--profile", default="cpu")
+    q.add_argument("--env", default="webshop")
+    q.add_argument("--split", default="test", help="task split (ALFWorld: valid_seen / valid_unseen / train)")
+    q.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="training-config override (repeatable), e.g. env.max_steps=50")
     v = sub.add_parser("eval", help="the cpu profile's 64-episode held-out evaluation and one RL rollout batch, "
                                     "per engine side by side")
     v.add_argument("--profile", default="cpu")
@@ -903,7 +938,7 @@ def main(argv: list[str] | None = None) -> int:
         res = bench_update(args.model, tuple(args.dtypes.split(",")), args.samples, args.prompt_len,
                            response_len=24, lora_layers=args.lora_layers or None, repeats=args.repeats)
     elif args.what == "prompts":
-        res = bench_prompts(args.model, args.prompts, args.max_steps)
+        res = bench_prompts(args.model, args.episodes, args.profile, args.env, args.split, args.override)
     elif args.what == "eval":
         res = bench_eval(args.profile, args.env, tuple(args.engines.split(",")), args.episodes, not args.no_rollout,
                          args.model)
