@@ -19,8 +19,10 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Sequence
+
+from sprpo_lib.io import OMIT_AT_DEFAULT
 
 ACTION_RE = re.compile(r"<action>(.*?)</action>", re.DOTALL)
 RESPONSE_INSTRUCTION = "Output the next action in <action>...</action>."
@@ -51,6 +53,11 @@ class AgentConfig:
         system_prompt: optional system message; ``None`` sends only the user turn.
         max_prompt_tokens: token budget of the templated prompt (Table 2: 4,096 for
             WebShop, 3,072 for ALFWorld); ``None``: no budget.  See :func:`fit_prompt`.
+        compact_actions: list the available actions compactly (:func:`format_actions`):
+            commands that differ only in their last object's number share one line,
+            consecutive numbers as a range (``- go to cabinet 1-18, countertop 1-4``).
+            Every admissible action is still listed; ALFWorld's ~36 "go to" lines are
+            most of its prompt.  ``False`` (default, the paper): one line per action.
     """
 
     history_len: int = 2
@@ -60,6 +67,7 @@ class AgentConfig:
     echo_instruction: bool = True
     system_prompt: str | None = None
     max_prompt_tokens: int | None = None
+    compact_actions: bool = field(default=False, metadata=OMIT_AT_DEFAULT)
 
     def __post_init__(self):
         if self.history_len < 0:
@@ -169,7 +177,7 @@ def build_prompt(
     else:
         context = "None (this is the first step)."
     limit = cfg.max_obs_chars if obs_chars is None else min(obs_chars, cfg.max_obs_chars or obs_chars)
-    actions = "\n".join(f"- {a}" for a in admissible) if admissible else "(none listed)"
+    actions = format_actions(admissible, cfg.compact_actions)
     return (
         f"Task: {instruction.strip()}\n\n"
         f"Interaction context:\n{context}\n\n"
@@ -177,6 +185,81 @@ def build_prompt(
         f"Available actions:\n{actions}\n\n"
         f"Response: {RESPONSE_INSTRUCTION}"
     )
+
+
+_NUMBERED = re.compile(r"^(.*\S) (\w+) (\d+)$")  # "<command prefix> <object name> <number>"
+
+
+def _ranges(numbers: Sequence[int]) -> list[str]:
+    """``[1, 2, 3, 5, 7]`` -> ``["1-3", "5", "7"]``: consecutive numbers as runs."""
+    out, ns = [], sorted(set(numbers))
+    start = prev = ns[0]
+    for n in [*ns[1:], None]:
+        if n is not None and n == prev + 1:
+            prev = n
+            continue
+        out.append(f"{start}-{prev}" if prev > start else f"{start}")
+        if n is not None:
+            start = prev = n
+    return out
+
+
+def format_actions(admissible: Sequence[str], compact: bool = False) -> str:
+    """The "Available actions" block: one ``- action`` line each, or with ``compact``
+    the commands ``<prefix> <name> <n>`` that share a prefix (at least 3 of them) on one
+    line, each name once with its numbers as runs: ``- go to cabinet 1-3, drawer 2, 5``
+    (ALFWorld's receptacles).  :func:`parse_actions` inverts both forms."""
+    if not admissible:
+        return "(none listed)"
+    if not compact:
+        return "\n".join(f"- {a}" for a in admissible)
+    groups: dict[str, dict[str, list[int]]] = {}
+    for a in admissible:
+        m = _NUMBERED.match(a)
+        if m:
+            groups.setdefault(m.group(1), {}).setdefault(m.group(2), []).append(int(m.group(3)))
+    big = {p for p, names in groups.items() if sum(len(v) for v in names.values()) >= 3}
+    lines, done = [], set()
+    for a in admissible:
+        m = _NUMBERED.match(a)
+        if m and m.group(1) in big:
+            if m.group(1) not in done:
+                done.add(m.group(1))
+                items = [f"{name} {', '.join(_ranges(ns))}" for name, ns in sorted(groups[m.group(1)].items())]
+                lines.append(f"- {m.group(1)} " + ", ".join(items))
+        else:
+            lines.append(f"- {a}")
+    return "\n".join(lines)
+
+
+_HEAD = re.compile(r"^(.*\S) (\w+) (\d+)(?:-(\d+))?$")  # "<prefix> <name> <n>[-<m>]"
+_ITEM = re.compile(r"^(?:(\w+) )?(\d+)(?:-(\d+))?$")  # "[<name> ]<n>[-<m>]" (no name: the previous one)
+
+
+def _expand(line: str) -> list[str] | None:
+    """The actions of a compact line, or ``None`` if ``line`` is a single plain action."""
+    parts = line.split(", ")
+    head = _HEAD.match(parts[0])
+    if head is None or (len(parts) == 1 and head.group(4) is None):
+        return None
+    items = [head.groups()[1:], *((m.groups() if (m := _ITEM.match(p)) else None) for p in parts[1:])]
+    if any(it is None for it in items):  # an action with ", " in its text
+        return None
+    out, name = [], None
+    for it_name, lo, hi in items:
+        name = it_name or name
+        out += [f"{head.group(1)} {name} {n}" for n in range(int(lo), int(hi or lo) + 1)]
+    return out
+
+
+def parse_actions(block: str) -> list[str]:
+    """The actions of an "Available actions" block in either form of
+    :func:`format_actions` (a compact line expands to one action per number)."""
+    out = []
+    for line in block.splitlines():
+        if line.startswith("- "):
+            out += _expand(line[2:]) or [line[2:]]
+    return out
 
 
 def fit_prompt(

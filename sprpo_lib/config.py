@@ -25,6 +25,7 @@ import yaml
 from sprpo_lib.advantages import AdvantageConfig
 from sprpo_lib.agent import AgentConfig
 from sprpo_lib.engines import GenerationConfig
+from sprpo_lib.io import key_fields
 from sprpo_lib.losses import KL_ESTIMATORS, PPOLossConfig
 from sprpo_lib.methods import MethodConfig
 from sprpo_lib.models import LoraSettings
@@ -228,8 +229,9 @@ def load_config(profile: str = "paper", overrides: list[str] | None = None, **to
 
 
 def config_dict(cfg) -> dict:
-    """A config as plain JSON-able data (what ``config.json`` and checkpoints store)."""
-    return json.loads(json.dumps(dataclasses.asdict(cfg), default=list))
+    """A config as plain JSON-able data (what ``config.json`` and checkpoints store;
+    options added later are left out at their default, :func:`sprpo_lib.io.key_fields`)."""
+    return json.loads(json.dumps(key_fields(cfg), default=list))
 
 
 def config_from_dict(data: dict) -> TrainConfig:

@@ -249,6 +249,35 @@ def read_cached(path: str | Path, read: Callable[..., Any] = read_json, *args, *
         return None
 
 
+#: ``dataclasses.field(metadata=OMIT_AT_DEFAULT)``: an option added after results were
+#: cached; :func:`key_fields` leaves it out while it holds its default, so adding it does
+#: not change any existing cache key, run config or content hash.
+OMIT_AT_DEFAULT = {"omit_at_default": True}
+
+
+def key_fields(obj):
+    """``dataclasses.asdict(obj)`` (recursively) without the fields marked
+    :data:`OMIT_AT_DEFAULT` that hold their default: the dataclass as keys and
+    ``config.json`` record it."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out = {}
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            if f.metadata.get("omit_at_default"):
+                default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+                if v == default:
+                    continue
+            out[f.name] = key_fields(v)
+        return out
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(key_fields(v) for v in obj)
+    if isinstance(obj, dict):
+        return {k: key_fields(v) for k, v in obj.items()}
+    return obj
+
+
 def canonical_hash(obj) -> str:
     """SHA-256 of an object's canonical JSON (sorted keys)."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()

@@ -60,7 +60,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from sprpo_lib.agent import AgentConfig, HistoryStep, build_prompt, chat_text, extract_action
+from sprpo_lib.agent import AgentConfig, HistoryStep, build_prompt, chat_text, extract_action, parse_actions
 from sprpo_lib.envs.base import TaskPool
 from sprpo_lib.envs.baselines import random_action
 from sprpo_lib.io import CorruptFileError, JsonLines, atomic_dir, atomic_write_json, read_json, read_safetensors
@@ -530,7 +530,7 @@ def train_sft(
     step, n_tok_all, stopped = 0, 0, "done"
     first_loss = final_loss = None
     win_nll, win_tok = 0.0, 0
-    bar = progress_bar(total=total, desc="sft", disable=not progress, leave=False)
+    bar = progress_bar(total=total, desc="warm start (sft)", disable=not progress)  # minutes: shown in line mode too
     model.train()
     try:
         for epoch in range(cfg.epochs):
@@ -640,7 +640,7 @@ def admissible_from_prompt(prompt: str) -> list[str]:
         block = prompt.split("Available actions:\n", 1)[1].split("\n\nResponse:", 1)[0]
     except IndexError:
         return []
-    return [line[2:] for line in block.splitlines() if line.startswith("- ")]
+    return parse_actions(block)
 
 
 def is_admissible(action: str, admissible: Sequence[str]) -> bool:

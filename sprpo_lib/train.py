@@ -42,7 +42,7 @@ from sprpo_lib.config import TrainConfig, config_dict, load_config
 from sprpo_lib.engines import close_engine, effective_weights, make_engine
 from sprpo_lib.envs import make_pool
 from sprpo_lib.heldout import eval_is_current, evaluate_policy
-from sprpo_lib.io import CorruptFileError, JsonLines, atomic_dir, atomic_write_json, read_cached
+from sprpo_lib.io import CorruptFileError, JsonLines, atomic_dir, atomic_write_json, key_fields, read_cached
 from sprpo_lib.manifest import git_commit
 from sprpo_lib.methods import make_method
 from sprpo_lib.models import add_lora, load_policy, lora_on_last_layers
@@ -199,7 +199,7 @@ def warm_start_key(cfg: TrainConfig, agent: AgentConfig) -> str:
     return hashlib.sha256(json.dumps(
         {"model": {"spec": m.spec, "dtype": m.dtype},
          "env": {"name": e.name, "seed": e.seed, "data_dir": e.data_dir, "max_steps": e.max_steps},
-         "agent": dataclasses.asdict(agent), "sft": dataclasses.asdict(cfg.sft)}, sort_keys=True, default=list,
+         "agent": key_fields(agent), "sft": key_fields(cfg.sft)}, sort_keys=True, default=list,
     ).encode()).hexdigest()[:12]
 
 

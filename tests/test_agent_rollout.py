@@ -157,3 +157,41 @@ def test_prompt_sections_partition_the_prompt():
     assert sum(len(v) for v in parts.values()) == len(p)
     with pytest.raises(ValueError, match="not a build_prompt prompt"):
         prompt_sections("hello")
+
+
+def test_compact_action_list_lists_every_admissible_action_once():
+    import random
+
+    from sprpo_lib.agent import format_actions, parse_actions
+
+    rng = random.Random(0)
+    names = ["cabinet", "drawer", "countertop", "fridge", "sinkbasin", "shelf"]
+    for trial in range(200):
+        adm = {f"go to {n} {k}" for n in rng.sample(names, rng.randint(0, 6)) for k in rng.sample(range(1, 25), rng.randint(1, 8))}
+        adm |= {f"take {o} {rng.randint(1, 3)} from {n} {rng.randint(1, 9)}" for o in ("mug", "apple") for n in names[:2]}
+        adm |= set(rng.sample(["look", "inventory", "examine mug 1", "open fridge 1", "search[<your query>]",
+                               "click[small, medium 2, 3]", "click[< prev]"], 4))
+        adm = sorted(adm) if trial % 2 else rng.sample(sorted(adm), len(adm))
+        assert parse_actions(format_actions(adm)) == adm  # the paper's one line per action
+        compact = format_actions(adm, compact=True)
+        assert sorted(parse_actions(compact)) == sorted(adm)
+        assert len(compact) <= len(format_actions(adm))
+    block = format_actions([f"go to drawer {k}" for k in (7, 1, 3, 2, 5)] + ["go to cabinet 1", "look"], compact=True)
+    assert block == "- go to cabinet 1, drawer 1-3, 5, 7\n- look"
+
+
+def test_an_option_added_later_leaves_existing_keys_and_configs_unchanged():
+    import dataclasses
+
+    from sprpo_lib.agent import AgentConfig
+    from sprpo_lib.config import config_dict, config_from_dict, load_config
+    from sprpo_lib.io import key_fields
+
+    plain = dataclasses.asdict(AgentConfig())
+    assert key_fields(AgentConfig()) == {k: v for k, v in plain.items() if k != "compact_actions"}
+    assert key_fields(AgentConfig(compact_actions=True))["compact_actions"] is True
+    cfg = load_config("smoke")
+    assert "compact_actions" not in config_dict(cfg)["rollout"]["agent"]
+    on = load_config("smoke", ["rollout.agent.compact_actions=true"])
+    assert config_dict(on)["rollout"]["agent"]["compact_actions"] is True
+    assert config_from_dict(config_dict(on)) == on and config_from_dict(config_dict(cfg)) == cfg

@@ -475,7 +475,19 @@ def test_random_and_expert_agents(pool):
 
     rnd = play(pool, "test", range(10), "random", progress=False)
     assert rnd["episodes"] == 10 and 0.0 <= rnd["mean_score"] <= 1.0 and rnd["success_rate"] < 0.5
-    assert play(pool, "test", range(10), "expert", progress=False)["success_rate"] == 1.0  # the oracle
+    exp = play(pool, "test", range(10), "expert", progress=False)
+    assert exp["success_rate"] == 1.0  # the oracle
+    lengths = []  # independent: the oracle's episode lengths counted by hand
+    for i in range(10):
+        ep = pool.open("test", i).spawn()
+        obs, n = ep.reset(), 0
+        while not obs.done:
+            obs, n = ep.step(ep.expert_action()), n + 1
+        lengths.append(n)
+    import statistics
+
+    assert exp["steps_quantiles"]["max"] == max(lengths) and exp["mean_steps"] == pytest.approx(sum(lengths) / 10)
+    assert exp["steps_quantiles"]["p50"] == pytest.approx(statistics.median(lengths))
     import random
 
     assert random_action(["search[<your query>]"], "red shoes", random.Random(0)) == "search[red shoes]"

@@ -482,7 +482,7 @@ def bench_prompts(model: str = "smollm2-135m", episodes: int = 16, profile: str 
     (the prefill an episode costs).  Where the prefill FLOPs go, before any engine runs."""
     import numpy as np
 
-    from sprpo_lib.agent import PROMPT_SECTIONS, prompt_sections, token_counter
+    from sprpo_lib.agent import PROMPT_SECTIONS, parse_actions, prompt_sections, token_counter
     from sprpo_lib.config import load_config
     from sprpo_lib.envs import make_pool
     from sprpo_lib.models import load_policy
@@ -502,7 +502,7 @@ def bench_prompts(model: str = "smollm2-135m", episodes: int = 16, profile: str 
         r = {k: plain(v) for k, v in secs.items()}
         r["total"] = total(d.prompt)
         r["chat_and_joins"] = r["total"] - sum(r[k] for k in PROMPT_SECTIONS)
-        r["actions"] = secs["available actions"].count("\n- ") + secs["available actions"].startswith("- ")
+        r["actions"] = len(parse_actions(secs["available actions"]))
         r["task_id"] = d.task_id
         rows.append(r)
     per_ep: dict[str, list[int]] = {}

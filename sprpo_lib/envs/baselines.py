@@ -8,6 +8,8 @@ import re
 import time
 from typing import Sequence
 
+import numpy as np
+
 from sprpo_lib.envs.base import TaskPool
 
 _TEMPLATE = re.compile(r"^(\w+)\[<[^>]*>\]$")
@@ -28,7 +30,8 @@ def play(pool: TaskPool, split: str, indices: Sequence[int], agent: str = "rando
          rollouts: int = 1, progress: bool = True) -> dict:
     """Play ``rollouts`` episodes of each task with the ``random`` or ``expert`` agent;
     success, mean score and episode length overall and per task type (where the task
-    handle has one, e.g. ALFWorld's six types)."""
+    handle has one, e.g. ALFWorld's six types), and the length distribution (what
+    ``env.max_steps`` is sized from: the expert's longest solution)."""
     from sprpo_lib.progress import progress_bar
 
     if agent not in ("random", "expert"):
@@ -36,21 +39,24 @@ def play(pool: TaskPool, split: str, indices: Sequence[int], agent: str = "rando
     rng = random.Random(seed)
     t0 = time.perf_counter()
     episodes, wins, score, steps = 0, 0, 0.0, 0
+    lengths: list[int] = []
     per_type: dict[str, list[int]] = {}
     for i in progress_bar(list(indices), desc=f"{agent} agent {pool.name}/{split}", disable=not progress, leave=False):
         task = pool.open(split, i)
         counts = per_type.setdefault(getattr(task, "task_type", pool.name), [0, 0])
         for _ in range(rollouts):
             ep = task.spawn()
-            obs, ret = ep.reset(), 0.0
+            obs, ret, length = ep.reset(), 0.0, 0
             while not obs.done:
                 action = random_action(obs.admissible, ep.instruction, rng) if agent == "random" else ep.expert_action()
                 if action is None:
                     break
                 obs = ep.step(action)
                 ret += obs.reward
-                steps += 1
+                length += 1
             ep.close()
+            lengths.append(length)
+            steps += length
             episodes += 1
             wins += bool(obs.success)
             score += ret
@@ -62,4 +68,6 @@ def play(pool: TaskPool, split: str, indices: Sequence[int], agent: str = "rando
     return {"env": pool.name, "split": split, "agent": agent, "tasks": len(list(indices)), "rollouts": rollouts,
             "episodes": episodes, "successes": wins, "success_rate": wins / n, "mean_score": score / n,
             "mean_steps": steps / n, "seconds": round(time.perf_counter() - t0, 2),
+            "steps_quantiles": {**{f"p{q}": float(np.percentile(lengths, q)) if lengths else 0.0 for q in (50, 90, 99)},
+                                "max": max(lengths, default=0)},
             "per_type": {k: {"successes": v[0], "episodes": v[1]} for k, v in sorted(per_type.items())}}

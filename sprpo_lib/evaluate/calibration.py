@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from sprpo_lib.agent import AgentConfig
-from sprpo_lib.io import CorruptFileError, atomic_write_json, canonical_hash, read_json
+from sprpo_lib.io import CorruptFileError, atomic_write_json, canonical_hash, key_fields, read_json
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def build_calibration_pool(policy, pool, agent: AgentConfig | None = None, *, n:
     tok = policy.tokenizer
     src = {"env": pool.name, "split": split, "steps": origin, "per_episode": per_episode, "seed": seed,
            "temperature": temperature, "max_new_tokens": max_new_tokens, "max_steps": max_steps, "engine": engine,
-           "agent": dataclasses.asdict(agent), "policy": getattr(policy, "spec", None),
+           "agent": key_fields(agent), "policy": getattr(policy, "spec", None),
            "tokenizer": {"name": getattr(tok, "name_or_path", None), "vocab": len(tok)}, **dict(source or {})}
     return CalibrationPool(seqs, sequences_hash(seqs), src)
 

@@ -33,7 +33,8 @@ from sprpo_lib.evaluate.cells import (
     state_dict_digest,
     tasks_digest,
 )
-from sprpo_lib.io import CorruptFileError, atomic_write_bytes, canonical_hash, read_cached, read_json, read_safetensors
+from sprpo_lib.io import (CorruptFileError, atomic_write_bytes, canonical_hash, key_fields, read_cached, read_json,
+                          read_safetensors)
 from sprpo_lib.paths import project_path
 
 logger = logging.getLogger(__name__)
@@ -348,7 +349,7 @@ def cell_fields(cfg: EvalConfig, identity: Mapping, env_fields: Mapping, cell: C
                        "temperature": cfg.temperature, "top_p": cfg.top_p,
                        "max_new_tokens": cfg.max_new_tokens, "batch_size": cfg.batch_size,
                        "stop": cfg.generation(0).stop},
-        "agent": dataclasses.asdict(cfg.agent),
+        "agent": key_fields(cfg.agent),
         "perturbation": {"family": cell.family, "strength": cell.strength,
                          "options": dict(sorted(cfg.perturbation_options.items())) if cell.family != "clean" else {},
                          "calibration": calib_hash if cell.family in CALIBRATED_FAMILIES else None},

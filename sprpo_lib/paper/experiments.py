@@ -43,7 +43,7 @@ from sprpo_lib.evaluate import (
     load_calibration,
     save_calibration,
 )
-from sprpo_lib.io import atomic_write_text, read_cached
+from sprpo_lib.io import atomic_write_text, key_fields, read_cached
 from sprpo_lib.methods import METHOD_DISPLAY, METHODS
 from sprpo_lib.paths import project_path
 
@@ -214,7 +214,7 @@ def calibration_pool(p: Plan, runs: Mapping[tuple[str, int], Path], cache_dir: s
     cfg = eval_config(p, runs[vanilla[0]], project_path(cache_dir))
     source = ModelSource(cfg, project_path(cache_dir) / "file_hashes.json")
     ident = source.identity()
-    key = canonical_hash({"model": ident, "env": p.env, "n": p.calibration_size, "agent": dataclasses.asdict(cfg.agent),
+    key = canonical_hash({"model": ident, "env": p.env, "n": p.calibration_size, "agent": key_fields(cfg.agent),
                           "max_new_tokens": cfg.max_new_tokens, "max_steps": cfg.max_steps, "engine": cfg.engine})
     path = project_path(cache_dir) / "calibration" / f"{p.env}-{key[:16]}.json"
     if read_cached(path, load_calibration) is None:
