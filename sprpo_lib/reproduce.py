@@ -66,7 +66,7 @@ PROFILES: dict[str, dict] = {
         "out_dir": "runs/smoke/figures",
         "notebooks": {
             "00_quickstart": {"model": "tiny-qwen2", "n_calib": 4, "max_new_tokens": 6},
-            "01_training": {"profile": "smoke", "env": "webshop", "methods": ["vanilla", "sprpo"], "seeds": [0]},
+            "01_training": {"profile": "smoke", "envs": ["webshop"], "methods": ["vanilla", "sprpo"]},
             "02_theory": {"preset": "smoke"},
             **{nb: {"profile": "smoke", "envs": ["webshop"]} for nb in RESULT_NOTEBOOKS},
         },
@@ -75,8 +75,7 @@ PROFILES: dict[str, dict] = {
         "out_dir": "figures",
         "notebooks": {
             "00_quickstart": {"model": "smollm2-135m", "n_calib": 32, "max_new_tokens": 24},
-            "01_training": {"profile": "cpu", "env": "webshop", "methods": ["vanilla", "sprpo", "gaussian", "sam"],
-                            "seeds": {"vanilla": [0, 1], "sprpo": [0, 1], "gaussian": [0], "sam": [0]}},
+            "01_training": {"profile": "cpu", "envs": ["webshop"]},  # the plan's methods and seeds
             "02_theory": {"preset": "cpu"},
             **{nb: {"profile": "cpu", "envs": ["webshop"]} for nb in RESULT_NOTEBOOKS},
         },
@@ -85,8 +84,7 @@ PROFILES: dict[str, dict] = {
         "out_dir": "figures/paper",
         "notebooks": {
             "00_quickstart": {"model": "Qwen/Qwen2.5-1.5B-Instruct", "n_calib": 128, "max_new_tokens": 32},
-            "01_training": {"profile": "paper", "env": "alfworld", "methods": ["vanilla", "gaussian", "sam", "sprpo"],
-                            "seeds": [0, 1, 2]},
+            "01_training": {"profile": "paper", "envs": ["alfworld", "webshop"]},
             "02_theory": {"preset": "paper"},
             **{nb: {"profile": "paper", "envs": ["alfworld", "webshop"]} for nb in RESULT_NOTEBOOKS},
             "08_ablations": {"profile": "paper", "envs": ["webshop"]},

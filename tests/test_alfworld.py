@@ -309,7 +309,13 @@ def test_random_play_matches_alfworld_engine(pool, split, task_type):
 
     from alfworld.agents.environment.alfred_tw_env import AlfredDemangler
 
-    task = pool.open(split, _small_game(split, task_type))
+    from sprpo_lib.envs.alfworld import translations_cached
+
+    index = _small_game(split, task_type)
+    pool.open(split, index).close()
+    before = translations_cached()
+    task = pool.open(split, index)  # grounded again from the per-process translation memo
+    assert translations_cached() == before >= 2  # a hit: nothing translated anew
     episodes = [task.spawn(), task.spawn()]
     refs = []
     for _ in episodes:

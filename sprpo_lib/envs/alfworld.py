@@ -119,23 +119,53 @@ class _LibraryPool:
 
 _LIBRARIES = _LibraryPool()
 _TRANSLATOR_LOCK = threading.Lock()
+_PDDL2SAS = fast_downward.pddl2sas
+#: translations kept per process (a game's plain and optimised SAS+ task, ~1 s each to
+#: compute): an evaluation opens the same held-out games once per cell
+TRANSLATION_MEMO_SIZE = 1024
+_TRANSLATIONS: collections.OrderedDict = collections.OrderedDict()
+
+
+def _memo_pddl2sas(domain: str, problem: str, verbose: bool = False, optimize: bool = False):
+    """``fast_downward.pddl2sas`` remembered by its inputs (least recently used out).  The
+    translation is a pure function of the PDDL text, and TextWorld's ``PddlState`` only
+    reads the returned task, so states of the same game may share it."""
+    key = (domain, problem, bool(optimize))
+    hit = _TRANSLATIONS.get(key)
+    if hit is None:
+        hit = _TRANSLATIONS[key] = _PDDL2SAS(domain, problem, verbose=verbose, optimize=optimize)
+        while len(_TRANSLATIONS) > TRANSLATION_MEMO_SIZE:
+            _TRANSLATIONS.popitem(last=False)
+    else:
+        _TRANSLATIONS.move_to_end(key)
+    return hit
+
+
+def translations_cached() -> int:
+    """How many game translations this process remembers (:func:`_memo_pddl2sas`)."""
+    return len(_TRANSLATIONS)
 
 
 @contextlib.contextmanager
 def _translator():
     """Fast Downward's translator keeps global options and overwrites ``sys.argv``:
-    serialise it and restore ``sys.argv`` afterwards."""
+    serialise it and restore ``sys.argv`` afterwards.  Inside, ``fast_downward.pddl2sas``
+    (which TextWorld's ``PddlState`` calls) is the per-process memo
+    :func:`_memo_pddl2sas`."""
     with _TRANSLATOR_LOCK:
         argv = list(sys.argv)
+        fast_downward.pddl2sas = _memo_pddl2sas
         try:
             yield
         finally:
+            fast_downward.pddl2sas = _PDDL2SAS
             sys.argv[:] = argv
 
 
 def _translate(domain: str, problem: str, optimize: bool = False):
+    """One translation, not remembered (the expert's replanning problems are one-offs)."""
     with _translator():
-        return fast_downward.pddl2sas(domain, problem, optimize=optimize)
+        return _PDDL2SAS(domain, problem, optimize=optimize)
 
 
 # --------------------------------------------------------------------------- grounding
