@@ -41,6 +41,13 @@ or :func:`warm_start` for the first two steps in one call.
   step), ``sft_summary.json`` (config and results, atomic), ``adapter/`` (peft
   ``save_pretrained``, safetensors; reload with :func:`load_adapter`), and for
   :func:`warm_start` ``demos.jsonl``.
+* **Resume.**  Every :data:`RESUME_EVERY_S` seconds the trainable weights, the
+  optimizer, the data order, the random states and the running sums go to
+  ``resume/`` (an atomically replaced folder whose files are checked against the
+  SHA-256 recorded beside them); a rerun on the same demonstrations and settings
+  continues from there and ends with the same adapter and losses as an uninterrupted
+  run.  A damaged or foreign ``resume/`` is ignored (warning) and training starts over;
+  the folder is removed when training ends.
 
 After the warm start, :func:`models.merge_lora` folds the adapter into the base
 weights, so the warm-started model plays the role of the paper's instruct base model
@@ -53,6 +60,7 @@ import logging
 import math
 import random
 import re
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -63,7 +71,8 @@ import torch
 from sprpo_lib.agent import AgentConfig, HistoryStep, build_prompt, chat_text, extract_action, parse_actions
 from sprpo_lib.envs.base import TaskPool
 from sprpo_lib.envs.baselines import random_action
-from sprpo_lib.io import CorruptFileError, JsonLines, atomic_dir, atomic_write_json, read_json, read_safetensors
+from sprpo_lib.io import (CorruptFileError, JsonLines, atomic_dir, atomic_write_json, canonical_hash, file_record,
+                          key_fields, read_json, read_safetensors, verify_file)
 from sprpo_lib.losses import token_logprobs
 from sprpo_lib.models import LoraSettings, Policy, add_lora, lora_on_last_layers
 from sprpo_lib.progress import progress_bar
@@ -89,6 +98,9 @@ __all__ = [
 ]
 
 IGNORE_INDEX = -100
+#: seconds between resume points of :func:`train_sft` (a resume point costs the LoRA
+#: weights and Adam moments: a few MB)
+RESUME_EVERY_S = 120.0
 _TEMPLATE_RE = re.compile(r"^(\w+)\[<[^\]]*>\]$")  # e.g. WebShop's "search[<your query>]"
 _SCHEDULES = ("constant", "linear", "cosine")
 
@@ -462,6 +474,53 @@ def load_adapter(policy: Policy, path: str | Path, trainable: bool = False, merg
     return policy
 
 
+def _save_resume(path: Path, key: str, model, opt, rng: random.Random, run: dict) -> None:
+    """A resume point of :func:`train_sft` (see the module doc), written atomically."""
+    from safetensors.torch import save_file
+
+    with atomic_dir(path) as tmp:
+        tensors = {f"param.{n}": p.detach().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+        tensors["torch_rng"] = torch.get_rng_state()
+        save_file(tensors, str(tmp / "state.safetensors"))
+        torch.save(opt.state_dict(), tmp / "optimizer.pt")  # tensors and numbers only: read back with weights_only
+        version, internal, gauss = rng.getstate()
+        files = {f.name: file_record(f) for f in sorted(tmp.iterdir())}
+        atomic_write_json(tmp / "state.json", {"key": key, "run": run, "rng": [version, list(internal), gauss],
+                                               "files": files})
+
+
+def _load_resume(path: Path, key: str, model, opt, rng: random.Random) -> dict | None:
+    """The run state of a verified resume point for ``key``, with the weights, optimizer
+    and random states put back; ``None`` (nothing changed) when there is none, it is for
+    other demonstrations or settings, or it does not verify."""
+    if not (path / "state.json").is_file():
+        return None
+    try:
+        state = read_json(path / "state.json")
+        if not isinstance(state, dict) or state.get("key") != key:
+            log.warning("sft: %s is from other demonstrations or settings; starting over", path)
+            return None
+        for name, rec in state["files"].items():
+            verify_file(path / name, rec)
+        tensors = read_safetensors(path / "state.safetensors")
+        opt_state = torch.load(path / "optimizer.pt", weights_only=True)
+    except (CorruptFileError, FileNotFoundError, KeyError, TypeError, ValueError, RuntimeError) as err:
+        log.warning("sft: resume point %s is damaged (%s); starting over", path, err)
+        return None
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if set(params) != {k[len("param."):] for k in tensors if k.startswith("param.")}:
+        log.warning("sft: resume point %s has other trainable parameters; starting over", path)
+        return None
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(tensors[f"param.{n}"])
+    opt.load_state_dict(opt_state)
+    torch.set_rng_state(tensors["torch_rng"])
+    version, internal, gauss = state["rng"]
+    rng.setstate((version, tuple(internal), gauss))
+    return state["run"]
+
+
 def train_sft(
     policy: Policy,
     demos: Sequence[Demo],
@@ -524,22 +583,40 @@ def train_sft(
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     rng = random.Random(cfg.seed)
     metrics = JsonLines(out / "metrics.jsonl") if out else None
-    if metrics is not None:
-        metrics.truncate(lambda row: False)  # a fresh run starts a fresh file
+    key = canonical_hash({"cfg": key_fields(cfg), "agent": key_fields(agent), "demos": encoded,
+                          "params": [n for n, p in model.named_parameters() if p.requires_grad]})
+    run = {"step": 0, "n_tok_all": 0, "first_loss": None, "final_loss": None, "win_nll": 0.0, "win_tok": 0,
+           "elapsed_s": 0.0, "epoch": 0, "s0": 0, "order": None}
+    resumed = _load_resume(out / "resume", key, model, opt, rng) if out else None
+    if resumed:
+        run.update(resumed)
+        log.info("sft: resuming at step %d of %d", run["step"], total)
+    if metrics is not None:  # a fresh run starts a fresh file; a resumed one keeps the steps it has done
+        metrics.truncate(lambda row: row.get("step", 0) <= run["step"] if resumed else False)
+    t_start -= run["elapsed_s"]
+    t_saved = time.perf_counter()
 
-    step, n_tok_all, stopped = 0, 0, "done"
-    first_loss = final_loss = None
-    win_nll, win_tok = 0.0, 0
-    bar = progress_bar(total=total, desc="warm start (sft)", disable=not progress)  # minutes: shown in line mode too
+    step, n_tok_all, stopped = run["step"], run["n_tok_all"], "done"
+    first_loss, final_loss = run["first_loss"], run["final_loss"]
+    win_nll, win_tok = run["win_nll"], run["win_tok"]
+    bar = progress_bar(total=total, desc="warm start (sft)", disable=not progress,  # minutes: shown in line mode too
+                       initial=step)
     model.train()
     try:
-        for epoch in range(cfg.epochs):
-            order = list(range(len(encoded)))
-            if cfg.shuffle:
+        for epoch in range(run["epoch"], cfg.epochs):
+            order = run["order"] if resumed and epoch == run["epoch"] else list(range(len(encoded)))
+            if cfg.shuffle and not (resumed and epoch == run["epoch"]):
                 rng.shuffle(order)
-            for s0 in range(0, len(order), per_step):
+            first_s0 = run["s0"] if resumed and epoch == run["epoch"] else 0
+            for s0 in range(first_s0, len(order), per_step):
                 if step >= total:
                     break
+                if out is not None and time.perf_counter() - t_saved >= RESUME_EVERY_S:
+                    _save_resume(out / "resume", key, model, opt, rng, {
+                        "step": step, "n_tok_all": n_tok_all, "first_loss": first_loss, "final_loss": final_loss,
+                        "win_nll": win_nll, "win_tok": win_tok, "elapsed_s": time.perf_counter() - t_start,
+                        "epoch": epoch, "s0": s0, "order": order})
+                    t_saved = time.perf_counter()
                 chunk = [encoded[i] for i in order[s0 : s0 + per_step]]
                 n_tok = sum(len(r) for _, r in chunk)
                 lr = lr_at(step, total, cfg)
@@ -603,6 +680,7 @@ def train_sft(
         result["adapter"] = str(save_adapter(policy, out / "adapter"))
         atomic_write_json(out / "sft_summary.json", {"config": asdict(cfg), "agent": asdict(agent), "result": result,
                                                      "model": policy.spec})
+        shutil.rmtree(out / "resume", ignore_errors=True)
     policy.meta["sft"] = {k: result[k] for k in ("steps", "demos", "final_loss")}
     return result
 

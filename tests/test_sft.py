@@ -320,3 +320,52 @@ def test_admissible_parsing_and_demo_io(demos, tmp_path):
     save_demos(tmp_path / "d.jsonl", demos)
     assert load_demos(tmp_path / "d.jsonl") == demos
     assert isinstance(demos[0], Demo)
+
+
+def test_a_killed_warm_start_resumes_to_the_same_adapter(demos, tmp_path, monkeypatch):
+    """Killed mid-epoch (an exception in the 5th micro-batch), rerun: it continues from its
+    last resume point and ends bit-identical to an uninterrupted run (adapter, losses,
+    logged rows); a damaged resume point is ignored and training starts over."""
+    import sprpo_lib.sft as sft_mod
+
+    cfg = SFTConfig(epochs=2, lr=1e-3, batch_size=2, grad_accum=1, lora=SMALL_LORA, log_every=1)
+    ref = load_policy("tiny-qwen2")
+    res_ref = train_sft(ref, demos, cfg, out_dir=tmp_path / "ref", progress=False, agent=AGENT)
+    assert res_ref["steps"] >= 6 and not (tmp_path / "ref" / "resume").exists()
+
+    monkeypatch.setattr(sft_mod, "RESUME_EVERY_S", 0.0)  # a resume point before every step
+    real, calls = sft_mod.response_nll, {"n": 0}
+
+    def dies_at_5(model, batch):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt("killed")
+        return real(model, batch)
+
+    monkeypatch.setattr(sft_mod, "response_nll", dies_at_5)
+    with pytest.raises(KeyboardInterrupt):
+        train_sft(load_policy("tiny-qwen2"), demos, cfg, out_dir=tmp_path / "run", progress=False, agent=AGENT)
+    state = json.loads((tmp_path / "run" / "resume" / "state.json").read_text())
+    assert state["run"]["step"] == 4
+    monkeypatch.setattr(sft_mod, "response_nll", real)
+    pol = load_policy("tiny-qwen2")
+    res = train_sft(pol, demos, cfg, out_dir=tmp_path / "run", progress=False, agent=AGENT)
+    s_ref, s_new = _state(ref), _state(pol)
+    assert s_ref.keys() == s_new.keys() and all(torch.equal(s_ref[k], s_new[k]) for k in s_ref)
+    assert (res["steps"], res["first_loss"], res["final_loss"], res["response_tokens"]) == (
+        res_ref["steps"], res_ref["first_loss"], res_ref["final_loss"], res_ref["response_tokens"])
+    rows = lambda d: [{k: v for k, v in json.loads(x).items() if k != "elapsed_s"}  # noqa: E731
+                      for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+    assert rows("run") == rows("ref") and not (tmp_path / "run" / "resume").exists()
+
+    # a damaged resume point: a warning, a fresh start, the same result
+    calls["n"] = 0
+    monkeypatch.setattr(sft_mod, "response_nll", dies_at_5)
+    with pytest.raises(KeyboardInterrupt):
+        train_sft(load_policy("tiny-qwen2"), demos, cfg, out_dir=tmp_path / "bad", progress=False, agent=AGENT)
+    monkeypatch.setattr(sft_mod, "response_nll", real)
+    (tmp_path / "bad" / "resume" / "optimizer.pt").write_bytes(b"garbage")
+    pol = load_policy("tiny-qwen2")
+    train_sft(pol, demos, cfg, out_dir=tmp_path / "bad", progress=False, agent=AGENT)
+    s_bad = _state(pol)
+    assert all(torch.equal(s_ref[k], s_bad[k]) for k in s_ref) and rows("bad") == rows("ref")
