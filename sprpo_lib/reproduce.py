@@ -66,9 +66,10 @@ PROFILES: dict[str, dict] = {
         "out_dir": "runs/smoke/figures",
         "notebooks": {
             "00_quickstart": {"model": "tiny-qwen2", "n_calib": 4, "max_new_tokens": 6},
-            "01_training": {"profile": "smoke", "envs": ["webshop"], "methods": ["vanilla", "sprpo"]},
+            "01_training": {"profile": "smoke", "envs": ["webshop", "alfworld"], "methods": ["vanilla", "sprpo"]},
             "02_theory": {"preset": "smoke"},
-            **{nb: {"profile": "smoke", "envs": ["webshop"]} for nb in RESULT_NOTEBOOKS},
+            **{nb: {"profile": "smoke", "envs": ["alfworld", "webshop"]} for nb in RESULT_NOTEBOOKS},
+            "08_ablations": {"profile": "smoke", "envs": ["webshop"]},
         },
     },
     "cpu": {
@@ -213,12 +214,73 @@ def notebooks_table() -> str:
     return "\n".join(lines) + "\n"
 
 
-def stage_table(profile: str, out_dir: str | Path | None = None) -> str:
-    """Markdown: each notebook's measured wall time, read from the manifests of the figures
-    and tables it wrote (a render-only pass records no compute time)."""
+def _run_seconds(run: Path) -> float:
+    """A training run's recorded compute: the sum of its iterations' ``wall_s``."""
+    from sprpo_lib.io import JsonLines
+
+    return float(sum(r.get("wall_s") or 0.0 for r in JsonLines(run / "metrics.jsonl").read()))
+
+
+def recorded_seconds(profile: str, out_dir: str | Path | None = None, runs_dir: Path | None = None) -> dict[str, float]:
+    """Per notebook, the compute its outputs rest on as the work recorded it, whichever
+    pass or session did it: 01 the plan's training runs (each iteration's ``wall_s``)
+    and their warm starts (``sft_summary.json``); 03-08 the seconds stored in every
+    evaluation cell their ``*_rows.csv`` came from (a cell shared by several notebooks
+    counts for the first) and 08's ablation training runs.  A staged reproduction's wall
+    times cover its last pass only; these add up every pass."""
+    import pandas as pd
+
+    from sprpo_lib.config import config_from_dict
+    from sprpo_lib.train import warm_start_dir
+
     out = project_path(out_dir or PROFILES[profile]["out_dir"])
-    lines = ["| notebook | wall time | date | machine |", "|---|---|---|---|"]
-    total = 0.0
+    runs = (project_path(runs_dir) if runs_dir else project_runs()) / profile
+    cell_seconds = {}
+    for f in (runs / "eval_cache" / "cells").glob("*/*.json"):
+        cell = read_cached(f)
+        if isinstance(cell, dict) and isinstance(cell.get("seconds"), (int, float)):
+            cell_seconds[f.stem[:12]] = float(cell["seconds"])
+    seen: set[str] = set()
+    res: dict[str, float] = {}
+    for nb in PROFILES[profile]["notebooks"]:
+        secs = 0.0
+        if nb == "01_training":
+            warm: set[Path] = set()
+            for man in out.glob("01_training_*.png.manifest.json"):
+                for r in ((read_cached(man) or {}).get("config") or {}).get("runs", []):
+                    run = project_path(r)
+                    if run.name in seen or not (run / "metrics.jsonl").is_file():
+                        continue
+                    seen.add(run.name)
+                    secs += _run_seconds(run)
+                    meta = read_cached(run / "config.json")
+                    if isinstance(meta, dict) and isinstance(meta.get("config"), dict):
+                        cfg = config_from_dict(meta["config"])
+                        if cfg.warm_start:
+                            warm.add(warm_start_dir(cfg))
+            for w in warm:
+                summary = read_cached(w / "sft_summary.json")
+                secs += float(((summary or {}).get("result") or {}).get("seconds") or 0.0)
+        for rows in out.glob(f"{nb}_*rows.csv"):
+            for cell in pd.read_csv(rows, usecols=["cell"])["cell"].dropna().astype(str).unique():
+                if cell not in seen:
+                    seen.add(cell)
+                    secs += cell_seconds.get(cell, 0.0)
+        if nb == "08_ablations":
+            secs += sum(_run_seconds(m.parent) for m in (runs / "train" / "ablation").glob("*/*/metrics.jsonl"))
+        res[nb] = secs
+    return res
+
+
+def stage_table(profile: str, out_dir: str | Path | None = None, runs_dir: Path | None = None) -> str:
+    """Markdown: each notebook's measured wall time, read from the manifests of the figures
+    and tables it wrote (a render-only pass records no compute time), and the compute its
+    outputs rest on as the runs and evaluation cells recorded it (:func:`recorded_seconds`:
+    every pass of a staged reproduction, whichever session did it)."""
+    out = project_path(out_dir or PROFILES[profile]["out_dir"])
+    recorded = recorded_seconds(profile, out_dir, runs_dir)
+    lines = ["| notebook | wall time (last pass) | recorded compute | date | machine |", "|---|---|---|---|---|"]
+    total = rec_total = 0.0
     for nb in PROFILES[profile]["notebooks"]:
         paths = list(out.glob(f"{nb}_*.manifest.json")) + (list(out.glob(f"headline_{profile}.*.manifest.json"))
                                                            if nb == "04_robustness" else [])
@@ -226,16 +288,19 @@ def stage_table(profile: str, out_dir: str | Path | None = None) -> str:
         # a render-only pass carries the computing run's record along (paper.notebook.ResultsPage)
         computed = [m.get("computed") or m for m in mans
                     if m.get("computed") or not (m.get("config") or {}).get("render_only")]
+        rec = recorded.get(nb, 0.0)
+        rec_total += rec
+        rec_text = f"{rec / 60:.1f} min" if rec else ""
         if not computed:
-            lines.append(f"| `{nb}` | {'rendered only' if mans else 'not run'} | | |")
+            lines.append(f"| `{nb}` | {'rendered only' if mans else 'not run'} | {rec_text} | | |")
             continue
         m = max(computed, key=lambda m: m.get("wall_seconds") or 0)
         secs = float(m.get("wall_seconds") or 0)
         total += secs
         host = m.get("host", {})
         machine = ", ".join(str(host[k]) for k in ("cpu_model", "cpu_class", "capability") if host.get(k))
-        lines.append(f"| `{nb}` | {secs / 60:.1f} min | {str(m.get('date', ''))[:10]} | {machine} |")
-    lines.append(f"| all | {total / 60:.1f} min | | |")
+        lines.append(f"| `{nb}` | {secs / 60:.1f} min | {rec_text} | {str(m.get('date', ''))[:10]} | {machine} |")
+    lines.append(f"| all | {total / 60:.1f} min | {rec_total / 60:.1f} min | | |")
     return "\n".join(lines) + "\n"
 
 

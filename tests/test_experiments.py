@@ -165,3 +165,37 @@ def test_headline_and_readme_block():
     assert "old 1.0" not in new and md.strip() in new and new.startswith("a\n") and new.endswith("b\n")
     with pytest.raises(ValueError, match="markers"):
         R.replace_block("no markers", "headline-cpu", md)
+
+
+def test_recorded_compute_adds_every_pass_and_counts_a_shared_cell_once(tmp_path, monkeypatch):
+    """The stage table's recorded compute, against sums by hand: 01 = its runs' iteration
+    wall_s + their warm start's seconds; a cell in 03's and 04's rows counts for 03 only."""
+    import sprpo_lib.train as train_mod
+    from sprpo_lib import reproduce as R
+    from sprpo_lib.config import config_dict, load_config
+
+    out, runs = tmp_path / "figs", tmp_path / "runs"
+    run = runs / "cpu" / "train" / "webshop-vanilla-cpu-seed0"
+    run.mkdir(parents=True)
+    out.mkdir()
+    (run / "metrics.jsonl").write_text('{"iteration": 0, "wall_s": 1.5}\n{"iteration": 1, "wall_s": 2.5}\n')
+    (run / "config.json").write_text(json.dumps({"config": config_dict(load_config("cpu"))}))
+    warm = tmp_path / "sft"
+    warm.mkdir()
+    (warm / "sft_summary.json").write_text(json.dumps({"result": {"seconds": 10.0}}))
+    monkeypatch.setattr(train_mod, "warm_start_dir", lambda cfg, agent=None: warm)
+    (out / "01_training_webshop.png.manifest.json").write_text(json.dumps({"config": {"runs": [str(run)]}}))
+    for key, secs in (("a" * 64, 3.0), ("b" * 64, 4.0)):
+        f = runs / "cpu" / "eval_cache" / "cells" / "webshop-clean" / f"{key}.json"
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(json.dumps({"key": key, "seconds": secs, "rows": []}))
+    pd.DataFrame({"cell": ["a" * 12, "a" * 12]}).to_csv(out / "03_motivation_webshop_rows.csv", index=False)
+    pd.DataFrame({"cell": ["a" * 12, "b" * 12]}).to_csv(out / "04_robustness_webshop_rows.csv", index=False)
+    abl = runs / "cpu" / "train" / "ablation" / "alpha0" / "webshop-sprpo-cpu-seed0"
+    abl.mkdir(parents=True)
+    (abl / "metrics.jsonl").write_text('{"iteration": 0, "wall_s": 7.0}\n')
+    got = R.recorded_seconds("cpu", out, runs)
+    assert got["01_training"] == 14.0 and got["03_motivation"] == 3.0 and got["04_robustness"] == 4.0
+    assert got["08_ablations"] == 7.0 and got["05_landscape"] == 0.0
+    table = R.stage_table("cpu", out, runs)
+    assert "| `01_training` | 0.0 min | 0.2 min |" in table and "| `03_motivation` | not run | 0.1 min |" in table and table.rstrip().endswith("| all | 0.0 min | 0.5 min | | |")

@@ -59,12 +59,16 @@ def test_training_notebook_smoke(tmp_path):
     assert m.success.between(0, 1).all() and (m.update_s > 0).all()
     assert (m[m.method == "sprpo"].sensitivity_s > 0).all() and (m[m.method == "vanilla"].sensitivity_s == 0).all()
     runs = sorted(p.name for p in (tmp_path / "runs" / "smoke" / "train").iterdir())
-    assert runs == ["webshop-sprpo-smoke-seed0", "webshop-vanilla-smoke-seed0"]
+    assert runs == ["alfworld-sprpo-smoke-seed0", "alfworld-vanilla-smoke-seed0", "webshop-sprpo-smoke-seed0",
+                    "webshop-vanilla-smoke-seed0"]
+    alf = pd.read_csv(out / "01_training_alfworld_metrics.csv")  # ALFWorld: the same page, its own files
+    assert set(alf.method) == {"vanilla", "sprpo"} and len(alf) == 2 * 3 and alf.success.between(0, 1).all()
+    assert (out / "01_training_alfworld.png").is_file() and (out / "01_training_alfworld_sigma_fisher.csv").is_file()
     s = pd.read_csv(out / "01_training_webshop_summary.csv")
     assert len(s) == 2 and (s.iterations == 3).all()
     assert (out / "01_training_webshop.png").read_bytes()[:4] == b"\x89PNG"
     man = json.loads((out / "01_training_webshop.png.manifest.json").read_text())
-    assert man["config"]["profile"] == "smoke" and set(man["run_commits"]) == set(runs)
+    assert man["config"]["profile"] == "smoke" and set(man["run_commits"]) == {r for r in runs if r.startswith("webshop")}
     # SPrPO's sigma figure: per-layer RMS sigma over training, Spearman with Fisher importance per layer
     corr = pd.read_csv(out / "01_training_webshop_sigma_fisher.csv")
     assert set(corr.run) == {"webshop-sprpo-smoke-seed0"} and corr.spearman.between(-1, 1).all()
@@ -110,6 +114,18 @@ def test_result_notebooks_smoke_and_render_only(tmp_path):
     assert (out / "07_examples_webshop.md").is_file() and (out / "03_motivation_webshop.png").is_file()
     head = json.loads((out / "headline_smoke.json").read_text())
     assert set(head["webshop"]["methods"]) == {"vanilla", "gaussian", "sam", "sprpo"}
+    # ALFWorld: both held-out splits (ID = valid_seen, OOD = valid_unseen), its own tables and headline block
+    alf = pd.read_csv(out / "04_robustness_alfworld_rows.csv")
+    assert set(alf.method) == {"vanilla", "sprpo"} and set(alf.split) == {"valid_seen", "valid_unseen"}
+    assert (alf.groupby(["method", "family", "strength", "split"]).size() == 2).all()
+    id_ood = (out / "04_robustness_alfworld_appendix_id_ood.tex").read_text()
+    assert "\\toprule" in id_ood and "ID" in id_ood and "OOD" in id_ood
+    assert set(head["alfworld"]["methods"]) == {"vanilla", "sprpo"}
+    both = (out / "04_robustness_table1.tex").read_text()  # Table 1 with both environments' blocks
+    assert "ALFWorld" in both and "WebShop" in both and (out / "04_robustness_curves.png").is_file()
+    for name in ("03_motivation_alfworld.png", "05_landscape_alfworld.png", "06_overhead_alfworld.csv",
+                 "07_examples_alfworld.md"):
+        assert (out / name).is_file(), name
     for name in ("04_robustness_webshop_table1.tex", "05_landscape_webshop.png", "headline_smoke.md"):
         man = json.loads((out / f"{name}.manifest.json").read_text())
         assert {"config", "commit", "date", "wall_seconds", "host"} <= set(man) and man["config"]["profile"] == "smoke"

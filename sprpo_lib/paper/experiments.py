@@ -140,14 +140,16 @@ class Plan:
 #: environments (SparseGPT's differ, so it appears in the tables only).
 _PAPER_CURVES = {f: FAMILIES[f].levels["webshop"] for f in ("gaussian", "dropout", "fisher", "rtn")}
 
-#: Plans per profile and env.  ``smoke``: the tiny random model, seconds (tests).
+#: Plans per profile and env.  ``smoke``: the tiny random model on both environments,
+#: seconds (tests).
 #: ``cpu``: the embedded SmolLM2 on the offline WebShop, its evaluation budget on the
 #: paper's claims (Table 1's settings).  ``paper``: App. C in full.
 PLANS: dict[str, dict[str, Plan]] = {
-    "smoke": {"webshop": Plan(
-        "smoke", "webshop", seeds={"vanilla": (0,), "gaussian": (0,), "sam": (0,), "sprpo": (0,)},
-        tasks=2, eval_seeds=(0,), table=TABLE1["webshop"], curves={"gaussian": (0.1, 0.2)},
-        landscape_grid=(-0.2, 0.0, 0.2), landscape_tasks=1, calibration_size=6)},
+    "smoke": {env: Plan(
+        "smoke", env, methods=methods, seeds={m: (0,) for m in methods},
+        tasks=2, eval_seeds=(0,), table=TABLE1[env], curves={"gaussian": (0.1, 0.2)},
+        landscape_grid=(-0.2, 0.0, 0.2), landscape_tasks=1, calibration_size=6)
+        for env, methods in (("webshop", METHOD_ORDER), ("alfworld", ("vanilla", "sprpo")))},
     "cpu": {"webshop": Plan(
         # power where the paper's claims are: every policy on the same 200 test goals and evaluation
         # seed (paired design), clean and at Table 1's five settings (minimum detectable SPrPO -
