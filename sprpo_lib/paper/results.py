@@ -113,7 +113,13 @@ def plot_curves(summary: pd.DataFrame, methods: Sequence[str], path: str | Path,
             ax.grid(alpha=0.3)
         label = ENV_LABELS.get(env, env) if env else env_label
         row[0].set_ylabel(f"success (%){' - ' + label if label else ''}")
-    handles, labels = axes[0][0].get_legend_handles_labels()
+    legend: dict = {}  # every method drawn in any panel, once, in the order given
+    for ax in axes.flat:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(lab, h)
+    order = [METHOD_LABELS.get(m, m) for m in methods]
+    labels = sorted(legend, key=lambda lab: order.index(lab) if lab in order else len(order))
+    handles = [legend[lab] for lab in labels]
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()
