@@ -138,7 +138,7 @@ def test_fig3_rows_per_env_categorical_precision_and_one_marker_per_method(tmp_p
         assert list(lines["Vanilla"].get_xdata()) == [0, 1, 2, 3]
     sp = [c.lines[0] for c in axes[0, 1].containers if c.get_label() == "SPrPO"][0]
     # one legend for all rows: a method drawn only in the second row is in it too
-    R.plot_curves(pd.concat([web[web.method == "vanilla"].assign(method="sam"), alf]), ["vanilla", "sam", "sprpo"], tmp_path / "f",
-                  families=("gaussian", "rtn"))
+    sam_web_only = web[web.method == "vanilla"].assign(method="sam")
+    R.plot_curves(pd.concat([sam_web_only, alf]), ["vanilla", "sam", "sprpo"], tmp_path / "f", families=("gaussian", "rtn"))
     assert [t.get_text() for t in figs[-1].legends[0].get_texts()] == ["Vanilla", "SAM", "SPrPO"]
     assert list(sp.get_xdata()) == [0, 1, 3] and list(sp.get_ydata()) == [41.0, 40.0, 6.0]

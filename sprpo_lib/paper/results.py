@@ -183,7 +183,8 @@ def plot_motivation(summary: pd.DataFrame, path: str | Path, *, method: str = "v
                         ha="center", va="top", fontsize=7)
             if idx[0] > 0:
                 ax.axvline(idx[0] - 0.5, color="k", lw=0.5, alpha=0.3)
-    ax.set(ylabel="success (%)", ylim=(0, 110), title=title or f"{METHOD_LABELS.get(method, method)} under perturbations")
+    ax.set(ylabel="success (%)", ylim=(0, 110),
+           title=title or f"{METHOD_LABELS.get(method, method)} under perturbations")
     fig.tight_layout()
     return save_figure(fig, path)
 
