@@ -33,6 +33,7 @@ __all__ = ["COLORS", "save_figure", "plot_motivation", "plot_curves", "plot_land
            "headline_markdown", "replace_block"]
 
 COLORS = {m: d.color for m, d in METHOD_DISPLAY.items()}
+MARKERS = {m: d.marker for m, d in METHOD_DISPLAY.items()}
 #: z_{0.975} + z_{0.80}: a difference of this many standard errors is detected with 80% power.
 MDE80_Z = 1.959964 + 0.841621
 CURVE_FAMILIES = ("gaussian", "dropout", "fisher", "sparsegpt", "rtn")
@@ -76,11 +77,6 @@ def _family_points(summary: pd.DataFrame, family: str, method: str) -> pd.DataFr
     return pd.concat([clean, fam]).sort_values("strength", ascending=family != "rtn")
 
 
-def _marker(method: str) -> str:
-    d = METHOD_DISPLAY.get(method)
-    return d.marker if d else "o"
-
-
 def plot_curves(summary: pd.DataFrame, methods: Sequence[str], path: str | Path, *, title: str = "",
                 families: Sequence[str] = CURVE_FAMILIES, env_label: str = "") -> list[Path]:
     """Fig. 3: success (mean +- std over training seeds) against strength, one panel per
@@ -106,7 +102,7 @@ def plot_curves(summary: pd.DataFrame, methods: Sequence[str], path: str | Path,
                 if pts.empty:
                     continue
                 xs = [levels.index(float(b)) for b in pts["strength"]] if fam == "rtn" else pts["strength"]
-                ax.errorbar(xs, pts["mean"], yerr=pts["std"].fillna(0).to_numpy(), marker=_marker(m), ms=4,
+                ax.errorbar(xs, pts["mean"], yerr=pts["std"].fillna(0).to_numpy(), marker=MARKERS.get(m, "o"), ms=4,
                             capsize=2, lw=1.4, color=COLORS.get(m), label=METHOD_LABELS.get(m, m))
             ax.set(xlabel="precision" if fam == "rtn" else _AXIS.get(fam, "strength"),
                    title=FAMILY_LABELS.get(fam, fam), ylim=(-2, 102))
