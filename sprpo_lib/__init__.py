@@ -4,8 +4,10 @@ with Stable Optimization" (SPrPO).
 Layers, bottom first; each imports only its own layer and the ones below it
 (``tests/test_layout.py`` checks this, and that no import cycle exists):
 
-1. ``io``, ``paths``, ``registry``, ``progress``, ``hardware``, ``manifest``: files written
-   whole and read back checked, where things live, registries, machine facts, provenance;
+1. ``io``, ``paths``, ``registry``, ``progress``, ``hardware``, ``manifest``, ``executor``,
+   ``tracking``: files written whole and read back checked, where things live,
+   registries, machine facts, provenance, where runs and cells execute (local or Ray),
+   where training metrics go (JSON lines, console, TensorBoard, W&B);
 2. ``models``, ``perturb``, ``compress``, ``agent``, ``envs/``: policies, FFN-channel
    perturbations, the deployment perturbations of App. C, prompts, environments;
 3. ``engines/``: generation back ends behind one interface (``hf``, ``openvino``, ``vllm``);

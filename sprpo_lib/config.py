@@ -25,11 +25,12 @@ import yaml
 from sprpo_lib.advantages import AdvantageConfig
 from sprpo_lib.agent import AgentConfig
 from sprpo_lib.engines import GenerationConfig
-from sprpo_lib.io import key_fields
+from sprpo_lib.io import NOT_A_KEY, key_fields
 from sprpo_lib.losses import KL_ESTIMATORS, PPOLossConfig
 from sprpo_lib.methods import MethodConfig
 from sprpo_lib.models import LoraSettings
 from sprpo_lib.sft import SFTConfig
+from sprpo_lib.tracking import check_loggers
 
 PROFILES_DIR = Path(__file__).resolve().parent / "configs"
 
@@ -132,7 +133,9 @@ class TrainConfig:
     paper starts from an instruct model).  ``eval_tasks``: after training, score the
     final policy on the warm start's held-out tasks; ``eval_temperature``: the
     held-out evaluations' temperature (Table 2 "Validation temperature" 0.4; ``None``:
-    the rollout's)."""
+    the rollout's).  ``logger``: where each iteration's metrics go
+    (:mod:`sprpo_lib.tracking`: ``console``, ``jsonl``, ``tensorboard``, ``wandb``; verl's
+    ``trainer.logger``); not part of the run's identity, so changing it resumes a run."""
 
     profile: str = "paper"
     iterations: int = 200
@@ -149,8 +152,10 @@ class TrainConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     update: UpdateConfig = field(default_factory=UpdateConfig)
     method: MethodConfig = field(default_factory=MethodConfig)
+    logger: tuple[str, ...] = field(default=("jsonl",), metadata=NOT_A_KEY)
 
     def __post_init__(self):
+        self.logger = check_loggers(self.logger)
         if self.method.name == "sprpo" and self.method.sensitivity == "one_pass" and (
                 self.update.ppo_mini_batch_size is not None or self.update.ppo_epochs != 1):
             raise ValueError("method.sensitivity=one_pass reads S_hat and m_hat from the single update step at "

@@ -1,6 +1,7 @@
 """Files written whole and read back checked: atomic writes (a killed writer leaves the
-old file or the new one), an append-only JSON-lines log, and verified reads that raise
-:class:`CorruptFileError` instead of serving a truncated or garbage file as data.
+old file or the new one), a lock for what two processes would compute alike, an
+append-only JSON-lines log, and verified reads that raise :class:`CorruptFileError`
+instead of serving a truncated or garbage file as data.
 The bottom layer: imports nothing from the package."""
 from __future__ import annotations
 
@@ -63,6 +64,24 @@ def atomic_dir(path: str | Path):
         os.replace(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def file_lock(path: str | Path):
+    """Hold an exclusive lock on ``path`` (created if missing) for the block: two
+    processes that would compute the same cached thing (a warm start, one training run,
+    a model's Fisher scores), here or on another node of shared storage, do it once;
+    the second waits, then finds it cached.  Released when the process dies."""
+    import fcntl
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield path
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:
@@ -253,17 +272,22 @@ def read_cached(path: str | Path, read: Callable[..., Any] = read_json, *args, *
 #: cached; :func:`key_fields` leaves it out while it holds its default, so adding it does
 #: not change any existing cache key, run config or content hash.
 OMIT_AT_DEFAULT = {"omit_at_default": True}
+#: ``dataclasses.field(metadata=NOT_A_KEY)``: an option of where output goes, not of what is
+#: computed (e.g. the training loggers); :func:`key_fields` always leaves it out.
+NOT_A_KEY = {"not_a_key": True}
 
 
 def key_fields(obj):
     """``dataclasses.asdict(obj)`` (recursively) without the fields marked
-    :data:`OMIT_AT_DEFAULT` that hold their default: the dataclass as keys and
-    ``config.json`` record it."""
+    :data:`OMIT_AT_DEFAULT` that hold their default and those marked :data:`NOT_A_KEY`:
+    the dataclass as keys and ``config.json`` record it."""
     import dataclasses
 
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         out = {}
         for f in dataclasses.fields(obj):
+            if f.metadata.get("not_a_key"):
+                continue
             v = getattr(obj, f.name)
             if f.metadata.get("omit_at_default"):
                 default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default

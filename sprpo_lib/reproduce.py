@@ -31,6 +31,7 @@ import sys
 import time
 from pathlib import Path
 
+from sprpo_lib.executor import EXECUTORS, executor_environment, make_executor
 from sprpo_lib.io import atomic_write_json, atomic_write_text, read_cached
 from sprpo_lib.manifest import git_commit
 from sprpo_lib.paths import notebooks_dir, package_checkout, project_path, project_root
@@ -64,6 +65,8 @@ NOTEBOOK_INFO: dict[str, tuple[str, str]] = {
 PROFILES: dict[str, dict] = {
     "smoke": {
         "out_dir": "runs/smoke/figures",
+        # Ray requests per task (sprpo_lib.executor.Resources): two tiny-model tasks at once on 2 cores
+        "resources": {"run_cpus": 1, "cell_cpus": 1},
         "notebooks": {
             "00_quickstart": {"model": "tiny-qwen2", "n_calib": 4, "max_new_tokens": 6},
             "01_training": {"profile": "smoke", "envs": ["webshop", "alfworld"], "methods": ["vanilla", "sprpo"]},
@@ -74,6 +77,8 @@ PROFILES: dict[str, dict] = {
     },
     "cpu": {
         "out_dir": "figures",
+        # each run and cell uses 2 torch threads (threads: 2 in cpu.yaml): one task per 2 cores
+        "resources": {"run_cpus": 2, "cell_cpus": 2},
         "notebooks": {
             "00_quickstart": {"model": "smollm2-135m", "n_calib": 32, "max_new_tokens": 24},
             "01_training": {"profile": "cpu", "envs": ["webshop"]},  # the plan's methods and seeds
@@ -83,6 +88,9 @@ PROFILES: dict[str, dict] = {
     },
     "paper": {
         "out_dir": "figures/paper",
+        # one GPU per training run (the trainer is one process on one device); two evaluation
+        # cells share a GPU (Qwen2.5-1.5B in bf16 is ~3 GB of weights plus its KV cache)
+        "resources": {"run_cpus": 8, "run_gpus": 1, "cell_cpus": 4, "cell_gpus": 0.5},
         "notebooks": {
             "00_quickstart": {"model": "Qwen/Qwen2.5-1.5B-Instruct", "n_calib": 128, "max_new_tokens": 32},
             "01_training": {"profile": "paper", "envs": ["alfworld", "webshop"]},
@@ -133,29 +141,47 @@ def _artifacts(out_dir: Path, since: float) -> list[str]:
                   for m in out_dir.glob("*.manifest.json") if m.stat().st_mtime >= since - 1)
 
 
-def kernel_environment(stream: bool) -> dict[str, str]:
+def kernel_environment(stream: bool, executor: dict[str, str] | None = None) -> dict[str, str]:
     """What the notebook kernels inherit: this checkout importable (also without ``pip
-    install -e .``) and, when streaming, progress bars as text lines."""
+    install -e .``), when streaming, progress bars as text lines, and the executor
+    (:func:`sprpo_lib.executor.executor_environment`)."""
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(package_checkout()), os.environ.get("PYTHONPATH")) if p)}
     if stream:
         env[PROGRESS_ENV] = "lines"
-    return env
+    return {**env, **(executor or {})}
+
+
+def start_executor(profile: str, executor: str, address: str | None) -> dict[str, str]:
+    """The executor's variables for the kernels.  ``ray`` without an address starts one
+    local Ray instance here, which every notebook's kernel joins (shut down at exit)."""
+    if executor == "ray" and not address:
+        import atexit
+
+        ray = make_executor("ray", None, PROFILES[profile].get("resources")).connect()
+        address = ray.get_runtime_context().gcs_address
+        atexit.register(ray.shutdown)
+        print(f"[reproduce] local Ray instance at {address} ({int(ray.cluster_resources().get('CPU', 0))} CPUs, "
+              f"{int(ray.cluster_resources().get('GPU', 0))} GPUs)", flush=True)
+    return executor_environment(executor, address, PROFILES[profile].get("resources"))
 
 
 def run(profile: str, only: list[str] | None = None, force: bool = False, model: str | None = None,
         runs_dir: Path | None = None, out_dir: str | None = None, render_only: bool = False,
-        stream: bool = False) -> list[dict]:
+        stream: bool = False, executor: str = "local", address: str | None = None) -> list[dict]:
     """Execute the profile's notebooks, each in its own folder; returns one status record
     per notebook (with the figures and tables it wrote).  ``render_only`` redraws from the
     cached results: notebooks with a ``render_only`` parameter run with it set, the others
     (which compute in the notebook) are skipped and say so.  ``stream``: the kernels'
-    output (progress bars as lines) goes to this process's stdout/stderr as it comes."""
+    output (progress bars as lines) goes to this process's stdout/stderr as it comes.
+    ``executor``/``address``: where training runs and evaluation cells execute
+    (:mod:`sprpo_lib.executor`); the outputs are the same either way."""
     import papermill as pm
 
     runs_dir = (project_path(runs_dir) if runs_dir else project_runs()) / profile
     commit = git_commit()
     records = []
     jobs = plan(profile, only, model, out_dir)
+    exec_env = start_executor(profile, executor, address)
     t_all = time.time()
     for i, (path, params) in enumerate(jobs, 1):
         names = notebook_parameters(path)
@@ -182,8 +208,9 @@ def run(profile: str, only: list[str] | None = None, force: bool = False, model:
         print(f"{head} with {params}", flush=True)
         out_nb.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.time()
-        saved = {k: os.environ.get(k) for k in (*kernel_environment(stream), PROGRESS_ENV)}
-        os.environ.update(kernel_environment(stream))  # inherited by the kernel papermill starts
+        kernel_env = kernel_environment(stream, exec_env)
+        saved = {k: os.environ.get(k) for k in (*kernel_env, PROGRESS_ENV)}
+        os.environ.update(kernel_env)  # inherited by the kernel papermill starts
         try:
             pm.execute_notebook(str(path), str(out_nb), parameters=params, cwd=str(path.parent), kernel_name="python3",
                                 progress_bar=not stream, log_output=stream,
@@ -355,10 +382,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", help="override the policy model (a local HF directory or hub id)")
     ap.add_argument("--runs-dir", type=Path, help="where executed notebooks go (default: runs/ under the project root)")
     ap.add_argument("--quiet", action="store_true", help="papermill's cell bar only, no streamed progress")
+    ap.add_argument("--executor", default="local", choices=EXECUTORS,
+                    help="where training runs and evaluation cells execute: one after another here (local), or "
+                         "as Ray tasks (ray) with the profile's resource requests")
+    ap.add_argument("--address", help="a running Ray cluster for --executor ray (e.g. auto, or host:6379); default: "
+                                      "start a local Ray instance")
     args = ap.parse_args(argv)
+    if args.address and args.executor != "ray":
+        ap.error("--address: only --executor ray connects to a cluster; add --executor ray or drop --address")
     t0 = time.time()
     records = run(args.profile, args.only, args.force, args.model, args.runs_dir, render_only=args.render_only,
-                  stream=not args.quiet)
+                  stream=not args.quiet, executor=args.executor, address=args.address)
     print_summary(args.profile, records, time.time() - t0)
     out_dir = PROFILES[args.profile]["out_dir"]
     atomic_write_json((project_path(args.runs_dir) if args.runs_dir else project_runs()) / args.profile

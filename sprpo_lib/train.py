@@ -42,13 +42,15 @@ from sprpo_lib.config import TrainConfig, config_dict, load_config
 from sprpo_lib.engines import close_engine, effective_weights, make_engine
 from sprpo_lib.envs import make_pool
 from sprpo_lib.heldout import eval_is_current, evaluate_policy
-from sprpo_lib.io import CorruptFileError, JsonLines, atomic_dir, atomic_write_json, key_fields, read_cached
+from sprpo_lib.io import (CorruptFileError, JsonLines, atomic_dir, atomic_write_json, file_lock, key_fields,
+                          read_cached)
 from sprpo_lib.manifest import git_commit
 from sprpo_lib.methods import make_method
 from sprpo_lib.models import add_lora, load_policy, lora_on_last_layers
 from sprpo_lib.paths import project_path, runs_dir
 from sprpo_lib.perturb import xi_stats
 from sprpo_lib.rollout import EpisodeLog, ProcessEnvs, SerialEnvs, run_groups
+from sprpo_lib.tracking import Tracking
 
 log = logging.getLogger(__name__)
 
@@ -217,19 +219,20 @@ def warm_start_policy(policy, pool, cfg: TrainConfig, agent: AgentConfig, progre
     from sprpo_lib.sft import load_adapter, warm_start
 
     out = warm_start_dir(cfg, agent)
-    if (out / "adapter").is_dir() and not adapter_is_whole(out / "adapter"):  # a cache: rebuilt, never loaded
-        shutil.rmtree(out / "adapter")
-        for name in ("eval.json", "eval_episodes.jsonl"):  # they described the old adapter
-            (out / name).unlink(missing_ok=True)
-    if not (out / "adapter").is_dir():
-        warm_start(policy, pool, cfg.sft, agent, out, progress)
-        merge_lora(policy)
-    else:
-        load_adapter(policy, out / "adapter", merge=True)
-    for p in policy.model.parameters():
-        p.requires_grad_(False)
-    if cfg.sft.eval_tasks and not eval_is_current(out / "eval.json", cfg, cfg.sft.eval_tasks):
-        evaluate_policy(policy, pool, cfg, agent, out, cfg.sft.eval_tasks, progress)
+    with file_lock(out.parent / f".{out.name}.lock"):  # runs started together (Ray tasks) build it once
+        if (out / "adapter").is_dir() and not adapter_is_whole(out / "adapter"):  # a cache: rebuilt, never loaded
+            shutil.rmtree(out / "adapter")
+            for name in ("eval.json", "eval_episodes.jsonl"):  # they described the old adapter
+                (out / name).unlink(missing_ok=True)
+        if not (out / "adapter").is_dir():
+            warm_start(policy, pool, cfg.sft, agent, out, progress)
+            merge_lora(policy)
+        else:
+            load_adapter(policy, out / "adapter", merge=True)
+        for p in policy.model.parameters():
+            p.requires_grad_(False)
+        if cfg.sft.eval_tasks and not eval_is_current(out / "eval.json", cfg, cfg.sft.eval_tasks):
+            evaluate_policy(policy, pool, cfg, agent, out, cfg.sft.eval_tasks, progress)
     return out
 
 
@@ -276,11 +279,17 @@ def is_complete(cfg: TrainConfig, out: Path) -> bool:
 
 def train(cfg: TrainConfig, out_dir: str | Path | None = None, fresh: bool = False, progress: bool = True) -> Path:
     """Run (or resume, or extend) training; returns the output folder."""
-    from sprpo_lib.progress import progress_bar
-
     done = project_path(out_dir or cfg.out_dir or default_out_dir(cfg))
     if not fresh and is_complete(cfg, done):  # nothing to do: found without loading the model
         return done
+    with file_lock(done.parent / f".{done.name}.lock"):  # one process per run folder at a time
+        if not fresh and is_complete(cfg, done):  # finished by the process that held the lock
+            return done
+        return _train(cfg, out_dir, fresh, progress)
+
+
+def _train(cfg: TrainConfig, out_dir, fresh: bool, progress: bool) -> Path:
+    from sprpo_lib.progress import progress_bar
 
     tr = Trainer(cfg, out_dir, progress)
     out = tr.out
@@ -289,23 +298,24 @@ def train(cfg: TrainConfig, out_dir: str | Path | None = None, fresh: bool = Fal
     out.mkdir(parents=True, exist_ok=True)
     meta_path = out / "config.json"
     meta = {"config": config_dict(cfg), "commit": git_commit(), "dtype": tr.dtype,
-            "dtype_probe": tr.policy.meta.get("dtype_probe")}
+            "dtype_probe": tr.policy.meta.get("dtype_probe"), "logger": list(cfg.logger)}
     if meta_path.is_file():  # resumed / extended / re-entered: keep the commit the run started at
         old = read_cached(meta_path)
         old = old if isinstance(old, dict) else {}
         meta["commit"] = old.get("commit", meta["commit"])
         meta["entered_at"] = list(dict.fromkeys(old.get("entered_at", []) + [git_commit()]))
     atomic_write_json(meta_path, meta)
+    tracker = None
     try:
         done = tr.resume()
         start = 0 if done is None else done + 1
-        metrics = JsonLines(out / "metrics.jsonl")
-        metrics.truncate(lambda row: row["iteration"] < start)  # drop iterations after the checkpoint
+        # metrics.jsonl and the other loggers, iterations after the checkpoint dropped
+        tracker = Tracking(cfg.logger, out, start=start, config=meta["config"])
         bar = progress_bar(range(start, cfg.iterations), desc=f"train {cfg.method.name}", disable=not progress,
-                   initial=start, total=cfg.iterations)
+                           initial=start, total=cfg.iterations)
         for k in bar:
             m = tr.iteration(k)
-            metrics.append(m)
+            tracker.log(m, step=k)
             tr.save(k)
             bar.set_postfix(success=f"{m['success']:.2f}", valid=f"{m['valid_rate']:.2f}", last_s=f"{m['wall_s']:.0f}")
         final = out / "final"
@@ -315,6 +325,8 @@ def train(cfg: TrainConfig, out_dir: str | Path | None = None, fresh: bool = Fal
             tr.model.eval()
             evaluate_policy(tr.policy, tr.pool, cfg, tr.agent, final, cfg.eval_tasks, progress)
     finally:
+        if tracker is not None:
+            tracker.close()
         tr.envs.close()
         close_engine(tr.gen)
     return out

@@ -16,7 +16,8 @@ TESTS = Path(__file__).parent
 #: The layers, bottom first; a module may import its own layer or lower ones (the
 #: package's docstring draws the same picture).
 LAYERS: list[tuple[str, ...]] = [
-    ("io", "paths", "registry", "progress", "hardware", "manifest"),  # files, places, machine
+    # files, places, machine, where work runs and where metrics go
+    ("io", "paths", "registry", "progress", "hardware", "manifest", "executor", "tracking"),
     ("models", "perturb", "compress", "agent", "envs"),  # policies, perturbations, environments
     ("engines",),  # generation back ends behind one interface
     ("rollout",),  # episodes played in groups

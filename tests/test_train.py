@@ -197,9 +197,19 @@ def test_extend_run_and_refuse_other_config(tmp_path):
     ov = ["rollout.tasks_per_step=1", "method.name=vanilla"]
     out = train(load_config("smoke", ov + ["iterations=1"]), tmp_path / "r", progress=False)
     first = load_file(str(next((out / "final" / "adapter").rglob("adapter_model.safetensors"))))
-    out = train(load_config("smoke", ov + ["iterations=2"]), tmp_path / "r", progress=False)  # extends it
+    # extends it; where the metrics go is not part of the config: the new logger gets iteration 1
+    out = train(load_config("smoke", ov + ["iterations=2", "logger=[jsonl,tensorboard]"]), tmp_path / "r",
+                progress=False)
     lines = (out / "metrics.jsonl").read_text().splitlines()
     assert [__import__("json").loads(ln)["iteration"] for ln in lines] == [0, 1]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
+    tb.Reload()
+    last = __import__("json").loads(lines[1])
+    numbers = {k: v for k, v in last.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    assert set(tb.Tags()["scalars"]) == set(numbers)  # every metric of metrics.jsonl
+    assert all([(e.step, e.value) for e in tb.Scalars(k)] == [(1, pytest.approx(v))] for k, v in numbers.items())
     meta = __import__("json").loads((out / "config.json").read_text())
     assert meta["commit"] and len(meta["entered_at"]) == 1  # the starting commit is kept
     second = load_file(str(next((out / "final" / "adapter").rglob("adapter_model.safetensors"))))

@@ -101,10 +101,12 @@ from sprpo_lib.evaluate.sweep import (
            ModelSource,
            cell_fields,
            check_adapter_dir,
+           compute_cell,
            config_from_profile,
            config_from_run,
            evaluate,
            fisher_scores_cached,
+           missing_cells,
            play_cell,
            sweep,
 )
@@ -113,7 +115,7 @@ from sprpo_lib.io import canonical_hash
 __all__ = ["CALIBRATED_FAMILIES", "CALIBRATION_FORMAT", "CalibrationPool", "Cell", "CellCache", "DEFAULT_CACHE",
            "EVALUATOR_VERSION", "EVAL_SPLITS", "EvalConfig", "ModelSource", "RANDOM_FAMILIES", "ROW_COLUMNS",
            "SPLIT_LABELS", "ZERO_IS_IDENTITY", "build_calibration_pool", "canonical_hash", "cell_fields", "cell_key",
-           "check_adapter_dir", "check_strength", "clear_digest_memo", "config_from_profile", "config_from_run",
+           "check_adapter_dir", "check_strength", "compute_cell", "clear_digest_memo", "config_from_profile", "config_from_run",
            "dir_digest", "episode_log", "episode_rows", "evaluate", "families", "file_digest", "fisher_scores_cached", "load_calibration",
-           "load_episode_log", "main", "play_cell", "save_calibration", "select_tasks", "sequences_hash",
+           "load_episode_log", "main", "missing_cells", "play_cell", "save_calibration", "select_tasks", "sequences_hash",
            "state_dict_digest", "sweep"]

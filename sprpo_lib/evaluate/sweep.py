@@ -33,8 +33,8 @@ from sprpo_lib.evaluate.cells import (
     state_dict_digest,
     tasks_digest,
 )
-from sprpo_lib.io import (CorruptFileError, atomic_write_bytes, canonical_hash, key_fields, read_cached, read_json,
-                          read_safetensors)
+from sprpo_lib.io import (CorruptFileError, atomic_write_bytes, canonical_hash, file_lock, key_fields, read_cached,
+                          read_json, read_safetensors)
 from sprpo_lib.paths import project_path
 
 logger = logging.getLogger(__name__)
@@ -389,15 +389,17 @@ def fisher_scores_cached(policy, calib: CalibrationPool, store: Path, identity: 
     key = canonical_hash({"evaluator": EVALUATOR_VERSION, "model": dict(identity), "calibration": calib.hash,
                           "batch_size": bs})
     path = store / "fisher" / f"{key}.safetensors"
-    cached = read_cached(path, read_safetensors)
-    if cached is not None:
-        scores = cached.get("scores")
-        if scores is not None and scores.dim() == 2 and scores.is_floating_point() and bool(scores.isfinite().all()):
-            return scores
-        logger.warning("corrupt file %s: no finite 2-D tensor 'scores'; recomputing it", path)
-    scores = fisher_scores(policy.model, calib.sequences, batch_size=bs, pad_id=policy.tokenizer.pad_token_id,
-                           progress=progress)
-    atomic_write_bytes(path, st.save({"scores": scores.contiguous()}))
+    with file_lock(path.with_name(f".{path.name}.lock")):  # cells of one model on several workers: computed once
+        cached = read_cached(path, read_safetensors)
+        if cached is not None:
+            scores = cached.get("scores")
+            if (scores is not None and scores.dim() == 2 and scores.is_floating_point()
+                    and bool(scores.isfinite().all())):
+                return scores
+            logger.warning("corrupt file %s: no finite 2-D tensor 'scores'; recomputing it", path)
+        scores = fisher_scores(policy.model, calib.sequences, batch_size=bs, pad_id=policy.tokenizer.pad_token_id,
+                               progress=progress)
+        atomic_write_bytes(path, st.save({"scores": scores.contiguous()}))
     return scores
 
 
@@ -407,6 +409,49 @@ def _check_calibration_fits(calib: CalibrationPool, policy) -> None:
     if top >= vocab:
         raise ValueError(f"--calibration: token id {top} is outside this model's vocabulary ({vocab}); the pool was "
                          "built with another tokenizer. Build one from a policy of the same base model")
+
+
+class _CellPlan:
+    """The cells one :class:`EvalConfig` asks for, keyed by content, without playing any:
+    the task pool, the model's identity, the calibration pool, and each canonical cell's
+    ``(key, fields)``."""
+
+    def __init__(self, cfg: EvalConfig, pool=None):
+        from sprpo_lib.envs import make_pool
+
+        cfg.validate()
+        self.store = project_path(cfg.cache_dir)
+        self.cache = CellCache(self.store)
+        self.pool = pool if pool is not None else make_pool(cfg.env, cfg.data_dir, cfg.env_seed)
+        self.tasks = select_tasks(self.pool, cfg.env, cfg.splits, cfg.tasks)
+        env_fields = {"name": cfg.env, "data": data_source(cfg.env, cfg.data_dir), "seed": cfg.env_seed,
+                      "max_steps": cfg.max_steps or self.pool.max_steps, "tasks": [list(t) for t in self.tasks],
+                      "content": tasks_digest(self.pool, self.tasks)}
+        self.requested = cfg.cells()
+        needs_calib = any(c.canonical().family in CALIBRATED_FAMILIES for c in self.requested)
+        self.calib = load_calibration(project_path(cfg.calibration)) if needs_calib else None
+        self.source = ModelSource(cfg, self.store / "file_hashes.json")
+        self.ident = self.source.identity()
+        self.keyed: dict[Cell, tuple[str, dict]] = {}
+        for c in self.requested:
+            canon = c.canonical()
+            if canon not in self.keyed:
+                f = cell_fields(cfg, self.ident, env_fields, canon, self.calib.hash if self.calib else None)
+                self.keyed[canon] = (cell_key(f), f)
+
+
+def missing_cells(cfg: EvalConfig, pool=None) -> list[tuple[str, EvalConfig]]:
+    """``(cell key, one-cell config)`` of every cell of ``cfg`` not in the cache (or not
+    verifying there): the units an executor dispatches (:func:`sweep`)."""
+    plan = _CellPlan(cfg, pool)
+    return [(k, dataclasses.replace(cfg, strengths=(c.strength,), seeds=(c.seed,)))
+            for c, (k, f) in plan.keyed.items() if plan.cache.get(k, f) is None]
+
+
+def compute_cell(cfg: EvalConfig) -> int:
+    """Play the cells of ``cfg`` that are not cached, store them, and return the number
+    of episode rows: an executor's cell task (the rows travel through the cache)."""
+    return len(evaluate(cfg, progress=False))
 
 
 def evaluate(cfg: EvalConfig, *, progress: bool = True, pool=None) -> "pd.DataFrame":  # noqa: F821
@@ -419,28 +464,12 @@ def evaluate(cfg: EvalConfig, *, progress: bool = True, pool=None) -> "pd.DataFr
     import pandas as pd
 
     from sprpo_lib.compress import perturbation
-    from sprpo_lib.envs import make_pool
     from sprpo_lib.progress import progress_bar
 
-    cfg.validate()
-    store = project_path(cfg.cache_dir)
-    cache = CellCache(store)
-    pool = pool if pool is not None else make_pool(cfg.env, cfg.data_dir, cfg.env_seed)
-    tasks = select_tasks(pool, cfg.env, cfg.splits, cfg.tasks)
-    env_fields = {"name": cfg.env, "data": data_source(cfg.env, cfg.data_dir), "seed": cfg.env_seed,
-                  "max_steps": cfg.max_steps or pool.max_steps, "tasks": [list(t) for t in tasks],
-                  "content": tasks_digest(pool, tasks)}
-    requested = cfg.cells()
-    needs_calib = any(c.canonical().family in CALIBRATED_FAMILIES for c in requested)
-    calib = load_calibration(project_path(cfg.calibration)) if needs_calib else None
-    source = ModelSource(cfg, store / "file_hashes.json")
-    ident = source.identity()
-    keyed = {}
-    for c in requested:
-        canon = c.canonical()
-        if canon not in keyed:
-            f = cell_fields(cfg, ident, env_fields, canon, calib.hash if calib else None)
-            keyed[canon] = (cell_key(f), f)
+    plan = _CellPlan(cfg, pool)
+    cache, pool, tasks, calib, source, ident, keyed = (plan.cache, plan.pool, plan.tasks, plan.calib, plan.source,
+                                                       plan.ident, plan.keyed)
+    store, requested = plan.store, plan.requested
     results = {c: cache.get(k, f) for c, (k, f) in keyed.items()}
     missing = [c for c, rows in results.items() if rows is None]
     bar = progress_bar(total=len(keyed), initial=len(keyed) - len(missing), desc=f"eval {cfg.env} {cfg.family}",
@@ -483,11 +512,27 @@ def evaluate(cfg: EvalConfig, *, progress: bool = True, pool=None) -> "pd.DataFr
     return pd.DataFrame(out, columns=[*ROW_COLUMNS, *cfg.tags])
 
 
-def sweep(cfgs: Iterable[EvalConfig], *, progress: bool = True) -> "pd.DataFrame":  # noqa: F821
-    """:func:`evaluate` for several configurations (families, models), rows concatenated.
-    Each configuration's cells are cached as soon as they are computed."""
+def sweep(cfgs: Iterable[EvalConfig], *, progress: bool = True, executor=None) -> "pd.DataFrame":  # noqa: F821
+    """:func:`evaluate` for several configurations (families, models), rows concatenated
+    in the order given.  Each cell is cached as soon as it is computed.
+
+    ``executor`` (default: :func:`sprpo_lib.executor.current`, local unless the
+    environment says otherwise): a non-local one first computes every missing cell as
+    its own task (each cell once, however many configurations ask for it), then the
+    rows are read back from the cache exactly as the local executor reads them."""
     import pandas as pd
 
+    from sprpo_lib.executor import current
+
+    cfgs = list(cfgs)
+    executor = executor or current()
+    if executor.name != "local":
+        todo = {}
+        for c in cfgs:
+            for key, one in missing_cells(c):
+                todo.setdefault(key, one)
+        executor.map(compute_cell, [(one,) for one in todo.values()], kind="cell", desc="eval cells",
+                     progress=progress)
     frames = [evaluate(c, progress=progress) for c in cfgs]
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 

@@ -28,7 +28,7 @@ from typing import Mapping, Sequence
 import pandas as pd
 
 from sprpo_lib.config import config_dict, load_config
-from sprpo_lib.evaluate import DEFAULT_CACHE
+from sprpo_lib.evaluate import DEFAULT_CACHE, sweep
 from sprpo_lib.paper import experiments as X
 from sprpo_lib.paper.report import run_grid
 from sprpo_lib.paths import project_path, runs_dir
@@ -191,16 +191,17 @@ def ablation_rows(ab: Ablation, p: X.Plan, runs: Mapping[tuple[str, int], Path],
     calib = (str(X.calibration_pool(p, main, cache_dir, progress))
              if any(f in ("fisher", "sparsegpt") for f, _ in table) else None)
     main_dirs = set(main.values())
-    frames = []
+    cfgs = []
     for (key, seed), run in runs.items():
         v = ab.variant(key)
         tasks = p.tasks if run in main_dirs else ab.tasks
         wanted = table if v.settings == "table" else table[:1]
         base = X.eval_config(p, run, cache_dir)
         base = dataclasses.replace(base, tags={**base.tags, "method": key, "variant_method": v.method})
-        for df in X.evaluate_settings(base, wanted, tasks=tasks, calibration=calib, progress=progress):
-            frames.append(df[df["task_index"] < ab.tasks] if ab.tasks is not None else df)
-    return X.slim_rows(pd.concat(frames, ignore_index=True), extra=("variant_method",))
+        cfgs += X.settings_configs(base, wanted, tasks=tasks, calibration=calib)
+    rows = sweep(cfgs, progress=progress)
+    rows = rows[rows["task_index"] < ab.tasks].reset_index(drop=True) if ab.tasks is not None else rows
+    return X.slim_rows(rows, extra=("variant_method",))
 
 
 def noise_rules(ab: Ablation, runs: Mapping[tuple[str, int], Path]) -> pd.DataFrame:

@@ -13,9 +13,10 @@ evaluated on them (App. C):
   multiplicative Gaussian directions (perturbation family ``plane``), for
   ``landscape_methods`` at training seed ``landscape_seed``.
 
-Every evaluation goes through :func:`sprpo_lib.evaluate.evaluate`: one content-keyed
+Every evaluation goes through :func:`sprpo_lib.evaluate.sweep`: one content-keyed
 cell per (policy, family, strength, evaluation seed), so a rerun computes only missing
-cells and a killed sweep resumes.  Every policy is evaluated on the same tasks with the
+cells and a killed sweep resumes; under ``--executor ray`` each missing cell is a Ray
+task (:mod:`sprpo_lib.executor`).  Every policy is evaluated on the same tasks with the
 same evaluation seeds (the paired design of :func:`sprpo_lib.paper.stats.paired_bootstrap`).
 The calibration pool of App. C (Fisher, SparseGPT) is collected once from the first
 Vanilla policy's rollouts on training tasks and shared by every method.
@@ -39,9 +40,9 @@ from sprpo_lib.evaluate import (
     build_calibration_pool,
     canonical_hash,
     config_from_run,
-    evaluate,
     load_calibration,
     save_calibration,
+    sweep,
 )
 from sprpo_lib.io import atomic_write_text, key_fields, read_cached
 from sprpo_lib.methods import METHOD_DISPLAY, METHODS
@@ -49,7 +50,7 @@ from sprpo_lib.paths import project_path
 
 __all__ = ["Plan", "PLANS", "plan", "policies", "calibration_pool", "robustness_rows", "landscape_rows",
            "save_rows", "load_rows", "ROW_KEEP", "METHOD_ORDER", "eval_config", "TABLE1",
-           "WARM_START", "warm_start_config", "evaluate_settings", "slim_rows"]
+           "WARM_START", "warm_start_config", "settings_configs", "slim_rows"]
 
 METHOD_ORDER = tuple(m for m in METHOD_DISPLAY if m in METHODS)
 #: The ``method`` of the warm-start policy's rows (a reference, not a trained method).
@@ -278,22 +279,21 @@ def robustness_rows(p: Plan, runs: Mapping[tuple[str, int], Path], *, methods: S
     ws = warm_start_config(p, runs, cache_dir)
     if ws is not None and with_warm_start:
         jobs += [(ws, table, p.tasks)] + ([(ws, extra, p.curve_tasks or p.tasks)] if extra else [])
-    frames = [df for base, wanted, tasks in jobs
-              for df in evaluate_settings(base, wanted, tasks=tasks, calibration=calib, progress=progress)]
-    return slim_rows(pd.concat(frames, ignore_index=True))
+    cfgs = [c for base, wanted, tasks in jobs for c in settings_configs(base, wanted, tasks=tasks, calibration=calib)]
+    return slim_rows(sweep(cfgs, progress=progress))
 
 
-def evaluate_settings(base: EvalConfig, settings: Sequence[tuple[str, float]], *, tasks: int | None,
-                      calibration: str | None, progress: bool = True) -> list[pd.DataFrame]:
-    """``base`` (one policy) evaluated at every ``(family, strength)`` of ``settings`` on the
-    first ``tasks`` goals: one :func:`evaluate` per family (its cells cached one by one), the
-    calibration pool passed to the families that need one."""
+def settings_configs(base: EvalConfig, settings: Sequence[tuple[str, float]], *, tasks: int | None,
+                     calibration: str | None) -> list[EvalConfig]:
+    """``base`` (one policy) at every ``(family, strength)`` of ``settings`` on the first
+    ``tasks`` goals: one configuration per family, the calibration pool passed to the
+    families that need one (evaluated together by :func:`sprpo_lib.evaluate.sweep`)."""
     by_family: dict[str, list[float]] = {}
     for fam, st in settings:
         by_family.setdefault(fam, []).append(float(st))
-    return [evaluate(dataclasses.replace(base, family=fam, strengths=tuple(strengths), tasks=tasks,
-                                         calibration=calibration if fam in CALIBRATED_FAMILIES else None),
-                     progress=progress) for fam, strengths in by_family.items()]
+    return [dataclasses.replace(base, family=fam, strengths=tuple(strengths), tasks=tasks,
+                                calibration=calibration if fam in CALIBRATED_FAMILIES else None)
+            for fam, strengths in by_family.items()]
 
 
 def landscape_rows(p: Plan, runs: Mapping[tuple[str, int], Path], *, cache_dir: str | Path = DEFAULT_CACHE,
@@ -303,18 +303,17 @@ def landscape_rows(p: Plan, runs: Mapping[tuple[str, int], Path], *, cache_dir: 
     and ``w2``."""
     if not p.landscape_grid:
         return slim_rows(pd.DataFrame(columns=list(ROW_KEEP)))
-    frames = []
+    cfgs = []
     for m in p.landscape_methods:
         run = runs[m, p.landscape_seed]
         for w2 in p.landscape_grid:
-            cfg = eval_config(p, run, project_path(cache_dir), family="plane", strengths=tuple(float(w) for w in p.landscape_grid),
-                               perturbation_options={"w2": float(w2), "direction_seed": p.direction_seed})
-            if p.landscape_tasks is not None:
-                cfg = dataclasses.replace(cfg, tasks=p.landscape_tasks)
-            df = evaluate(cfg, progress=progress)
-            df["w2"] = float(w2)
-            frames.append(df)
-    return slim_rows(pd.concat(frames, ignore_index=True))
+            cfg = eval_config(p, run, project_path(cache_dir), family="plane",
+                              strengths=tuple(float(w) for w in p.landscape_grid),
+                              perturbation_options={"w2": float(w2), "direction_seed": p.direction_seed})
+            cfg = dataclasses.replace(cfg, tags={**cfg.tags, "w2": float(w2)},
+                                      tasks=cfg.tasks if p.landscape_tasks is None else p.landscape_tasks)
+            cfgs.append(cfg)
+    return slim_rows(sweep(cfgs, progress=progress))
 
 
 # ----------------------------------------------------------------------------- tidy files

@@ -6,7 +6,8 @@ and, when the config asks for it, ``final/eval.json``: the final policy's succes
 the held-out training tasks where the warm start was scored (``runs/sft/<key>/eval.json``,
 same tasks, same generation seed).  This module reads them; it trains nothing itself
 except through :func:`run_grid`, which calls :func:`train.train` (resuming finished or
-killed runs from their checkpoints).
+killed runs from their checkpoints), one run after another or, under ``--executor ray``,
+each run a Ray task (:mod:`sprpo_lib.executor`).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import Mapping, Sequence
 import pandas as pd
 
 from sprpo_lib.config import TrainConfig, config_from_dict
+from sprpo_lib.executor import current
 from sprpo_lib.heldout import load_eval
 from sprpo_lib.methods import METHOD_DISPLAY
 from sprpo_lib.paths import project_path
@@ -27,16 +29,18 @@ __all__ = ["run_grid", "find_runs", "load_metrics", "before_after", "paired_outc
 
 def run_grid(profile: str, env: str, methods: Sequence[str], seeds: Sequence[int] | Mapping[str, Sequence[int]],
              overrides: Sequence[str] = (), out_root: str | Path | None = None,
-             progress: bool = True) -> list[Path]:
+             progress: bool = True, executor=None) -> list[Path]:
     """Train (or resume, or just find) one run per (method, seed), seed-major; returns the folders.
     ``seeds`` is one list for every method or a ``{method: seeds}`` mapping (the ``cpu``
-    profile trains more seeds of Vanilla and SPrPO than of the other baselines)."""
+    profile trains more seeds of Vanilla and SPrPO than of the other baselines).
+    ``executor``: where the runs execute (default :func:`sprpo_lib.executor.current`)."""
     if isinstance(seeds, Mapping):
         missing = [m for m in methods if m not in seeds]
         if missing:
             raise ValueError(f"seeds: no training seeds given for method(s) {missing}; give a list per method "
                              f"(e.g. {{'vanilla': [0, 1]}}) or one list for all")
-    return [train(cfg, out, progress=progress) for cfg, out in _grid(profile, env, methods, seeds, overrides, out_root)]
+    jobs = [(cfg, out, False, progress) for cfg, out in _grid(profile, env, methods, seeds, overrides, out_root)]
+    return (executor or current()).map(train, jobs, kind="run", desc=f"train {env}", progress=progress)
 
 
 def _grid(profile, env, methods, seeds, overrides, out_root):
