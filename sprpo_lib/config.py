@@ -25,7 +25,7 @@ import yaml
 from sprpo_lib.advantages import AdvantageConfig
 from sprpo_lib.agent import AgentConfig
 from sprpo_lib.engines import GenerationConfig
-from sprpo_lib.io import NOT_A_KEY, key_fields
+from sprpo_lib.io import NOT_A_KEY, OMIT_AT_DEFAULT, key_fields
 from sprpo_lib.losses import KL_ESTIMATORS, PPOLossConfig
 from sprpo_lib.methods import MethodConfig
 from sprpo_lib.models import LoraSettings
@@ -43,13 +43,15 @@ class ModelConfig:
     bfloat16 on CUDA), ``float32``, ``bfloat16``; ``None``: the loader's default.
     ``lora_layers``: LoRA on the last N decoder layers only (CPU profiles; backprop
     stops there); ``None``: all layers (paper).  ``init_adapter``: continue training
-    a saved peft adapter."""
+    a saved peft adapter.  ``device``: ``auto`` (the first CUDA GPU when there is one,
+    else the CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
 
     spec: str = "smollm2-135m"
     dtype: str | None = None
     lora: LoraSettings = field(default_factory=LoraSettings)
     lora_layers: int | None = None
     init_adapter: str | None = None
+    device: str = field(default="auto", metadata=OMIT_AT_DEFAULT)
 
 
 @dataclass

@@ -253,6 +253,22 @@ def looks_like_hub_id(spec: str) -> bool:
     return len(parts) == 2 and all(parts) and not spec.startswith((".", "/", "~"))
 
 
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """``auto``: the first CUDA GPU when torch sees one, else the CPU; otherwise the device
+    named, or one clear error (an unknown name, or CUDA asked for where there is none)."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"model.device / device: {device!r} is not a torch device; expected auto, cpu, cuda or "
+                         "cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"model.device / device: {device!r} asked for, but torch sees no CUDA GPU here (torch "
+                         f"{torch.__version__}); use auto or cpu, or install the CUDA build of torch")
+    return dev
+
+
 def load_policy(
     spec: str = DEFAULT_MODEL,
     *,

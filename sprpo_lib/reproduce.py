@@ -81,9 +81,10 @@ PROFILES: dict[str, dict] = {
         "resources": {"run_cpus": 2, "cell_cpus": 2},
         "notebooks": {
             "00_quickstart": {"model": "smollm2-135m", "n_calib": 32, "max_new_tokens": 24},
-            "01_training": {"profile": "cpu", "envs": ["webshop"]},  # the plan's methods and seeds
+            "01_training": {"profile": "cpu", "envs": ["webshop", "alfworld"]},  # the plan's methods and seeds
             "02_theory": {"preset": "cpu"},
-            **{nb: {"profile": "cpu", "envs": ["webshop"]} for nb in RESULT_NOTEBOOKS},
+            **{nb: {"profile": "cpu", "envs": ["alfworld", "webshop"]} for nb in RESULT_NOTEBOOKS},
+            "08_ablations": {"profile": "cpu", "envs": ["webshop"]},
         },
     },
     "paper": {
@@ -335,7 +336,8 @@ def update_readme(profile: str, out_dir: str, readme: Path | None = None) -> boo
     """Refresh the README's generated blocks from ``out_dir``: the headline numbers
     (``headline-<profile>``, from ``headline_<profile>.md``), the paper's claims against
     them (``claims-<profile>``, from ``claims_<profile>.md``), the stage times
-    (``stages-<profile>``, from the manifests) and the notebook table (``notebooks``).
+    (``stages-<profile>``, from the manifests), what the profiles run (``plans``, from the
+    plans) and the notebook table (``notebooks``).
     No number in the README is typed by hand."""
     from sprpo_lib.paper.results import replace_block
 
@@ -353,6 +355,12 @@ def update_readme(profile: str, out_dir: str, readme: Path | None = None) -> boo
     if f"<!-- stages-{profile}:begin -->" in text:
         text = replace_block(text, f"stages-{profile}", "<!-- generated from the manifests by sprpo-reproduce; "
                              "do not edit -->\n" + stage_table(profile, out_dir))
+    from sprpo_lib.paper.budget import paper_cost_table, plan_table
+
+    for block, make in (("plans", plan_table), ("paper-cost", paper_cost_table)):
+        if f"<!-- {block}:begin -->" in text:
+            text = replace_block(text, block, f"<!-- generated from sprpo_lib.paper.budget.{make.__name__}; "
+                                 "do not edit -->\n" + make())
     if "<!-- notebooks:begin -->" in text:
         text = replace_block(text, "notebooks", "<!-- generated from sprpo_lib.reproduce.NOTEBOOK_INFO; do not edit -->\n"
                              + notebooks_table())

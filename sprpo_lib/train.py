@@ -46,7 +46,7 @@ from sprpo_lib.io import (CorruptFileError, JsonLines, atomic_dir, atomic_write_
                           read_cached)
 from sprpo_lib.manifest import git_commit
 from sprpo_lib.methods import make_method
-from sprpo_lib.models import add_lora, load_policy, lora_on_last_layers
+from sprpo_lib.models import add_lora, load_policy, lora_on_last_layers, resolve_device
 from sprpo_lib.paths import project_path, runs_dir
 from sprpo_lib.perturb import xi_stats
 from sprpo_lib.rollout import EpisodeLog, ProcessEnvs, SerialEnvs, run_groups
@@ -66,7 +66,8 @@ class Trainer:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.out = project_path(out_dir or cfg.out_dir or default_out_dir(cfg))
-        self.policy = load_policy(cfg.model.spec, dtype=cfg.model.dtype, seed=cfg.seed)
+        self.policy = load_policy(cfg.model.spec, dtype=cfg.model.dtype, seed=cfg.seed,
+                                  device=resolve_device(cfg.model.device))
         factory = partial(make_pool, cfg.env.name, cfg.env.data_dir, cfg.env.seed)
         self.envs = ProcessEnvs(factory, cfg.env.workers) if cfg.env.workers else SerialEnvs(factory)
         self.pool = self.envs.pool

@@ -23,8 +23,10 @@ def test_plan_lookup_and_validation():
     assert X.plan("cpu", "webshop", tasks=5).tasks == 5
     with pytest.raises(ValueError, match="unknown profile"):
         X.plan("huge", "webshop")
-    with pytest.raises(ValueError, match="no plan for 'alfworld'"):
-        X.plan("cpu", "alfworld")
+    alf = X.plan("cpu", "alfworld")  # ALFWorld: the same policies, ID and OOD games, its Table 1 column
+    assert alf.runs() == p.runs() and dict(alf.table)["sparsegpt"] == 0.70 and not alf.landscape_grid
+    with pytest.raises(ValueError, match="no plan for 'scienceworld'"):
+        X.plan("cpu", "scienceworld")
     with pytest.raises(ValueError, match="no training seeds"):
         X.Plan("x", "webshop", methods=("vanilla", "sprpo"), seeds={"vanilla": (0,)})
     with pytest.raises(ValueError, match="landscape_methods"):

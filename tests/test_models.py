@@ -117,3 +117,15 @@ def test_embedded_default_model_loads_from_cache():
     out = pol.model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=pol.tokenizer.pad_token_id)
     text = pol.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
     assert "Paris" in text
+
+
+def test_device_resolution_and_errors():
+    from sprpo_lib.models import resolve_device
+
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="'tpu0' is not a torch device"):
+        resolve_device("tpu0")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="torch sees no CUDA GPU here"):
+            resolve_device("cuda:1")

@@ -121,6 +121,18 @@ def test_result_notebooks_smoke_and_render_only(tmp_path):
     id_ood = (out / "04_robustness_alfworld_appendix_id_ood.tex").read_text()
     assert "\\toprule" in id_ood and "ID" in id_ood and "OOD" in id_ood
     assert set(head["alfworld"]["methods"]) == {"vanilla", "sprpo"}
+    # the README's budget table counts exactly the episodes the notebooks evaluate
+    from sprpo_lib.paper import ablations as A
+    from sprpo_lib.paper import experiments as X
+    from sprpo_lib.paper.budget import planned_episodes
+
+    for env, r in (("webshop", rows), ("alfworld", alf)):
+        planned = planned_episodes(X.plan("smoke", env))
+        assert len(r) == planned["table"] + planned["curves"], env
+    planned = planned_episodes(X.plan("smoke", "webshop"))
+    trained_keys = [v.key for v in A.trained_variants(A.ablation("smoke", "webshop"), X.plan("smoke", "webshop"))]
+    abl_rows = pd.read_csv(out / "08_ablations_webshop_rows.csv")
+    assert len(abl_rows[abl_rows.method.isin(trained_keys)]) == planned["ablations"] > 0
     both = (out / "04_robustness_table1.tex").read_text()  # Table 1 with both environments' blocks
     assert "ALFWorld" in both and "WebShop" in both and (out / "04_robustness_curves.png").is_file()
     for name in ("03_motivation_alfworld.png", "05_landscape_alfworld.png", "06_overhead_alfworld.csv",

@@ -71,7 +71,8 @@ class EvalConfig:
         perturbation_options: extra keywords of the family (``scope`` of fisher,
             ``group_size`` of rtn, ``blocksize``/``percdamp`` of sparsegpt,
             ``batch_size``); part of the cache key.
-        dtype, device, trust_remote_code, model_seed: how the model is loaded.
+        dtype, device, trust_remote_code, model_seed: how the model is loaded (``device``
+            ``auto``: CUDA when there is one; the key records the device type).
         cache_dir: the cell cache (default ``runs/eval_cache``; relative to the project root).
         tags: columns added to every row (e.g. ``{"method": "sprpo", "train_seed": 0}``);
             not part of the cache key.
@@ -263,6 +264,13 @@ class ModelSource:
         self._merged = False
         self._identity: dict | None = None
 
+    @property
+    def device(self):
+        """The torch device the model runs on (``auto``: CUDA when there is one)."""
+        from sprpo_lib.models import resolve_device
+
+        return resolve_device(self.cfg.device)
+
     def _dir(self) -> Path | None:
         from sprpo_lib.models import DEFAULT_MODEL, TINY_SPECS, convert_smollm2
 
@@ -295,7 +303,7 @@ class ModelSource:
 
         conf = AutoConfig.from_pretrained(str(model_dir or cfg.model), trust_remote_code=cfg.trust_remote_code)
         conf = getattr(conf, "text_config", None) or conf
-        return str(resolve_dtype("auto", linear_shapes(conf), cfg.device)).replace("torch.", "")
+        return str(resolve_dtype("auto", linear_shapes(conf), self.device)).replace("torch.", "")
 
     def identity(self) -> dict:
         """Content hashes of the base weights and of each adapter, plus dtype and device."""
@@ -308,14 +316,14 @@ class ModelSource:
                 base = state_dict_digest(self._load_base(dtype).model)
             self._identity = {"base": base, "adapters": [dir_digest(check_adapter_dir(a), self.memo_path)
                                                          for a in self.cfg.adapters],
-                              "dtype": dtype, "device": str(self.cfg.device).split(":")[0]}
+                              "dtype": dtype, "device": self.device.type}
         return self._identity
 
     def _load_base(self, dtype: str):
         from sprpo_lib.models import load_policy
 
         if self._policy is None:
-            self._policy = load_policy(self.cfg.model, dtype=dtype, device=self.cfg.device, seed=self.cfg.model_seed,
+            self._policy = load_policy(self.cfg.model, dtype=dtype, device=self.device, seed=self.cfg.model_seed,
                                        trust_remote_code=self.cfg.trust_remote_code)
         return self._policy
 
@@ -567,7 +575,7 @@ def config_from_run(run_dir: str | Path, **overrides) -> EvalConfig:
     base = dict(model=tc.model.spec, adapters=tuple(adapters), env=tc.env.name, data_dir=tc.env.data_dir,
                 env_seed=tc.env.seed, top_p=g.top_p, max_new_tokens=g.max_new_tokens, max_steps=tc.env.max_steps,
                 engine=tc.rollout.engine, prefix_caching=g.prefix_caching, max_batched_tokens=g.max_batched_tokens,
-                agent=tc.rollout.agent,
+                agent=tc.rollout.agent, device=tc.model.device,
                 dtype=meta.get("dtype") or tc.model.dtype or "auto",
                 model_seed=tc.seed, tags={"method": tc.method.name, "train_seed": tc.seed, "profile": tc.profile})
     base.update(overrides)

@@ -33,7 +33,7 @@ from sprpo_lib.paper import experiments as X
 from sprpo_lib.paper.report import run_grid
 from sprpo_lib.paths import project_path, runs_dir
 
-__all__ = ["Variant", "Ablation", "ABLATIONS", "ablation", "variant_runs", "ablation_rows", "noise_rules", "GROUP_TITLES",
+__all__ = ["Variant", "Ablation", "ABLATIONS", "ablation", "is_main_config", "trained_variants", "variant_runs", "ablation_rows", "noise_rules", "GROUP_TITLES",
            "REFERENCE"]
 
 #: The variant every other one is compared with: full SPrPO (the main runs).
@@ -132,15 +132,20 @@ def _study(profile: str, env: str, rho: float, rhos: Sequence[float], *, seeds=(
     return Ablation(profile, env, tuple(v), tuple(seeds), tasks)
 
 
-#: The study per profile and env.  ``cpu``: rho around the profile's 0.1 (isotropic 0.2
-#: already halves SmolLM2's held-out success), one training seed per variant, 100 test
-#: goals, and Vanilla's lr sweep; ``paper``: App. tables' grid and three seeds.
+#: The study per profile and env.  ``cpu``: one variant per question within the plan's
+#: budget (one training seed each, 16 test goals): the strategies at the same magnitude
+#: (SAM at 0.1 trained; Gaussian at sigma = rho and SAM at 5e-3 are the main runs),
+#: scheduling off, alpha = 0, rho = 0.2 next to the profile's 0.1 (isotropic 0.2 already
+#: halves SmolLM2's held-out success) and 0 (Vanilla), the raw rule (clean), and Vanilla's
+#: lr sweep (clean); ``paper``: App. tables' grid and three seeds.
 ABLATIONS: dict[str, dict[str, Ablation]] = {
     # smoke: one variant of each kind (a reused run, a main run found by its config, a trained
     # variant, a clean-only one) on the tiny model, seconds
     "smoke": {"webshop": _study("smoke", "webshop", 0.2, (0.0, 0.1, 0.2), tasks=2, lrs=(3e-4,),
                                 only=("full", "rho0", "alpha0", "sam_5e-3", "lr_profile", "lr0.0003", "scale_relative"))},
-    "cpu": {"webshop": _study("cpu", "webshop", 0.1, (0.0, 0.05, 0.1, 0.2), tasks=100, lrs=(1e-4, 1e-3))},
+    "cpu": {"webshop": _study("cpu", "webshop", 0.1, (0.0, 0.1, 0.2), tasks=16, lrs=(1e-4, 1e-3),
+                              only=("full", "rho0", "alpha0", "no_schedule", "gaussian_rho", "sam_0.1", "sam_5e-3",
+                                    "scale_raw", "rho0.2", "lr_profile", "lr0.0001", "lr0.001"))},
     "paper": {env: _study("paper", env, 0.2, (0.0, 0.1, 0.2, 0.3), seeds=(0, 1, 2)) for env in ("webshop",)},
 }
 
@@ -157,6 +162,18 @@ def _cfg(p: X.Plan, method: str, seed: int, overrides: Sequence[str]):
     return load_config(p.profile, [*p.overrides, *overrides], **{"env.name": p.env, "method.name": method, "seed": seed})
 
 
+def is_main_config(p: X.Plan, v: Variant, seed: int) -> bool:
+    """Whether variant ``v`` at training ``seed`` is the main run's configuration (starred)."""
+    return config_dict(_cfg(p, v.method, seed, v.overrides)) == config_dict(_cfg(p, v.method, seed, ()))
+
+
+def trained_variants(ab: Ablation, p: X.Plan) -> list[Variant]:
+    """The variants the study trains itself: neither reusing a main method's runs nor
+    equal to the main configuration of their method."""
+    return [v for v in ab.variants if not v.reuse
+            and not (v.method in p.methods and all(is_main_config(p, v, s) for s in ab.seeds))]
+
+
 def variant_runs(ab: Ablation, p: X.Plan, main: Mapping[tuple[str, int], Path], *,
                  runs_root: str | Path | None = None, progress: bool = True) -> dict[tuple[str, int], Path]:
     """``{(variant key, training seed): run folder}``: a main run where the variant's config
@@ -168,8 +185,7 @@ def variant_runs(ab: Ablation, p: X.Plan, main: Mapping[tuple[str, int], Path], 
             seeds = [s for (m, s) in main if m == v.reuse]
             out.update({(v.key, s): main[v.reuse, s] for s in seeds})
             continue
-        same = [s for (m, s) in main if m == v.method
-                and config_dict(_cfg(p, v.method, s, v.overrides)) == config_dict(_cfg(p, v.method, s, ()))]
+        same = [s for (m, s) in main if m == v.method and is_main_config(p, v, s)]
         if same:  # the variant is the main configuration: its runs, all seeds (starred)
             out.update({(v.key, s): main[v.method, s] for s in same})
             continue

@@ -30,7 +30,7 @@ from sprpo_lib.paper.tables import ENV_LABELS, FAMILY_LABELS, METHOD_LABELS, str
 
 __all__ = ["COLORS", "save_figure", "plot_motivation", "plot_curves", "plot_landscape", "landscape_grid", "plot_ablation",
            "paired_comparisons", "overhead", "overhead_latex", "pick_examples", "examples_markdown", "headline",
-           "headline_markdown", "replace_block"]
+           "headline_markdown", "replace_block", "setting_label", "plain"]
 
 COLORS = {m: d.color for m, d in METHOD_DISPLAY.items()}
 MARKERS = {m: d.marker for m, d in METHOD_DISPLAY.items()}
@@ -216,6 +216,13 @@ def plot_landscape(rows: pd.DataFrame, methods: Sequence[str], path: str | Path,
     if title:
         fig.suptitle(title, fontsize=9)
     return save_figure(fig, path)
+
+
+def setting_label(family: str, strength: float) -> str:
+    """A perturbation setting in words for Markdown (``Gaussian σ=0.20``, ``Quantization INT6``, ``Clean``)."""
+    if family == "clean":
+        return "Clean"
+    return f"{FAMILY_LABELS.get(family, family)} {plain(strength_label(family, float(strength)))}"
 
 
 def plain(label: str) -> str:
@@ -461,10 +468,7 @@ def headline_markdown(h: Mapping, methods: Sequence[str]) -> str:
 
     def label(c: str) -> str:
         fam, s = c.split("@")
-        if fam == "clean":
-            return "Clean"
-        txt = plain(strength_label(fam, float(s)))
-        return f"{FAMILY_LABELS.get(fam, fam)} {txt}"
+        return setting_label(fam, float(s))
 
     head = ["Method", *[label(c) for c in cols]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
