@@ -21,7 +21,8 @@ def machine_of(record: dict) -> dict:
     """The machine facts a benchmark recorded (``results.machine``), or what is known."""
     res = record.get("results") or {}
     m = res.get("machine") if isinstance(res, dict) else None
-    return m if isinstance(m, dict) else {"machine": record.get("machine", "unknown")}
+    top = record.get("machine")
+    return m if isinstance(m, dict) else top if isinstance(top, dict) else {"machine": top or "unknown"}
 
 
 def machine_slug(machine: dict) -> str:
@@ -139,9 +140,19 @@ def report(bench_dir: Path | None = None, out_dir: Path | None = None, readme: P
             write_manifest(p, {"sources": [str(p.name) for p, _ in records]}, None, time.time() - t0,
                            extra={"machine_of_runs": machine})
         written += [md_path, js_path]
+    for js_path in sorted(p for p in out_dir.glob("bench_*.json") if not p.name.endswith(".manifest.json")):
+        try:
+            records = [(Path(stem), rec) for stem, rec in read_json(js_path).items() if isinstance(rec, dict)]
+        except (CorruptFileError, AttributeError) as err:
+            log.warning("%s: skipped in the README summary (%s)", js_path, err)
+            continue
+        if not records:
+            continue
+        machine = machine_of(records[0][1])
         phrases = [f"{p.stem}: {h}" for p, rec in records if (h := headline(rec))]
-        summary.append(f"- {machine.get('cpu_model', slug)} (class {machine.get('cpu_class', '?')}; "
-                       f"[all tables](figures/{md_path.name})): " + "; ".join(phrases or [p.stem for p, _ in records]))
+        summary.append(f"- {machine.get('cpu_model', js_path.stem)} (class {machine.get('cpu_class', '?')}; "
+                       f"[all tables](figures/{js_path.with_suffix('.md').name})): "
+                       + "; ".join(phrases or [p.stem for p, _ in records]))
     readme = readme or project_root() / "README.md"
     text = readme.read_text() if readme.is_file() else ""
     if "<!-- bench:begin -->" in text and summary:

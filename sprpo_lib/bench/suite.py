@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import platform
 import statistics
 import sys
 import time
@@ -28,6 +27,7 @@ from typing import Sequence
 
 import torch
 
+from sprpo_lib.hardware import machine_info
 from sprpo_lib.io import atomic_write_json
 from sprpo_lib.manifest import git_commit
 from sprpo_lib.paths import project_path, runs_dir
@@ -950,7 +950,7 @@ def main(argv: list[str] | None = None) -> int:
         res = bench_train(args.profile, args.env, args.repeats, args.overrides)
     out = project_path(args.out) if args.out else runs_dir("bench", f"{args.what}.json")
     record = {"bench": args.what, "commit": git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "machine": platform.machine(), "torch": torch.__version__, "wall_s": round(time.time() - t0, 1),
+              "machine": machine_info(), "torch": torch.__version__, "wall_s": round(time.time() - t0, 1),
               "results": res}
     atomic_write_json(out, record)
     print(f"bench {args.what} ({record['commit'][:12]}, {record['wall_s']} s) -> {out}")
