@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from sprpo_lib.config import config_dict, config_from_dict
+from sprpo_lib.models import save_peft
 from sprpo_lib.io import (
     CorruptFileError,
     atomic_write_json,
@@ -45,7 +46,7 @@ def save_checkpoint(out: Path, k: int, model, opt, method, cfg, extra: dict | No
     tmp = ck.with_name(ck.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    model.save_pretrained(tmp / "adapter", safe_serialization=True)
+    save_peft(model, tmp / "adapter")
     torch.save(opt.state_dict(), tmp / "optimizer.pt")  # tensors and numbers only: loaded with weights_only
     ms = method.state_dict()
     if ms:

@@ -428,6 +428,18 @@ def lora_on_last_layers(model, settings: LoraSettings, n_layers: int | None) -> 
     return dataclasses.replace(settings, targets=names)
 
 
+def save_peft(model, folder: str | Path) -> None:
+    """``save_pretrained`` of a peft model (safetensors) with a deterministic
+    ``adapter_config.json``: peft holds ``target_modules`` as a set and writes it in the
+    process's hash order, so two identical runs in two processes would write different
+    files (and their adapters different content hashes, hence different cache keys)."""
+    for cfg in getattr(model, "peft_config", {}).values():
+        for name, value in list(vars(cfg).items()):
+            if isinstance(value, (set, frozenset)):
+                setattr(cfg, name, sorted(value))
+    model.save_pretrained(str(folder), safe_serialization=True)
+
+
 def add_lora(policy: Policy, settings: LoraSettings | None = None, seed: int = 0) -> Policy:
     """Wrap ``policy.model`` with peft LoRA adapters (base weights frozen).
 

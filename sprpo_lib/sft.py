@@ -74,7 +74,7 @@ from sprpo_lib.envs.baselines import random_action
 from sprpo_lib.io import (CorruptFileError, JsonLines, atomic_dir, atomic_write_json, canonical_hash, file_record,
                           key_fields, read_json, read_safetensors, verify_file)
 from sprpo_lib.losses import token_logprobs
-from sprpo_lib.models import LoraSettings, Policy, add_lora, lora_on_last_layers
+from sprpo_lib.models import LoraSettings, Policy, add_lora, lora_on_last_layers, save_peft
 from sprpo_lib.progress import progress_bar
 from sprpo_lib.registry import Registry
 
@@ -424,7 +424,7 @@ def lr_at(step: int, total: int, cfg: SFTConfig) -> float:
 def save_adapter(policy: Policy, path: str | Path) -> Path:
     """Save the peft adapter (safetensors) to ``path``, replacing it atomically."""
     with atomic_dir(path) as tmp:
-        policy.model.save_pretrained(str(tmp), safe_serialization=True)
+        save_peft(policy.model, tmp)
     return path
 
 

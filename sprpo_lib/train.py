@@ -46,7 +46,7 @@ from sprpo_lib.io import (CorruptFileError, JsonLines, atomic_dir, atomic_write_
                           read_cached)
 from sprpo_lib.manifest import git_commit
 from sprpo_lib.methods import make_method
-from sprpo_lib.models import add_lora, load_policy, lora_on_last_layers, resolve_device
+from sprpo_lib.models import add_lora, load_policy, lora_on_last_layers, resolve_device, save_peft
 from sprpo_lib.paths import project_path, runs_dir
 from sprpo_lib.perturb import xi_stats
 from sprpo_lib.rollout import EpisodeLog, ProcessEnvs, SerialEnvs, run_groups
@@ -244,7 +244,7 @@ def default_out_dir(cfg: TrainConfig) -> Path:
 
 def _publish_adapter(model, final: Path) -> None:
     with atomic_dir(final) as tmp:
-        model.save_pretrained(tmp / "adapter", safe_serialization=True)
+        save_peft(model, tmp / "adapter")
 
 
 def adapter_is_whole(path: Path) -> bool:

@@ -5,6 +5,7 @@ again; a task that fails on a bad input surfaces its own clear error in the driv
 bad executor options are one clear error each."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -14,19 +15,17 @@ import pandas as pd
 import pytest
 
 import sprpo_lib.evaluate as E
-from sprpo_lib.agent import AgentConfig
 from sprpo_lib.executor import LocalExecutor, RayExecutor, Resources, current, executor_environment, make_executor
 
-AGENT = AgentConfig(max_obs_chars=100, history_len=1)
 TASK = "ray::compute_cell"  # the process title of a Ray worker while it runs a cell
 
 
 def configs(cache) -> list[E.EvalConfig]:
-    base = dict(model="tiny-qwen2", env="webshop", tasks=2, max_steps=2, max_new_tokens=8, batch_size=8, agent=AGENT,
-                cache_dir=str(cache))
-    return [E.EvalConfig(**base, seeds=(0, 1)),
-            E.EvalConfig(**base, family="gaussian", strengths=(0.0, 0.1, 0.3), seeds=(0, 1)),  # 0 is clean: one cell
-            E.EvalConfig(**base, family="dropout", strengths=(0.2,), seeds=(0,), tags={"method": "x"})]
+    """The smoke profile's evaluation settings (tiny model, prompts, step limit), 2 tasks."""
+    base = E.config_from_profile("smoke", "webshop", tasks=2, max_steps=2, cache_dir=str(cache))
+    return [dataclasses.replace(base, seeds=(0, 1)),
+            dataclasses.replace(base, family="gaussian", strengths=(0.0, 0.1, 0.3), seeds=(0, 1)),  # 0 is clean
+            dataclasses.replace(base, family="dropout", strengths=(0.2,), seeds=(0,), tags={"method": "x"})]
 
 
 def cell_files(cache) -> dict[str, int]:

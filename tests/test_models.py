@@ -129,3 +129,21 @@ def test_device_resolution_and_errors():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="torch sees no CUDA GPU here"):
             resolve_device("cuda:1")
+
+
+def test_saved_adapters_are_the_same_bytes_in_every_process(tmp_path):
+    """peft writes target_modules in the process's hash order; save_peft does not, so
+    identical runs in two processes (e.g. Ray workers) give identical adapter files."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys; from sprpo_lib.models import load_policy, add_lora, save_peft; "
+            "p = add_lora(load_policy('tiny-qwen2', seed=0)); save_peft(p.model, sys.argv[1])")
+    digests = set()
+    for seed in ("1", "2", "3"):
+        out = tmp_path / f"a{seed}"
+        subprocess.run([sys.executable, "-c", code, str(out)], check=True,
+                       env={**os.environ, "PYTHONHASHSEED": seed}, capture_output=True)
+        digests.add((out / "adapter_config.json").read_bytes())
+    assert len(digests) == 1

@@ -8,7 +8,8 @@ import sys
 
 from sprpo_lib.evaluate.calibration import build_calibration_pool, save_calibration
 from sprpo_lib.evaluate.cells import DEFAULT_CACHE
-from sprpo_lib.evaluate.sweep import EvalConfig, ModelSource, config_from_profile, config_from_run, evaluate
+from sprpo_lib.evaluate.sweep import EvalConfig, ModelSource, config_from_profile, config_from_run, sweep
+from sprpo_lib.executor import EXECUTORS, make_executor
 from sprpo_lib.io import atomic_write_text
 from sprpo_lib.paths import project_path
 
@@ -52,6 +53,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--tag", nargs="+", default=[], metavar="KEY=VALUE", help="columns added to every row")
     ap.add_argument("--out", help="write the rows as CSV here")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--executor", default="local", choices=EXECUTORS,
+                    help="local: cells one after another here; ray: each missing cell a Ray task")
+    ap.add_argument("--address", help="a running Ray cluster for --executor ray (default: a local Ray instance)")
+    ap.add_argument("--cell-cpus", type=float, default=1.0, help="CPU cores per cell task (--executor ray)")
+    ap.add_argument("--cell-gpus", type=float, default=0.0, help="GPUs per cell task (--executor ray)")
     return ap
 
 
@@ -123,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"calibration pool: {len(calib)} sequences, hash {calib.hash[:12]} -> {args.build_calibration}")
         return 0
     try:
-        rows = evaluate(cfg, progress=progress)
+        executor = make_executor(args.executor, args.address, {"cell_cpus": args.cell_cpus,
+                                                               "cell_gpus": args.cell_gpus})
+        rows = sweep([cfg], progress=progress, executor=executor)
     except ValueError as err:
         ap.error(str(err))
     if args.out:
