@@ -136,6 +136,18 @@ class Plan:
     def as_dict(self) -> dict:
         return json.loads(json.dumps(dataclasses.asdict(self), default=list))
 
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "Plan":
+        """Inverse of :meth:`as_dict` (a manifest's record); fields added since take their defaults."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in d.items() if k in names}
+
+        def tup(v):
+            return tuple(tup(x) for x in v) if isinstance(v, list) else v
+
+        kw = {k: ({m: tup(x) for m, x in v.items()} if isinstance(v, dict) else tup(v)) for k, v in kw.items()}
+        return cls(**kw)
+
 
 #: Fig. 3's curves: App. C's levels of the families whose levels are the same in both
 #: environments (SparseGPT's differ, so it appears in the tables only).

@@ -41,6 +41,18 @@ class ResultsPage:
             print(line)
         # training-config overrides (sprpo-reproduce --model) reach every plan's runs
         self.plans = {env: X.plan(profile, env, overrides=tuple(overrides) or None) for env in self.envs}
+        if render_only:  # redraw the committed state: the plan its manifests recorded, where they did
+            self.plans.update({env: p for env in self.envs if (p := self.recorded_plan(env)) is not None})
+
+    def recorded_plan(self, env: str) -> X.Plan | None:
+        """The plan recorded in the manifests of this page's ``env`` files (the run that
+        computed them), or None when there is none."""
+        for man in sorted(self.out.glob(f"{self.name}_{env}*.manifest.json")):
+            rec = read_cached(man)
+            plan = ((rec or {}).get("config") or {}).get("plan", {}).get(env) if isinstance(rec, dict) else None
+            if isinstance(plan, dict):
+                return X.Plan.from_dict(plan)
+        return None
 
     def stem(self, env: str, suffix: str = "") -> Path:
         """``<out>/<name>_<env><suffix>``: the path prefix of one environment's artifacts."""
