@@ -75,9 +75,15 @@ def _seeds(p: X.Plan) -> str:
 
 
 def _settings(p: X.Plan, extra: bool) -> str:
+    """Table 1's settings (``extra``: the curves' other strengths), one family per group:
+    ``Gaussian σ=0.02, σ=0.05; Quantization INT8``."""
     table = [("clean", 0.0), *p.table]
-    got = [x for x in p.settings() if (x not in table) == extra]
-    return ", ".join(setting_label(f, s) for f, s in got) or "none"
+    groups: dict[str, list[str]] = {}
+    for f, st in (x for x in p.settings() if (x not in table) == extra):
+        label = setting_label(f, st)
+        family = label.rsplit(" ", 1)[0] if f != "clean" else label
+        groups.setdefault(family, []).append(label.rsplit(" ", 1)[-1] if f != "clean" else "")
+    return "; ".join(f"{fam} {', '.join(v)}".strip() for fam, v in groups.items()) or "none"
 
 
 def plan_table(profiles: tuple[str, ...] = ("cpu", "paper")) -> str:
