@@ -33,7 +33,7 @@ from pathlib import Path
 
 from sprpo_lib.executor import EXECUTORS, executor_environment, make_executor
 from sprpo_lib.io import atomic_write_json, atomic_write_text, read_cached
-from sprpo_lib.manifest import git_commit
+from sprpo_lib.manifest import git_commit, write_manifest
 from sprpo_lib.paths import notebooks_dir, package_checkout, project_path, project_root
 from sprpo_lib.paths import runs_dir as project_runs
 from sprpo_lib.progress import PROGRESS_ENV
@@ -355,9 +355,11 @@ def update_readme(profile: str, out_dir: str, readme: Path | None = None) -> boo
     if f"<!-- stages-{profile}:begin -->" in text:
         text = replace_block(text, f"stages-{profile}", "<!-- generated from the manifests by sprpo-reproduce; "
                              "do not edit -->\n" + stage_table(profile, out_dir))
-    from sprpo_lib.paper.budget import paper_cost_table, plan_table
+    from sprpo_lib.paper import budget
 
-    for block, make in (("plans", plan_table), ("paper-cost", paper_cost_table)):
+    plans = atomic_write_text(project_path(out_dir) / budget.PLANS_FILE, budget.plans_markdown())  # full tables
+    write_manifest(plans, {"profiles": ["cpu", "paper"], "source": "sprpo_lib.paper.budget.plans_markdown"}, None, 0.0)
+    for block, make in (("plans", budget.plans_summary), ("paper-cost", budget.cost_summary)):
         if f"<!-- {block}:begin -->" in text:
             text = replace_block(text, block, f"<!-- generated from sprpo_lib.paper.budget.{make.__name__}; "
                                  "do not edit -->\n" + make())

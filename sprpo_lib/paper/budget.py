@@ -17,7 +17,8 @@ from sprpo_lib.paper import experiments as X
 from sprpo_lib.paper.results import setting_label
 from sprpo_lib.paper.tables import ENV_LABELS
 
-__all__ = ["APP_C_TASKS", "PAPER_STEP_SECONDS", "split_tasks", "planned_episodes", "plan_table", "paper_cost_table"]
+__all__ = ["APP_C_TASKS", "PAPER_STEP_SECONDS", "split_tasks", "planned_episodes", "plan_table", "paper_cost_table",
+           "paper_gpu_hours", "plans_markdown", "plans_summary", "cost_summary"]
 
 #: App. C's held-out tasks per split (the ``paper`` plan evaluates all of them).
 APP_C_TASKS: dict[str, dict[str, int]] = {
@@ -121,7 +122,6 @@ def paper_cost_table() -> str:
     which also adds a second forward/backward pass; an estimate, not a measurement)."""
     lines = ["| environment | method | s / step (paper) | iterations | hours per run | runs | hours in all |",
              "|---|---|---|---|---|---|---|"]
-    total = 0.0
     for env in ("alfworld", "webshop"):
         p = X.PLANS["paper"][env]
         iters = load_config("paper", **{"env.name": env}).iterations
@@ -132,6 +132,48 @@ def paper_cost_table() -> str:
             est = "" if m == ref else f" (as {METHOD_DISPLAY[ref].label})"
             lines.append(f"| {ENV_LABELS[env]} | {METHOD_DISPLAY[m].label}{est} | {sec:.1f} | {iters} | "
                          f"{sec * iters / 3600:.1f} | {n} | {sec * iters * n / 3600:.1f} |")
-            total += sec * iters * n / 3600
-    lines.append(f"| all | | | | | | {total:.0f} |")
+    lines.append(f"| all | | | | | | {paper_gpu_hours():.0f} |")
     return "\n".join(lines) + "\n"
+
+
+def paper_gpu_hours() -> float:
+    """The ``paper`` profile's whole training grid in hours at the paper's seconds per step."""
+    total = 0.0
+    for env in ("alfworld", "webshop"):
+        p = X.PLANS["paper"][env]
+        iters = load_config("paper", **{"env.name": env}).iterations
+        total += sum(PAPER_STEP_SECONDS[env, "sprpo" if m in ("sprpo", "sam") else "vanilla"][2] * iters
+                     * len(p.seeds[m]) for m in p.methods) / 3600
+    return total
+
+
+#: Where the full tables go (``figures/``, linked from the README).
+PLANS_FILE = "plans.md"
+
+
+def plans_markdown() -> str:
+    """The full reference: what each profile runs, and the paper profile's expected GPU time."""
+    return ("# What the `cpu` and `paper` profiles run\n\nCounted from `sprpo_lib.paper.experiments.PLANS`, "
+            "`sprpo_lib.paper.ablations.ABLATIONS` and the profiles' configs (`sprpo_lib.paper.budget`).\n\n"
+            + plan_table() + "\n## Expected GPU time of the `paper` profile's training\n\nThe paper's Table "
+            "\"Training overhead\" (seconds per step on two RTX PRO 6000 GPUs) times the iterations; an estimate "
+            "for this trainer, which runs each on one device.\n\n" + paper_cost_table())
+
+
+def plans_summary() -> str:
+    """One line per environment for the README: held-out tasks and evaluation episodes, cpu vs paper."""
+    out = []
+    for env in ("alfworld", "webshop"):
+        cpu, paper = X.PLANS["cpu"].get(env), X.PLANS["paper"][env]
+        if cpu is None:
+            continue
+        out.append(f"- {ENV_LABELS[env]}: `cpu` {split_tasks(env, cpu.tasks)} episodes per point, "
+                   f"{planned_episodes(cpu)['all']:,} evaluation episodes in all; `paper` "
+                   f"{split_tasks(env, paper.tasks)} per point, {planned_episodes(paper)['all']:,} in all")
+    return "\n".join(out) + f"\n\nThe whole table: [figures/{PLANS_FILE}](figures/{PLANS_FILE}).\n"
+
+
+def cost_summary() -> str:
+    """One line for the README: the paper profile's training grid in GPU-hours."""
+    return (f"About {paper_gpu_hours():.0f} GPU-hours for the `paper` profile's training grid at the paper's "
+            f"seconds per step ([figures/{PLANS_FILE}](figures/{PLANS_FILE})).\n")
