@@ -29,5 +29,16 @@ def test_engine_spec_parses_generation_settings():
     assert engine_runs("hf:bfloat16") == ("hf", "bfloat16", {})
     assert engine_runs("openvino:auto:prefix_caching=false+batch_size=8") == (
         "openvino", "auto", {"prefix_caching": False, "batch_size": 8})
+    assert engine_runs("openvino:auto:agent.compact_actions=false") == (
+        "openvino", "auto", {"agent.compact_actions": False})
     with pytest.raises(ValueError, match="FIELD=VALUE"):
         engine_runs("openvino:auto:prefix_cache=false")
+    with pytest.raises(ValueError, match="agent.compact_actions"):
+        engine_runs("hf:auto:agent.compact=true")
+
+
+def test_bench_eval_agent_setting_changes_the_prompt(one_thread):
+    """An ``agent.`` setting reaches the prompts: ALFWorld's compact action list is shorter."""
+    r = bench_eval("smoke", "alfworld", ("hf", "hf:auto:agent.compact_actions=false"), episodes=2, rollout=False)
+    compact, full = r["hf"]["eval"], r["hf:auto:agent.compact_actions=false"]["eval"]
+    assert compact["prompt_tokens"] / compact["steps"] < full["prompt_tokens"] / full["steps"]

@@ -657,16 +657,20 @@ EVAL_ENGINES = ("hf", "openvino")
 def engine_runs(spec: str) -> tuple[str, str, dict]:
     """``engine``, ``engine:dtype`` (dtype float32 | bfloat16 | auto) or
     ``engine:dtype:field=value`` (a :class:`~sprpo_lib.engines.GenerationConfig` setting, e.g.
-    ``openvino:auto:prefix_caching=false``)."""
+    ``openvino:auto:prefix_caching=false``, or an :class:`~sprpo_lib.agent.AgentConfig` one as
+    ``agent.field=value``, e.g. ``openvino:auto:agent.compact_actions=false``: the same policy
+    under another prompt)."""
     import dataclasses
 
     import yaml
 
+    from sprpo_lib.agent import AgentConfig
     from sprpo_lib.engines import GenerationConfig
 
     name, _, rest = spec.partition(":")
     dtype, _, opts = rest.partition(":")
     fields = {f.name for f in dataclasses.fields(GenerationConfig)}
+    fields |= {"agent." + f.name for f in dataclasses.fields(AgentConfig)}
     gen: dict = {}
     for item in filter(None, opts.split("+")):
         k, eq, v = item.partition("=")
@@ -731,18 +735,19 @@ def bench_eval(profile: str = "cpu", env: str = "webshop", engines: tuple[str, .
         pol = policies[dt]
         dtype = str(pol.model.dtype).replace("torch.", "")
         row = {"engine": name, "dtype": dtype, **extra}
-        base = dataclasses.replace(cfg.rollout.generation, **extra)
+        base = dataclasses.replace(cfg.rollout.generation, **{k: v for k, v in extra.items() if "." not in k})
+        run_agent = dataclasses.replace(agent, **{k[6:]: v for k, v in extra.items() if k.startswith("agent.")})
         jobs = [("eval", eval_tasks, 1, dataclasses.replace(base, temperature=eval_temperature(cfg), seed=cfg.sft.seed))]
         if rollout:
             jobs.append(("rollout", batch_tasks, cfg.rollout.group_size, dataclasses.replace(base, seed=cfg.seed * 100_003)))
         for what, tasks, group, gen in jobs:
-            eng = make_engine(name, pol, gen, agent)
+            eng = make_engine(name, pol, gen, run_agent)
             dtype = row["dtype"] = getattr(eng, "compute_dtype", dtype)  # what the engine computes in
             envs = SerialEnvs(lambda: pool)
             t0 = time.perf_counter()
             try:
-                recs, st = run_groups(envs, tasks, group, eng, agent, cfg.env.max_steps, progress=False,
-                                      count_tokens=token_counter(pol.tokenizer, agent))
+                recs, st = run_groups(envs, tasks, group, eng, run_agent, cfg.env.max_steps, progress=False,
+                                      count_tokens=token_counter(pol.tokenizer, run_agent))
             finally:
                 envs.close()
                 close_engine(eng)
@@ -901,7 +906,8 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--env", default="webshop")
     v.add_argument("--engines", default="hf:float32,hf:bfloat16,openvino",
                    help="engine, engine:dtype or engine:dtype:field=value[+field=value] (a generation setting, "
-                        "e.g. openvino:auto:prefix_caching=false), comma-separated; the first is the paired reference")
+                        "e.g. openvino:auto:prefix_caching=false, or agent.field=value, e.g. "
+                        "agent.compact_actions=false), comma-separated; the first is the paired reference")
     v.add_argument("--episodes", type=int, default=64)
     v.add_argument("--no-rollout", action="store_true", help="skip the RL rollout batch")
     v.add_argument("--model", help="model spec (default: the profile's)")
