@@ -143,6 +143,16 @@ def _shopper(ep, history: Sequence[HistoryStep]) -> str | None:
     return ep.shopper_action([h.action for h in history])
 
 
+@DEMONSTRATORS.register("explorer")
+def _explorer(ep, history: Sequence[HistoryStep]) -> str | None:
+    """ALFWorld's visible-information explorer (a function of what the agent sees and of
+    where objects lie in the training games)."""
+    if not hasattr(ep, "explorer_action"):
+        raise ValueError(f"sft.demonstrator='explorer': {type(ep).__name__} has no explorer_action() "
+                         f"(only ALFWorld has one); use sft.demonstrator=expert or shopper")
+    return ep.explorer_action([h.action for h in history])
+
+
 def collect_demonstrations(
     pool: TaskPool,
     split: str,
@@ -173,7 +183,8 @@ def collect_demonstrations(
         demonstrator: ``"expert"`` (``Episode.expert_action()``: the environment's
             oracle, which may use hidden state) or ``"shopper"`` (``shopper_action(actions)``:
             a scripted policy that reads only the prompt's information; WebShop's
-            :func:`~sprpo_lib.envs.webshop.visible_shopper_action`).
+            :func:`~sprpo_lib.envs.webshop.visible_shopper_action`) or ``"explorer"``
+            (ALFWorld's :func:`~sprpo_lib.envs.alfworld_explorer.visible_explorer_action`).
         stats: if a dict is given, it is filled with ``episodes``, ``successes``,
             ``success_rate``, ``mean_score`` (of the played, possibly perturbed,
             episodes), ``demos`` and ``expert_none`` (episodes cut because the expert
@@ -280,7 +291,10 @@ class SFTConfig:
             oracle; default) or ``"shopper"`` (WebShop only: a scripted shopper that uses
             only the information in the prompt (``python -m sprpo_lib.envs`` scores it);
             the oracle clicks the goal's hidden product id, a choice a cloned policy
-            cannot infer from the page).  See :func:`collect_demonstrations`.
+            cannot infer from the page) or ``"explorer"`` (ALFWorld only: searches the
+            receptacles in the order where the training games keep the object; the
+            planner goes straight to the hidden object, which a cloned policy cannot
+            infer).  See :func:`collect_demonstrations`.
         log_every: optimizer steps between lines of ``metrics.jsonl`` (and the progress
             bar's loss); the first and last step are always logged.
         shuffle: reshuffle the demonstrations every epoch (seeded).

@@ -73,9 +73,11 @@ from textworld.envs.pddl import logic as pddl_logic
 from textworld.generator.game import EntityInfo
 
 from sprpo_lib.envs import alfworld_gen
+from sprpo_lib.envs.alfworld_explorer import receptacle_prior, visible_explorer_action
 from sprpo_lib.envs.base import Observation, check_split
 
 MAX_STEPS = 50  # App. B: ALFWorld episodes end after 50 environment steps.
+PRIOR_GAMES = 60  # training games whose object placements give the explorer's search order
 DEFAULT_SUCCESS_REWARD = 10.0  # verl-agent / GiGPO ALFWorld reward for ``won``.
 SPLITS = alfworld_gen.SPLITS
 TASK_TYPES = alfworld_gen.TASK_TYPES
@@ -469,6 +471,18 @@ class AlfworldEpisode:
             command = self._plan_command(self._plan[0]) if self._plan else None
         return command
 
+    def explorer_action(self, actions: Sequence[str] = ()) -> str | None:
+        """The visible-information explorer's next command
+        (:func:`~sprpo_lib.envs.alfworld_explorer.visible_explorer_action`) on the current
+        admissible commands, with the pool's receptacle prior; ``actions``: the actions
+        taken so far in this episode."""
+        if self._state is None or self._done:
+            return None
+        pool = self.task.ref[0] if self.task.ref else None
+        prior = pool.receptacle_prior() if pool is not None else {}
+        admissible = [c for c in self._state["admissible_commands"] if c not in HIDDEN_COMMANDS]
+        return visible_explorer_action(self.instruction, admissible, actions, prior)
+
     def close(self) -> None:
         """Drop per-episode state (the task's grounding stays with the task)."""
         self._state = None
@@ -678,6 +692,18 @@ class AlfworldPool:
             return alfworld_gen.task_type_of(self.seed, split, index)
         with open(self._games[split][index].parent / "traj_data.json") as f:
             return json.load(f)["task_type"]
+
+    def receptacle_prior(self) -> dict[str, dict[str, int]]:
+        """Where each object type lies in the first :data:`PRIOR_GAMES` training games
+        (:func:`~sprpo_lib.envs.alfworld_explorer.receptacle_prior`; generated games are
+        made first if needed): the explorer's search order.  Computed once per pool."""
+        if getattr(self, "_prior", None) is None:
+            n = min(PRIOR_GAMES, self._sizes["train"])
+            for i in range(n):
+                if not self.game_file("train", i).exists():
+                    self.open("train", i).close()
+            self._prior = receptacle_prior(self.game_file("train", i) for i in range(n))
+        return self._prior
 
     def open(self, split: str, index: int) -> AlfworldTask:
         """Ground game ``index`` of ``split`` (generating and caching it first if needed)."""
