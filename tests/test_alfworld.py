@@ -403,3 +403,21 @@ def test_explorer_solves_each_task_type_from_what_it_sees(one_of_each, task_type
         obs = episode.step(action)
         assert obs.info["valid_action"], action
     assert obs.success, actions
+
+
+def test_pool_prior_and_episode_explorer_action(cache, small, monkeypatch):
+    """The pool's prior counts its first PRIOR_GAMES training games; an episode's explorer
+    action is admissible and is what the pure function returns on the same inputs."""
+    from sprpo_lib.envs import alfworld
+
+    monkeypatch.setattr(alfworld, "PRIOR_GAMES", 2)
+    fresh = make_alfworld_pool(seed=SEED, cache_dir=cache)
+    prior = fresh.receptacle_prior()
+    assert prior == receptacle_prior([fresh.game_file("train", 0), fresh.game_file("train", 1)])
+    task = fresh.open("valid_seen", _small_game("valid_seen", "pick_and_place_simple"))
+    ep = task.spawn()
+    obs = ep.reset()
+    action = ep.explorer_action([])
+    assert action in obs.admissible
+    assert action == visible_explorer_action(task.instruction, obs.admissible, [], prior)
+    task.close()

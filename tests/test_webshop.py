@@ -488,6 +488,12 @@ def test_random_and_expert_agents(pool):
 
     assert exp["steps_quantiles"]["max"] == max(lengths) and exp["mean_steps"] == pytest.approx(sum(lengths) / 10)
     assert exp["steps_quantiles"]["p50"] == pytest.approx(statistics.median(lengths))
+    shop = play(pool, "test", range(10), "shopper", progress=False)  # the warm start's demonstrator
+    assert shop["episodes"] == 10 and rnd["success_rate"] <= shop["success_rate"] <= 1.0
+    with pytest.raises(ValueError, match="explorer: alfworld"):
+        play(pool, "test", range(1), "explorer", progress=False)
+    with pytest.raises(ValueError, match="one of"):
+        play(pool, "test", range(1), "oracle", progress=False)
     import random
 
     assert random_action(["search[<your query>]"], "red shoes", random.Random(0)) == "search[red shoes]"

@@ -1,4 +1,4 @@
-"""``python -m sprpo_lib.envs random|expert --env alfworld --split valid_seen --tasks 50``:
+"""``python -m sprpo_lib.envs random|expert|shopper|explorer --env alfworld --split valid_seen --tasks 50``:
 the scripted baselines of :mod:`sprpo_lib.envs.baselines` on any environment."""
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import json
 import sys
 
 from sprpo_lib.envs import ENVIRONMENTS, make_pool
-from sprpo_lib.envs.baselines import play
+from sprpo_lib.envs.baselines import AGENTS, play
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sprpo_lib.envs", description=__doc__.split("\n")[0])
-    ap.add_argument("agent", choices=["random", "expert"])
+    ap.add_argument("agent", choices=list(AGENTS))
     ap.add_argument("--env", default="webshop", choices=ENVIRONMENTS.names())
     ap.add_argument("--split", nargs="*", help="splits (default: all of the pool)")
     ap.add_argument("--tasks", type=int, default=50, help="first N tasks of each split")

@@ -26,16 +26,21 @@ def random_action(admissible: Sequence[str], instruction: str, rng: random.Rando
     return f"{m.group(1)}[{instruction}]" if m else action
 
 
+AGENTS = ("random", "expert", "shopper", "explorer")
+
+
 def play(pool: TaskPool, split: str, indices: Sequence[int], agent: str = "random", seed: int = 0,
          rollouts: int = 1, progress: bool = True) -> dict:
-    """Play ``rollouts`` episodes of each task with the ``random`` or ``expert`` agent;
+    """Play ``rollouts`` episodes of each task with the ``random`` or ``expert`` agent, or
+    a visible-information one (``shopper`` on WebShop, ``explorer`` on ALFWorld: the warm
+    starts' demonstrators);
     success, mean score and episode length overall and per task type (where the task
     handle has one, e.g. ALFWorld's six types), and the length distribution (what
     ``env.max_steps`` is sized from: the expert's longest solution)."""
     from sprpo_lib.progress import progress_bar
 
-    if agent not in ("random", "expert"):
-        raise ValueError(f"agent must be 'random' or 'expert', got {agent!r}")
+    if agent not in AGENTS:
+        raise ValueError(f"agent must be one of {AGENTS}, got {agent!r}")
     rng = random.Random(seed)
     t0 = time.perf_counter()
     episodes, wins, score, steps = 0, 0, 0.0, 0
@@ -46,9 +51,17 @@ def play(pool: TaskPool, split: str, indices: Sequence[int], agent: str = "rando
         counts = per_type.setdefault(getattr(task, "task_type", pool.name), [0, 0])
         for _ in range(rollouts):
             ep = task.spawn()
-            obs, ret, length = ep.reset(), 0.0, 0
+            obs, ret, length, taken = ep.reset(), 0.0, 0, []
             while not obs.done:
-                action = random_action(obs.admissible, ep.instruction, rng) if agent == "random" else ep.expert_action()
+                if agent == "random":
+                    action = random_action(obs.admissible, ep.instruction, rng)
+                elif agent == "expert":
+                    action = ep.expert_action()
+                elif hasattr(ep, f"{agent}_action"):
+                    action = getattr(ep, f"{agent}_action")(taken)
+                else:
+                    raise ValueError(f"agent {agent!r} does not play {pool.name} (shopper: webshop, explorer: alfworld)")
+                taken.append(action)
                 if action is None:
                     break
                 obs = ep.step(action)
