@@ -132,7 +132,7 @@ def visible_explorer_action(instruction: str, admissible: Sequence[str], actions
             return put
         if here and _split(here)[0] == target and f"open {here}" in adm:
             return f"open {here}"
-        tried = {r for r in visited[len(visited) - 1:]}  # the receptacle just tried
+        tried = set(visited[-1:])  # the receptacle just tried
         dest = sorted((g for g in goes if _split(g)[0] == target and g not in tried), key=_split)
         return "go to " + dest[0] if dest else "look"
     take = [a for a in adm if a.startswith(f"take {obj} ")]
@@ -146,7 +146,6 @@ def visible_explorer_action(instruction: str, admissible: Sequence[str], actions
         after = actions[max(i for i, a in enumerate(actions) if a.startswith("move ")):]
         if source in goes and f"go to {source}" not in after:
             return f"go to {source}"
-        visited = [a[6:] for a in after if a.startswith("go to ")] + [r for r in visited]
     todo = [r for r in _search_order(goes, obj, prior) if r not in visited]
     if not todo:
         return "go to " + _search_order(goes, obj, prior)[0] if goes else "look"
