@@ -145,7 +145,7 @@ def test_config_profiles_and_errors():
     cpu = load_config("cpu")
     assert cpu.sft.demonstrator == "shopper" and cpu.eval_temperature == 0.4 and cpu.method.scale == "energy" and cpu.update.adv.norm == "mean"
     alf = load_config("cpu", **{"env.name": "alfworld"})  # the profile's per_env ALFWorld settings
-    assert (alf.sft.demonstrator, alf.env.max_steps, alf.update.adv.norm) == ("expert", 20, "mean_std")
+    assert (alf.sft.demonstrator, alf.env.max_steps, alf.update.adv.norm) == ("explorer", 20, "mean_std")
     assert alf.rollout.agent.compact_actions and not cpu.rollout.agent.compact_actions
     with pytest.raises(ValueError, match="sft.demonstrator=expert"):
         load_config("cpu", ["sft.demonstrator=shopper"], **{"env.name": "alfworld"})
