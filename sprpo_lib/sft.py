@@ -69,6 +69,7 @@ from typing import Iterable, Sequence
 import torch
 
 from sprpo_lib.agent import AgentConfig, HistoryStep, build_prompt, chat_text, extract_action, parse_actions
+from sprpo_lib.envs.alfworld_explorer import LABELS_VERSION as EXPLORER_LABELS
 from sprpo_lib.envs.base import TaskPool
 from sprpo_lib.envs.baselines import random_action
 from sprpo_lib.io import (CorruptFileError, JsonLines, atomic_dir, atomic_write_json, canonical_hash, file_record,
@@ -126,6 +127,9 @@ class Demo:
 
 #: who labels demonstrations: ``fn(episode, history) -> next action or None``.
 DEMONSTRATORS: Registry = Registry("demonstrator", "sft.demonstrator")
+#: demonstrators whose labels changed after a warm start was first cached: the version
+#: joins that warm start's cache key, so stale demonstrations are never served
+LABEL_VERSIONS = {"explorer": EXPLORER_LABELS}
 
 
 @DEMONSTRATORS.register("expert")

@@ -197,13 +197,17 @@ class Trainer:
 def warm_start_key(cfg: TrainConfig, agent: AgentConfig) -> str:
     """Hash of what the warm start depends on: base model, task pool and step limit
     (demonstrations and the evaluation), prompt format and SFT settings; not the RL
-    settings, so every method and seed of a profile starts from the same cached policy."""
+    settings, so every method and seed of a profile starts from the same cached policy;
+    and the demonstrator's label version where it has one (``sft.LABEL_VERSIONS``)."""
+    from sprpo_lib.sft import LABEL_VERSIONS
+
     m, e = cfg.model, cfg.env
-    return hashlib.sha256(json.dumps(
-        {"model": {"spec": m.spec, "dtype": m.dtype},
-         "env": {"name": e.name, "seed": e.seed, "data_dir": e.data_dir, "max_steps": e.max_steps},
-         "agent": key_fields(agent), "sft": key_fields(cfg.sft)}, sort_keys=True, default=list,
-    ).encode()).hexdigest()[:12]
+    key = {"model": {"spec": m.spec, "dtype": m.dtype},
+           "env": {"name": e.name, "seed": e.seed, "data_dir": e.data_dir, "max_steps": e.max_steps},
+           "agent": key_fields(agent), "sft": key_fields(cfg.sft)}
+    if cfg.sft.demonstrator in LABEL_VERSIONS:
+        key["labels"] = LABEL_VERSIONS[cfg.sft.demonstrator]
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=list).encode()).hexdigest()[:12]
 
 
 def warm_start_dir(cfg: TrainConfig, agent: AgentConfig | None = None) -> Path:

@@ -340,7 +340,7 @@ def test_random_play_matches_alfworld_engine(pool, split, task_type):
 
 
 # --------------------------------------------------------------------------- visible explorer
-from sprpo_lib.envs.alfworld_explorer import parse_goal, receptacle_prior, visible_explorer_action  # noqa: E402
+from sprpo_lib.envs.alfworld_explorer import MEMORY, parse_goal, receptacle_prior, visible_explorer_action  # noqa: E402
 
 
 @pytest.mark.parametrize("text,want", [
@@ -370,6 +370,26 @@ def test_explorer_puts_down_a_wrong_object():
     assert visible_explorer_action("put a mug in cabinet", adm, acts) == "move pen 1 to drawer 2"
 
 
+def test_explorer_knows_what_it_holds_beyond_its_memory():
+    """Two moves after the take, the held object shows only as ``examine o`` (no move is
+    admissible where a lamp stands): the explorer still uses the lamp."""
+    adm = ["examine armchair 1", "examine statue 1", "go to shelf 1", "look", "use floorlamp 1"]
+    acts = ["take statue 1 from shelf 2", "go to sidetable 1", "go to armchair 1"]
+    assert visible_explorer_action("examine the statue with the floorlamp", adm, acts) == "use floorlamp 1"
+
+
+def test_explorer_searches_after_the_current_receptacle():
+    """Not holding the object, it goes to the receptacle after this one in the prior's
+    order (wrapping round), never to a receptacle of the target type."""
+    prior = {"mug": {"cabinet": 3, "shelf": 1}}
+    goes = ["go to cabinet 1", "go to cabinet 3", "go to desk 1", "go to shelf 1"]
+    put_mug = "put a mug in desk"
+    assert visible_explorer_action(put_mug, goes + ["look"], ["go to cabinet 2"], prior) == "go to cabinet 3"
+    assert visible_explorer_action(put_mug, goes + ["look"], ["go to cabinet 3", "go to shelf 2"], prior) == "go to cabinet 1"
+    assert visible_explorer_action(put_mug, goes + ["look"], [], prior) == "go to cabinet 1"
+    assert visible_explorer_action(put_mug, goes + ["open cabinet 2"], ["go to cabinet 2"], prior) == "open cabinet 2"
+
+
 @pytest.fixture(scope="module")
 def one_of_each(pool):
     games = {}
@@ -391,14 +411,17 @@ def test_receptacle_prior_holds_where_the_planner_takes_the_object(one_of_each):
 
 @pytest.mark.parametrize("task_type", gen.TASK_TYPES)
 def test_explorer_solves_each_task_type_from_what_it_sees(one_of_each, task_type):
-    """The explorer sees only the instruction, the admissible commands and its own
-    actions, with a prior from the *other* games, and still wins within 50 steps."""
+    """The explorer sees only the instruction, the admissible commands and its last
+    MEMORY actions, with a prior from the *other* games, and still wins within 50 steps."""
     task = one_of_each[task_type]
     prior = receptacle_prior([g.game_file for t, g in one_of_each.items() if t != task_type])
     episode = task.spawn()
     obs, actions = episode.reset(), []
     while not obs.done:
         action = visible_explorer_action(task.instruction, obs.admissible, actions, prior)
+        if len(actions) >= MEMORY:  # what the prompt no longer shows does not matter
+            older = ["inventory", "go to nowhere 9", "take thing 1 from nowhere 9"]
+            assert action == visible_explorer_action(task.instruction, obs.admissible, older + actions[-MEMORY:], prior)
         actions.append(action)
         obs = episode.step(action)
         assert obs.info["valid_action"], action

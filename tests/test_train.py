@@ -193,6 +193,18 @@ def test_warm_start_is_cached_and_merged(tmp_path, monkeypatch):
     assert names and all("lora_" in n for n in names)  # fresh RL LoRA on the merged base
 
 
+def test_warm_start_key_follows_the_demonstrators_label_version(monkeypatch):
+    """A demonstrator whose labels changed gets a new cache folder; the others keep theirs."""
+    from sprpo_lib import sft, train as train_mod
+
+    alf = load_config("cpu", **{"env.name": "alfworld"})
+    web = load_config("cpu")
+    before = train_mod.warm_start_key(alf, alf.rollout.agent), train_mod.warm_start_key(web, web.rollout.agent)
+    monkeypatch.setitem(sft.LABEL_VERSIONS, "explorer", sft.LABEL_VERSIONS["explorer"] + 1)
+    after = train_mod.warm_start_key(alf, alf.rollout.agent), train_mod.warm_start_key(web, web.rollout.agent)
+    assert after[0] != before[0] and after[1] == before[1]
+
+
 def test_extend_run_and_refuse_other_config(tmp_path):
     ov = ["rollout.tasks_per_step=1", "method.name=vanilla"]
     out = train(load_config("smoke", ov + ["iterations=1"]), tmp_path / "r", progress=False)
