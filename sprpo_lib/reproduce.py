@@ -334,12 +334,13 @@ def stage_table(profile: str, out_dir: str | Path | None = None, runs_dir: Path 
 
 def update_readme(profile: str, out_dir: str, readme: Path | None = None) -> bool:
     """Refresh the README's generated blocks from ``out_dir``: the headline numbers
-    (``headline-<profile>``, from ``headline_<profile>.md``), the paper's claims against
+    (``headline-<profile>``, from ``headline_<profile>.md`` less its paired tables, which
+    the README links), the paper's claims against
     them (``claims-<profile>``, from ``claims_<profile>.md``), the stage times
     (``stages-<profile>``, from the manifests), what the profiles run (``plans``, from the
     plans) and the notebook table (``notebooks``).
     No number in the README is typed by hand."""
-    from sprpo_lib.paper.results import replace_block
+    from sprpo_lib.paper.results import replace_block, without_paired
 
     root = project_root()
     readme = readme or root / "README.md"
@@ -350,8 +351,8 @@ def update_readme(profile: str, out_dir: str, readme: Path | None = None) -> boo
         src = project_path(out_dir) / f"{block}_{profile}.md"
         if src.is_file() and f"<!-- {block}-{profile}:begin -->" in text:
             where = src.relative_to(root) if src.is_relative_to(root) else src
-            text = replace_block(text, f"{block}-{profile}", f"<!-- generated from {where}; do not edit -->\n"
-                                 + src.read_text())
+            body = without_paired(src.read_text()) if block == "headline" else src.read_text()
+            text = replace_block(text, f"{block}-{profile}", f"<!-- generated from {where}; do not edit -->\n" + body)
     if f"<!-- stages-{profile}:begin -->" in text:
         text = replace_block(text, f"stages-{profile}", "<!-- generated from the manifests by sprpo-reproduce; "
                              "do not edit -->\n" + stage_table(profile, out_dir))

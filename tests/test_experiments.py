@@ -167,6 +167,13 @@ def test_headline_and_readme_block():
     assert "old 1.0" not in new and md.strip() in new and new.startswith("a\n") and new.endswith("b\n")
     with pytest.raises(ValueError, match="markers"):
         R.replace_block("no markers", "headline-cpu", md)
+    paired = pd.DataFrame([{"baseline": "vanilla", "family": "rtn", "strength": 4.0, "success_diff": 5.0,
+                            "success_lo": -1.0, "success_hi": 9.0, "success_mde80": 12.0}])
+    hp = R.headline(summary, paired, [("rtn", 4.0)], ["vanilla"], env="webshop")
+    two = "**ALFWorld**\n\n" + R.headline_markdown(hp, ["vanilla"]) + "\n**WebShop**\n\n" + R.headline_markdown(hp, ["vanilla"])
+    digest = R.without_paired(two)  # the README's copy: both success tables, no paired table
+    assert two.count("+5.0 [-1.0, +9.0]") == 2 and "+5.0" not in digest and R.PAIRED_HEAD not in digest
+    assert digest.count("| Vanilla | 40.0 ± 2.0 | 10.0 (25%) |") == 2 and "**WebShop**" in digest
 
 
 def test_recorded_compute_adds_every_pass_and_counts_a_shared_cell_once(tmp_path, monkeypatch):

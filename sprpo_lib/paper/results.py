@@ -10,7 +10,7 @@ folders.  Pure functions of their inputs (the logic of notebooks 03-07):
   own per-iteration metrics;
 * :func:`pick_examples` / :func:`examples_markdown`: App. "Qualitative Examples",
   trajectory pairs chosen by a fixed rule from the evaluation's episode logs;
-* :func:`headline` / :func:`headline_markdown`: the numbers the README quotes.
+* :func:`headline` / :func:`headline_markdown` / :func:`without_paired`: the numbers the README quotes.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from sprpo_lib.paper.tables import ENV_LABELS, FAMILY_LABELS, METHOD_LABELS, str
 
 __all__ = ["COLORS", "save_figure", "plot_motivation", "plot_curves", "plot_landscape", "landscape_grid", "plot_ablation",
            "paired_comparisons", "overhead", "overhead_latex", "pick_examples", "examples_markdown", "headline",
-           "headline_markdown", "replace_block", "setting_label", "plain"]
+           "headline_markdown", "without_paired", "replace_block", "setting_label", "plain"]
 
 COLORS = {m: d.color for m, d in METHOD_DISPLAY.items()}
 MARKERS = {m: d.marker for m, d in METHOD_DISPLAY.items()}
@@ -462,6 +462,9 @@ def headline(summary: pd.DataFrame, paired: pd.DataFrame, settings: Sequence[tup
     return out
 
 
+PAIRED_HEAD = "Paired differences"  # how headline_markdown's paired table starts (without_paired finds it)
+
+
 def headline_markdown(h: Mapping, methods: Sequence[str]) -> str:
     """A Markdown table of :func:`headline` (success, retention) plus the paired intervals."""
     cols = list(next((v for v in h["methods"].values() if v), {}).keys())
@@ -487,7 +490,7 @@ def headline_markdown(h: Mapping, methods: Sequence[str]) -> str:
         lines.append(f"| {METHOD_LABELS.get(m, m)} | " + " | ".join(cells) + " |")
     text = "\n".join(lines) + "\n"
     if h.get("paired"):
-        text += ("\nPaired differences (reference minus baseline, percentage points, 95% bootstrap over tasks; MDE: "
+        text += (f"\n{PAIRED_HEAD} (reference minus baseline, percentage points, 95% bootstrap over tasks; MDE: "
                  "the smallest difference the design detects with 80% power):\n\n")
         text += "| Setting | vs. | Success diff [95% CI] | MDE | Retention diff [95% CI] |\n|---|---|---|---|---|\n"
         for p in h["paired"]:
@@ -497,6 +500,20 @@ def headline_markdown(h: Mapping, methods: Sequence[str]) -> str:
             text += (f"| {label(p['family'] + '@' + str(p['strength']))} | {METHOD_LABELS.get(p['baseline'], p['baseline'])} | "
                      f"{p['success_diff']:+.1f} [{p['success_lo']:+.1f}, {p['success_hi']:+.1f}] | {mde} | {ret} |\n")
     return text
+
+
+def without_paired(md: str) -> str:
+    """Headline Markdown (:func:`headline_markdown`, one section per environment) without
+    its paired-difference tables: the README's digest, which links the whole file."""
+    out, skip = [], False
+    for line in md.splitlines(keepends=True):
+        if line.startswith(PAIRED_HEAD):
+            skip = True
+        elif skip and not (line.startswith("|") or not line.strip()):
+            skip = False
+        if not skip:
+            out.append(line)
+    return "".join(out)
 
 
 def replace_block(text: str, name: str, body: str) -> str:
