@@ -72,8 +72,8 @@ from sprpo_lib.agent import AgentConfig, HistoryStep, build_prompt, chat_text, e
 from sprpo_lib.envs.alfworld_explorer import LABELS_VERSION as EXPLORER_LABELS
 from sprpo_lib.envs.base import TaskPool
 from sprpo_lib.envs.baselines import random_action
-from sprpo_lib.io import (CorruptFileError, JsonLines, atomic_dir, atomic_write_json, canonical_hash, file_record,
-                          key_fields, read_json, read_safetensors, verify_file)
+from sprpo_lib.io import (OMIT_AT_DEFAULT, CorruptFileError, JsonLines, atomic_dir, atomic_write_json, canonical_hash,
+                          file_record, key_fields, read_json, read_safetensors, verify_file)
 from sprpo_lib.losses import token_logprobs
 from sprpo_lib.models import LoraSettings, Policy, add_lora, lora_on_last_layers, save_peft
 from sprpo_lib.progress import progress_bar
@@ -299,6 +299,11 @@ class SFTConfig:
             receptacles in the order where the training games keep the object; the
             planner goes straight to the hidden object, which a cloned policy cannot
             infer).  See :func:`collect_demonstrations`.
+        episode_steps: step limit of a demonstration episode (None: the pool's own, 15 on
+            WebShop and 50 on ALFWorld).  Set to RL's ``env.max_steps``, the demonstrations
+            cover the states and the ``[Step k]`` numbers RL's prompts show, and no longer
+            the long wanders that random actions cause after that limit (on ALFWorld they
+            were a third of the labels, nearly all ``go to``).
         log_every: optimizer steps between lines of ``metrics.jsonl`` (and the progress
             bar's loss); the first and last step are always logged.
         shuffle: reshuffle the demonstrations every epoch (seeded).
@@ -327,6 +332,7 @@ class SFTConfig:
     split: str = "train"
     expert_prob: float = 1.0
     demonstrator: str = "expert"
+    episode_steps: int | None = field(default=None, metadata=OMIT_AT_DEFAULT)
     log_every: int = 10
     shuffle: bool = True
     eval_tasks: int = 0
@@ -340,6 +346,8 @@ class SFTConfig:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"max_steps must be >= 1 or None, got {self.max_steps}")
+        if self.episode_steps is not None and self.episode_steps < 1:
+            raise ValueError(f"sft.episode_steps must be >= 1 or null (the environment's limit), got {self.episode_steps}")
         if self.schedule not in _SCHEDULES:
             raise ValueError(f"schedule must be one of {_SCHEDULES}, got {self.schedule!r}")
         if not 0.0 <= self.expert_prob <= 1.0:
@@ -720,7 +728,7 @@ def warm_start(
     stats: dict = {}
     t0 = time.perf_counter()
     demos = collect_demonstrations(pool, cfg.split, range(n), agent, cfg.expert_prob, cfg.seed, stats=stats,
-                                   demonstrator=cfg.demonstrator)
+                                   demonstrator=cfg.demonstrator, max_steps=cfg.episode_steps)
     stats["seconds"] = round(time.perf_counter() - t0, 2)
     if out_dir is not None:
         save_demos(Path(out_dir) / "demos.jsonl", demos)

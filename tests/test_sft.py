@@ -2,6 +2,7 @@
 response-token NLL, the pipeline learns, adapters round-trip, runs are deterministic."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -306,6 +307,11 @@ def test_warm_start_and_evaluate_format(pool, tmp_path):
     for k in ("success_rate", "mean_score", "valid_rate", "admissible_rate", "all_valid_rate", "first_valid_rate"):
         assert 0.0 <= rep[k] <= 1.0
     assert len((tmp_path / "eval.jsonl").read_text().splitlines()) == 2
+    one = warm_start(load_policy("tiny-qwen2"), pool, dataclasses.replace(cfg, episode_steps=1), AGENT,
+                     out_dir=tmp_path / "one", progress=False)  # demonstrations stop at RL's step limit
+    assert one["demos"] == 2 and [d.step for d in load_demos(tmp_path / "one" / "demos.jsonl")] == [0, 0]
+    with pytest.raises(ValueError, match="sft.episode_steps"):
+        SFTConfig(episode_steps=0)
 
 
 def test_admissible_parsing_and_demo_io(demos, tmp_path):
