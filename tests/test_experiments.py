@@ -176,6 +176,25 @@ def test_headline_and_readme_block():
     assert digest.count("| Vanilla | 40.0 ± 2.0 | 10.0 (25%) |") == 2 and "**WebShop**" in digest
 
 
+def test_readme_headline_block_is_the_digest(tmp_path, monkeypatch):
+    """sprpo-reproduce copies headline_<profile>.md into the README without its paired tables."""
+    from sprpo_lib.reproduce import update_readme
+
+    monkeypatch.setenv("SPRPO_HOME", str(tmp_path))
+    summary = pd.DataFrame([{"method": "vanilla", "env": "webshop", "family": "clean", "strength": 0.0, "mean": 40.0,
+                             "std": 2.0, "n": 2, "retention": 100.0}])
+    paired = pd.DataFrame([{"baseline": "vanilla", "family": "clean", "strength": 0.0, "success_diff": 5.0,
+                            "success_lo": -1.0, "success_hi": 9.0, "success_mde80": 12.0}])
+    md = R.headline_markdown(R.headline(summary, paired, [], ["vanilla"], env="webshop"), ["vanilla"])
+    (tmp_path / "figures").mkdir()
+    (tmp_path / "figures" / "headline_cpu.md").write_text(md)
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- headline-cpu:begin -->\nold\n<!-- headline-cpu:end -->\nrest\n")
+    assert update_readme("cpu", "figures", readme)
+    text = readme.read_text()
+    assert "| Vanilla | 40.0 ± 2.0 |" in text and "+5.0" not in text and "old" not in text and text.endswith("rest\n")
+
+
 def test_recorded_compute_adds_every_pass_and_counts_a_shared_cell_once(tmp_path, monkeypatch):
     """The stage table's recorded compute, against sums by hand: 01 = its runs' iteration
     wall_s + their warm start's seconds; a cell in 03's and 04's rows counts for 03 only."""
