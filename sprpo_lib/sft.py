@@ -303,7 +303,7 @@ class SFTConfig:
             WebShop and 50 on ALFWorld).  Set to RL's ``env.max_steps``, the demonstrations
             cover the states and the ``[Step k]`` numbers RL's prompts show, and no longer
             the long wanders that random actions cause after that limit (on ALFWorld they
-            were a third of the labels, nearly all ``go to``).
+            were 31% of the labels, two thirds of them ``go to``).
         log_every: optimizer steps between lines of ``metrics.jsonl`` (and the progress
             bar's loss); the first and last step are always logged.
         shuffle: reshuffle the demonstrations every epoch (seeded).
