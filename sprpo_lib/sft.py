@@ -30,13 +30,21 @@ or :func:`warm_start` for the first two steps in one call.
   while the state is still labelled with the expert's action.  The demonstrations then
   also cover off-expert states (a wrong product page, a later results page) and how
   the expert recovers from them, which a pure expert trajectory never shows; the
-  policy's own mistakes at test time land in such states.
+  policy's own mistakes at test time land in such states.  With ``repeat_prob > 0``
+  the executed action is, with that probability, the previous one again: the loop a
+  small clone falls into (on ALFWorld a repeated ``go to`` or ``take`` is rejected with
+  "Nothing happens."), so the demonstrations hold the state after a rejected action with
+  the label that leaves it.
 * **Loss.**  Mean token negative log-likelihood of the response tokens only (prompt
   and padding are masked with ``-100``), averaged over all response tokens of an
   optimizer step (``batch_size * grad_accum`` demonstrations).  Log-probabilities are
   computed in float32 with :func:`losses.token_logprobs` from the LM head applied to
   the hidden states *at response positions only*, so no full-vocabulary logits are
-  materialised for the prompt (bf16 models are fine).
+  materialised for the prompt (bf16 models are fine).  With ``balance > 0`` a
+  demonstration's tokens weigh ``(share of its action's verb)^-balance`` (mean 1 over
+  the demonstrations; :func:`label_weights`): ALFWorld's rare decisions (``take``,
+  ``move``, ``heat``: a few percent of the labels) then count for more against the many
+  ``go to`` steps of the search (a class-balanced loss).
 * **Outputs** (``out_dir``): ``metrics.jsonl`` (one flushed JSON line per logged
   step), ``sft_summary.json`` (config and results, atomic), ``adapter/`` (peft
   ``save_pretrained``, safetensors; reload with :func:`load_adapter`), and for
@@ -62,6 +70,7 @@ import random
 import re
 import shutil
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -167,6 +176,7 @@ def collect_demonstrations(
     max_steps: int | None = None,
     stats: dict | None = None,
     demonstrator: str = "expert",
+    repeat_prob: float = 0.0,
 ) -> list[Demo]:
     """Play each task with the expert and record (prompt, expert response) per step.
 
@@ -193,12 +203,17 @@ def collect_demonstrations(
             ``success_rate``, ``mean_score`` (of the played, possibly perturbed,
             episodes), ``demos`` and ``expert_none`` (episodes cut because the expert
             had no action).
+        repeat_prob: probability of executing the previous executed action again at
+            a step where the expert's action would be executed (not at the first step;
+            see the module docstring).  The label is still the expert's.
 
     Returns:
         The demonstrations, ordered by task and step.
     """
     if not 0.0 <= expert_prob <= 1.0:
         raise ValueError(f"expert_prob must be in [0, 1], got {expert_prob}")
+    if not 0.0 <= repeat_prob < 1.0:
+        raise ValueError(f"sft.repeat_prob must be in [0, 1), got {repeat_prob}")
     label = DEMONSTRATORS.get(demonstrator)
     agent = agent or AgentConfig()
     limit = max_steps or pool.max_steps
@@ -224,6 +239,8 @@ def collect_demonstrations(
                 executed = response
                 if expert_prob < 1.0 and obs.admissible and rng.random() >= expert_prob:
                     executed = f"<action>{random_action(obs.admissible, ep.instruction.strip(), rng)}</action>"
+                elif repeat_prob > 0.0 and history and rng.random() < repeat_prob:  # no draw at 0: same streams
+                    executed = f"<action>{history[-1].action}</action>"
                 # run_groups steps the env with the *parsed* action and keeps it in the history
                 action = extract_action(executed).action
                 nxt = ep.step(action)
@@ -304,6 +321,13 @@ class SFTConfig:
             cover the states and the ``[Step k]`` numbers RL's prompts show, and no longer
             the long wanders that random actions cause after that limit (on ALFWorld they
             were 31% of the labels, two thirds of them ``go to``).
+        repeat_prob: probability of executing the previous action again during the
+            collection (the state after a rejected repeat, labelled with the way out; see
+            the module docstring).  0 (default): never.
+        balance: weight a demonstration's loss by ``(share of its action's verb)^-balance``
+            (:func:`label_weights`; 0: every response token weighs the same, 1: every verb
+            weighs the same in all).  On ALFWorld the search's ``go to`` is most labels and
+            the decision to ``take`` the object in sight a few percent.
         log_every: optimizer steps between lines of ``metrics.jsonl`` (and the progress
             bar's loss); the first and last step are always logged.
         shuffle: reshuffle the demonstrations every epoch (seeded).
@@ -333,6 +357,8 @@ class SFTConfig:
     expert_prob: float = 1.0
     demonstrator: str = "expert"
     episode_steps: int | None = field(default=None, metadata=OMIT_AT_DEFAULT)
+    repeat_prob: float = field(default=0.0, metadata=OMIT_AT_DEFAULT)
+    balance: float = field(default=0.0, metadata=OMIT_AT_DEFAULT)
     log_every: int = 10
     shuffle: bool = True
     eval_tasks: int = 0
@@ -346,6 +372,11 @@ class SFTConfig:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError(f"max_steps must be >= 1 or None, got {self.max_steps}")
+        if not 0.0 <= self.repeat_prob < 1.0:
+            raise ValueError(f"sft.repeat_prob must be in [0, 1), got {self.repeat_prob}")
+        if not 0.0 <= self.balance <= 2.0:
+            raise ValueError(f"sft.balance must be in [0, 2] (0: no weighting, 1: every verb weighs the same), "
+                             f"got {self.balance}")
         if self.episode_steps is not None and self.episode_steps < 1:
             raise ValueError(f"sft.episode_steps must be >= 1 or null (the environment's limit), got {self.episode_steps}")
         if self.schedule not in _SCHEDULES:
@@ -425,6 +456,25 @@ def response_nll(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- training
+def label_verb(response: str) -> str:
+    """The verb of a response's action (``go`` for ``go to cabinet 1``, ``click`` for
+    ``click[buy now]``): the class :func:`label_weights` balances."""
+    m = re.match(r"[a-z_]+", extract_action(response).action.strip().lower())
+    return m.group(0) if m else ""
+
+
+def label_weights(responses: Sequence[str], balance: float) -> list[float]:
+    """Per-demonstration loss weights ``(n_verb / n)^-balance``, scaled to mean 1, where
+    ``n_verb`` counts the demonstrations whose action has the same verb
+    (:func:`label_verb`).  ``balance=1``: every verb's demonstrations weigh the same in
+    all; 0: all 1."""
+    counts = Counter(label_verb(r) for r in responses)
+    n = len(responses)
+    raw = [(counts[label_verb(r)] / n) ** -balance for r in responses]
+    mean = sum(raw) / max(1, n)
+    return [x / mean for x in raw]
+
+
 def _is_peft(model) -> bool:
     return hasattr(model, "peft_config")
 
@@ -581,13 +631,15 @@ def train_sft(
     tok = policy.tokenizer
     out = Path(out_dir) if out_dir is not None else None
 
-    encoded, skipped = [], 0
+    encoded, kept, skipped = [], [], 0
     for d in demos:
         p, r = encode_demo(tok, d, agent)
         if cfg.max_prompt_tokens is not None and len(p) > cfg.max_prompt_tokens:
             skipped += 1
             continue
         encoded.append((p, r))
+        kept.append(d)
+    weights = label_weights([d.response for d in kept], cfg.balance) if cfg.balance else None
     if skipped:
         log.warning("skipped %d of %d demonstrations with prompts over %d tokens", skipped, len(demos),
                     cfg.max_prompt_tokens)
@@ -643,8 +695,10 @@ def train_sft(
                         "win_nll": win_nll, "win_tok": win_tok, "elapsed_s": time.perf_counter() - t_start,
                         "epoch": epoch, "s0": s0, "order": order})
                     t_saved = time.perf_counter()
-                chunk = [encoded[i] for i in order[s0 : s0 + per_step]]
+                ids = order[s0 : s0 + per_step]
+                chunk = [encoded[i] for i in ids]
                 n_tok = sum(len(r) for _, r in chunk)
+                w_tok = None if weights is None else sum(weights[i] * len(encoded[i][1]) for i in ids)
                 lr = lr_at(step, total, cfg)
                 for g in opt.param_groups:
                     g["lr"] = lr
@@ -652,7 +706,13 @@ def train_sft(
                 nll_sum = 0.0
                 for m0 in range(0, len(chunk), cfg.batch_size):
                     nll = response_nll(model, collate(chunk[m0 : m0 + cfg.batch_size], pad_id))
-                    (nll.sum() / n_tok).backward()
+                    if weights is None:
+                        (nll.sum() / n_tok).backward()
+                    else:  # each response token weighs its demonstration's weight
+                        sub = ids[m0 : m0 + cfg.batch_size]
+                        w = torch.repeat_interleave(torch.tensor([weights[i] for i in sub], dtype=nll.dtype),
+                                                    torch.tensor([len(encoded[i][1]) for i in sub]))
+                        ((nll * w.to(nll.device)).sum() / w_tok).backward()
                     nll_sum += float(nll.detach().sum())
                 grad_norm = None
                 if cfg.max_grad_norm:
@@ -728,7 +788,8 @@ def warm_start(
     stats: dict = {}
     t0 = time.perf_counter()
     demos = collect_demonstrations(pool, cfg.split, range(n), agent, cfg.expert_prob, cfg.seed, stats=stats,
-                                   demonstrator=cfg.demonstrator, max_steps=cfg.episode_steps)
+                                   demonstrator=cfg.demonstrator, max_steps=cfg.episode_steps,
+                                   repeat_prob=cfg.repeat_prob)
     stats["seconds"] = round(time.perf_counter() - t0, 2)
     if out_dir is not None:
         save_demos(Path(out_dir) / "demos.jsonl", demos)

@@ -390,6 +390,22 @@ def test_explorer_searches_after_the_current_receptacle():
     assert visible_explorer_action(put_mug, goes + ["open cabinet 2"], ["go to cabinet 2"], prior) == "open cabinet 2"
 
 
+def test_explorer_skips_rejected_actions():
+    """An action the engine rejected ("Nothing happens.") changed nothing: the explorer
+    reads where it is from the accepted ones among the prompt's last MEMORY actions."""
+    prior = {"mug": {"cabinet": 3}}
+    adm = ["go to cabinet 1", "go to cabinet 2", "go to cabinet 3", "go to desk 1", "look"]
+    put_mug = "put a mug in desk"
+    acts = ["go to cabinet 1", "go to cabinet 9"]  # cabinet 9 does not exist
+    assert visible_explorer_action(put_mug, adm, acts, prior, rejected=[False, True]) == "go to cabinet 2"
+    assert visible_explorer_action(put_mug, adm, acts, prior) == "go to cabinet 1"  # taken as at cabinet 9
+    again = ["go to cabinet 2", "go to cabinet 2"]  # a repeated go to
+    assert visible_explorer_action(put_mug, adm, again, prior, rejected=[True]) == \
+        visible_explorer_action(put_mug, adm, again[:1], prior) == "go to cabinet 3"
+    with pytest.raises(ValueError, match="rejected"):
+        visible_explorer_action(put_mug, adm, acts[:1], prior, rejected=[False, True])
+
+
 @pytest.fixture(scope="module")
 def one_of_each(pool):
     games = {}
@@ -443,4 +459,11 @@ def test_pool_prior_and_episode_explorer_action(cache, small, monkeypatch):
     action = ep.explorer_action([])
     assert action in obs.admissible
     assert action == visible_explorer_action(task.instruction, obs.admissible, [], prior)
+    obs = ep.step(action)
+    obs = ep.step(action)  # the same go to again: rejected, and the explorer knows it
+    assert obs.text == "Nothing happens." and not obs.info["valid_action"]
+    assert ep.explorer_action([action, action]) == visible_explorer_action(
+        task.instruction, obs.admissible, [action], prior)
+    with pytest.raises(ValueError, match="explorer_action"):
+        ep.explorer_action([action])
     task.close()

@@ -24,6 +24,8 @@ from sprpo_lib.sft import (
     collect_demonstrations,
     encode_demo,
     evaluate_format,
+    label_verb,
+    label_weights,
     load_adapter,
     load_demos,
     lr_at,
@@ -142,6 +144,54 @@ def test_dagger_lite_labels_expert_and_diversifies_states(pool, demos):
         [d for d in mixed if d.task_id == "webshop/train/2"]  # per-task streams
     with pytest.raises(ValueError, match="expert_prob"):
         collect_demonstrations(pool, "train", [0], AGENT, expert_prob=1.5)
+
+
+def test_repeat_recovery_executes_the_previous_action_and_keeps_the_label(pool, demos):
+    """repeat_prob: some executed actions are the previous executed action again, the
+    label stays the expert's, repeat_prob=0 draws nothing (the same demonstrations)."""
+    spy = _SpyPool(pool)
+    rep = collect_demonstrations(spy, "train", range(3), AGENT, repeat_prob=0.5, seed=1)
+    experts = [a for kind, a, _ in spy.log if kind == "expert"]
+    assert [d.response for d in rep] == [f"<action>{a}</action>" for a in experts]
+    executed = [a for kind, a, _ in spy.log if kind == "step"]
+    pairs = [(spy.log[i], spy.log[i + 1]) for i in range(0, len(spy.log), 2)]
+    repeats = [i for i, (e, s) in enumerate(pairs) if s[1] != e[1]]
+    assert repeats, "repeat_prob=0.5 should repeat some actions"
+    assert all(i > 0 and executed[i] == executed[i - 1] for i in repeats)
+    assert collect_demonstrations(pool, "train", range(3), AGENT, repeat_prob=0.0, seed=1) == demos
+    with pytest.raises(ValueError, match="repeat_prob"):
+        SFTConfig(repeat_prob=1.0)
+    with pytest.raises(ValueError, match="sft.balance"):
+        SFTConfig(balance=-0.5)
+
+
+def test_label_weights_balance_the_verbs():
+    """balance=1: every verb's demonstrations weigh the same in all; mean weight 1; 0: ones."""
+    resp = ["<action>go to desk 1</action>"] * 3 + ["<action>take pen 1 from desk 1</action>", "<action>click[buy now]</action>"]
+    assert [label_verb(r) for r in resp] == ["go"] * 3 + ["take", "click"]
+    assert label_weights(resp, 0.0) == [1.0] * 5
+    w = label_weights(resp, 1.0)
+    assert math.isclose(sum(w) / 5, 1.0)
+    assert math.isclose(sum(w[:3]), w[3]) and math.isclose(w[3], w[4])
+    half = label_weights(resp, 0.5)  # (share)^-1/2: take against go is sqrt(3)
+    assert math.isclose(half[3] / half[0], math.sqrt(3))
+
+
+def test_balanced_loss_equals_the_unweighted_loss_of_the_balanced_set(demos):
+    """With balance=1, three copies of one go-to demonstration and one take weigh as one
+    copy of each unweighted: one optimizer step gives the same adapter (an independent
+    reference for the weighted loss)."""
+    go = Demo(demos[0].prompt, "<action>go to desk 1</action>", demos[0].task_id, 0)
+    take = Demo(demos[1].prompt, "<action>take pen 1 from desk 1</action>", demos[1].task_id, 1)
+    cfg = SFTConfig(epochs=1, lr=1e-3, batch_size=4, lora=SMALL_LORA, shuffle=False)
+    a, b = load_policy("tiny-qwen2"), load_policy("tiny-qwen2")
+    train_sft(a, [go, go, go, take], dataclasses.replace(cfg, balance=1.0), progress=False, agent=AGENT)
+    train_sft(b, [go, take], cfg, progress=False, agent=AGENT)
+    sa, sb = _state(a), _state(b)
+    assert all(torch.allclose(sa[k], sb[k], atol=1e-6) for k in sa)
+    c = load_policy("tiny-qwen2")  # unweighted on the unbalanced set: another step
+    train_sft(c, [go, go, go, take], cfg, progress=False, agent=AGENT)
+    assert any(not torch.allclose(sa[k], _state(c)[k], atol=1e-6) for k in sa)
 
 
 def test_shopper_demonstrator_labels_its_own_actions(pool):

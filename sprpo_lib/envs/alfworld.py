@@ -417,6 +417,7 @@ class AlfworldEpisode:
         self._env = _SharedPddlEnv(task._grounding)
         self._sid: int | None = None
         self._actions: list[str] = []
+        self._rejected: list[bool] = []  # per action: the engine did not accept it ("Nothing happens.")
         self._state: GameState | None = None
         self._done = False
         self._plan: list[str] | None = None  # expert plan: commands or operator names
@@ -430,7 +431,7 @@ class AlfworldEpisode:
             g.lib.set_state_id(g.initial_sid)
             self._state = self._env.reset()
             self._sid = g.lib.get_state_id()
-        self._actions = []
+        self._actions, self._rejected = [], []
         self._done = False
         self._plan, self._plan_ops, self._plan_pos = g.walkthrough, False, 0
         return self._observation(self._state.feedback, reward=0.0, valid=True)
@@ -450,6 +451,7 @@ class AlfworldEpisode:
             self._state, _, _ = self._env.step(command)
             self._sid = g.lib.get_state_id()
         self._actions.append(command)
+        self._rejected.append(not valid)
         self._track_expert(command.strip(), op)
         won = bool(self._state["won"])
         truncated = not won and len(self._actions) >= self.max_steps
@@ -475,13 +477,17 @@ class AlfworldEpisode:
         """The visible-information explorer's next command
         (:func:`~sprpo_lib.envs.alfworld_explorer.visible_explorer_action`) on the current
         admissible commands, with the pool's receptacle prior; ``actions``: the actions
-        taken so far in this episode."""
+        taken so far in this episode (which of them the engine rejected comes from the
+        episode's own record)."""
         if self._state is None or self._done:
             return None
+        if len(actions) != len(self._actions):
+            raise ValueError(f"explorer_action: got {len(actions)} actions, the episode has taken {len(self._actions)}; "
+                             "pass every action of this episode")
         pool = self.task.ref[0] if self.task.ref else None
         prior = pool.receptacle_prior() if pool is not None else {}
         admissible = [c for c in self._state["admissible_commands"] if c not in HIDDEN_COMMANDS]
-        return visible_explorer_action(self.instruction, admissible, actions, prior)
+        return visible_explorer_action(self.instruction, admissible, actions, prior, rejected=self._rejected)
 
     def close(self) -> None:
         """Drop per-episode state (the task's grounding stays with the task)."""

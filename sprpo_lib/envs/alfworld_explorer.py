@@ -12,7 +12,10 @@ that skipped every receptacle visited earlier in the episode won 24/24 games whe
 played, but its clone (which sees two steps back) solved 1 of 32 held-out games, looping
 ``shelf 1 -> shelf 2 -> shelf 1``: its labels depended on steps the prompt no longer
 showed.  Here the search walks a fixed order and goes to the receptacle after the
-current one, so equal prompts get equal labels.  It is ``sft.demonstrator=explorer``; WebShop's
+current one, so equal prompts get equal labels.  An action the engine rejected ("Nothing
+happens.", visible in the prompt as the observation after it) changed nothing, so the
+explorer skips it when it reads where it is (version 3): the clone can learn to leave the
+loop of repeating a rejected ``go to``.  It is ``sft.demonstrator=explorer``; WebShop's
 counterpart is ``envs.webshop.visible_shopper_action``.
 """
 from __future__ import annotations
@@ -39,8 +42,9 @@ _PLACE = re.compile(r"^(?:go to|open|close|examine) (\w+ \d+)$"
 #: previous actions the explorer reads: the cpu profile's ``rollout.agent.history_len``
 MEMORY = 2
 #: bump when the explorer's choices change: the warm start's cache key holds it (1: the
-#: first version, which remembered every receptacle visited in the episode)
-LABELS_VERSION = 2
+#: first version, which remembered every receptacle visited in the episode; 2: the last
+#: MEMORY actions, rejected ones included)
+LABELS_VERSION = 3
 
 
 def _text_name(pddl_id: str) -> str:
@@ -102,9 +106,12 @@ def _after(order: Sequence[str], here: str | None, choices: Sequence[str]) -> st
 
 
 def visible_explorer_action(instruction: str, admissible: Sequence[str], actions: Sequence[str] = (),
-                            prior: Mapping[str, Mapping[str, int]] | None = None, memory: int = MEMORY) -> str | None:
+                            prior: Mapping[str, Mapping[str, int]] | None = None, memory: int = MEMORY,
+                            rejected: Sequence[bool] = ()) -> str | None:
     """The next command, from the instruction, the admissible commands and the last
-    ``memory`` of this episode's ``actions`` (what the policy's prompt shows).  Rules:
+    ``memory`` of this episode's ``actions`` (what the policy's prompt shows), less those
+    the engine rejected (``rejected``, aligned with the end of ``actions``: "Nothing
+    happens.", which changed nothing).  Rules:
 
     * where it is: the receptacle of the last recent action that names one;
     * what it holds: the object of an admissible ``move o to ...``, ``heat o with ...`` or
@@ -126,7 +133,12 @@ def visible_explorer_action(instruction: str, admissible: Sequence[str], actions
         return None
     prior = prior or {}
     adm = list(admissible)
-    recent = list(actions)[-memory:] if memory > 0 else []
+    if len(rejected) > len(actions):
+        raise ValueError(f"rejected: {len(rejected)} flags for {len(actions)} actions; give one per action (or fewer, "
+                         "aligned with the last actions)")
+    flags = [False] * (len(actions) - len(rejected)) + [bool(r) for r in rejected]
+    shown = list(zip(actions, flags))[-memory:] if memory > 0 else []
+    recent = [a for a, bad in shown if not bad]
     kind, obj, target = parse_goal(instruction)
     goes = sorted((a[6:] for a in adm if a.startswith("go to ")), key=_split)
     here = next((p for p in map(_place, reversed(recent)) if p), None)
