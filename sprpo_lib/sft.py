@@ -468,9 +468,9 @@ def label_weights(responses: Sequence[str], balance: float) -> list[float]:
     ``n_verb`` counts the demonstrations whose action has the same verb
     (:func:`label_verb`).  ``balance=1``: every verb's demonstrations weigh the same in
     all; 0: all 1."""
-    counts = Counter(label_verb(r) for r in responses)
-    n = len(responses)
-    raw = [(counts[label_verb(r)] / n) ** -balance for r in responses]
+    verbs = [label_verb(r) for r in responses]
+    counts, n = Counter(verbs), len(verbs)
+    raw = [(counts[v] / n) ** -balance for v in verbs]
     mean = sum(raw) / max(1, n)
     return [x / mean for x in raw]
 
