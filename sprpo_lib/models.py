@@ -428,6 +428,11 @@ def lora_on_last_layers(model, settings: LoraSettings, n_layers: int | None) -> 
     return dataclasses.replace(settings, targets=names)
 
 
+def is_peft(model) -> bool:
+    """Whether ``model`` is wrapped by peft (carries adapters)."""
+    return hasattr(model, "peft_config")
+
+
 def save_peft(model, folder: str | Path) -> None:
     """``save_pretrained`` of a peft model (safetensors) with a deterministic
     ``adapter_config.json``: peft holds ``target_modules`` as a set and writes it in the

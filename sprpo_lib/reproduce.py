@@ -104,8 +104,11 @@ PROFILES: dict[str, dict] = {
 
 
 def plan(profile: str, only: list[str] | None = None, model: str | None = None,
-         out_dir: str | None = None) -> list[tuple[Path, dict]]:
-    """The (notebook, parameters) pairs a profile runs, in numbered order."""
+         out_dir: str | None = None, envs: list[str] | None = None) -> list[tuple[Path, dict]]:
+    """The (notebook, parameters) pairs a profile runs, in numbered order.  ``envs``
+    keeps only those of a notebook's environments (a stage of a reproduction: the
+    other environment's runs and cells are not needed yet); a notebook left with none
+    is not run."""
     if profile not in PROFILES:
         raise SystemExit(f"unknown profile {profile!r}; expected one of {sorted(PROFILES)}")
     prof = PROFILES[profile]
@@ -117,13 +120,18 @@ def plan(profile: str, only: list[str] | None = None, model: str | None = None,
         if not path.is_file():
             raise SystemExit(f"profile {profile!r} lists {path}, which does not exist")
         params = {"out_dir": str(out_dir or prof["out_dir"]), **prof["notebooks"][name]}
+        if envs and "envs" in params:
+            params["envs"] = [e for e in params["envs"] if e in envs]
+            if not params["envs"]:
+                continue
         if model and "model" in params:
             params["model"] = model
         if model and "profile" in params:  # training notebooks take the model as a config override
             params["overrides"] = list(params.get("overrides", [])) + [f"model.spec={model}"]
         jobs.append((path, params))
     if not jobs:
-        raise SystemExit(f"no notebook of profile {profile!r} matches --only {only}")
+        raise SystemExit(f"no notebook of profile {profile!r} matches --only {only}"
+                         + (f" and --envs {envs}" if envs else ""))
     return jobs
 
 
@@ -168,20 +176,22 @@ def start_executor(profile: str, executor: str, address: str | None) -> dict[str
 
 def run(profile: str, only: list[str] | None = None, force: bool = False, model: str | None = None,
         runs_dir: Path | None = None, out_dir: str | None = None, render_only: bool = False,
-        stream: bool = False, executor: str = "local", address: str | None = None) -> list[dict]:
+        stream: bool = False, executor: str = "local", address: str | None = None,
+        envs: list[str] | None = None) -> list[dict]:
     """Execute the profile's notebooks, each in its own folder; returns one status record
     per notebook (with the figures and tables it wrote).  ``render_only`` redraws from the
     cached results: notebooks with a ``render_only`` parameter run with it set, the others
     (which compute in the notebook) are skipped and say so.  ``stream``: the kernels'
     output (progress bars as lines) goes to this process's stdout/stderr as it comes.
     ``executor``/``address``: where training runs and evaluation cells execute
-    (:mod:`sprpo_lib.executor`); the outputs are the same either way."""
+    (:mod:`sprpo_lib.executor`); the outputs are the same either way.  ``envs``: only
+    these environments (:func:`plan`)."""
     import papermill as pm
 
     runs_dir = (project_path(runs_dir) if runs_dir else project_runs()) / profile
     commit = git_commit()
     records = []
-    jobs = plan(profile, only, model, out_dir)
+    jobs = plan(profile, only, model, out_dir, envs)
     exec_env = start_executor(profile, executor, address)
     t_all = time.time()
     for i, (path, params) in enumerate(jobs, 1):
@@ -252,7 +262,7 @@ def _run_seconds(run: Path) -> float:
 def recorded_seconds(profile: str, out_dir: str | Path | None = None, runs_dir: Path | None = None) -> dict[str, float]:
     """Per notebook, the compute its outputs rest on as the work recorded it, whichever
     pass or session did it: 01 the plan's training runs (each iteration's ``wall_s``)
-    and their warm starts (``sft_summary.json``); 03-08 the seconds stored in every
+    and their warm starts (``sft_summary.json``: collection and cloning; ``eval.json``); 03-08 the seconds stored in every
     evaluation cell their ``*_rows.csv`` came from (a cell shared by several notebooks
     counts for the first) and 08's ablation training runs.  A staged reproduction's wall
     times cover its last pass only; these add up every pass."""
@@ -286,9 +296,11 @@ def recorded_seconds(profile: str, out_dir: str | Path | None = None, runs_dir: 
                         cfg = config_from_dict(meta["config"])
                         if cfg.warm_start:
                             warm.add(warm_start_dir(cfg))
-            for w in warm:
-                summary = read_cached(w / "sft_summary.json")
-                secs += float(((summary or {}).get("result") or {}).get("seconds") or 0.0)
+            for w in warm:  # collecting the demonstrations, cloning (with DAgger's rounds), the held-out score
+                result = (read_cached(w / "sft_summary.json") or {}).get("result") or {}
+                secs += float(result.get("seconds") or 0.0)
+                secs += float((result.get("collect") or {}).get("seconds") or 0.0)
+                secs += float((read_cached(w / "eval.json") or {}).get("seconds") or 0.0)
         for rows in out.glob(f"{nb}_*rows.csv"):
             for cell in pd.read_csv(rows, usecols=["cell"])["cell"].dropna().astype(str).unique():
                 if cell not in seen:
@@ -387,6 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="sprpo-reproduce", description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", default="cpu", choices=sorted(PROFILES))
     ap.add_argument("--only", nargs="*", help="notebook name prefixes, e.g. --only 00 03")
+    ap.add_argument("--envs", nargs="+", choices=("alfworld", "webshop"),
+                    help="only these environments of the profile (a reproduction in stages: one environment's "
+                         "training and evaluation now, the other's later; the caches keep both)")
     ap.add_argument("--force", action="store_true", help="rerun notebooks that are up to date")
     ap.add_argument("--render-only", action="store_true",
                     help="redraw figures and tables from the cached results (no training, no evaluation)")
@@ -403,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--address: only --executor ray connects to a cluster; add --executor ray or drop --address")
     t0 = time.time()
     records = run(args.profile, args.only, args.force, args.model, args.runs_dir, render_only=args.render_only,
-                  stream=not args.quiet, executor=args.executor, address=args.address)
+                  stream=not args.quiet, executor=args.executor, address=args.address, envs=args.envs)
     print_summary(args.profile, records, time.time() - t0)
     out_dir = PROFILES[args.profile]["out_dir"]
     atomic_write_json((project_path(args.runs_dir) if args.runs_dir else project_runs()) / args.profile

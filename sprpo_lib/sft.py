@@ -71,9 +71,9 @@ import re
 import shutil
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
@@ -82,9 +82,9 @@ from sprpo_lib.envs.alfworld_explorer import LABELS_VERSION as EXPLORER_LABELS
 from sprpo_lib.envs.base import TaskPool
 from sprpo_lib.envs.baselines import random_action
 from sprpo_lib.io import (OMIT_AT_DEFAULT, CorruptFileError, JsonLines, atomic_dir, atomic_write_json, canonical_hash,
-                          file_record, key_fields, read_json, read_safetensors, verify_file)
+                          file_record, key_fields, read_cached, read_json, read_safetensors, verify_file)
 from sprpo_lib.losses import token_logprobs
-from sprpo_lib.models import LoraSettings, Policy, add_lora, lora_on_last_layers, save_peft
+from sprpo_lib.models import LoraSettings, Policy, add_lora, is_peft, lora_on_last_layers, save_peft
 from sprpo_lib.progress import progress_bar
 from sprpo_lib.registry import Registry
 
@@ -103,6 +103,10 @@ __all__ = [
     "load_adapter",
     "check_adapter",
     "warm_start",
+    "dagger",
+    "dagger_indices",
+    "without_dagger",
+    "play",
     "evaluate_format",
     "admissible_from_prompt",
 ]
@@ -177,6 +181,7 @@ def collect_demonstrations(
     stats: dict | None = None,
     demonstrator: str = "expert",
     repeat_prob: float = 0.0,
+    scripts: Mapping[int, Sequence[tuple[str, str]]] | None = None,
 ) -> list[Demo]:
     """Play each task with the expert and record (prompt, expert response) per step.
 
@@ -206,6 +211,13 @@ def collect_demonstrations(
         repeat_prob: probability of executing the previous executed action again at
             a step where the expert's action would be executed (not at the first step;
             see the module docstring).  The label is still the expert's.
+        scripts: DAgger's relabelling (:func:`dagger`): per task index, the
+            ``(prompt, action)`` steps another policy played.  The task is replayed with
+            those actions (no expert, random or repeated action is executed; the episode
+            ends with its script) and every state it passes is labelled by the
+            demonstrator.  Each replayed prompt must equal the recorded one (the
+            environments are deterministic): a mismatch raises.  ``stats`` then also
+            counts ``disagree``, the steps whose played action differs from the label.
 
     Returns:
         The demonstrations, ordered by task and step.
@@ -218,17 +230,18 @@ def collect_demonstrations(
     agent = agent or AgentConfig()
     limit = max_steps or pool.max_steps
     demos: list[Demo] = []
-    n_ep = n_succ = n_none = 0
+    n_ep = n_succ = n_none = n_disagree = 0
     score_sum = 0.0
     for idx in indices:
         handle = pool.open(split, idx)
         ep = handle.spawn()
         rng = random.Random(f"{seed}:{split}:{idx}")
+        script = None if scripts is None else scripts[idx]
         try:
             obs = ep.reset()
             history: list[HistoryStep] = []
             score, success = 0.0, False
-            for step in range(limit):
+            for step in range(limit if script is None else min(limit, len(script))):
                 expert = label(ep, history)
                 if expert is None:
                     n_none += 1
@@ -237,12 +250,21 @@ def collect_demonstrations(
                 prompt = build_prompt(ep.instruction, obs.text, obs.admissible, history, agent)
                 demos.append(Demo(prompt, response, handle.task_id, step))
                 executed = response
-                if expert_prob < 1.0 and obs.admissible and rng.random() >= expert_prob:
+                if script is not None:  # DAgger: the state another policy reached, with the demonstrator's label
+                    played_prompt, action = script[step]
+                    if played_prompt != prompt:
+                        raise RuntimeError(f"DAgger relabelling: replaying task {handle.task_id} gave another prompt "
+                                           f"at step {step} than the one played (the environment did not replay the "
+                                           f"same states; it must be deterministic given the task and the actions)")
+                    n_disagree += action != expert
+                    executed = None
+                elif expert_prob < 1.0 and obs.admissible and rng.random() >= expert_prob:
                     executed = f"<action>{random_action(obs.admissible, ep.instruction.strip(), rng)}</action>"
                 elif repeat_prob > 0.0 and history and rng.random() < repeat_prob:  # no draw at 0: same streams
                     executed = f"<action>{history[-1].action}</action>"
                 # run_groups steps the env with the *parsed* action and keeps it in the history
-                action = extract_action(executed).action
+                if executed is not None:
+                    action = extract_action(executed).action
                 nxt = ep.step(action)
                 history.append(HistoryStep(obs.text, action, bool(nxt.info.get("invalid"))))
                 score += nxt.reward
@@ -258,6 +280,8 @@ def collect_demonstrations(
     if stats is not None:
         stats.update(episodes=n_ep, successes=n_succ, success_rate=n_succ / max(1, n_ep),
                      mean_score=score_sum / max(1, n_ep), demos=len(demos), expert_none=n_none)
+        if scripts is not None:
+            stats["disagree"] = n_disagree
     log.info("collected %d demos from %d episodes (%d successful)", len(demos), n_ep, n_succ)
     return demos
 
@@ -328,6 +352,23 @@ class SFTConfig:
             (:func:`label_weights`; 0: every response token weighs the same, 1: every verb
             weighs the same in all).  On ALFWorld the search's ``go to`` is most labels and
             the decision to ``take`` the object in sight a few percent.
+        dagger_rounds: rounds of DAgger (Ross et al., 2011) after the first cloning
+            (:func:`dagger`): the clone plays ``dagger_tasks`` demonstration tasks at
+            ``dagger_temperature``, the demonstrator labels every state it reached, and the
+            clone trains ``epochs`` more on those labels plus earlier demonstrations.  A
+            clone's mistakes lead it to states no demonstration shows (on ALFWorld a
+            rejected ``go to`` repeated until the step limit); DAgger labels exactly those.
+            0 (default): none.
+        dagger_tasks: tasks a round plays, from the demonstration tasks (indices
+            ``0 .. n_tasks-1``, a round's window following the previous one's), so the
+            held-out tasks of ``eval_tasks`` stay unseen.
+        dagger_temperature: sampling temperature of the clone's rollouts (0.4: the paper's
+            validation temperature, the states an evaluation reaches).
+        dagger_replay: earlier demonstrations drawn (seeded, without replacement) per new
+            label into a round's training set.  Classic DAgger retrains on everything
+            collected; on 2 CPU cores a round then costs as much as the first cloning, so
+            a round trains on its new labels and ``dagger_replay`` times as many old ones
+            (1: half new, half old), continuing from the previous round's adapter.
         log_every: optimizer steps between lines of ``metrics.jsonl`` (and the progress
             bar's loss); the first and last step are always logged.
         shuffle: reshuffle the demonstrations every epoch (seeded).
@@ -359,6 +400,10 @@ class SFTConfig:
     episode_steps: int | None = field(default=None, metadata=OMIT_AT_DEFAULT)
     repeat_prob: float = field(default=0.0, metadata=OMIT_AT_DEFAULT)
     balance: float = field(default=0.0, metadata=OMIT_AT_DEFAULT)
+    dagger_rounds: int = field(default=0, metadata=OMIT_AT_DEFAULT)
+    dagger_tasks: int = field(default=50, metadata=OMIT_AT_DEFAULT)
+    dagger_temperature: float = field(default=0.4, metadata=OMIT_AT_DEFAULT)
+    dagger_replay: float = field(default=1.0, metadata=OMIT_AT_DEFAULT)
     log_every: int = 10
     shuffle: bool = True
     eval_tasks: int = 0
@@ -377,6 +422,12 @@ class SFTConfig:
         if not 0.0 <= self.balance <= 2.0:
             raise ValueError(f"sft.balance must be in [0, 2] (0: no weighting, 1: every verb weighs the same), "
                              f"got {self.balance}")
+        if self.dagger_rounds < 0 or self.dagger_tasks < 1:
+            raise ValueError(f"sft.dagger_rounds must be >= 0 and sft.dagger_tasks >= 1, got {self.dagger_rounds} and "
+                             f"{self.dagger_tasks}")
+        if self.dagger_temperature < 0 or self.dagger_replay < 0:
+            raise ValueError(f"sft.dagger_temperature and sft.dagger_replay must be >= 0, got "
+                             f"{self.dagger_temperature} and {self.dagger_replay}")
         if self.episode_steps is not None and self.episode_steps < 1:
             raise ValueError(f"sft.episode_steps must be >= 1 or null (the environment's limit), got {self.episode_steps}")
         if self.schedule not in _SCHEDULES:
@@ -475,10 +526,6 @@ def label_weights(responses: Sequence[str], balance: float) -> list[float]:
     return [x / mean for x in raw]
 
 
-def _is_peft(model) -> bool:
-    return hasattr(model, "peft_config")
-
-
 def _lora_settings(model, cfg: SFTConfig) -> LoraSettings:
     """``cfg.lora``, restricted to the last ``cfg.lora_layers`` decoder layers."""
     return lora_on_last_layers(model, cfg.lora, cfg.lora_layers)
@@ -530,7 +577,7 @@ def load_adapter(policy: Policy, path: str | Path, trainable: bool = False, merg
     error naming it and saying how to rebuild it, never loaded."""
     from peft import PeftModel
 
-    if _is_peft(policy.model):
+    if is_peft(policy.model):
         raise ValueError("policy is already peft-wrapped; load the adapter onto a fresh base model")
     if Path(path).is_dir():
         try:
@@ -646,7 +693,7 @@ def train_sft(
     if not encoded:
         raise ValueError(f"no demonstrations to train on ({len(demos)} given, {skipped} over max_prompt_tokens)")
 
-    if not _is_peft(policy.model):
+    if not is_peft(policy.model):
         add_lora(policy, _lora_settings(policy.model, cfg), seed=cfg.seed)
     model = policy.model
     params = [p for p in model.parameters() if p.requires_grad]
@@ -798,7 +845,150 @@ def warm_start(
     return result
 
 
+def without_dagger(cfg: SFTConfig) -> SFTConfig:
+    """``cfg`` with every DAgger field at its default: the warm start DAgger starts from."""
+    dflt = {f.name: f.default for f in fields(SFTConfig) if f.name.startswith("dagger_")}
+    return replace(cfg, **dflt)
+
+
+def dagger_indices(cfg: SFTConfig, r: int, n: int) -> list[int]:
+    """The demonstration tasks round ``r`` (1-based) plays: ``dagger_tasks`` of ``0 .. n-1``,
+    starting where round ``r - 1`` stopped (wrapping around)."""
+    start = (r - 1) * cfg.dagger_tasks
+    return [(start + i) % n for i in range(min(cfg.dagger_tasks, n))]
+
+
+def _round_done(rd: Path) -> dict | None:
+    """The record of a finished DAgger round (``round.json``, written last), or None when the
+    round is missing, unfinished or damaged (its adapter or labels do not verify)."""
+    rec = read_cached(rd / "round.json")
+    if not isinstance(rec, dict) or not (rd / "adapter").is_dir():
+        return None
+    try:
+        check_adapter(rd / "adapter")
+        verify_file(rd / "demos.jsonl", rec.get("labels") or {})
+    except (CorruptFileError, OSError, TypeError, KeyError) as err:
+        log.warning("dagger: %s is damaged (%s); the round runs again", rd, err)
+        return None
+    return rec
+
+
+def dagger(
+    policy: Policy,
+    pool: TaskPool,
+    base: str | Path,
+    cfg: SFTConfig,
+    agent: AgentConfig | None = None,
+    out_dir: str | Path = "dagger",
+    gen=None,
+    engine: str = "hf",
+    progress: bool = True,
+) -> dict:
+    """DAgger (Ross et al., 2011) from a finished warm start ``base`` (its ``adapter/`` and
+    ``demos.jsonl``), ``cfg.dagger_rounds`` rounds; each round:
+
+    1. the current clone plays :func:`dagger_indices` at ``cfg.dagger_temperature``
+       (:func:`play`, RL's rollout path and ``engine``; ``gen`` gives the other
+       generation settings; the step limit is ``cfg.episode_steps`` or the pool's);
+    2. :func:`collect_demonstrations` replays each episode and the demonstrator labels
+       every state the clone reached (``scripts``);
+    3. :func:`train_sft` continues the clone's adapter on those labels plus
+       ``cfg.dagger_replay`` times as many earlier demonstrations.
+
+    ``policy`` is a fresh base model (the adapter of ``base``, or of the last finished
+    round, is loaded onto it).  Round ``r`` lives in ``out_dir/round-<r>/`` (the clone's
+    episodes, the labels, the adapter, ``round.json`` last): a killed run resumes after
+    its last finished round, and within a round from :func:`train_sft`'s resume point.
+    The final adapter goes to ``out_dir/adapter``; returns the summary also written to
+    ``out_dir/sft_summary.json``, whose ``seconds`` include the base warm start's."""
+    from sprpo_lib.engines import GenerationConfig
+
+    if cfg.dagger_rounds < 1:
+        raise ValueError("sft.dagger_rounds: dagger() needs at least one round; without, the base warm start is the "
+                         "result")
+    agent = agent or AgentConfig()
+    if agent.max_prompt_tokens:
+        raise ValueError("sft.dagger_rounds: DAgger relabels the prompts the clone was shown, which needs "
+                         "rollout.agent.max_prompt_tokens: null (demonstrations are built without a prompt budget)")
+    base, out = Path(base), Path(out_dir)
+    n = min(cfg.n_tasks, pool.splits()[cfg.split])
+    gen = gen or GenerationConfig()
+    base_summary = read_json(base / "sft_summary.json")
+    seen = load_demos(base / "demos.jsonl")
+    rounds, last = [], 0
+    for r in range(1, cfg.dagger_rounds + 1):
+        rec = _round_done(out / f"round-{r}")
+        if rec is None:
+            break
+        rounds.append(rec)
+        seen += load_demos(out / f"round-{r}" / "demos.jsonl")
+        last = r
+    load_adapter(policy, (out / f"round-{last}" if last else base) / "adapter", trainable=True)
+    for r in range(last + 1, cfg.dagger_rounds + 1):
+        rd = out / f"round-{r}"
+        t0 = time.perf_counter()
+        tasks = dagger_indices(cfg, r, n)
+        g = replace(gen, temperature=cfg.dagger_temperature, seed=cfg.seed + r)
+        (rd / "episodes.jsonl").unlink(missing_ok=True)
+        episodes, _ = play(policy, pool, cfg.split, tasks, agent, g, max_steps=cfg.episode_steps,
+                           log_path=rd / "episodes.jsonl", progress=progress, engine=engine)
+        played = time.perf_counter() - t0
+        scripts = {e.task_index: [(s.prompt, s.action) for s in e.steps] for e in episodes}
+        stats: dict = {}
+        new = collect_demonstrations(pool, cfg.split, tasks, agent, demonstrator=cfg.demonstrator,
+                                     max_steps=cfg.episode_steps, stats=stats, scripts=scripts)
+        rng = random.Random(f"dagger:{cfg.seed}:{r}")
+        replay = rng.sample(seen, min(len(seen), round(cfg.dagger_replay * len(new))))
+        res = train_sft(policy, new + replay, cfg, rd, progress, agent)
+        save_demos(rd / "demos.jsonl", new)
+        rec = {"round": r, "tasks": [tasks[0], tasks[-1]], "temperature": cfg.dagger_temperature,
+               "clone_success_rate": sum(e.success for e in episodes) / max(1, len(episodes)),
+               "labels": file_record(rd / "demos.jsonl"), "new": len(new), "replay": len(replay),
+               "disagree_rate": stats["disagree"] / max(1, len(new)), "expert_none": stats["expert_none"],
+               "play_s": round(played, 2), "sft": {k: res[k] for k in ("steps", "first_loss", "final_loss", "seconds")},
+               "seconds": round(time.perf_counter() - t0, 2)}
+        atomic_write_json(rd / "round.json", rec)
+        log.info("dagger round %d: clone success %.3f, %d labels (%.0f%% differ from the clone's action)", r,
+                 rec["clone_success_rate"], len(new), 100 * rec["disagree_rate"])
+        rounds.append(rec)
+        seen += new
+    b = base_summary.get("result") or {}
+    result = {"adapter": str(save_adapter(policy, out / "adapter")), "base": str(base), "rounds": rounds,
+              "demos": len(seen), "final_loss": rounds[-1]["sft"]["final_loss"],
+              "steps": (b.get("steps") or 0) + sum(x["sft"]["steps"] for x in rounds),
+              "seconds": round(float(b.get("seconds") or 0.0) + float((b.get("collect") or {}).get("seconds") or 0.0)
+                               + sum(x["seconds"] for x in rounds), 2)}
+    atomic_write_json(out / "sft_summary.json", {"config": asdict(cfg), "agent": asdict(agent), "result": result,
+                                                  "model": policy.spec})
+    policy.meta["sft"] = {k: result[k] for k in ("steps", "demos", "final_loss")}
+    return result
+
+
 # ----------------------------------------------------------------------------- evaluation
+def play(policy: Policy, pool: TaskPool, split: str, indices: Iterable[int], agent: AgentConfig | None = None,
+         gen=None, group_size: int = 1, max_steps: int | None = None, log_path: str | Path | None = None,
+         progress: bool = True, engine: str = "hf") -> tuple[list, dict]:
+    """``policy`` plays the tasks through :func:`rollout.run_groups` with the generation
+    ``engine`` (the code path of RL rollouts; ``gen`` defaults to temperature 0.4, the
+    paper's validation temperature); returns the episode records and timing stats."""
+    from sprpo_lib.agent import token_counter
+    from sprpo_lib.engines import GenerationConfig, close_engine, make_engine
+    from sprpo_lib.rollout import EpisodeLog, SerialEnvs, run_groups
+
+    agent = agent or AgentConfig()
+    gen = gen or GenerationConfig(temperature=0.4)
+    tasks = [(split, i) for i in indices]
+    envs = SerialEnvs(lambda: pool)
+    eng = make_engine(engine, policy, gen, agent)
+    try:
+        policy.model.eval()
+        return run_groups(envs, tasks, group_size, eng, agent, max_steps, EpisodeLog(log_path) if log_path else None,
+                          progress, count_tokens=token_counter(policy.tokenizer, agent))
+    finally:
+        envs.close()
+        close_engine(eng)
+
+
 def admissible_from_prompt(prompt: str) -> list[str]:
     """The "Available actions" list of an agent prompt."""
     try:
@@ -833,8 +1023,8 @@ def evaluate_format(
 ) -> dict:
     """Success, score and response-format statistics of ``policy`` on tasks.
 
-    Plays the tasks with :func:`rollout.run_groups` and the generation ``engine``
-    (:func:`sprpo_lib.engines.make_engine`), the code path of RL rollouts.
+    Plays the tasks with :func:`play` (:func:`rollout.run_groups` and the generation
+    ``engine``, :func:`sprpo_lib.engines.make_engine`), the code path of RL rollouts.
 
     Args:
         gen: a :class:`~sprpo_lib.engines.GenerationConfig` (default: temperature 0.4, the paper's
@@ -849,24 +1039,8 @@ def evaluate_format(
         episodes with every response valid), ``first_valid_rate`` (first step valid),
         ``mean_length``, ``steps``, ``generate_s``, ``env_s``, ``seconds``.
     """
-    from sprpo_lib.agent import token_counter
-    from sprpo_lib.engines import GenerationConfig, close_engine, make_engine
-    from sprpo_lib.rollout import EpisodeLog, SerialEnvs, run_groups
-
-    agent = agent or AgentConfig()
-    gen = gen or GenerationConfig(temperature=0.4)
     t0 = time.perf_counter()
-    tasks = [(split, i) for i in indices]
-    envs = SerialEnvs(lambda: pool)
-    eng = make_engine(engine, policy, gen, agent)
-    try:
-        policy.model.eval()
-        episodes, st = run_groups(envs, tasks, group_size, eng, agent, max_steps,
-                                  EpisodeLog(log_path) if log_path else None, progress,
-                                  count_tokens=token_counter(policy.tokenizer, agent))
-    finally:
-        envs.close()
-        close_engine(eng)
+    episodes, st = play(policy, pool, split, indices, agent, gen, group_size, max_steps, log_path, progress, engine)
     steps = [s for e in episodes for s in e.steps]
     n_ep, n_st = max(1, len(episodes)), max(1, len(steps))
     return {

@@ -46,7 +46,7 @@ from sprpo_lib.io import (CorruptFileError, JsonLines, atomic_dir, atomic_write_
                           read_cached)
 from sprpo_lib.manifest import git_commit
 from sprpo_lib.methods import make_method
-from sprpo_lib.models import add_lora, load_policy, lora_on_last_layers, resolve_device, save_peft
+from sprpo_lib.models import add_lora, is_peft, load_policy, lora_on_last_layers, resolve_device, save_peft
 from sprpo_lib.paths import project_path, runs_dir
 from sprpo_lib.perturb import xi_stats
 from sprpo_lib.rollout import EpisodeLog, ProcessEnvs, SerialEnvs, run_groups
@@ -219,9 +219,28 @@ def warm_start_dir(cfg: TrainConfig, agent: AgentConfig | None = None) -> Path:
 def warm_start_policy(policy, pool, cfg: TrainConfig, agent: AgentConfig, progress: bool = True) -> Path:
     """Supervised warm start: behaviour cloning on demonstrations in the exact RL prompt
     format, cached under ``runs/sft/<env>-<key>/``, then merged into the base weights,
-    so RL adds its own fresh LoRA on top, as it would on an instruct model."""
+    so RL adds its own fresh LoRA on top, as it would on an instruct model.  With
+    ``sft.dagger_rounds`` the rounds start from the warm start without them (its own
+    cached folder, built first if missing: :func:`sprpo_lib.sft.dagger`)."""
     from sprpo_lib.models import merge_lora
-    from sprpo_lib.sft import load_adapter, warm_start
+    from sprpo_lib.sft import load_adapter
+
+    out = _build_warm_start(policy, pool, cfg, agent, progress)
+    if not is_peft(policy.model):
+        load_adapter(policy, out / "adapter")
+    merge_lora(policy)
+    for p in policy.model.parameters():
+        p.requires_grad_(False)
+    with file_lock(out.parent / f".{out.name}.lock"):
+        if cfg.sft.eval_tasks and not eval_is_current(out / "eval.json", cfg, cfg.sft.eval_tasks):
+            evaluate_policy(policy, pool, cfg, agent, out, cfg.sft.eval_tasks, progress)
+    return out
+
+
+def _build_warm_start(policy, pool, cfg: TrainConfig, agent: AgentConfig, progress: bool) -> Path:
+    """The warm start's folder with a whole adapter, trained on ``policy`` when missing (the
+    policy then carries it, unmerged); a cached one leaves ``policy`` as it was."""
+    from sprpo_lib.sft import dagger, warm_start, without_dagger
 
     out = warm_start_dir(cfg, agent)
     with file_lock(out.parent / f".{out.name}.lock"):  # runs started together (Ray tasks) build it once
@@ -229,15 +248,15 @@ def warm_start_policy(policy, pool, cfg: TrainConfig, agent: AgentConfig, progre
             shutil.rmtree(out / "adapter")
             for name in ("eval.json", "eval_episodes.jsonl"):  # they described the old adapter
                 (out / name).unlink(missing_ok=True)
-        if not (out / "adapter").is_dir():
+        if (out / "adapter").is_dir():
+            return out
+        if not cfg.sft.dagger_rounds:
             warm_start(policy, pool, cfg.sft, agent, out, progress)
-            merge_lora(policy)
-        else:
-            load_adapter(policy, out / "adapter", merge=True)
-        for p in policy.model.parameters():
-            p.requires_grad_(False)
-        if cfg.sft.eval_tasks and not eval_is_current(out / "eval.json", cfg, cfg.sft.eval_tasks):
-            evaluate_policy(policy, pool, cfg, agent, out, cfg.sft.eval_tasks, progress)
+            return out
+        base = _build_warm_start(policy, pool, dataclasses.replace(cfg, sft=without_dagger(cfg.sft)), agent, progress)
+        if is_peft(policy.model):  # the base was trained just now: DAgger loads it onto the plain model
+            policy.model = policy.model.unload()
+        dagger(policy, pool, base, cfg.sft, agent, out, cfg.rollout.generation, cfg.rollout.engine, progress)
     return out
 
 

@@ -197,7 +197,7 @@ def test_readme_headline_block_is_the_digest(tmp_path, monkeypatch):
 
 def test_recorded_compute_adds_every_pass_and_counts_a_shared_cell_once(tmp_path, monkeypatch):
     """The stage table's recorded compute, against sums by hand: 01 = its runs' iteration
-    wall_s + their warm start's seconds; a cell in 03's and 04's rows counts for 03 only."""
+    wall_s + their warm start's seconds (collection, cloning, held-out score); a cell in 03's and 04's rows counts for 03 only."""
     import sprpo_lib.train as train_mod
     from sprpo_lib import reproduce as R
     from sprpo_lib.config import config_dict, load_config
@@ -210,7 +210,8 @@ def test_recorded_compute_adds_every_pass_and_counts_a_shared_cell_once(tmp_path
     (run / "config.json").write_text(json.dumps({"config": config_dict(load_config("cpu"))}))
     warm = tmp_path / "sft"
     warm.mkdir()
-    (warm / "sft_summary.json").write_text(json.dumps({"result": {"seconds": 10.0}}))
+    (warm / "sft_summary.json").write_text(json.dumps({"result": {"seconds": 10.0, "collect": {"seconds": 0.5}}}))
+    (warm / "eval.json").write_text(json.dumps({"seconds": 2.0}))
     monkeypatch.setattr(train_mod, "warm_start_dir", lambda cfg, agent=None: warm)
     (out / "01_training_webshop.png.manifest.json").write_text(json.dumps({"config": {"runs": [str(run)]}}))
     for key, secs in (("a" * 64, 3.0), ("b" * 64, 4.0)):
@@ -223,7 +224,7 @@ def test_recorded_compute_adds_every_pass_and_counts_a_shared_cell_once(tmp_path
     abl.mkdir(parents=True)
     (abl / "metrics.jsonl").write_text('{"iteration": 0, "wall_s": 7.0}\n')
     got = R.recorded_seconds("cpu", out, runs)
-    assert got["01_training"] == 14.0 and got["03_motivation"] == 3.0 and got["04_robustness"] == 4.0
+    assert got["01_training"] == 16.5 and got["03_motivation"] == 3.0 and got["04_robustness"] == 4.0
     assert got["08_ablations"] == 7.0 and got["05_landscape"] == 0.0
     table = R.stage_table("cpu", out, runs)
-    assert "| `01_training` | 0.0 min | 0.2 min |" in table and "| `03_motivation` | not run | 0.1 min |" in table and table.rstrip().endswith("| all | 0.0 min | 0.5 min | | |")
+    assert "| `01_training` | 0.0 min | 0.3 min |" in table and "| `03_motivation` | not run | 0.1 min |" in table and table.rstrip().endswith("| all | 0.0 min | 0.5 min | | |")

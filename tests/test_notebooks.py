@@ -30,6 +30,19 @@ def test_unknown_profile_is_a_clear_error():
         plan("huge")
 
 
+def test_a_stage_of_one_environment():
+    """--envs keeps a notebook's environments that are listed; a notebook left without any is
+    not run, one without environments (00, 02) is."""
+    full = {p.stem: prm for p, prm in plan("cpu")}
+    web = {p.stem: prm for p, prm in plan("cpu", envs=["webshop"])}
+    assert set(web) == set(full) and web["04_robustness"]["envs"] == ["webshop"] and web["00_quickstart"] == full[
+        "00_quickstart"]
+    alf = {p.stem: prm for p, prm in plan("cpu", envs=["alfworld"])}
+    assert "08_ablations" not in alf and alf["01_training"]["envs"] == ["alfworld"]
+    with pytest.raises(SystemExit, match="--envs"):
+        plan("cpu", only=["08"], envs=["alfworld"])
+
+
 @pytest.mark.slow
 def test_quickstart_notebook_smoke(tmp_path):
     out = tmp_path / "figs"

@@ -425,3 +425,84 @@ def test_a_killed_warm_start_resumes_to_the_same_adapter(demos, tmp_path, monkey
     train_sft(pol, demos, cfg, out_dir=tmp_path / "bad", progress=False, agent=AGENT)
     s_bad = _state(pol)
     assert all(torch.equal(s_ref[k], s_bad[k]) for k in s_ref) and rows("bad") == rows("ref")
+
+
+def test_dagger_relabelling_of_the_experts_own_play_is_its_demonstrations(pool, demos):
+    """DAgger on the expert's own episodes is the identity: same prompts, same labels, no
+    disagreement; on another policy's episodes it labels the states that policy reached."""
+    from sprpo_lib.rollout import RandomAdmissibleGenerator
+
+    tasks = [("train", i) for i in range(3)]
+    eps, _ = run_groups(SerialEnvs(lambda: pool), tasks, 1, ReplayGenerator(demos), AGENT, progress=False)
+    stats = {}
+    again = collect_demonstrations(pool, "train", range(3), AGENT, stats=stats,
+                                   scripts={e.task_index: [(s.prompt, s.action) for s in e.steps] for e in eps})
+    assert again == demos and stats["disagree"] == 0
+    rnd, _ = run_groups(SerialEnvs(lambda: pool), tasks, 1, RandomAdmissibleGenerator(seed=3), AGENT, max_steps=4,
+                        progress=False)
+    scripts = {e.task_index: [(s.prompt, s.action) for s in e.steps] for e in rnd}
+    stats = {}
+    lab = collect_demonstrations(pool, "train", range(3), AGENT, stats=stats, scripts=scripts)
+    assert [d.prompt for d in lab] == [s.prompt for e in rnd for s in e.steps]  # the random policy's states
+    assert lab[0].response == demos[0].response  # the first state is the same for both
+    played = [s.action for e in rnd for s in e.steps]
+    assert stats["disagree"] == sum(a != d.response[8:-9] for a, d in zip(played, lab)) > 0
+    assert all(d.response[8:-9] in admissible_from_prompt(d.prompt) or d.response.startswith("<action>search[")
+               for d in lab)
+    bad = {**scripts, 1: [("another prompt", a) for _, a in scripts[1]]}
+    with pytest.raises(RuntimeError, match="did not replay the same states"):
+        collect_demonstrations(pool, "train", range(3), AGENT, scripts=bad)
+
+
+def _adapter_tensors(folder):
+    from safetensors.torch import load_file
+
+    return load_file(str(next(folder.rglob("adapter_model.safetensors"))))
+
+
+def test_dagger_rounds_train_on_the_clones_states_and_resume(pool, tmp_path, monkeypatch):
+    import sprpo_lib.sft as sft_mod
+    from sprpo_lib.sft import dagger, dagger_indices, without_dagger
+
+    cfg = SFTConfig(n_tasks=3, epochs=1, batch_size=4, lora=SMALL_LORA, episode_steps=3, dagger_rounds=2,
+                    dagger_tasks=2, dagger_temperature=1.0)
+    assert without_dagger(cfg) == dataclasses.replace(cfg, dagger_rounds=0, dagger_tasks=50, dagger_temperature=0.4)
+    assert [dagger_indices(cfg, r, 3) for r in (1, 2, 3)] == [[0, 1], [2, 0], [1, 2]]
+    gen = GenerationConfig(max_new_tokens=8)
+    warm_start(load_policy("tiny-qwen2"), pool, without_dagger(cfg), AGENT, out_dir=tmp_path / "base", progress=False)
+    res = dagger(load_policy("tiny-qwen2"), pool, tmp_path / "base", cfg, AGENT, tmp_path / "d", gen, progress=False)
+    base = json.loads((tmp_path / "base" / "sft_summary.json").read_text())["result"]
+    assert [r["round"] for r in res["rounds"]] == [1, 2] and res["demos"] == base["demos"] + sum(
+        r["new"] for r in res["rounds"])
+    for r in res["rounds"]:
+        rd = tmp_path / "d" / f"round-{r['round']}"
+        eps = [json.loads(x) for x in (rd / "episodes.jsonl").read_text().splitlines()]
+        labels = load_demos(rd / "demos.jsonl")
+        # the clone's states, labelled; one replayed old demonstration per new label
+        assert [d.prompt for d in labels] == [s["prompt"] for e in eps for s in e["steps"]]
+        assert r["new"] == len(labels) > 0 and r["replay"] == len(labels)
+        assert 0.0 <= r["disagree_rate"] <= 1.0 and r["sft"]["steps"] == math.ceil(2 * len(labels) / 4)
+    assert res["seconds"] > base["seconds"]
+    final = _adapter_tensors(tmp_path / "d" / "adapter")
+    assert final.keys() == _adapter_tensors(tmp_path / "base" / "adapter").keys()
+    assert any(not torch.equal(final[k], _adapter_tensors(tmp_path / "base" / "adapter")[k]) for k in final)
+
+    # killed during round 2: only round 2 runs again, and ends where the uninterrupted run did
+    (tmp_path / "d" / "round-2" / "round.json").unlink()
+    calls = []
+    real = sft_mod.train_sft
+    monkeypatch.setattr(sft_mod, "train_sft", lambda *a, **k: calls.append(1) or real(*a, **k))
+    again = dagger(load_policy("tiny-qwen2"), pool, tmp_path / "base", cfg, AGENT, tmp_path / "d", gen, progress=False)
+    def untimed(r):
+        return {k: v for k, v in r.items() if k not in ("seconds", "play_s", "sft")} | {"loss": r["sft"]["final_loss"]}
+
+    assert len(calls) == 1 and [untimed(r) for r in again["rounds"]] == [untimed(r) for r in res["rounds"]]
+    redo = _adapter_tensors(tmp_path / "d" / "adapter")
+    assert all(torch.equal(final[k], redo[k]) for k in final)
+    # a damaged round's labels are not served: that round runs again
+    (tmp_path / "d" / "round-1" / "demos.jsonl").write_text("garbage\n")
+    calls.clear()
+    dagger(load_policy("tiny-qwen2"), pool, tmp_path / "base", cfg, AGENT, tmp_path / "d", gen, progress=False)
+    assert len(calls) == 2
+    with pytest.raises(ValueError, match="sft.dagger_rounds"):
+        SFTConfig(dagger_rounds=-1)

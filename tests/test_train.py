@@ -193,6 +193,30 @@ def test_warm_start_is_cached_and_merged(tmp_path, monkeypatch):
     assert names and all("lora_" in n for n in names)  # fresh RL LoRA on the merged base
 
 
+def test_dagger_warm_start_builds_on_the_cached_base(tmp_path, monkeypatch):
+    """sft.dagger_rounds: the warm start without DAgger is built (or reused) under its own key,
+    the rounds go to a folder of their own, and RL starts from the last round merged."""
+    import dataclasses
+
+    from sprpo_lib import train as train_mod
+    from sprpo_lib.models import load_policy
+    from sprpo_lib.sft import load_adapter, without_dagger
+
+    monkeypatch.setenv("SPRPO_HOME", str(tmp_path))
+    ov = ["warm_start=true", "sft.n_tasks=2", "sft.epochs=1", "sft.lora.rank=4", "iterations=1", "sft.episode_steps=2"]
+    cfg = load_config("smoke", ov + ["sft.dagger_rounds=1", "sft.dagger_tasks=1"])
+    a = Trainer(cfg, tmp_path / "a", progress=False)
+    base = train_mod.warm_start_dir(dataclasses.replace(cfg, sft=without_dagger(cfg.sft)))
+    assert a.warm_start_dir != base and base == train_mod.warm_start_dir(load_config("smoke", ov))
+    assert (base / "adapter").is_dir() and (a.warm_start_dir / "round-1" / "round.json").is_file()
+    ref = load_policy(cfg.model.spec)
+    load_adapter(ref, a.warm_start_dir / "adapter", merge=True)
+    ids = torch.randint(3, 250, (1, 12))
+    torch.testing.assert_close(a.model(ids).logits, ref.model(ids).logits)  # RL's fresh LoRA starts at zero
+    b = Trainer(load_config("smoke", ov), tmp_path / "b", progress=False)  # the base is served from its cache
+    assert b.warm_start_dir == base
+
+
 def test_warm_start_key_follows_the_demonstrators_label_version(monkeypatch):
     """A demonstrator whose labels changed gets a new cache folder; the others keep theirs."""
     from sprpo_lib import sft, train as train_mod
