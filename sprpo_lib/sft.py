@@ -883,6 +883,7 @@ def dagger(
     gen=None,
     engine: str = "hf",
     progress: bool = True,
+    rounds_dir: str | Path | None = None,
 ) -> dict:
     """DAgger (Ross et al., 2011) from a finished warm start ``base`` (its ``adapter/`` and
     ``demos.jsonl``), ``cfg.dagger_rounds`` rounds; each round:
@@ -896,9 +897,11 @@ def dagger(
        ``cfg.dagger_replay`` times as many earlier demonstrations.
 
     ``policy`` is a fresh base model (the adapter of ``base``, or of the last finished
-    round, is loaded onto it).  Round ``r`` lives in ``out_dir/round-<r>/`` (the clone's
-    episodes, the labels, the adapter, ``round.json`` last): a killed run resumes after
-    its last finished round, and within a round from :func:`train_sft`'s resume point.
+    round, is loaded onto it).  Round ``r`` lives in ``rounds_dir/round-<r>/`` (default
+    ``out_dir``; the clone's episodes, the labels, the adapter, ``round.json`` last): a
+    killed run resumes after its last finished round, and within a round from
+    :func:`train_sft`'s resume point; a run with more rounds in the same ``rounds_dir``
+    continues where one with fewer stopped (round ``r`` does not depend on the count).
     The final adapter goes to ``out_dir/adapter``; returns the summary also written to
     ``out_dir/sft_summary.json``, whose ``seconds`` include the base warm start's."""
     from sprpo_lib.engines import GenerationConfig
@@ -911,21 +914,22 @@ def dagger(
         raise ValueError("sft.dagger_rounds: DAgger relabels the prompts the clone was shown, which needs "
                          "rollout.agent.max_prompt_tokens: null (demonstrations are built without a prompt budget)")
     base, out = Path(base), Path(out_dir)
+    rdir = Path(rounds_dir) if rounds_dir is not None else out
     n = min(cfg.n_tasks, pool.splits()[cfg.split])
     gen = gen or GenerationConfig()
     base_summary = read_json(base / "sft_summary.json")
     seen = load_demos(base / "demos.jsonl")
     rounds, last = [], 0
     for r in range(1, cfg.dagger_rounds + 1):
-        rec = _round_done(out / f"round-{r}")
+        rec = _round_done(rdir / f"round-{r}")
         if rec is None:
             break
         rounds.append(rec)
-        seen += load_demos(out / f"round-{r}" / "demos.jsonl")
+        seen += load_demos(rdir / f"round-{r}" / "demos.jsonl")
         last = r
-    load_adapter(policy, (out / f"round-{last}" if last else base) / "adapter", trainable=True)
+    load_adapter(policy, (rdir / f"round-{last}" if last else base) / "adapter", trainable=True)
     for r in range(last + 1, cfg.dagger_rounds + 1):
-        rd = out / f"round-{r}"
+        rd = rdir / f"round-{r}"
         t0 = time.perf_counter()
         tasks = dagger_indices(cfg, r, n)
         g = replace(gen, temperature=cfg.dagger_temperature, seed=cfg.seed + r)

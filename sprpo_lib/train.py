@@ -256,7 +256,12 @@ def _build_warm_start(policy, pool, cfg: TrainConfig, agent: AgentConfig, progre
         base = _build_warm_start(policy, pool, dataclasses.replace(cfg, sft=without_dagger(cfg.sft)), agent, progress)
         if is_peft(policy.model):  # the base was trained just now: DAgger loads it onto the plain model
             policy.model = policy.model.unload()
-        dagger(policy, pool, base, cfg.sft, agent, out, cfg.rollout.generation, cfg.rollout.engine, progress)
+        # the rounds live beside the base, keyed by the DAgger settings but their count: more rounds extend fewer
+        d = {k: v for k, v in dataclasses.asdict(cfg.sft).items() if k.startswith("dagger_") and k != "dagger_rounds"}
+        d |= {"max_new_tokens": cfg.rollout.generation.max_new_tokens, "top_p": cfg.rollout.generation.top_p,
+              "engine": cfg.rollout.engine}
+        rounds = base / f"dagger-{hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]}"
+        dagger(policy, pool, base, cfg.sft, agent, out, cfg.rollout.generation, cfg.rollout.engine, progress, rounds)
     return out
 
 

@@ -208,13 +208,23 @@ def test_dagger_warm_start_builds_on_the_cached_base(tmp_path, monkeypatch):
     a = Trainer(cfg, tmp_path / "a", progress=False)
     base = train_mod.warm_start_dir(dataclasses.replace(cfg, sft=without_dagger(cfg.sft)))
     assert a.warm_start_dir != base and base == train_mod.warm_start_dir(load_config("smoke", ov))
-    assert (base / "adapter").is_dir() and (a.warm_start_dir / "round-1" / "round.json").is_file()
+    rounds = list(base.glob("dagger-*/round-1/round.json"))
+    assert (base / "adapter").is_dir() and len(rounds) == 1 and (a.warm_start_dir / "adapter").is_dir()
     ref = load_policy(cfg.model.spec)
     load_adapter(ref, a.warm_start_dir / "adapter", merge=True)
     ids = torch.randint(3, 250, (1, 12))
     torch.testing.assert_close(a.model(ids).logits, ref.model(ids).logits)  # RL's fresh LoRA starts at zero
     b = Trainer(load_config("smoke", ov), tmp_path / "b", progress=False)  # the base is served from its cache
     assert b.warm_start_dir == base
+    import sprpo_lib.sft as sft_mod
+
+    calls = []
+    real = sft_mod.train_sft
+    monkeypatch.setattr(sft_mod, "train_sft", lambda *a, **k: calls.append(1) or real(*a, **k))
+    two = Trainer(load_config("smoke", ov + ["sft.dagger_rounds=2", "sft.dagger_tasks=1"]), tmp_path / "c",
+                  progress=False)  # a second round extends the first, which is not run again
+    assert len(calls) == 1 and sorted(p.name for p in rounds[0].parent.parent.iterdir()) == ["round-1", "round-2"]
+    assert two.warm_start_dir not in (base, a.warm_start_dir)
 
 
 def test_warm_start_key_follows_the_demonstrators_label_version(monkeypatch):
