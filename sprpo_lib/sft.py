@@ -842,6 +842,9 @@ def warm_start(
         save_demos(Path(out_dir) / "demos.jsonl", demos)
     result = train_sft(policy, demos, cfg, out_dir, progress, agent)
     result["collect"] = stats
+    if out_dir is not None:  # the summary records the collection too (its seconds join the stage table)
+        summary = read_json(Path(out_dir) / "sft_summary.json")
+        atomic_write_json(Path(out_dir) / "sft_summary.json", {**summary, "result": result})
     return result
 
 

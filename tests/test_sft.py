@@ -351,6 +351,7 @@ def test_warm_start_and_evaluate_format(pool, tmp_path):
     res = warm_start(pol, pool, cfg, AGENT, out_dir=tmp_path, progress=False)
     assert res["collect"]["episodes"] == 2 and res["demos"] == res["collect"]["demos"]
     assert load_demos(tmp_path / "demos.jsonl")[0].task_id == "webshop/train/0"
+    assert json.loads((tmp_path / "sft_summary.json").read_text())["result"]["collect"] == res["collect"]
     rep = evaluate_format(pol, pool, "test", [0, 1], AGENT, GenerationConfig(temperature=0.4, max_new_tokens=8),
                           max_steps=2, log_path=tmp_path / "eval.jsonl", progress=False)
     assert rep["episodes"] == 2 and rep["steps"] == 4
