@@ -42,8 +42,8 @@ from sprpo_lib.config import TrainConfig, config_dict, load_config
 from sprpo_lib.engines import close_engine, effective_weights, make_engine
 from sprpo_lib.envs import make_pool
 from sprpo_lib.heldout import eval_is_current, evaluate_policy
-from sprpo_lib.io import (CorruptFileError, JsonLines, atomic_dir, atomic_write_json, file_lock, key_fields,
-                          read_cached)
+from sprpo_lib.io import (CorruptFileError, JsonLines, atomic_dir, atomic_write_json, canonical_hash, file_lock,
+                          key_fields, read_cached)
 from sprpo_lib.manifest import git_commit
 from sprpo_lib.methods import make_method
 from sprpo_lib.models import add_lora, is_peft, load_policy, lora_on_last_layers, resolve_device, save_peft
@@ -260,7 +260,7 @@ def _build_warm_start(policy, pool, cfg: TrainConfig, agent: AgentConfig, progre
         d = {k: v for k, v in dataclasses.asdict(cfg.sft).items() if k.startswith("dagger_") and k != "dagger_rounds"}
         d |= {"max_new_tokens": cfg.rollout.generation.max_new_tokens, "top_p": cfg.rollout.generation.top_p,
               "engine": cfg.rollout.engine}
-        rounds = base / f"dagger-{hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]}"
+        rounds = base / f"dagger-{canonical_hash(d)[:12]}"
         dagger(policy, pool, base, cfg.sft, agent, out, cfg.rollout.generation, cfg.rollout.engine, progress, rounds)
     return out
 
