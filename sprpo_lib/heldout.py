@@ -1,7 +1,8 @@
 """Held-out evaluation during training: the same tasks and the same generation seed for
 every policy compared (the warm start and the RL-trained policies), at the paper's
 validation temperature 0.4 (Table 2).  ``eval.json`` holds the numbers and the settings
-they were made with, ``eval_episodes.jsonl`` one line per episode."""
+they were made with, ``eval_episodes.jsonl`` one line per episode; a warm start's
+``agreement.json`` how often it chooses its demonstrator's action, per verb."""
 from __future__ import annotations
 
 import logging
@@ -99,4 +100,48 @@ def evaluate_policy(policy, pool, cfg, agent, out: Path, count: int, progress: b
     if (out / "eval_episodes.jsonl").is_file():  # what load_eval checks the log against
         res["log"] = file_record(out / "eval_episodes.jsonl")
     atomic_write_json(out / "eval.json", res)
+    return res
+
+
+def agreement_settings(cfg, count: int) -> dict:
+    """What :func:`evaluate_agreement`'s numbers depend on besides the adapter."""
+    from sprpo_lib.sft import LABEL_VERSIONS
+
+    return {"tasks": count, "demonstrator": cfg.sft.demonstrator, "labels": LABEL_VERSIONS.get(cfg.sft.demonstrator),
+            "episode_steps": cfg.sft.episode_steps,
+            "max_new_tokens": cfg.rollout.generation.max_new_tokens, "engine": cfg.rollout.engine}
+
+
+def agreement_is_current(path: Path, cfg, count: int) -> bool:
+    """An ``agreement.json`` exists, parses, and was made with the current settings."""
+    res = read_cached(path)
+    return isinstance(res, dict) and isinstance(res.get("rate"), float) and res.get("settings") == \
+        agreement_settings(cfg, count)
+
+
+def evaluate_agreement(policy, pool, cfg, agent, out: Path, count: int) -> dict:
+    """The clone's greedy agreement with its demonstrator (:func:`sprpo_lib.sft.agreement`) on
+    the demonstrator's own episodes of the held-out tasks of :func:`evaluate_policy`
+    (no random actions, the demonstrations' step limit), written to ``out/agreement.json``."""
+    import time
+    from dataclasses import replace
+
+    from sprpo_lib.engines import close_engine, make_engine
+    from sprpo_lib.sft import agreement, collect_demonstrations
+
+    t0 = time.perf_counter()
+    idx = held_out_tasks(cfg, pool.splits()[cfg.sft.split], count)
+    demos = collect_demonstrations(pool, cfg.sft.split, idx, agent, 1.0, cfg.sft.seed,
+                                   demonstrator=cfg.sft.demonstrator, max_steps=cfg.sft.episode_steps)
+    eng = make_engine(cfg.rollout.engine, policy, replace(cfg.rollout.generation, temperature=0.0), agent)
+    try:
+        policy.model.eval()
+        res = agreement(eng, demos)
+    finally:
+        close_engine(eng)
+    res.update(split=cfg.sft.split, indices=[idx[0], idx[-1]] if idx else [], settings=agreement_settings(cfg, count),
+               seconds=round(time.perf_counter() - t0, 2))
+    atomic_write_json(out / "agreement.json", res)
+    logger.info("warm start agreement with the %s: %.3f of %d states (%s)", cfg.sft.demonstrator, res["rate"],
+                res["states"], ", ".join(f"{v} {r['rate']:.2f}" for v, r in res["by_verb"].items()))
     return res

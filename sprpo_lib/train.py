@@ -41,7 +41,7 @@ from sprpo_lib.checkpoint import load_checkpoint, save_checkpoint
 from sprpo_lib.config import TrainConfig, config_dict, load_config
 from sprpo_lib.engines import close_engine, effective_weights, make_engine
 from sprpo_lib.envs import make_pool
-from sprpo_lib.heldout import eval_is_current, evaluate_policy
+from sprpo_lib.heldout import agreement_is_current, eval_is_current, evaluate_agreement, evaluate_policy
 from sprpo_lib.io import (CorruptFileError, JsonLines, atomic_dir, atomic_write_json, canonical_hash, file_lock,
                           key_fields, read_cached)
 from sprpo_lib.manifest import git_commit
@@ -234,6 +234,9 @@ def warm_start_policy(policy, pool, cfg: TrainConfig, agent: AgentConfig, progre
     with file_lock(out.parent / f".{out.name}.lock"):
         if cfg.sft.eval_tasks and not eval_is_current(out / "eval.json", cfg, cfg.sft.eval_tasks):
             evaluate_policy(policy, pool, cfg, agent, out, cfg.sft.eval_tasks, progress)
+        if cfg.sft.eval_tasks and cfg.sft.agreement and not agreement_is_current(out / "agreement.json", cfg,
+                                                                                 cfg.sft.eval_tasks):
+            evaluate_agreement(policy, pool, cfg, agent, out, cfg.sft.eval_tasks)
     return out
 
 
@@ -246,7 +249,7 @@ def _build_warm_start(policy, pool, cfg: TrainConfig, agent: AgentConfig, progre
     with file_lock(out.parent / f".{out.name}.lock"):  # runs started together (Ray tasks) build it once
         if (out / "adapter").is_dir() and not adapter_is_whole(out / "adapter"):  # a cache: rebuilt, never loaded
             shutil.rmtree(out / "adapter")
-            for name in ("eval.json", "eval_episodes.jsonl"):  # they described the old adapter
+            for name in ("eval.json", "eval_episodes.jsonl", "agreement.json"):  # they described the old adapter
                 (out / name).unlink(missing_ok=True)
         if (out / "adapter").is_dir():
             return out
@@ -385,8 +388,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"profile {cfg.profile!r} has warm_start: false; add the override warm_start=true")
         tr = Trainer(cfg, args.out, not args.no_progress)
         tr.envs.close()
-        ev = tr.warm_start_dir / "eval.json"
-        print(f"warm start: {tr.warm_start_dir}" + (f"\n{ev.read_text()}" if ev.is_file() else ""))
+        shown = [tr.warm_start_dir / n for n in ("eval.json", "agreement.json")]
+        print(f"warm start: {tr.warm_start_dir}" + "".join(f"\n{p.read_text()}" for p in shown if p.is_file()))
         return 0
     try:
         out = train(cfg, args.out, args.fresh, not args.no_progress)

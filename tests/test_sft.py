@@ -20,6 +20,7 @@ from sprpo_lib.sft import (
     Demo,
     SFTConfig,
     admissible_from_prompt,
+    agreement,
     collate,
     collect_demonstrations,
     encode_demo,
@@ -263,6 +264,33 @@ def test_loss_masks_prompt_and_matches_direct_ce(demos):
     assert n16.dtype == torch.float32 and abs(float(n16.mean()) - float(ours)) < 0.05
 
 
+def test_agreement_counts_the_demonstrators_actions_per_verb(demos):
+    """Against counts by hand: a generator that answers with the demonstration agrees
+    everywhere; one that keeps the search but clicks elsewhere, or drops the <action>
+    tags, agrees on the searches only."""
+    verbs = [label_verb(d.response) for d in demos]
+    n = {v: verbs.count(v) for v in set(verbs)}
+    assert n.get("search") and n.get("click")
+    full = agreement(ReplayGenerator(demos), demos)
+    assert full["states"] == full["agree"] == len(demos) and full["rate"] == 1.0
+    assert full["by_verb"] == {v: {"states": k, "agree": k, "rate": 1.0} for v, k in n.items()}
+
+    class Other(ReplayGenerator):
+        def __call__(self, prompts):
+            out = super().__call__(prompts)
+            for i, g in enumerate(out):
+                if "click[" in g.text:  # another product, or the right one without the tags
+                    g.text = "<action>click[next >]</action>" if i % 2 else g.text.replace("<action>", "")
+            return out
+
+    part = agreement(Other(demos), demos)
+    assert part["by_verb"]["click"] == {"states": n["click"], "agree": 0, "rate": 0.0}
+    assert part["by_verb"]["search"]["agree"] == n["search"] and part["agree"] == n["search"]
+    assert agreement(ReplayGenerator(demos), []) == {"states": 0, "agree": 0, "rate": 0.0, "by_verb": {}}
+    with pytest.raises(RuntimeError, match="2 responses for 3"):
+        agreement(lambda prompts: ReplayGenerator(demos)(prompts)[:2], demos[:3])
+
+
 def test_overfit_reproduces_demo_greedily(pool):
     pol = load_policy("tiny-qwen2")
     agent = AgentConfig(max_obs_chars=40, history_len=0)  # shorter prompts, same pipeline
@@ -275,6 +303,7 @@ def test_overfit_reproduces_demo_greedily(pool):
     assert res["steps"] == 100 and res["final_loss"] < 0.05 and res["first_loss"] > 3
     gen = HFGenerator(pol, GenerationConfig(temperature=0, max_new_tokens=60), agent)
     assert [g.text for g in gen([d.prompt for d in pair])] == [d.response for d in pair]
+    assert agreement(gen, pair)["by_verb"] == {v: {"states": 1, "agree": 1, "rate": 1.0} for v in ("click", "search")}
 
 
 def _state(pol):

@@ -270,7 +270,7 @@ def test_warm_start_and_final_eval_on_same_held_out_tasks(tmp_path, monkeypatch)
 
     monkeypatch.setenv("SPRPO_HOME", str(tmp_path))
     ov = ["warm_start=true", "sft.n_tasks=2", "sft.epochs=1", "sft.lora.rank=4", "sft.eval_tasks=3",
-          "eval_tasks=3", "iterations=1", "rollout.tasks_per_step=1"]
+          "eval_tasks=3", "iterations=1", "rollout.tasks_per_step=1", "sft.agreement=true"]
     out = train(load_config("smoke", ov), tmp_path / "run", progress=False)
     start = json.loads(next((tmp_path / "runs" / "sft").glob("webshop-*/eval.json")).read_text())
     final = json.loads((out / "final" / "eval.json").read_text())
@@ -287,6 +287,21 @@ def test_warm_start_and_final_eval_on_same_held_out_tasks(tmp_path, monkeypatch)
     assert E.eval_temperature(hot) == 0.9 and not E.eval_is_current(out / "final" / "eval.json", hot, 3)
     longer = load_config("smoke", ov + ["rollout.generation.max_new_tokens=9"])
     assert not E.eval_is_current(out / "final" / "eval.json", longer, 3)  # generation settings changed: redo
+    # sft.agreement: the clone against its demonstrator on the demonstrator's states of the same held-out tasks
+    from sprpo_lib.envs import make_pool
+    from sprpo_lib.sft import collect_demonstrations
+    from sprpo_lib.train import warm_start_dir
+
+    ws = warm_start_dir(cfg)
+    agree = json.loads((ws / "agreement.json").read_text())
+    pool = make_pool(cfg.env.name, seed=cfg.env.seed)
+    demos = collect_demonstrations(pool, cfg.sft.split, [2, 3, 4], cfg.rollout.agent,
+                                   demonstrator=cfg.sft.demonstrator, max_steps=cfg.sft.episode_steps)
+    assert agree["states"] == len(demos) > 0 and agree["indices"] == [2, 4]
+    assert sum(v["states"] for v in agree["by_verb"].values()) == len(demos) and 0 <= agree["agree"] <= len(demos)
+    assert E.agreement_is_current(ws / "agreement.json", cfg, 3) and not E.agreement_is_current(ws / "agreement.json",
+                                                                                              cfg, 4)
+    assert warm_start_dir(load_config("smoke", ov[:-1])) == ws  # not part of the warm start's key
 
 
 def test_sprpo_sigma_scales_closed_form():
