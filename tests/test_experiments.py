@@ -105,6 +105,7 @@ def test_paired_comparisons_hand_cases():
     assert v["success_lo"] < 50 < v["success_hi"] and v["success_lo"] > 20
     s = pc[(pc.baseline == "sam") & (pc.family == "rtn")].iloc[0]  # identical outcomes: zero, degenerate interval
     assert (s["success_diff"], s["success_lo"], s["success_hi"]) == (0.0, 0.0, 0.0)
+    assert math.isnan(s["success_mde80"]) and v["success_mde80"] > 0  # no differing task: the MDE is not estimable
     c = pc[(pc.baseline == "vanilla") & (pc.family == "clean")].iloc[0]
     assert c["success_diff"] == 0.0 and math.isnan(c["retention_diff"])
 
@@ -174,6 +175,17 @@ def test_headline_and_readme_block():
     digest = R.without_paired(two)  # the README's copy: both success tables, no paired table
     assert two.count("+5.0 [-1.0, +9.0]") == 2 and "+5.0" not in digest and R.PAIRED_HEAD not in digest
     assert digest.count("| Vanilla | 40.0 ± 2.0 | 10.0 (25%) |") == 2 and "**WebShop**" in digest
+
+
+def test_tasks_per_split_counts_the_rows_not_the_plan():
+    """The headline's task count is what was evaluated: the fewest distinct tasks of any
+    split and setting (a plan of 200 on a split of 40 evaluated 40)."""
+    rows = pd.DataFrame([{"split": sp, "family": f, "strength": s, "task_index": t, "method": m}
+                         for sp, n in (("valid_seen", 5), ("valid_unseen", 4))
+                         for f, s in (("clean", 0.0), ("rtn", 4.0)) for t in range(n) for m in ("a", "b")])
+    assert R.tasks_per_split(rows) == 4
+    assert R.tasks_per_split(rows[rows["split"] == "valid_seen"]) == 5
+    assert R.tasks_per_split(rows[~((rows["family"] == "rtn") & (rows["task_index"] > 1))]) == 2
 
 
 def test_readme_headline_block_is_the_digest(tmp_path, monkeypatch):

@@ -171,7 +171,7 @@ def test_result_notebooks_smoke_and_render_only(tmp_path):
     assert "\\toprule" in comp and "Full SPrPO*" in comp and "w/o sensitivity" in comp
     ab_paired = pd.read_csv(out / "08_ablations_webshop_paired.csv")
     assert set(ab_paired.baseline) == {"rho0", "alpha0", "sam_5e-3", "lr_profile", "lr0.0003", "scale_relative"}
-    assert (ab_paired.success_lo <= ab_paired.success_diff).all() and (ab_paired.success_mde80 >= 0).all()
+    assert (ab_paired.success_lo <= ab_paired.success_diff).all() and (ab_paired.success_mde80.isna() | (ab_paired.success_mde80 > 0)).all()
     assert (out / "08_ablations_webshop_fig5.png").read_bytes()[:4] == b"\x89PNG"
     digest = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.glob("*.tex")}
     # render-only: nothing evaluated (an empty cache would fail any evaluation), same tables

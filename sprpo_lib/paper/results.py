@@ -278,7 +278,9 @@ def paired_comparisons(rows: pd.DataFrame, reference: str, baselines: Sequence[s
     the training seeds both methods share (their policies are paired by seed).  A
     setting either method lacks is skipped.  ``success_mde80`` is the smallest true
     difference this design detects with 80% power at two-sided 5% (normal approximation:
-    (1.96 + 0.84) x the bootstrap standard error of the paired difference)."""
+    (1.96 + 0.84) x the bootstrap standard error of the paired difference); NaN where no
+    task's outcome differs between the two (a zero standard error says nothing about what
+    the design could detect: near-identical policies can agree task by task)."""
     out = []
     for b in baselines:
         shared = sorted(set(rows.loc[rows["method"] == reference, "train_seed"])
@@ -295,7 +297,7 @@ def paired_comparisons(rows: pd.DataFrame, reference: str, baselines: Sequence[s
                         "train_seeds": " ".join(map(str, shared)), "tasks": r["tasks"],
                         "episodes": r["episodes_per_method"], "success_diff": r["success"],
                         "success_lo": r["success_ci"][0], "success_hi": r["success_ci"][1],
-                        "success_mde80": MDE80_Z * r["success_se"],
+                        "success_mde80": MDE80_Z * r["success_se"] if r["success_se"] > 0 else math.nan,
                         "retention_diff": r["retention"] if fam != "clean" else math.nan,
                         "retention_lo": r["retention_ci"][0] if fam != "clean" else math.nan,
                         "retention_hi": r["retention_ci"][1] if fam != "clean" else math.nan})
@@ -460,6 +462,13 @@ def headline(summary: pd.DataFrame, paired: pd.DataFrame, settings: Sequence[tup
         out["paired"].append({k: (round(v, 2) if isinstance(v, float) and not math.isnan(v) else
                                   (None if isinstance(v, float) else v)) for k, v in r.items()})
     return out
+
+
+def tasks_per_split(rows: pd.DataFrame) -> int:
+    """The held-out tasks each split was evaluated on, counted from the result rows (the
+    fewest over splits and settings), not taken from the plan: a plan asks for at most its
+    ``tasks``, a split may hold fewer."""
+    return int(rows.groupby(["split", "family", "strength"])["task_index"].nunique().min())
 
 
 PAIRED_HEAD = "Paired differences"  # how headline_markdown's paired table starts (without_paired finds it)
