@@ -77,8 +77,11 @@ def test_ablation_table_bolds_the_best_of_each_group_in_the_papers_layout():
     (5.0, 1.0, 9.0, 4.0, 3.0, "agrees (interval above 0)"),
     (-5.0, -9.0, -1.0, 4.0, 3.0, "opposite sign to the paper (interval below 0)"),
     (1.0, -3.0, 5.0, 9.0, 3.0, "not resolved; the paper's difference is below this design's detectable 9.0 pp"),
-    (1.0, -3.0, 5.0, 2.0, 11.0, "not resolved, though the design could detect the paper's difference"),
+    (4.0, -1.0, 12.0, 8.0, 11.0, "not resolved, though the design could detect the paper's difference"),
     (-4.0, -8.0, -0.5, 3.0, -2.0, "agrees (interval below 0)"),
+    (2.1, 0.0, 6.2, 5.6, 11.4, "not resolved; smaller than the paper's: the interval leaves out +11.4"),
+    (0.0, 0.0, 0.0, math.nan, 10.1, "not resolved; smaller than the paper's: the interval leaves out +10.1"),
+    (0.0, 0.0, 0.0, math.nan, 0.0, "not resolved"),
 ])
 def test_reading_of_a_claim_follows_its_interval(diff, lo, hi, mde, expected, text):
     assert C.reading(diff, lo, hi, mde, expected) == text
@@ -86,7 +89,7 @@ def test_reading_of_a_claim_follows_its_interval(diff, lo, hi, mde, expected, te
 
 def test_claim_rows_take_the_papers_differences():
     paired = pd.DataFrame([{"baseline": "vanilla", "family": "gaussian", "strength": 0.2, "success_diff": 4.0,
-                            "success_lo": -1.0, "success_hi": 9.0, "success_mde80": 7.0, "tasks": 200},
+                            "success_lo": -1.0, "success_hi": 12.0, "success_mde80": 7.0, "tasks": 200},
                            {"baseline": "warm_start", "family": "clean", "strength": 0.0, "success_diff": 1.0,
                             "success_lo": -1.0, "success_hi": 3.0, "success_mde80": 2.0, "tasks": 200}])
     abl = pd.DataFrame([{"baseline": "no_schedule", "family": "clean", "strength": 0.0, "success_diff": 2.0,
@@ -95,7 +98,8 @@ def test_claim_rows_take_the_papers_differences():
     assert list(rows.claim) == ["SPrPO keeps more success than Vanilla", "full SPrPO beats w/o scheduling"]
     assert rows.paper.tolist() == pytest.approx([30.13 - 18.73, 60.00 - 52.13])
     md = C.claims_markdown(rows, profile="cpu", env="webshop")
-    assert "| +11.4 | +4.0 [-1.0, +9.0] | 7.0 | 200 | not resolved, though" in md
+    assert "| +11.4 | +4.0 [-1.0, +12.0] | 7.0 | 200 | not resolved, though" in md
+    assert "| +7.9 | +2.0 [-3.0, +7.0] | 14.0 | 100 | not resolved; smaller than the paper's: the interval leaves out +7.9 |" in md
 
 
 def test_noise_health_against_hand_computed_limits():

@@ -185,7 +185,11 @@ def test_tasks_per_split_counts_the_rows_not_the_plan():
                          for f, s in (("clean", 0.0), ("rtn", 4.0)) for t in range(n) for m in ("a", "b")])
     assert R.tasks_per_split(rows) == 4
     assert R.tasks_per_split(rows[rows["split"] == "valid_seen"]) == 5
-    assert R.tasks_per_split(rows[~((rows["family"] == "rtn") & (rows["task_index"] > 1))]) == 2
+    fewer = rows[~((rows["family"] == "rtn") & (rows["task_index"] > 1))]  # a curve strength on 2 tasks
+    assert R.tasks_per_split(fewer) == 2
+    assert R.tasks_per_split(fewer, [("clean", 0)]) == 4  # the headline's settings only
+    with pytest.raises(ValueError, match="no rows at the settings"):
+        R.tasks_per_split(rows, [("gaussian", 0.2)])
 
 
 def test_readme_headline_block_is_the_digest(tmp_path, monkeypatch):

@@ -45,11 +45,15 @@ def _key(family: str, strength: float) -> str:
 def reading(diff: float, lo: float, hi: float, mde: float, expected: float) -> str:
     """What one paired comparison says about a claim whose paper difference is ``expected``:
     the interval above or below zero decides; an interval across zero is "not resolved",
-    and says whether the paper's difference is below what the design detects."""
+    and says whether it leaves out the paper's difference (the data are then at odds with
+    an effect of the paper's size, though not with its sign) or whether that difference is
+    below what the design detects."""
     if lo > 0:
         return "agrees (interval above 0)" if expected > 0 else "opposite sign to the paper (interval above 0)"
     if hi < 0:
         return "agrees (interval below 0)" if expected < 0 else "opposite sign to the paper (interval below 0)"
+    if not lo <= expected <= hi:
+        return f"not resolved; smaller than the paper's: the interval leaves out {expected:+.1f}"
     if math.isnan(mde):
         return "not resolved"
     return ("not resolved; the paper's difference is below this design's detectable "

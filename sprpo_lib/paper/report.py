@@ -186,9 +186,8 @@ def plot_training(metrics: pd.DataFrame, summary: pd.DataFrame | None, path: str
     axes[0].set(xlabel="iteration", ylabel="rollout success", title=f"success (rollouts on training tasks{t})",
                 ylim=(-0.02, 1.02))
     axes[1].set(xlabel="iteration", ylabel="mean score / valid-action rate",
-                title="score (method markers), valid actions (crosses, faint)", ylim=(-0.02, 1.02))
-    axes[1].legend(fontsize=5, ncol=2, loc="lower left")
-    axes[0].legend(fontsize=7)
+                title="score (lines), valid-action rate (x, faint)", ylim=(-0.02, 1.02))
+    axes[0].legend(fontsize=7)  # the runs' colours and line styles are the same in both panels
     if has_eval:
         ax = axes[2]
         s = summary.dropna(subset=["start_success", "final_success"])

@@ -464,10 +464,16 @@ def headline(summary: pd.DataFrame, paired: pd.DataFrame, settings: Sequence[tup
     return out
 
 
-def tasks_per_split(rows: pd.DataFrame) -> int:
+def tasks_per_split(rows: pd.DataFrame, settings: Sequence[tuple[str, float]] | None = None) -> int:
     """The held-out tasks each split was evaluated on, counted from the result rows (the
-    fewest over splits and settings), not taken from the plan: a plan asks for at most its
-    ``tasks``, a split may hold fewer."""
+    fewest over splits and ``settings``, every setting of the rows when None), not taken
+    from the plan: a plan asks for at most its ``tasks``, a split may hold fewer, and curve
+    strengths may use fewer tasks than Table 1's settings."""
+    if settings is not None:
+        keep = {(f, float(s)) for f, s in settings}
+        rows = rows[[(f, float(s)) in keep for f, s in zip(rows["family"], rows["strength"])]]
+        if rows.empty:
+            raise ValueError(f"tasks_per_split: no rows at the settings {sorted(keep)}")
     return int(rows.groupby(["split", "family", "strength"])["task_index"].nunique().min())
 
 
