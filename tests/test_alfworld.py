@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
-import statistics
-import time
 from pathlib import Path
 
 import pytest
@@ -209,28 +207,35 @@ def _continue_expert(episode):
             return obs
 
 
-def test_group_spawn_shares_preparation(pool, small):
+def test_group_spawn_shares_preparation(pool, small, monkeypatch):
+    """A group's episodes reuse the task's grounding: spawning and resetting 8 of them
+    neither grounds the game again nor loads it into a TextWorld ``PddlEnv`` (what the
+    seconds are is the ``env`` benchmark's business, not a test's)."""
+    from textworld.envs.pddl import logic as pddl_logic
+
     split, index = small.ref[1:]
-    t0 = time.perf_counter()
-    task = pool.open(split, index)  # a full grounding of a cached game
-    prepare = time.perf_counter() - t0
-    spawn_reset = []
+    task = pool.open(split, index)
+    calls = {"translate": 0, "grammar": 0, "load": 0}
+
+    def counting(name, real):
+        def wrapper(self, *a, **k):
+            calls[name] += 1
+            return real(self, *a, **k)
+        return wrapper
+
+    # TextWorld's three costly steps: translating the PDDL problem into a state, parsing the
+    # grammar, and PddlEnv's own load of the game file (ALFWorld's per-rollout cost)
+    monkeypatch.setattr(pddl_logic.PddlState, "__init__", counting("translate", pddl_logic.PddlState.__init__))
+    monkeypatch.setattr(pddl_logic.GameLogic, "__init__", counting("grammar", pddl_logic.GameLogic.__init__))
+    monkeypatch.setattr(PddlEnv, "load", counting("load", PddlEnv.load))
     episodes = []
     for _ in range(8):
-        t0 = time.perf_counter()
         episode = task.spawn()
         episode.reset()
-        spawn_reset.append(time.perf_counter() - t0)
         episodes.append(episode)
-    # ALFWorld's per-rollout cost: TextWorld's PddlEnv load + reset of the game file.
-    t0 = time.perf_counter()
-    env = PddlEnv(textworld.EnvInfos(admissible_commands=True, won=True))
-    env.load(task.game_file)
-    env.reset()
-    naive = time.perf_counter() - t0
-    # Spawning 8 episodes costs far less than grounding (or loading) the game 8 times.
-    assert statistics.median(spawn_reset) < prepare / 5, (prepare, spawn_reset)
-    assert prepare + sum(spawn_reset) < 0.25 * 8 * naive, (prepare, spawn_reset, naive)
+    assert calls == {"translate": 0, "grammar": 0, "load": 0}
+    pool.open(split, index).close()  # while grounding a game does all but the load
+    assert calls["translate"] == 1 and calls["grammar"] == 1
     # ... and the episodes are independent.
     first = episodes[0].step(task.walkthrough[0])
     assert first.info["valid_action"]
