@@ -29,7 +29,7 @@ def test_each_study_has_the_papers_groups_and_a_unique_reference():
             assert all(g in A.GROUP_TITLES for v in ab.variants for g in v.groups)
     cpu = A.ablation("cpu", "webshop")
     assert [lab for _, lab in cpu.group("components")][-1] == "Full SPrPO*"
-    assert {k for k, _ in cpu.group("alpha")} == {"full", "alpha0"}
+    assert {k for k, _ in cpu.group("alpha")} == {"full", "alpha0", "alpha0.5", "alpha2"}  # the paper's whole sweep
     assert cpu.variant("rho0").reuse == "vanilla" and cpu.tasks == 16
     # the cpu rho grid sits around the profile's rho, and the Gaussian strategy uses sigma = rho
     assert {lab for _, lab in cpu.group("rho")} == {"0 (Vanilla)*", "0.1*", "0.2"}
