@@ -82,8 +82,8 @@ from sprpo_lib.envs.alfworld_explorer import LABELS_VERSION as EXPLORER_LABELS
 from sprpo_lib.envs.base import TaskPool
 from sprpo_lib.envs.baselines import random_action
 from sprpo_lib.io import (NOT_A_KEY, OMIT_AT_DEFAULT, CorruptFileError, JsonLines, atomic_dir, atomic_write_json,
-                          canonical_hash, file_record, key_fields, read_cached, read_json, read_safetensors,
-                          verify_file)
+                          canonical_hash, file_record, key_fields, read_cached, read_json, read_json_lines,
+                          read_safetensors, verify_file)
 from sprpo_lib.losses import token_logprobs
 from sprpo_lib.models import LoraSettings, Policy, add_lora, is_peft, lora_on_last_layers, save_peft
 from sprpo_lib.progress import progress_bar
@@ -184,6 +184,7 @@ def collect_demonstrations(
     demonstrator: str = "expert",
     repeat_prob: float = 0.0,
     scripts: Mapping[int, Sequence[tuple[str, str]]] | None = None,
+    progress: bool = False,
 ) -> list[Demo]:
     """Play each task with the expert and record (prompt, expert response) per step.
 
@@ -220,6 +221,7 @@ def collect_demonstrations(
             demonstrator.  Each replayed prompt must equal the recorded one (the
             environments are deterministic): a mismatch raises.  ``stats`` then also
             counts ``disagree``, the steps whose played action differs from the label.
+        progress: show a bar over the tasks (200 ALFWorld games take minutes).
 
     Returns:
         The demonstrations, ordered by task and step.
@@ -234,7 +236,9 @@ def collect_demonstrations(
     demos: list[Demo] = []
     n_ep = n_succ = n_none = n_disagree = 0
     score_sum = 0.0
-    for idx in indices:
+    indices = list(indices)
+    for idx in progress_bar(indices, desc=f"demonstrations ({demonstrator}, {split})", unit="task", leave=progress,
+                            disable=not progress):
         handle = pool.open(split, idx)
         ep = handle.spawn()
         rng = random.Random(f"{seed}:{split}:{idx}")
@@ -835,24 +839,48 @@ def warm_start(
 ) -> dict:
     """Collect demonstrations on the first ``cfg.n_tasks`` tasks of ``cfg.split`` and
     run :func:`train_sft`; returns its summary plus the collection stats
-    (``collect``).  Writes ``demos.jsonl`` to ``out_dir`` too."""
+    (``collect``).  Writes ``demos.jsonl`` to ``out_dir`` too, with ``demos.json`` (its
+    record, settings key and stats): a rerun into the same folder trains on them again."""
     cfg = cfg or SFTConfig()
     agent = agent or AgentConfig()
     n = min(cfg.n_tasks, pool.splits()[cfg.split])
-    stats: dict = {}
-    t0 = time.perf_counter()
-    demos = collect_demonstrations(pool, cfg.split, range(n), agent, cfg.expert_prob, cfg.seed, stats=stats,
-                                   demonstrator=cfg.demonstrator, max_steps=cfg.episode_steps,
-                                   repeat_prob=cfg.repeat_prob)
-    stats["seconds"] = round(time.perf_counter() - t0, 2)
-    if out_dir is not None:
-        save_demos(Path(out_dir) / "demos.jsonl", demos)
+    key = canonical_hash({"split": cfg.split, "tasks": n, "expert_prob": cfg.expert_prob, "seed": cfg.seed,
+                          "demonstrator": cfg.demonstrator, "episode_steps": cfg.episode_steps,
+                          "repeat_prob": cfg.repeat_prob, "agent": asdict(agent), "labels": EXPLORER_LABELS})
+    cached = None if out_dir is None else _saved_demos(Path(out_dir), key)
+    if cached is not None:  # a resumed warm start (a killed one collects minutes of demonstrations again)
+        demos, stats = cached
+        log.info("reusing %d demonstrations from %s", len(demos), Path(out_dir) / "demos.jsonl")
+    else:
+        stats: dict = {}
+        t0 = time.perf_counter()
+        demos = collect_demonstrations(pool, cfg.split, range(n), agent, cfg.expert_prob, cfg.seed, stats=stats,
+                                       demonstrator=cfg.demonstrator, max_steps=cfg.episode_steps,
+                                       repeat_prob=cfg.repeat_prob, progress=progress)
+        stats["seconds"] = round(time.perf_counter() - t0, 2)
+        if out_dir is not None:
+            path = save_demos(Path(out_dir) / "demos.jsonl", demos)
+            atomic_write_json(Path(out_dir) / "demos.json", {"key": key, "file": file_record(path), "collect": stats})
     result = train_sft(policy, demos, cfg, out_dir, progress, agent)
     result["collect"] = stats
     if out_dir is not None:  # the summary records the collection too (its seconds join the stage table)
         summary = read_json(Path(out_dir) / "sft_summary.json")
         atomic_write_json(Path(out_dir) / "sft_summary.json", {**summary, "result": result})
     return result
+
+
+def _saved_demos(out: Path, key: str) -> tuple[list[Demo], dict] | None:
+    """The demonstrations a killed :func:`warm_start` already collected in ``out`` with the
+    same collection settings (``key``) and their stats, when ``demos.jsonl`` matches the
+    record ``demos.json`` keeps of it; ``None`` (collect again) otherwise.  The settings
+    do not name the task pool: a folder holds one pool's warm start (the Trainer keys it)."""
+    meta = read_cached(out / "demos.json")
+    if not isinstance(meta, dict) or meta.get("key") != key or not isinstance(meta.get("file"), dict):
+        return None
+    rows = read_cached(out / "demos.jsonl", read_json_lines, meta["file"])
+    if rows is None:
+        return None
+    return [Demo(**r) for r in rows], dict(meta.get("collect") or {})
 
 
 def without_dagger(cfg: SFTConfig) -> SFTConfig:

@@ -536,3 +536,30 @@ def test_dagger_rounds_train_on_the_clones_states_and_resume(pool, tmp_path, mon
     assert len(calls) == 2
     with pytest.raises(ValueError, match="sft.dagger_rounds"):
         SFTConfig(dagger_rounds=-1)
+
+
+def test_resumed_warm_start_reuses_its_demonstrations_unless_damaged(pool, tmp_path, monkeypatch):
+    """A killed warm start's rerun trains on the demonstrations it had saved (no second
+    collection: 200 ALFWorld games take minutes), the same ones a fresh collection gives;
+    a damaged ``demos.jsonl`` (a line dropped) is collected again, never served."""
+    import sprpo_lib.sft as S
+
+    cfg = SFTConfig(n_tasks=2, expert_prob=0.5)
+    trained: list[list[Demo]] = []
+    monkeypatch.setattr(S, "train_sft", lambda policy, demos, *a, **k: trained.append(list(demos)) or {})
+    monkeypatch.setattr(S, "read_json", lambda path: {})  # the stubbed trainer writes no sft_summary.json
+    collected = []
+    real_collect = S.collect_demonstrations
+    monkeypatch.setattr(S, "collect_demonstrations", lambda *a, **k: collected.append(1) or real_collect(*a, **k))
+
+    first = warm_start(None, pool, cfg, AGENT, tmp_path, progress=False)
+    again = warm_start(None, pool, cfg, AGENT, tmp_path, progress=False)
+    assert len(collected) == 1 and trained[0] == trained[1] and len(trained[0]) > 2
+    assert again["collect"] == first["collect"]
+
+    path = tmp_path / "demos.jsonl"
+    path.write_text("".join(path.read_text().splitlines(keepends=True)[:-1]))
+    warm_start(None, pool, cfg, AGENT, tmp_path, progress=False)
+    assert len(collected) == 2 and trained[2] == trained[0]
+    warm_start(None, pool, dataclasses.replace(cfg, expert_prob=1.0), AGENT, tmp_path, progress=False)
+    assert len(collected) == 3 and trained[3] != trained[0]  # other settings: collected again
