@@ -147,6 +147,7 @@ def test_config_profiles_and_errors():
     alf = load_config("cpu", **{"env.name": "alfworld"})  # the profile's per_env ALFWorld settings
     assert (alf.sft.demonstrator, alf.env.max_steps, alf.update.adv.norm) == ("explorer", 20, "mean_std")
     assert alf.rollout.agent.compact_actions and not cpu.rollout.agent.compact_actions
+    assert alf.sft.lora_layers is None and cpu.sft.lora_layers == 8  # ALFWorld's clone: LoRA on every layer
     with pytest.raises(ValueError, match="sft.demonstrator=expert"):
         load_config("cpu", ["sft.demonstrator=shopper"], **{"env.name": "alfworld"})
 
