@@ -237,8 +237,8 @@ def collect_demonstrations(
     n_ep = n_succ = n_none = n_disagree = 0
     score_sum = 0.0
     indices = list(indices)
-    for idx in progress_bar(indices, desc=f"demonstrations ({demonstrator}, {split})", unit="task", leave=progress,
-                            disable=not progress):
+    bar = progress_bar(indices, desc=f"demonstrations ({demonstrator}, {split})", unit="task", disable=not progress)
+    for idx in bar:
         handle = pool.open(split, idx)
         ep = handle.spawn()
         rng = random.Random(f"{seed}:{split}:{idx}")
@@ -846,7 +846,8 @@ def warm_start(
     n = min(cfg.n_tasks, pool.splits()[cfg.split])
     key = canonical_hash({"split": cfg.split, "tasks": n, "expert_prob": cfg.expert_prob, "seed": cfg.seed,
                           "demonstrator": cfg.demonstrator, "episode_steps": cfg.episode_steps,
-                          "repeat_prob": cfg.repeat_prob, "agent": asdict(agent), "labels": EXPLORER_LABELS})
+                          "repeat_prob": cfg.repeat_prob, "agent": asdict(agent),
+                          "labels": LABEL_VERSIONS.get(cfg.demonstrator)})
     cached = None if out_dir is None else _saved_demos(Path(out_dir), key)
     if cached is not None:  # a resumed warm start (a killed one collects minutes of demonstrations again)
         demos, stats = cached
