@@ -44,11 +44,15 @@ class Actor:
             disabled), verl's ``use_kl_loss``; 0 disables.
         mini_batch, epochs: :meth:`ppo_update`'s optimizer steps (verl's
             ``ppo_mini_batch_size``, ``ppo_epochs``).
+        skip_zero_adv: a pass that differentiates the token-mean surrogate alone skips
+            the rows whose advantage is 0 (:meth:`rows_with_gradient`): the gradient is
+            the same, the cost falls by their share.  ``False`` runs every row (verl).
     """
 
     def __init__(self, model, pad_id: int, opt: torch.optim.Optimizer, *, grad_clip: float = 1.0,
                  loss_name: str = "ppo_dual_clip", loss_cfg: PPOLossConfig | None = None, micro_batch: int = 8,
-                 kl_coef: float = 0.0, kl_type: str = "low_var_kl", mini_batch: int | None = None, epochs: int = 1):
+                 kl_coef: float = 0.0, kl_type: str = "low_var_kl", mini_batch: int | None = None, epochs: int = 1,
+                 skip_zero_adv: bool = True):
         self.model, self.pad_id, self.opt = model, pad_id, opt
         self.params = [p for g in opt.param_groups for p in g["params"]]
         self.grad_clip = grad_clip
@@ -58,6 +62,7 @@ class Actor:
         self.sort_micro_batches = True
         self.kl_coef, self.kl_type = kl_coef, kl_type
         self.mini_batch, self.epochs = mini_batch, epochs
+        self.skip_zero_adv = skip_zero_adv
         self.fc = FFNChannels(model)
         self.shape = self.fc.shape
         self.device = next(model.parameters()).device
@@ -115,6 +120,18 @@ class Actor:
             s.ref_logp = lp
 
     # ------------------------------------------------------------------ backward
+    def rows_with_gradient(self, batch: Batch, regularised: bool) -> Batch:
+        """The rows a backward pass must run.  Under the token-mean surrogate alone a row
+        with A = 0 has the per-token loss -0 * ratio, whose gradient (in theta, xi and the
+        channel gain) is exactly 0, whatever the ratio; the token-mean's denominator stays
+        the whole batch's token count, so skipping the row leaves the gradient unchanged.
+        GiGPO gives A = 0 to every step of a group whose episodes all scored alike (most
+        rows of a batch without a success).  Entropy and KL terms, and the seq-mean
+        aggregations, depend on every row: then all of them run."""
+        if not self.skip_zero_adv or regularised or self.loss_cfg.loss_agg_mode != "token-mean":
+            return batch
+        return Batch([s for s in batch.samples if s.adv != 0.0])
+
     def backward(self, batch: Batch, xi: torch.Tensor | None = None, *, gain: torch.Tensor | None = None,
                  terms: frozenset = TRAIN) -> dict[str, float]:
         """Accumulate the gradient of ``loss = -(L_k [+ regularisers])`` over ``batch``.
@@ -122,7 +139,10 @@ class Actor:
         Old log-probs: a sample without ``old_logp`` takes this pass's own log-probs
         (ratio 1): correct only at theta_k under this ``xi``, which is where the first
         pass over a batch happens; :meth:`ppo_update` fills them beforehand whenever it
-        takes more than one step.  Returns token-weighted loss statistics.
+        takes more than one step.  Returns token-weighted statistics: ``loss`` and
+        ``pg_loss`` over the whole batch, the ratio statistics over the rows that ran
+        (:meth:`rows_with_gradient`), and ``grad_token_frac``, their share of the tokens.
+        A pass that runs no row leaves zero gradients (as the pass over them would).
         """
         t0 = time.perf_counter()
         self.model.train()
@@ -132,9 +152,11 @@ class Actor:
         if need_kl:
             self.fill_ref_log_probs(batch)
         n_total = max(1, batch.n_tokens)
+        rows = self.rows_with_gradient(batch, need_ent or need_kl)
+        n_rows = max(1, rows.n_tokens)
         acc: dict[str, float] = {}
         with torch.enable_grad(), self.fc, float32_compute(self.model, below_resolution(xi, self.dtype)):
-            for mb in batch.micro_batches(self.micro_batch, self.pad_id, self.device, self.sort_micro_batches):
+            for mb in rows.micro_batches(self.micro_batch, self.pad_id, self.device, self.sort_micro_batches):
                 logits = self._logits(mb)
                 logp = token_logprobs(logits, mb.tgt)
                 old = mb.field("old_logp")
@@ -153,15 +175,27 @@ class Actor:
                     loss = loss + self.kl_coef * kl
                     st["kl"] = kl.item()
                 st["loss"] = loss.item()
-                w = float(mb.mask.sum()) / n_total
+                n_mb = float(mb.mask.sum())
+                w = n_mb / n_total
                 if loss.requires_grad:
                     (loss * w).backward()
-                for k, v in st.items():
-                    acc[k] = acc.get(k, 0.0) + float(v) * w
+                for k, v in st.items():  # the loss over the whole batch (a skipped row's is 0)
+                    acc[k] = acc.get(k, 0.0) + float(v) * (w if k in ("loss", "pg_loss") else n_mb / n_rows)
+        if not rows.samples:
+            self._zero_gradients(xi, gain)
+            acc.update(loss=0.0, pg_loss=0.0)
+        acc["grad_token_frac"] = rows.n_tokens / n_total
         self.fc.clear()
         self.model.eval()
         self._tick(t0)
         return acc
+
+    def _zero_gradients(self, *leaves) -> None:
+        """Zero gradients where a pass over all-zero-advantage rows would have left them
+        (Adam then still steps on its moments, as after such a pass)."""
+        for p in [*self.params, *leaves]:
+            if p is not None and p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
 
     def grad_norm_sq(self) -> float:
         """``||grad_theta||_2^2`` of the accumulated gradient (float64)."""

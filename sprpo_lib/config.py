@@ -100,7 +100,11 @@ class UpdateConfig:
     step rows, 1 epoch, and a ``low_var_kl`` loss to the reference policy with
     ``kl_coef`` 0.01; the paper states neither, so the defaults are one step and no
     KL.  ``micro_batch``: samples per forward/backward (gradient accumulation, exact
-    for the token-mean)."""
+    for the token-mean).  ``skip_zero_adv``: passes over the token-mean surrogate alone
+    skip the rows with advantage 0, whose gradient is exactly 0 (the update, SPrPO's
+    replay and SAM's channel gradient; the result is the same up to float rounding,
+    the cost falls by their share: ``grad_token_frac`` in the metrics); ``false`` runs
+    every row, as verl does."""
 
     lr: float = 3e-6
     betas: tuple[float, float] = (0.9, 0.999)
@@ -115,6 +119,7 @@ class UpdateConfig:
     adv: AdvantageConfig = field(default_factory=AdvantageConfig)
     loss_name: str = "ppo_dual_clip"
     loss: PPOLossConfig = field(default_factory=PPOLossConfig)
+    skip_zero_adv: bool = field(default=True, metadata=OMIT_AT_DEFAULT)
 
     def __post_init__(self):
         if self.ppo_mini_batch_size is not None and self.ppo_mini_batch_size < 1:

@@ -186,14 +186,15 @@ class SAM(Method):
         u = torch.ones(self.shape, device=actor.fc.device, dtype=actor.fc.dtype, requires_grad=True)
         with actor.timing("sensitivity_s"):
             actor.zero_grad()
-            actor.backward(batch, gain=u, terms=SURROGATE)  # line 3: u.grad = dloss/du = -dL/du = -g
+            probe = actor.backward(batch, gain=u, terms=SURROGATE)  # line 3: u.grad = dloss/du = -dL/du = -g
             actor.zero_grad()
         g = -u.grad.detach().float().cpu()
         norm = g.norm()
         adv_xi = -self.cfg.sam_rho * g / norm if norm > 0 else torch.zeros(self.shape)  # line 4
         stats = actor.ppo_update(batch.without_old(), adv_xi)  # line 5: ratios under xi_k
         self.last_xi = adv_xi
-        return {**stats, "sam_g_norm": float(norm), "sam_xi_norm": float(adv_xi.norm())}
+        return {**stats, "sam_g_norm": float(norm), "sam_xi_norm": float(adv_xi.norm()),
+                "sam_token_frac": probe["grad_token_frac"]}
 
 
 def rank_correlation(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -313,7 +314,8 @@ class SPrPO(Method):
             actor.zero_grad()
         # the surrogate's change theta_k -> theta_{k+1} on D_k under xi_k (L = -pg_loss), the margin Corollary 1 needs
         change = stats.get("pg_loss", 0.0) - replay.get("pg_loss", 0.0)
-        return {**stats, "replay_loss": replay["loss"], "surrogate_change": change, **self._measured()}
+        return {**stats, "replay_loss": replay["loss"], "surrogate_change": change,
+                "replay_token_frac": replay["grad_token_frac"], **self._measured()}
 
     def _measured(self) -> dict:
         return {"S_hat_mean": float(self.S_hat.mean()), "m_hat": self.m_hat, "S_rank_corr": self.rank_corr}

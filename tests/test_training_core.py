@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from sprpo_lib.actor import Actor
+from sprpo_lib.actor import SURROGATE, Actor
 from sprpo_lib.advantages import StepSample, compute_advantages
 from sprpo_lib.agent import AgentConfig, HistoryStep, build_prompt, fit_prompt
 from sprpo_lib.batch import Batch, Sample, build_batch
@@ -317,6 +317,52 @@ def test_length_sorted_micro_batches_keep_order_and_gradient(tmp_path):
     tr.actor.zero_grad()
     for a, b in zip(grads[True], grads[False]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+
+
+def test_zero_advantage_rows_are_skipped_with_the_same_gradient(tmp_path):
+    """A row with A = 0 carries no gradient of the token-mean surrogate: passes over the
+    surrogate alone skip it (update.skip_zero_adv, the default) and give the parameters',
+    the channels' (SPrPO's S_hat, SAM's g) and the loss's values of running every row.
+    A pass with the entropy bonus runs every row; one without any non-zero advantage runs
+    none and leaves zero gradients, as the full pass does."""
+    tr = _trainer(tmp_path)
+    batch, xi = _batch(tr)
+    batch = batch.without_old()
+    for i, s in enumerate(batch.samples):
+        if i % 2:
+            s.adv = 0.0
+    live = sum(s.n_resp for s in batch.samples if s.adv != 0)
+    assert 0 < live < batch.n_tokens
+    xi = 0.1 * torch.randn(tr.shape, generator=torch.Generator().manual_seed(3))
+    out = {}
+    for skip in (True, False):
+        tr.actor.skip_zero_adv = skip
+        leaf = grad_leaf(xi, tr.actor)
+        tr.actor.zero_grad()
+        st = tr.actor.backward(batch.without_old(), leaf, terms=SURROGATE)
+        out[skip] = ([p.grad.clone() for p in tr.actor.params], leaf.grad.clone(), st)
+    for a, b in zip(out[True][0], out[False][0]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(out[True][1], out[False][1], rtol=1e-4, atol=1e-9)
+    assert out[True][1].abs().sum() > 0
+    assert out[True][2]["pg_loss"] == pytest.approx(out[False][2]["pg_loss"], rel=1e-4, abs=1e-9)
+    assert out[True][2]["grad_token_frac"] == pytest.approx(live / batch.n_tokens)
+    assert out[False][2]["grad_token_frac"] == 1.0
+    tr.actor.skip_zero_adv = True
+    tr.actor.zero_grad()
+    assert tr.actor.loss_cfg.entropy_coeff > 0
+    assert tr.actor.backward(batch.without_old(), None)["grad_token_frac"] == 1.0  # TRAIN: the bonus needs every row
+    for s in batch.samples:
+        s.adv = 0.0
+    for skip in (True, False):
+        tr.actor.skip_zero_adv = skip
+        tr.actor.zero_grad()
+        leaf = grad_leaf(xi, tr.actor)
+        st = tr.actor.backward(batch.without_old(), leaf, terms=SURROGATE)
+        assert st["pg_loss"] == 0.0 and st["grad_token_frac"] == (0.0 if skip else 1.0)
+        assert all(p.grad is not None and not p.grad.any() for p in tr.actor.params)
+        assert leaf.grad is not None and not leaf.grad.any()
+    tr.actor.zero_grad()
 
 
 def test_kl_loss_low_var_kl(tmp_path):
