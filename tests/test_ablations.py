@@ -124,6 +124,23 @@ def test_motivation_figure_draws_the_warm_start_beside_vanilla(tmp_path):
     assert math.isclose(R.MDE80_Z, 2.8016, abs_tol=1e-3)
 
 
+def test_motivation_figure_marks_bars_measured_on_fewer_goals(tmp_path, monkeypatch):
+    summ = _summary({"vanilla": {("clean", 0.0): 40.0, ("gaussian", 0.1): 30.0, ("gaussian", 0.2): 16.0},
+                     "warm_start": {("clean", 0.0): 25.0, ("gaussian", 0.1): 20.0, ("gaussian", 0.2): 20.0}})
+    summ["tasks"] = [24, 10, 24, 24, 10, 24]
+    summ["n"] = [2, 1, 2, 1, 1, 1]
+    figs = []
+    monkeypatch.setattr(R, "save_figure", lambda fig, path: figs.append(fig) or [])
+    R.plot_motivation(summ, tmp_path / "fig1", reference="warm_start")
+    ticks = [t.get_text() for t in figs[0].axes[0].get_xticklabels()]
+    assert ticks == ["Clean", "\u03c3=0.10\u2020", "\u03c3=0.20"]
+    notes = [t.get_text() for t in figs[0].texts]
+    assert notes and "24 goals x 2 training seeds per bar" in notes[0] and "\u2020 10 goals x 1 training seed" in notes[0]
+    figs.clear()
+    R.plot_motivation(summ.assign(tasks=24, n=2), tmp_path / "fig1", reference="warm_start")
+    assert not figs[0].texts and "\u2020" not in "".join(t.get_text() for t in figs[0].axes[0].get_xticklabels())
+
+
 def test_fig3_rows_per_env_categorical_precision_and_one_marker_per_method(tmp_path, monkeypatch):
     cells = {("clean", 0.0): 40.0, ("gaussian", 0.1): 30.0, ("rtn", 8.0): 39.0, ("rtn", 6.0): 35.0,
              ("rtn", 4.0): 5.0}

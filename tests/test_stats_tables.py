@@ -61,6 +61,18 @@ def test_retention_is_the_ratio_of_seed_means():
     assert f"{stats.add_retention(summary)['retention'].iloc[1]:.1f}" == "32.9"
 
 
+def test_summary_counts_distinct_tasks_per_setting():
+    """``tasks`` counts goals (over splits, evaluation and training seeds), so a setting
+    measured on fewer goals says so."""
+    rows = (episodes("m", 0, "clean", 0.0, [1, 0, 1], split="valid_seen", eval_seeds=(0, 1))
+            + episodes("m", 0, "clean", 0.0, [1, 1], split="valid_unseen", eval_seeds=(0, 1))
+            + episodes("m", 1, "clean", 0.0, [0, 0, 0], split="valid_seen")
+            + episodes("m", 0, "rtn", 4.0, [1]))
+    s = stats.summarize(pd.DataFrame(rows)).set_index("family")
+    assert s.loc["clean", "tasks"] == 5 and s.loc["rtn", "tasks"] == 1
+    assert s.loc["clean", "n"] == 2 and s.loc["rtn", "n"] == 1
+
+
 def test_single_seed_has_no_std():
     s = stats.summarize(pd.DataFrame(episodes("m", 0, "clean", 0.0, [1, 0])))
     assert s["n"].iloc[0] == 1 and math.isnan(s["std"].iloc[0])

@@ -131,20 +131,30 @@ def plot_motivation(summary: pd.DataFrame, path: str | Path, *, method: str = "v
     +- std over its training seeds), the clean level as a dashed line; ``reference`` (the
     warm start) as outlined bars beside them, so the reader sees whether RL made the agent
     more or less fragile than its starting point.  Ticks give the strength; the family
-    names the group of ticks beneath; the value labels sit above the whiskers."""
+    names the group of ticks beneath; the value labels sit above the whiskers.  Where the
+    summary has ``tasks`` and the bars of ``method`` rest on different designs (goals x
+    training seeds), ticks off the clean bar's design carry a dagger and a footnote says
+    both, so that no bar passes for more evidence than it has."""
     plt = _plt()
 
     def bars_of(m: str) -> list[tuple]:
         sel = summary[summary["method"] == m]
         clean = sel[sel["family"] == "clean"]
+        def design(r) -> tuple:
+            return (int(r["tasks"]) if "tasks" in r and not pd.isna(r["tasks"]) else None, int(r["n"]))
+
         out = [("Clean", float(clean["mean"].iloc[0]) if len(clean) else math.nan,
-                float(clean["std"].fillna(0).iloc[0]) if len(clean) else 0.0, "clean", 0.0)]
+                float(clean["std"].fillna(0).iloc[0]) if len(clean) else 0.0, "clean", 0.0,
+                design(clean.iloc[0]) if len(clean) else None)]
         for fam in families:
             part = sel[sel["family"] == fam].sort_values("strength", ascending=(fam != "rtn"))
             for _, r in part.iterrows():
                 out.append((plain(strength_label(fam, r["strength"])), float(r["mean"]),
-                            float(0 if pd.isna(r["std"]) else r["std"]), fam, float(r["strength"])))
+                            float(0 if pd.isna(r["std"]) else r["std"]), fam, float(r["strength"]), design(r)))
         return out
+
+    def in_words(d: tuple) -> str:
+        return (f"{d[0]} goals x " if d[0] is not None else "") + f"{d[1]} training seed{'s' if d[1] != 1 else ''}"
 
     bars = bars_of(method)
     ref = {(b[3], b[4]): b for b in bars_of(reference)} if reference else {}
@@ -163,14 +173,22 @@ def plot_motivation(summary: pd.DataFrame, path: str | Path, *, method: str = "v
            label=METHOD_LABELS.get(method, method))
     values(x + dx, [b[1] for b in bars], [b[2] for b in bars])
     if ref:
-        rb = [ref.get((b[3], b[4]), (None, math.nan, 0.0)) for b in bars]
+        rb = [ref.get((b[3], b[4]), (None, math.nan, 0.0, None, None, None)) for b in bars]
         ax.bar(x + w / 2, [r[1] for r in rb], w, yerr=[r[2] for r in rb], capsize=2, facecolor="none",
                edgecolor=[palette.get(b[3]) for b in bars], hatch="//", label=METHOD_LABELS.get(reference, reference))
         values(x + w / 2, [r[1] for r in rb], [r[2] for r in rb])
         ax.legend(fontsize=7, loc="upper right")
     if not math.isnan(bars[0][1]):
         ax.axhline(bars[0][1], ls="--", lw=1, color="k", alpha=0.6)
-    ax.set_xticks(x, [b[0] for b in bars], fontsize=7)
+    main = bars[0][5]
+    off = sorted({b[5] for b in bars if b[5] is not None and b[5] != main}, key=str)
+    ax.set_xticks(x, [b[0] + ("\u2020" if off and b[5] != main else "") for b in bars], fontsize=7)
+    if off and main is not None:
+        note = (f"{METHOD_LABELS.get(method, method)}: {in_words(main)} per bar; \u2020 "
+                + "; ".join(in_words(d) for d in off))
+        if ref and {b[5][1] for b in ref.values() if b[5]} == {1}:
+            note += f". {METHOD_LABELS.get(reference, reference)} (hatched): one policy on the same goals"
+        fig.text(0.01, 0.01, note, fontsize=6, ha="left", va="bottom", alpha=0.8)
     for fam in ("clean", *families):  # the family under its group of ticks
         idx = [i for i, b in enumerate(bars) if b[3] == fam]
         if idx and fam != "clean":
@@ -181,7 +199,7 @@ def plot_motivation(summary: pd.DataFrame, path: str | Path, *, method: str = "v
                 ax.axvline(idx[0] - 0.5, color="k", lw=0.5, alpha=0.3)
     ax.set(ylabel="success (%)", ylim=(0, 110),
            title=title or f"{METHOD_LABELS.get(method, method)} under perturbations")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.04, 1, 1) if off and main is not None else None)
     return save_figure(fig, path)
 
 

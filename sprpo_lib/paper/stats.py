@@ -89,12 +89,18 @@ def policy_retention(per_policy: pd.DataFrame, by: Sequence[str] = ("env",), met
 def summarize(rows: pd.DataFrame, by: Sequence[str] = ("env",), method: str = "method",
               train_seed: str = "train_seed") -> pd.DataFrame:
     """Episode rows -> one row per (method, ``by``, family, strength): success ``mean``,
-    ``std`` over training seeds, ``n`` seeds, ``retention``, and the seed-mean score
-    ``score``.  The input of :mod:`sprpo_lib.paper.tables`."""
+    ``std`` over training seeds, ``n`` seeds, ``tasks`` (distinct test tasks, where rows
+    have ``task_index``), ``retention``, and the seed-mean score ``score``.  The input of
+    :mod:`sprpo_lib.paper.tables`."""
     per = policy_success(rows, by, method, train_seed)
     out = mean_std(per, "success", by, method, train_seed)
     score = mean_std(per, "score", by, method, train_seed)[[method, *by, *SETTING, "mean"]]
     out = out.merge(score.rename(columns={"mean": "score"}), on=[method, *by, *SETTING])
+    if "task_index" in rows.columns:  # how many goals stand behind each mean (settings may differ)
+        unit = [c for c in ("env", "split", "task_index") if c in rows.columns]
+        keys = [method, *by, *SETTING]
+        tasks = rows[list(dict.fromkeys([*keys, *unit]))].drop_duplicates().groupby(keys, dropna=False).size()
+        out = out.merge(tasks.rename("tasks").reset_index(), on=keys, how="left")
     return add_retention(out, by, method)
 
 
