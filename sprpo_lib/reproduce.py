@@ -348,10 +348,14 @@ def update_readme(profile: str, out_dir: str, readme: Path | None = None) -> boo
     """Refresh the README's generated blocks from ``out_dir``: the headline numbers
     (``headline-<profile>``, from ``headline_<profile>.md`` less its paired tables, which
     the README links), the paper's claims against
-    them (``claims-<profile>``, from ``claims_<profile>.md``), the stage times
+    them (``claims-<profile>``: a grid per environment from ``claims_<profile>.csv``, which
+    links the full ``.md``), the stage times
     (``stages-<profile>``, from the manifests), what the profiles run (``plans``, from the
     plans) and the notebook table (``notebooks``).
     No number in the README is typed by hand."""
+    import pandas as pd
+
+    from sprpo_lib.paper.claims import claims_grid
     from sprpo_lib.paper.results import replace_block, without_paired
 
     root = project_root()
@@ -363,7 +367,10 @@ def update_readme(profile: str, out_dir: str, readme: Path | None = None) -> boo
         src = project_path(out_dir) / f"{block}_{profile}.md"
         if src.is_file() and f"<!-- {block}-{profile}:begin -->" in text:
             where = src.relative_to(root) if src.is_relative_to(root) else src
-            body = without_paired(src.read_text()) if block == "headline" else src.read_text()
+            if block == "headline":
+                body = without_paired(src.read_text())
+            else:  # the full table stays in its file; the README has one grid per environment
+                body = claims_grid(pd.read_csv(src.with_suffix(".csv")), profile=profile, full=str(where))
             text = replace_block(text, f"{block}-{profile}", f"<!-- generated from {where}; do not edit -->\n" + body)
     if f"<!-- stages-{profile}:begin -->" in text:
         text = replace_block(text, f"stages-{profile}", "<!-- generated from the manifests by sprpo-reproduce; "

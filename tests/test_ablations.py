@@ -97,9 +97,35 @@ def test_claim_rows_take_the_papers_differences():
     rows = C.claim_rows(paired, abl, "webshop")
     assert list(rows.claim) == ["SPrPO keeps more success than Vanilla", "full SPrPO beats w/o scheduling"]
     assert rows.paper.tolist() == pytest.approx([30.13 - 18.73, 60.00 - 52.13])
-    md = C.claims_markdown(rows, profile="cpu", env="webshop")
+    md = C.claims_markdown(rows, profile="cpu")
     assert "| +11.4 | +4.0 [-1.0, +12.0] | 7.0 | 200 | not resolved, though" in md
     assert "| +7.9 | +2.0 [-3.0, +7.0] | 14.0 | 100 | not resolved; smaller than the paper's: the interval leaves out +7.9 |" in md
+
+
+def test_claims_cover_both_environments_in_one_grid_each():
+    """ALFWorld's Table 1 (no ablation study there) and WebShop's with its ablation; the
+    grid puts each comparison in the setting's column with the reading's mark."""
+    def p(base, fam, s, d, lo, hi, tasks=24):
+        return {"baseline": base, "family": fam, "strength": s, "success_diff": d, "success_lo": lo,
+                "success_hi": hi, "success_mde80": 9.0, "tasks": tasks}
+    paired = {"alfworld": pd.DataFrame([p("vanilla", "clean", 0.0, 8.0, 2.0, 14.0, 12),
+                                        p("vanilla", "sparsegpt", 0.7, -6.0, -10.0, -1.0, 12),
+                                        p("sam", "rtn", 6.0, 0.0, -4.0, 6.0, 12)]),
+              "webshop": pd.DataFrame([p("vanilla", "gaussian", 0.2, 1.0, -1.0, 3.0)])}
+    abl = {"webshop": pd.DataFrame([p("alpha0", "clean", 0.0, 2.0, -3.0, 7.0, 16)])}
+    rows = C.claim_table(paired, abl)
+    assert rows.env.tolist() == ["alfworld"] * 3 + ["webshop"] * 2
+    assert rows.paper.tolist() == pytest.approx([91.85 - 87.59, 58.03 - 41.12, 91.24 - 86.25, 30.13 - 18.73,
+                                                 60.00 - 48.80])
+    grid = C.claims_grid(rows, profile="cpu", full="figures/claims_cpu.md")
+    lines = grid.splitlines()
+    alf = lines.index("**ALFWorld** (12 test goals)")
+    assert lines[alf + 2] == "| SPrPO minus | clean | Unstructured pruning r=0.70 | Quantization INT6 |"
+    assert lines[alf + 4] == "| Vanilla | **+8.0 [+2.0, +14.0] / 9 / +4.3** | -6.0 [-10.0, -1.0] / 9 / +16.9 (!) |  |"
+    assert lines[alf + 5] == "| SAM |  |  | +0.0 [-4.0, +6.0] / 9 / +5.0 |"
+    web = lines.index("**WebShop** (16/24 test goals)")
+    assert "\u2020" in lines[web + 4] and lines[web + 5].startswith("| w/o sensitivity (alpha = 0) |")
+    assert C.claims_markdown(rows, profile="cpu").count("| Claim |") == 2
 
 
 def test_noise_health_against_hand_computed_limits():

@@ -211,6 +211,25 @@ def test_readme_headline_block_is_the_digest(tmp_path, monkeypatch):
     assert "| Vanilla | 40.0 ± 2.0 |" in text and "+5.0" not in text and "old" not in text and text.endswith("rest\n")
 
 
+def test_readme_claims_block_is_the_grid_and_links_the_full_table(tmp_path, monkeypatch):
+    from sprpo_lib.paper import claims as C
+    from sprpo_lib.reproduce import update_readme
+
+    monkeypatch.setenv("SPRPO_HOME", str(tmp_path))
+    paired = pd.DataFrame([{"baseline": "vanilla", "family": "clean", "strength": 0.0, "success_diff": 5.0,
+                            "success_lo": -1.0, "success_hi": 9.0, "success_mde80": 12.0, "tasks": 24}])
+    rows = C.claim_table({"webshop": paired})
+    (tmp_path / "figures").mkdir()
+    rows.to_csv(tmp_path / "figures" / "claims_cpu.csv", index=False)
+    (tmp_path / "figures" / "claims_cpu.md").write_text(C.claims_markdown(rows, profile="cpu"))
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- claims-cpu:begin -->\nSTALE\n<!-- claims-cpu:end -->\nrest\n")
+    assert update_readme("cpu", "figures", readme)
+    text = readme.read_text()
+    assert "| Vanilla | +5.0 [-1.0, +9.0] / 12 / +3.0 |" in text and "(figures/claims_cpu.md)" in text
+    assert "| Claim |" not in text and "STALE" not in text and text.endswith("rest\n")
+
+
 def test_recorded_compute_adds_every_pass_and_counts_a_shared_cell_once(tmp_path, monkeypatch):
     """The stage table's recorded compute, against sums by hand: 01 = its runs' iteration
     wall_s + their warm start's seconds (collection, cloning, held-out score); a cell in 03's and 04's rows counts for 03 only."""

@@ -5,8 +5,10 @@ detect (80% power), and a reading that follows from those three by a fixed rule
 results (notebook 08 writes it after notebooks 04 and 08 have computed their paired
 comparisons); nothing in it is typed.
 
-``PAPER`` holds the paper's own numbers (WebShop, Table 1 and App. table "Component
-ablations", success %), the reference each claim is read against.
+``PAPER`` holds the paper's own numbers (Table 1 for both environments, App. table
+"Component ablations" for WebShop; success %), the reference each claim is read against.
+:func:`claims_markdown` is the full table (``figures/claims_<profile>.md``);
+:func:`claims_grid`, one compact grid per environment, is what the README shows.
 """
 from __future__ import annotations
 
@@ -16,12 +18,25 @@ from typing import Mapping
 import pandas as pd
 
 from sprpo_lib.paper.results import plain
-from sprpo_lib.paper.tables import FAMILY_LABELS, METHOD_LABELS, strength_label
+from sprpo_lib.paper.tables import ENV_LABELS, FAMILY_LABELS, METHOD_LABELS, strength_label
 
-__all__ = ["PAPER", "reading", "claim_rows", "claims_markdown"]
+__all__ = ["PAPER", "reading", "claim_rows", "claim_table", "claims_markdown", "claims_grid"]
 
-#: The paper's WebShop success (%) per method and Table 1 setting, and its component ablations.
+#: The paper's success (%) per method and Table 1 setting (both environments), and its
+#: WebShop component ablations.
 PAPER = {
+    "alfworld": {
+        "table1": {
+            "vanilla": {"clean@0": 87.59, "gaussian@0.2": 64.96, "dropout@0.05": 54.62, "fisher@0.2": 41.73,
+                        "sparsegpt@0.7": 41.12, "rtn@6": 86.98},
+            "gaussian": {"clean@0": 89.05, "gaussian@0.2": 72.26, "dropout@0.05": 57.79, "fisher@0.2": 23.72,
+                         "sparsegpt@0.7": 32.85, "rtn@6": 87.47},
+            "sam": {"clean@0": 86.86, "gaussian@0.2": 66.79, "dropout@0.05": 55.60, "fisher@0.2": 22.02,
+                    "sparsegpt@0.7": 50.97, "rtn@6": 86.25},
+            "sprpo": {"clean@0": 91.85, "gaussian@0.2": 75.91, "dropout@0.05": 64.60, "fisher@0.2": 47.08,
+                      "sparsegpt@0.7": 58.03, "rtn@6": 91.24},
+        },
+    },
     "webshop": {
         "table1": {
             "vanilla": {"clean@0": 57.00, "gaussian@0.2": 18.73, "dropout@0.05": 12.20, "fisher@0.2": 2.27,
@@ -66,8 +81,9 @@ def _setting(family: str, strength: float) -> str:
 
 def claim_rows(paired: pd.DataFrame, ablation_paired: pd.DataFrame | None, env: str,
                paper: Mapping | None = None) -> pd.DataFrame:
-    """One row per (claim, setting): SPrPO minus each baseline (Table 1) and each ablation
-    variant minus full SPrPO (App. "Component ablations"), with the paper's difference."""
+    """One row per (claim, setting) on ``env``: SPrPO minus each baseline (Table 1) and
+    full SPrPO minus each ablation variant (App. "Component ablations"), with the paper's
+    difference; ``versus`` names the other policy (a column of :func:`claims_grid`)."""
     ref = (paper or PAPER).get(env, {})
     t1 = ref.get("table1", {})
     out = []
@@ -78,7 +94,8 @@ def claim_rows(paired: pd.DataFrame, ablation_paired: pd.DataFrame | None, env: 
         expected = t1["sprpo"][k] - t1[base][k]
         claim = (f"SPrPO {'matches or beats' if r['family'] == 'clean' else 'keeps more success than'} "
                  f"{METHOD_LABELS.get(base, base)}")
-        out.append({"claim": claim, "setting": _setting(r["family"], r["strength"]), "paper": expected, **_nums(r)})
+        out.append({"env": env, "claim": claim, "versus": METHOD_LABELS.get(base, base),
+                    "setting": _setting(r["family"], r["strength"]), "paper": expected, **_nums(r)})
     comp = ref.get("components", {})
     if ablation_paired is not None:
         full = t1.get("sprpo", {})
@@ -88,12 +105,22 @@ def claim_rows(paired: pd.DataFrame, ablation_paired: pd.DataFrame | None, env: 
                 continue
             name = {"alpha0": "w/o sensitivity (alpha = 0)", "no_schedule": "w/o scheduling"}[r["baseline"]]
             # the ablation rows are reference (full) minus variant: the paper's full minus variant
-            out.append({"claim": f"full SPrPO beats {name}", "setting": _setting(r["family"], r["strength"]),
+            out.append({"env": env, "claim": f"full SPrPO beats {name}", "versus": name,
+                        "setting": _setting(r["family"], r["strength"]),
                         "paper": full[k] - comp[r["baseline"]][k], **_nums(r)})
-    cols = ["claim", "setting", "paper", "diff", "lo", "hi", "mde80", "tasks", "reading"]
+    cols = ["env", "claim", "versus", "setting", "paper", "diff", "lo", "hi", "mde80", "tasks", "reading"]
     for r in out:
         r["reading"] = reading(r["diff"], r["lo"], r["hi"], r["mde80"], r["paper"])
     return pd.DataFrame(out, columns=cols)
+
+
+def claim_table(paired: Mapping[str, pd.DataFrame], ablation_paired: Mapping[str, pd.DataFrame] | None = None,
+                paper: Mapping | None = None) -> pd.DataFrame:
+    """:func:`claim_rows` of every environment in ``paired`` (Table 1's comparisons, env ->
+    rows), with that environment's ablation comparisons where ``ablation_paired`` has them."""
+    parts = [claim_rows(p, (ablation_paired or {}).get(env), env, paper) for env, p in paired.items()]
+    parts = [p for p in parts if len(p)]
+    return pd.concat(parts, ignore_index=True) if parts else claim_rows(pd.DataFrame(), None, "")
 
 
 def _nums(r: Mapping) -> dict:
@@ -103,16 +130,56 @@ def _nums(r: Mapping) -> dict:
             "tasks": r["tasks"]}
 
 
-def claims_markdown(rows: pd.DataFrame, *, profile: str, env: str) -> str:
-    """The claims table of :func:`claim_rows` in Markdown."""
+def claims_markdown(rows: pd.DataFrame, *, profile: str) -> str:
+    """The claims of :func:`claim_table` in Markdown, one full table per environment
+    (claim, setting, the paper's difference, this run's with its interval, MDE, tasks,
+    the reading)."""
     if rows.empty:
-        return f"No claim of the paper can be read from the {profile} profile's {env} results.\n"
-    lines = [f"Paper's claims on {env} against the `{profile}` profile: differences in success (percentage points), "
+        return f"No claim of the paper can be read from the {profile} profile's results.\n"
+    lines = [f"Paper's claims against the `{profile}` profile: differences in success (percentage points), "
              "SPrPO (full) minus the other policy or variant, paired over the same test goals and evaluation seeds (95% bootstrap over "
-             "tasks); MDE = the smallest difference this design detects with 80% power.\n",
-             "| Claim | Setting | Paper | This run [95% CI] | MDE | Tasks | Reading |", "|---|---|---|---|---|---|---|"]
-    for r in rows.to_dict("records"):
-        mde = "-" if math.isnan(r["mde80"]) else f"{r['mde80']:.1f}"
-        lines.append(f"| {r['claim']} | {r['setting']} | {r['paper']:+.1f} | {r['diff']:+.1f} [{r['lo']:+.1f}, "
-                     f"{r['hi']:+.1f}] | {mde} | {int(r['tasks'])} | {r['reading']} |")
+             "tasks); MDE = the smallest difference this design detects with 80% power."]
+    for env, part in rows.groupby("env", sort=False):
+        lines += ["", f"**{ENV_LABELS.get(env, env)}**", "",
+                  "| Claim | Setting | Paper | This run [95% CI] | MDE | Tasks | Reading |", "|---|---|---|---|---|---|---|"]
+        for r in part.to_dict("records"):
+            mde = "-" if math.isnan(r["mde80"]) else f"{r['mde80']:.1f}"
+            lines.append(f"| {r['claim']} | {r['setting']} | {r['paper']:+.1f} | {r['diff']:+.1f} [{r['lo']:+.1f}, "
+                         f"{r['hi']:+.1f}] | {mde} | {int(r['tasks'])} | {r['reading']} |")
+    return "\n".join(lines) + "\n"
+
+
+#: Marks of :func:`claims_grid`: a reading of :func:`reading` by its opening words.
+GRID_MARKS = (("agrees", "**{}**"), ("opposite sign", "{} (!)"), ("not resolved; smaller than the paper's", "{} \u2020"))
+
+
+def claims_grid(rows: pd.DataFrame, *, profile: str, full: str = "") -> str:
+    """The claims of :func:`claim_table` as one compact grid per environment (rows: the
+    other policy; columns: the settings; a cell: this run's difference [95% CI], MDE and
+    the paper's difference), the readings as marks; ``full`` links the full table."""
+    if rows.empty:
+        return f"No claim of the paper can be read from the {profile} profile's results.\n"
+    lines = [f"SPrPO minus each policy, success in percentage points: this run's paired difference [95% CI] "
+             f"/ the smallest difference its design detects (80% power) / the paper's difference. "
+             f"**Bold**: the interval excludes 0 on the paper's side; (!): it excludes 0 on the other side; "
+             f"\u2020: it straddles 0 and leaves out the paper's difference"
+             + (f"; readings in words: [{full}]({full})." if full else ".")]
+    for env, part in rows.groupby("env", sort=False):
+        settings = list(dict.fromkeys(part["setting"]))
+        tasks = sorted({int(t) for t in part["tasks"]})
+        lines += ["", f"**{ENV_LABELS.get(env, env)}** ({'/'.join(map(str, tasks))} test goals)", "",
+                  "| SPrPO minus | " + " | ".join(settings) + " |", "|---" * (len(settings) + 1) + "|"]
+        for versus, g in part.groupby("versus", sort=False):
+            by = {r["setting"]: r for r in g.to_dict("records")}
+            cells = []
+            for st in settings:
+                r = by.get(st)
+                if r is None:
+                    cells.append("")
+                    continue
+                mde = "-" if math.isnan(r["mde80"]) else f"{r['mde80']:.0f}"
+                cell = f"{r['diff']:+.1f} [{r['lo']:+.1f}, {r['hi']:+.1f}] / {mde} / {r['paper']:+.1f}"
+                mark = next((m for start, m in GRID_MARKS if str(r["reading"]).startswith(start)), "{}")
+                cells.append(mark.format(cell))
+            lines.append(f"| {versus} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
