@@ -120,7 +120,7 @@ def test_claims_cover_both_environments_in_one_grid_each():
     grid = C.claims_grid(rows, profile="cpu", full="figures/claims_cpu.md")
     lines = grid.splitlines()
     alf = lines.index("**ALFWorld** (12 test goals)")
-    assert lines[alf + 2] == "| SPrPO minus | clean | Unstructured pruning r=0.70 | Quantization INT6 |"
+    assert lines[alf + 2] == "| SPrPO minus | Clean | Unstructured pruning r=0.70 | Quantization INT6 |"
     assert lines[alf + 4] == "| Vanilla | **+8.0 [+2.0, +14.0] / 9 / +4.3** | -6.0 [-10.0, -1.0] / 9 / +16.9 (!) |  |"
     assert lines[alf + 5] == "| SAM |  |  | +0.0 [-4.0, +6.0] / 9 / +5.0 |"
     web = lines.index("**WebShop** (16/24 test goals)")

@@ -17,8 +17,8 @@ from typing import Mapping
 
 import pandas as pd
 
-from sprpo_lib.paper.results import plain
-from sprpo_lib.paper.tables import ENV_LABELS, FAMILY_LABELS, METHOD_LABELS, strength_label
+from sprpo_lib.paper.results import setting_label
+from sprpo_lib.paper.tables import ENV_LABELS, METHOD_LABELS
 
 __all__ = ["PAPER", "reading", "claim_rows", "claim_table", "claims_markdown", "claims_grid"]
 
@@ -75,10 +75,6 @@ def reading(diff: float, lo: float, hi: float, mde: float, expected: float) -> s
             f"{mde:.1f} pp" if abs(expected) < mde else "not resolved, though the design could detect the paper's difference")
 
 
-def _setting(family: str, strength: float) -> str:
-    return "clean" if family == "clean" else f"{FAMILY_LABELS.get(family, family)} {plain(strength_label(family, strength))}"
-
-
 def claim_rows(paired: pd.DataFrame, ablation_paired: pd.DataFrame | None, env: str,
                paper: Mapping | None = None) -> pd.DataFrame:
     """One row per (claim, setting) on ``env``: SPrPO minus each baseline (Table 1) and
@@ -95,7 +91,7 @@ def claim_rows(paired: pd.DataFrame, ablation_paired: pd.DataFrame | None, env: 
         claim = (f"SPrPO {'matches or beats' if r['family'] == 'clean' else 'keeps more success than'} "
                  f"{METHOD_LABELS.get(base, base)}")
         out.append({"env": env, "claim": claim, "versus": METHOD_LABELS.get(base, base),
-                    "setting": _setting(r["family"], r["strength"]), "paper": expected, **_nums(r)})
+                    "setting": setting_label(r["family"], r["strength"]), "paper": expected, **_nums(r)})
     comp = ref.get("components", {})
     if ablation_paired is not None:
         full = t1.get("sprpo", {})
@@ -106,7 +102,7 @@ def claim_rows(paired: pd.DataFrame, ablation_paired: pd.DataFrame | None, env: 
             name = {"alpha0": "w/o sensitivity (alpha = 0)", "no_schedule": "w/o scheduling"}[r["baseline"]]
             # the ablation rows are reference (full) minus variant: the paper's full minus variant
             out.append({"env": env, "claim": f"full SPrPO beats {name}", "versus": name,
-                        "setting": _setting(r["family"], r["strength"]),
+                        "setting": setting_label(r["family"], r["strength"]),
                         "paper": full[k] - comp[r["baseline"]][k], **_nums(r)})
     cols = ["env", "claim", "versus", "setting", "paper", "diff", "lo", "hi", "mde80", "tasks", "reading"]
     for r in out:
