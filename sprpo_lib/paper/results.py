@@ -182,8 +182,9 @@ def plot_motivation(summary: pd.DataFrame, path: str | Path, *, method: str = "v
         ax.axhline(bars[0][1], ls="--", lw=1, color="k", alpha=0.6)
     main = bars[0][5]
     off = sorted({b[5] for b in bars if b[5] is not None and b[5] != main}, key=str)
+    footnote = bool(off) and main is not None  # bars measured on another design than the clean bar's
     ax.set_xticks(x, [b[0] + ("\u2020" if off and b[5] != main else "") for b in bars], fontsize=7)
-    if off and main is not None:
+    if footnote:
         note = (f"{METHOD_LABELS.get(method, method)}: {in_words(main)} per bar; \u2020 "
                 + "; ".join(in_words(d) for d in off))
         if ref and {b[5][1] for b in ref.values() if b[5]} == {1}:
@@ -199,7 +200,7 @@ def plot_motivation(summary: pd.DataFrame, path: str | Path, *, method: str = "v
                 ax.axvline(idx[0] - 0.5, color="k", lw=0.5, alpha=0.3)
     ax.set(ylabel="success (%)", ylim=(0, 110),
            title=title or f"{METHOD_LABELS.get(method, method)} under perturbations")
-    fig.tight_layout(rect=(0, 0.04, 1, 1) if off and main is not None else None)
+    fig.tight_layout(rect=(0, 0.04, 1, 1) if footnote else None)
     return save_figure(fig, path)
 
 
