@@ -35,3 +35,30 @@ def test_paired_outcomes_counts_task_by_task(tmp_path):
     other.write_text(json.dumps({"task_id": "x", "success": True, "score": 1.0}) + "\n")
     with pytest.raises(ValueError, match="share no task"):
         paired_outcomes(start, other)
+
+
+def test_training_figure_keeps_every_line_inside_its_axes_and_equal_runs_apart(tmp_path, monkeypatch):
+    """ALFWorld pays 10 for a success: the score must get its own scale, not run off a [0, 1] axis; two runs
+    with the same values (same seed, same first rollout) must not hide one behind the other."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+    import pandas as pd
+
+    from sprpo_lib.paper.report import plot_training
+
+    success = [0.375, 0.25, 0.0, 0.0, 0.0]
+    rows = [{"run": f"alfworld-{m}-cpu-seed0", "method": m, "seed": 0, "iteration": i, "success": s,
+             "score": 10.0 * s - 0.1 * (i == 2), "valid_rate": 1.0 - 0.1 * i, "temperature": 1.0}
+            for m in ("vanilla", "sam") for i, s in enumerate(success)]
+    figs = []
+    monkeypatch.setattr(plt, "close", lambda fig=None: figs.append(fig))
+    assert plot_training(pd.DataFrame(rows), None, tmp_path / "t.png").is_file()
+    axes = figs[0].axes
+    for ax in axes:
+        lo, hi = ax.get_ylim()
+        for line in ax.get_lines():
+            y = np.asarray(line.get_ydata(), float)
+            assert lo <= y.min() and y.max() <= hi, (ax.get_title(), ax.get_ylabel(), y, (lo, hi))
+    xs = [tuple(np.asarray(line.get_xdata(), float)) for line in axes[0].get_lines()]
+    assert len(xs) == 2 and xs[0] != xs[1]
+    assert np.allclose(np.round(xs[0]), range(5)) and np.allclose(np.round(xs[1]), range(5))

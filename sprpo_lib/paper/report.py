@@ -156,9 +156,14 @@ def before_after(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+TRAINING_DODGE = 0.05
+"""Sideways offset (iterations) between consecutive runs in ``plot_training``: runs that share a seed
+roll out the same first batch, and equal values would otherwise hide one line behind another."""
+
+
 def plot_training(metrics: pd.DataFrame, summary: pd.DataFrame | None, path: str | Path):
-    """Rollout success and valid-action rate per iteration (one line per run), and the
-    held-out success before/after training when available."""
+    """Rollout success, score (on the env's own scale) and valid-action rate (right axis) per
+    iteration, one line per run, and the held-out success before/after training when available."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -169,24 +174,30 @@ def plot_training(metrics: pd.DataFrame, summary: pd.DataFrame | None, path: str
     from matplotlib.ticker import MaxNLocator
 
     styles = ("-", ":", "-.", (0, (5, 2)))
-    for run, df in metrics.groupby("run"):
+    valid_ax = axes[1].twinx()  # the score's scale is the env's (ALFWorld's success pays 10), the rate's is [0, 1]
+    runs = list(metrics.groupby("run"))
+    for k, (run, df) in enumerate(runs):
         method, seed = df["method"].iloc[0], int(df["seed"].iloc[0])
         disp = METHOD_DISPLAY.get(method)
         label = f"{disp.label if disp else method} s{seed}"
         kw = {"color": disp.color if disp else None, "ls": styles[seed % len(styles)],
               "marker": disp.marker if disp else "o", "ms": 3}
-        axes[0].plot(df["iteration"], df["success"], label=label, **kw)
-        axes[1].plot(df["iteration"], df["score"], label=f"{label} score", **kw)
-        axes[1].plot(df["iteration"], df["valid_rate"], color=kw["color"], ls=kw["ls"], marker="x", ms=3, alpha=0.5,
-                     label=f"{label} valid")
+        x = df["iteration"] + (k - (len(runs) - 1) / 2) * TRAINING_DODGE  # equal runs stay visible side by side
+        axes[0].plot(x, df["success"], label=label, **kw)
+        axes[1].plot(x, df["score"], label=f"{label} score", **kw)
+        valid_ax.plot(x, df["valid_rate"], color=kw["color"], ls=kw["ls"], marker="x", ms=3, alpha=0.5,
+                      label=f"{label} valid")
     for ax in axes[:2]:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     temps = sorted(set(metrics["temperature"])) if "temperature" in metrics else []
     t = f", T={temps[0]:g}" if len(temps) == 1 else ""
-    axes[0].set(xlabel="iteration", ylabel="rollout success", title=f"success (rollouts on training tasks{t})",
-                ylim=(-0.02, 1.02))
-    axes[1].set(xlabel="iteration", ylabel="mean score / valid-action rate",
-                title="score (lines), valid-action rate (x, faint)", ylim=(-0.02, 1.02))
+    axes[0].set(xlabel="iteration (runs offset sideways)", ylabel="rollout success",
+                title=f"success (rollouts on training tasks{t})", ylim=(-0.02, 1.02))
+    lo, hi = min(0.0, float(metrics["score"].min())), max(1.0, float(metrics["score"].max()))
+    pad = 0.02 * (hi - lo)
+    axes[1].set(xlabel="iteration", ylabel="mean score (lines)", title="score (lines), valid-action rate (x, faint)",
+                ylim=(lo - pad, hi + pad))
+    valid_ax.set(ylabel="valid-action rate (x)", ylim=(-0.02, 1.02))
     axes[0].legend(fontsize=7)  # the runs' colours and line styles are the same in both panels
     if has_eval:
         ax = axes[2]
