@@ -263,3 +263,13 @@ def test_recorded_compute_adds_every_pass_and_counts_a_shared_cell_once(tmp_path
     assert got["08_ablations"] == 7.0 and got["05_landscape"] == 0.0
     table = R.stage_table("cpu", out, runs)
     assert "| `01_training` | 0.0 min | 0.3 min |" in table and "| `03_motivation` | not run | 0.1 min |" in table and table.rstrip().endswith("| all | 0.0 min | 0.5 min | | |")
+
+
+def test_landscape_figure_without_plane_rows_is_one_clear_error(tmp_path):
+    """A plan without a landscape (cpu ALFWorld) has no plane rows: one error naming the fix, not a NameError."""
+    empty = pd.DataFrame(columns=["method", "family", "strength", "w2", "task_index", "success"])
+    with pytest.raises(ValueError, match="landscape_grid"):
+        R.plot_landscape(empty, ("vanilla", "sprpo"), tmp_path / "l")
+    rows = [{"method": "sprpo", "family": "plane", "strength": w1, "w2": w2, "task_index": 0, "success": w1 == w2}
+            for w1 in (-0.1, 0.0, 0.1) for w2 in (-0.1, 0.0, 0.1)]
+    assert R.plot_landscape(pd.DataFrame(rows), ("vanilla", "sprpo"), tmp_path / "l")  # one method drawn

@@ -214,11 +214,15 @@ def landscape_grid(rows: pd.DataFrame, method: str) -> tuple[np.ndarray, np.ndar
 def plot_landscape(rows: pd.DataFrame, methods: Sequence[str], path: str | Path, *, title: str = "") -> list[Path]:
     """Fig. 4: success over the ``(w1, w2)`` plane, a surface and a contour map per method
     (same colour scale for all)."""
+    grids = {m: landscape_grid(rows, m) for m in methods}
+    if not any(z.size for _, _, z in grids.values()):
+        raise ValueError(f"plot_landscape: no 'plane' rows for {list(methods)}; run the plan's landscape "
+                         "(experiments.landscape_rows with a non-empty Plan.landscape_grid) first")
     plt = _plt()
     fig = plt.figure(figsize=(4.2 * len(methods), 6.4))
     levels = np.linspace(0, 100, 11)
-    for i, m in enumerate(methods):
-        w1, w2, z = landscape_grid(rows, m)
+    cs = None
+    for i, (m, (w1, w2, z)) in enumerate(grids.items()):
         if z.size == 0:
             continue
         X, Y = np.meshgrid(w1, w2)
@@ -230,7 +234,7 @@ def plot_landscape(rows: pd.DataFrame, methods: Sequence[str], path: str | Path,
         cs = ax2.contourf(X, Y, z, levels=levels, cmap="viridis", vmin=0, vmax=100)
         ax2.plot([0], [0], "w+", ms=8)
         ax2.set(xlabel="$w_1$", ylabel="$w_2$", aspect="equal")
-    if methods:
+    if cs is not None:
         fig.colorbar(cs, ax=fig.axes[-1], label="success (%)", shrink=0.8)
     if title:
         fig.suptitle(title, fontsize=9)
