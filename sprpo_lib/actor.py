@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 
@@ -47,12 +48,15 @@ class Actor:
         skip_zero_adv: a pass that differentiates the token-mean surrogate alone skips
             the rows whose advantage is 0 (:meth:`rows_with_gradient`): the gradient is
             the same, the cost falls by their share.  ``False`` runs every row (verl).
+        prefix_min: every pass computes a prefix shared by several rows once
+            (:meth:`passes`) when it is at least this many tokens; ``0`` computes every
+            row whole (the reference path).
     """
 
     def __init__(self, model, pad_id: int, opt: torch.optim.Optimizer, *, grad_clip: float = 1.0,
                  loss_name: str = "ppo_dual_clip", loss_cfg: PPOLossConfig | None = None, micro_batch: int = 8,
                  kl_coef: float = 0.0, kl_type: str = "low_var_kl", mini_batch: int | None = None, epochs: int = 1,
-                 skip_zero_adv: bool = True):
+                 skip_zero_adv: bool = True, prefix_min: int = 16):
         self.model, self.pad_id, self.opt = model, pad_id, opt
         self.params = [p for g in opt.param_groups for p in g["params"]]
         self.grad_clip = grad_clip
@@ -63,6 +67,7 @@ class Actor:
         self.kl_coef, self.kl_type = kl_coef, kl_type
         self.mini_batch, self.epochs = mini_batch, epochs
         self.skip_zero_adv = skip_zero_adv
+        self.prefix_min = prefix_min
         self.fc = FFNChannels(model)
         self.shape = self.fc.shape
         self.device = next(model.parameters()).device
@@ -84,10 +89,47 @@ class Actor:
         self.timers[self._timer] = self.timers.get(self._timer, 0.0) + time.perf_counter() - t0
 
     # ------------------------------------------------------------------ forward
-    def _logits(self, mb: MicroBatch) -> torch.Tensor:
+    def _logits(self, mb: MicroBatch, past: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Logits predicting each response token of ``mb`` (``[B, R, V]``); after a shared
+        prefix, ``past`` holds its keys and values per layer (``[1, heads, P, d]``)."""
         R = mb.tgt.shape[1]
-        return self.model(input_ids=mb.ids, attention_mask=mb.att, use_cache=False,
-                          logits_to_keep=R + 1).logits[:, :-1]
+        if not mb.prefix_len:
+            return self.model(input_ids=mb.ids, attention_mask=mb.att, use_cache=False,
+                              logits_to_keep=R + 1).logits[:, :-1]
+        from transformers import DynamicCache
+
+        cache, B = DynamicCache(), mb.ids.shape[0]
+        for i in range(0, len(past), 2):
+            cache.update(past[i].expand(B, -1, -1, -1), past[i + 1].expand(B, -1, -1, -1), i // 2)
+        return self.model(input_ids=mb.ids, attention_mask=mb.att, position_ids=mb.pos, past_key_values=cache,
+                          use_cache=True, logits_to_keep=R + 1).logits[:, :-1]
+
+    def passes(self, batch: Batch, sort: bool = True) -> Iterator[tuple[MicroBatch, torch.Tensor]]:
+        """``(micro-batch, logits)`` over ``batch``, each prefix shared by a run of rows
+        computed once (``prefix_min > 0``; :func:`sprpo_lib.batch.prefix_groups`).
+
+        The rows after a prefix attend to its keys and values, which enter their micro-batches
+        as leaves: once the caller has run the backward of a group's last micro-batch, the
+        gradient the leaves collected flows through the prefix's own forward (LoRA, xi and
+        gain receive both parts).  So a caller runs each micro-batch's backward before it asks
+        for the next one, as a gradient-accumulation loop does.  The same function of the
+        tokens as the whole rows (a causal model), up to float rounding."""
+        if not self.prefix_min:
+            for mb in batch.micro_batches(self.micro_batch, self.pad_id, self.device, sort):
+                yield mb, self._logits(mb)
+            return
+        for prefix, mbs in batch.shared_micro_batches(self.micro_batch, self.pad_id, self.device, self.prefix_min):
+            roots: list[torch.Tensor] = []
+            leaves: list[torch.Tensor] | None = None
+            if prefix is not None:
+                cache = self.model(input_ids=prefix, use_cache=True, logits_to_keep=1).past_key_values
+                roots = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+                leaves = [t.detach().requires_grad_(t.requires_grad) for t in roots]
+            for mb in mbs:
+                yield mb, self._logits(mb, leaves)
+            pairs = [(r, lf.grad) for r, lf in zip(roots, leaves or []) if r.requires_grad and lf.grad is not None]
+            if pairs:  # the prefix's share of the gradient
+                torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
 
     @torch.no_grad()
     def log_probs(self, batch: Batch, xi: torch.Tensor | None = None) -> list[torch.Tensor]:
@@ -97,8 +139,8 @@ class Actor:
         self.model.eval()
         self.fc.set(xi=xi)
         with self.fc, float32_compute(self.model, below_resolution(xi, self.dtype)):
-            for mb in batch.micro_batches(self.micro_batch, self.pad_id, self.device, self.sort_micro_batches):
-                lp = token_logprobs(self._logits(mb), mb.tgt)
+            for mb, logits in self.passes(batch, self.sort_micro_batches):
+                lp = token_logprobs(logits, mb.tgt)
                 by_sample.update((id(s), lp[j, lp.shape[1] - s.n_resp:].float().cpu()) for j, s in enumerate(mb.samples))
         self.fc.clear()
         self._tick(t0)
@@ -145,19 +187,18 @@ class Actor:
         A pass that runs no row leaves zero gradients (as the pass over them would).
         """
         t0 = time.perf_counter()
-        self.model.train()
-        self.fc.set(xi=xi, gain=gain)
         need_ent = "entropy" in terms and self.loss_cfg.entropy_coeff != 0
         need_kl = "kl" in terms and self.kl_coef != 0
-        if need_kl:
+        if need_kl:  # before this pass's perturbation is set: the reference pass clears it
             self.fill_ref_log_probs(batch)
+        self.model.train()
+        self.fc.set(xi=xi, gain=gain)
         n_total = max(1, batch.n_tokens)
         rows = self.rows_with_gradient(batch, need_ent or need_kl)
         n_rows = max(1, rows.n_tokens)
         acc: dict[str, float] = {}
         with torch.enable_grad(), self.fc, float32_compute(self.model, below_resolution(xi, self.dtype)):
-            for mb in rows.micro_batches(self.micro_batch, self.pad_id, self.device, self.sort_micro_batches):
-                logits = self._logits(mb)
+            for mb, logits in self.passes(rows, self.sort_micro_batches):
                 logp = token_logprobs(logits, mb.tgt)
                 old = mb.field("old_logp")
                 if old is None:

@@ -34,6 +34,10 @@ class MicroBatch:
     tgt: torch.Tensor
     mask: torch.Tensor
     adv: torch.Tensor
+    #: after a shared prefix of ``prefix_len`` tokens: ``ids`` are the samples' own tokens,
+    #: ``att`` ``[B, prefix_len + T]`` covers the prefix too, ``pos`` ``[B, T]`` their positions
+    prefix_len: int = 0
+    pos: torch.Tensor | None = None
 
     def field(self, name: str) -> torch.Tensor | None:
         """``old_logp`` / ``ref_logp`` of the samples as ``[B, R]`` (None if any is unfilled)."""
@@ -88,22 +92,136 @@ class Batch:
 
     def micro_batches(self, size: int, pad_id: int, device, sort: bool = True) -> list[MicroBatch]:
         """Left-padded :class:`MicroBatch` es of ``size`` samples (see :meth:`micro_batch_order`)."""
+        return [_micro_batch(chunk, 0, pad_id, device) for chunk in self.micro_batch_order(size, sort)]
+
+    def prefix_plan(self, min_prefix: int = 16) -> list[PrefixGroup]:
+        """The batch as :class:`PrefixGroup` s (:func:`prefix_groups`)."""
+        return prefix_groups(self.samples, min_prefix)
+
+    def computed_tokens(self, size: int, min_prefix: int | None = None) -> dict[str, int]:
+        """What a pass computes over this batch: ``tokens`` in the batch, ``computed`` token
+        positions (padding included; with ``min_prefix`` each shared prefix once) and the
+        ``padding`` among them."""
+        tokens = sum(len(s.ids) for s in self.samples)
+        if min_prefix is None:
+            computed = self.padded_tokens(size)
+            return {"tokens": tokens, "computed": computed, "padding": computed - tokens}
+        computed = padding = 0
+        for g in self.prefix_plan(min_prefix):
+            P = len(g.prefix)
+            computed += P
+            for chunk in Batch(g.samples).micro_batch_order(size):
+                T = max(len(s.ids) for s in chunk) - P
+                computed += len(chunk) * T
+                padding += sum(T - (len(s.ids) - P) for s in chunk)
+        return {"tokens": tokens, "computed": computed, "padding": padding}
+
+    def shared_micro_batches(self, size: int, pad_id: int, device,
+                             min_prefix: int = 16) -> list[tuple[torch.Tensor | None, list[MicroBatch]]]:
+        """Per :class:`PrefixGroup`: its prefix ids ``[1, P]`` (``None`` for the plain
+        group) and the micro-batches of its samples' own tokens, length-sorted and
+        left-padded as :meth:`micro_batches` does."""
         out = []
-        for chunk in self.micro_batch_order(size, sort):
-            T = max(len(s.ids) for s in chunk)
-            R = max(s.n_resp for s in chunk)
-            ids = torch.full((len(chunk), T), pad_id, dtype=torch.long)
-            att = torch.zeros((len(chunk), T), dtype=torch.long)
-            mask = torch.zeros((len(chunk), R))
-            adv = torch.zeros((len(chunk), R))
-            for j, s in enumerate(chunk):
-                ids[j, T - len(s.ids):] = torch.tensor(s.ids)
-                att[j, T - len(s.ids):] = 1
-                mask[j, R - s.n_resp:] = 1.0
-                adv[j, R - s.n_resp:] = s.adv
-            out.append(MicroBatch(chunk, ids.to(device), att.to(device), ids[:, T - R:].to(device),
-                                  mask.to(device), adv.to(device)))
+        for g in self.prefix_plan(min_prefix):
+            P = len(g.prefix)
+            mbs = [_micro_batch(chunk, P, pad_id, device) for chunk in Batch(g.samples).micro_batch_order(size)]
+            out.append((torch.tensor([g.prefix], dtype=torch.long, device=device) if P else None, mbs))
         return out
+
+
+def _micro_batch(chunk: list[Sample], P: int, pad_id: int, device) -> MicroBatch:
+    """Tokens ``P:`` of each sample, left-padded to the longest; with a prefix (``P > 0``)
+    the mask spans the prefix too and positions continue from ``P`` past the padding."""
+    T = max(len(s.ids) for s in chunk) - P
+    R = max(s.n_resp for s in chunk)
+    ids = torch.full((len(chunk), T), pad_id, dtype=torch.long)
+    att = torch.zeros((len(chunk), T), dtype=torch.long)
+    mask = torch.zeros((len(chunk), R))
+    adv = torch.zeros((len(chunk), R))
+    for j, s in enumerate(chunk):
+        own = s.ids[P:]
+        ids[j, T - len(own):] = torch.tensor(own)
+        att[j, T - len(own):] = 1
+        mask[j, R - s.n_resp:] = 1.0
+        adv[j, R - s.n_resp:] = s.adv
+    pos = None
+    if P:
+        pos = (P + att.cumsum(1) - 1).clamp_min(P).to(device)
+        att = torch.cat([torch.ones((len(chunk), P), dtype=torch.long), att], 1)
+    return MicroBatch(chunk, ids.to(device), att.to(device), ids[:, T - R:].to(device), mask.to(device),
+                      adv.to(device), P, pos)
+
+
+@dataclass
+class PrefixGroup:
+    """Samples whose token ids begin with the same ``prefix``: a pass computes the prefix
+    once and every sample's remaining tokens against its keys and values (the rows of a
+    GiGPO group share the task text, and at identical states the whole prompt).  An
+    empty ``prefix`` is a plain set of rows."""
+
+    prefix: list[int]
+    samples: list[Sample]
+
+    @property
+    def computed_tokens(self) -> int:
+        """Token positions a pass over the group computes (padding excluded)."""
+        return len(self.prefix) + sum(len(s.ids) - len(self.prefix) for s in self.samples)
+
+
+def shareable(s: Sample) -> list[int]:
+    """The tokens of a sample that may sit in a shared prefix: the prompt without its last
+    token, whose hidden state predicts the first response token (every position a loss
+    reads stays in the sample's own part)."""
+    return s.ids[:max(0, len(s.ids) - s.n_resp - 1)]
+
+
+def _lcp(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def prefix_groups(samples: list[Sample], min_prefix: int = 16, overhead: int = 32) -> list[PrefixGroup]:
+    """Partition ``samples`` into :class:`PrefixGroup` s that minimise the tokens computed.
+
+    Samples are sorted by their shareable tokens (:func:`shareable`), so any set sharing a
+    prefix is a run of neighbours whose common prefix is the smallest neighbour overlap in
+    it; a dynamic programme over the sorted order picks the runs (``overhead`` tokens are
+    charged per group for the extra forward call, so a saving smaller than that is not
+    worth a group; a prefix shorter than ``min_prefix`` is not shared).  Samples in no
+    group form one plain group (prefix ``[]``).  Exact: a causal model computes the same
+    function of the tokens either way (Prefix Grouper's observation for GRPO)."""
+    order = sorted(samples, key=shareable)
+    keys = [shareable(s) for s in order]
+    n = len(order)
+    lcp = [_lcp(keys[i], keys[i + 1]) for i in range(n - 1)]
+    best = [0.0] * (n + 1)  # best[i]: fewest tokens for order[:i]
+    cut: list[tuple[int, int]] = [(0, 0)] * (n + 1)  # (start of the last run, its prefix; 0 = plain row)
+    for i in range(1, n + 1):
+        best[i], cut[i] = best[i - 1] + len(order[i - 1].ids), (i - 1, 0)
+        tokens, p = len(order[i - 1].ids), None
+        for j in range(i - 2, -1, -1):  # run order[j:i]
+            p = lcp[j] if p is None else min(p, lcp[j])
+            if p < min_prefix:
+                break
+            tokens += len(order[j].ids)
+            cost = best[j] + tokens - (i - j - 1) * p + overhead
+            if cost < best[i]:
+                best[i], cut[i] = cost, (j, p)
+    groups, plain, i = [], [], n
+    while i > 0:
+        j, p = cut[i]
+        if p:
+            groups.append(PrefixGroup(keys[j][:p], order[j:i]))
+        else:
+            plain.append(order[i - 1])
+        i = j
+    groups.reverse()
+    if plain:
+        groups.append(PrefixGroup([], plain[::-1]))
+    return groups
 
 
 def build_batch(episodes, adv_cfg: AdvantageConfig, estimator: str = "gigpo") -> tuple[Batch, dict]:

@@ -104,7 +104,11 @@ class UpdateConfig:
     skip the rows with advantage 0, whose gradient is exactly 0 (the update, SPrPO's
     replay and SAM's channel gradient; the result is the same up to float rounding,
     the cost falls by their share: ``grad_token_frac`` in the metrics); ``false`` runs
-    every row, as verl does."""
+    every row, as verl does.  ``prefix_min``: every pass computes a token prefix shared by
+    several rows (a group's task text; the whole prompt at a state several rollouts
+    reached) once when it is at least this long, the rows' own tokens attending to its keys
+    and values (Prefix Grouper's idea; same gradient up to rounding); ``0`` computes every
+    row whole, as verl does."""
 
     lr: float = 3e-6
     betas: tuple[float, float] = (0.9, 0.999)
@@ -120,8 +124,11 @@ class UpdateConfig:
     loss_name: str = "ppo_dual_clip"
     loss: PPOLossConfig = field(default_factory=PPOLossConfig)
     skip_zero_adv: bool = field(default=True, metadata=OMIT_AT_DEFAULT)
+    prefix_min: int = field(default=16, metadata=OMIT_AT_DEFAULT)
 
     def __post_init__(self):
+        if self.prefix_min < 0:
+            raise ValueError(f"update.prefix_min must be >= 0 (0 computes every row whole), got {self.prefix_min}")
         if self.ppo_mini_batch_size is not None and self.ppo_mini_batch_size < 1:
             raise ValueError(f"update.ppo_mini_batch_size must be >= 1 or null, got {self.ppo_mini_batch_size}")
         if self.ppo_epochs < 1 or self.micro_batch < 1:

@@ -1,0 +1,143 @@
+"""Shared-prefix passes (update.prefix_min): each prefix several rows share is computed
+once, and the gradient of every parameter, of xi and of the channel gain, and every
+log-prob, equals the reference path that computes each row whole (float32, tiny models,
+both paths in one run)."""
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from sprpo_lib.actor import SURROGATE, TRAIN, Actor
+from sprpo_lib.batch import Batch, PrefixGroup, Sample, prefix_groups, shareable
+from sprpo_lib.losses import PPOLossConfig
+from sprpo_lib.methods import grad_leaf
+from sprpo_lib.models import LoraSettings, add_lora, load_policy, lora_on_last_layers
+
+
+def _grouped_batch(seed: int = 0) -> Batch:
+    """Rows as GiGPO groups make them: per task a common head, step-0 rows with the same
+    whole prompt, later steps with their own prompt tails; advantages of both signs and 0."""
+    rng = random.Random(seed)
+    tok = lambda n: [rng.randrange(3, 250) for _ in range(n)]  # noqa: E731
+    samples = []
+    for _task in range(2):
+        head = tok(rng.randrange(18, 26))
+        first = head + tok(6)
+        for _ in range(3):  # step 0: the same prompt, own responses
+            n = rng.randrange(3, 7)
+            samples.append(Sample(first + tok(n), n, rng.choice([1.0, -0.5, 0.0])))
+        for _ in range(3):  # later steps: the head, then their own tails
+            n = rng.randrange(3, 7)
+            samples.append(Sample(head + tok(rng.randrange(4, 12)) + tok(n), n, rng.choice([0.7, -1.2])))
+    samples += [Sample(tok(rng.randrange(15, 30)), 4, 0.3) for _ in range(2)]  # no partner
+    rng.shuffle(samples)
+    return Batch(samples)
+
+
+def _actor(model, prefix_min: int, **kw) -> Actor:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return Actor(model, 0, torch.optim.Adam(params, lr=1e-3), micro_batch=2, prefix_min=prefix_min,
+                 loss_cfg=PPOLossConfig(entropy_coeff=0.01), **kw)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("lora_layers", [None, 1])
+def test_shared_prefix_gradients_equal_the_whole_row_path(tiny_spec, lora_layers):
+    pol = load_policy(tiny_spec, seed=0, dtype="float32")
+    add_lora(pol, lora_on_last_layers(pol.model, LoraSettings(rank=4, alpha=8), lora_layers), seed=0)
+    with torch.no_grad():  # LoRA B starts at 0: move it so the adapter takes part
+        for n, p in pol.model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
+    batch = _grouped_batch()
+    shared, whole = _actor(pol.model, prefix_min=4), _actor(pol.model, prefix_min=0, kl_coef=0.1)
+    whole.kl_coef = shared.kl_coef = 0.1
+    saved = batch.computed_tokens(2, 4)
+    assert saved["computed"] < batch.computed_tokens(2)["computed"]  # the test batch does share prefixes
+    xi0 = torch.randn(shared.shape, generator=torch.Generator().manual_seed(2)) * 0.1
+    out = {}
+    for name, actor in (("shared", shared), ("whole", whole)):
+        xi = grad_leaf(xi0, actor)
+        gain = torch.ones(actor.shape, requires_grad=True)
+        actor.zero_grad()
+        b = batch.without_old()
+        for s in b.samples:
+            s.ref_logp = None
+        st = actor.backward(b, xi, gain=gain, terms=TRAIN)
+        lp = actor.log_probs(b, xi0)
+        out[name] = ([p.grad.clone() for p in actor.params], xi.grad.clone(), gain.grad.clone(), lp, st)
+        actor.zero_grad()
+    (gs, xs, us, lps, sts), (gw, xw, uw, lpw, stw) = out["shared"], out["whole"]
+    assert all(float(g.abs().sum()) > 0 for g in gw)
+    for a, b in zip(gs, gw):
+        assert _rel(a, b) < 1e-5
+    assert _rel(xs, xw) < 1e-5 and _rel(us, uw) < 1e-5  # dL/dxi (SPrPO's S_hat) and dL/du (SAM's g)
+    assert float(xw[0].abs().sum()) > 0  # the gradient reaches the lowest layer's channels
+    for a, b in zip(lps, lpw):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    for k in ("loss", "pg_loss", "entropy", "kl"):
+        assert sts[k] == pytest.approx(stw[k], rel=1e-5, abs=1e-7)
+
+
+def test_surrogate_only_pass_with_skipped_rows_matches(tiny_spec):
+    """SPrPO's replay shape: surrogate alone, zero-advantage rows skipped, xi leaf."""
+    pol = load_policy(tiny_spec, seed=0, dtype="float32")
+    add_lora(pol, LoraSettings(rank=4, alpha=8), seed=0)
+    batch = _grouped_batch(3)
+    grads = {}
+    for pm in (0, 4):
+        a = _actor(pol.model, prefix_min=pm)
+        xi = grad_leaf(torch.full(a.shape, 0.05), a)
+        a.zero_grad()
+        a.backward(batch.without_old(), xi, terms=SURROGATE)
+        grads[pm] = (xi.grad.clone(), a.grad_norm_sq())
+        a.zero_grad()
+    assert _rel(grads[4][0], grads[0][0]) < 1e-5
+    assert grads[4][1] == pytest.approx(grads[0][1], rel=1e-5)
+
+
+def _brute_force(samples, min_prefix, overhead):
+    """Fewest tokens over every partition of the samples into runs of the sorted order."""
+    order = sorted(samples, key=shareable)
+    best = float("inf")
+    n = len(order)
+    for cuts in itertools.product([0, 1], repeat=n - 1):
+        total, start = 0, 0
+        for i in range(1, n + 1):
+            if i == n or cuts[i - 1]:
+                run = order[start:i]
+                p = min((len(_common(shareable(a), shareable(b))) for a, b in zip(run, run[1:])), default=0)
+                if len(run) > 1 and p >= min_prefix:
+                    total += sum(len(s.ids) for s in run) - (len(run) - 1) * p + overhead
+                else:
+                    total += sum(len(s.ids) for s in run)
+                start = i
+        best = min(best, total)
+    return best
+
+
+def _common(a, b):
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_prefix_plan_is_a_partition_with_the_fewest_tokens(seed):
+    batch = _grouped_batch(seed)
+    samples = batch.samples[:9]
+    groups = prefix_groups(samples, min_prefix=4, overhead=5)
+    assert sorted(id(s) for g in groups for s in g.samples) == sorted(id(s) for s in samples)
+    for g in groups:
+        assert isinstance(g, PrefixGroup)
+        for s in g.samples:  # the prefix never reaches the last prompt token or the response
+            assert shareable(s)[:len(g.prefix)] == g.prefix
+    cost = sum(g.computed_tokens + (5 if g.prefix else 0) for g in groups)
+    assert cost == _brute_force(samples, 4, 5)
