@@ -184,6 +184,35 @@ def prefill_flops(config, prompt_lengths: Sequence[int], lm_head: bool = True) -
     return float(sum(2 * P * L * n + 2 * q * L * n * (n + 1) + head for n in prompt_lengths))
 
 
+def train_pass_flops(config, groups: Sequence[tuple[int, Sequence[int], Sequence[int]]], grad_layers: int) -> dict:
+    """FLOPs of one training pass (forward, then backward through the top ``grad_layers``
+    decoder layers; 0: a forward only) over rows sharing prefixes, padding left out.
+
+    ``groups``: ``(P, row_lengths, response_lengths)`` per prefix group, each row of n
+    tokens computing its tokens ``P:n`` against the group's P prefix tokens (computed
+    once; ``P = 0``: plain rows).  Forward: every linear on every computed token, causal
+    attention (:func:`prefill_flops`' term), the LM head on each response token and the
+    position before it.  Backward: the input gradient of every linear and twice the
+    attention of the layers it reaches (each layer of the ``grad_layers`` top ones), and
+    of the LM head; the adapters' own weight gradients (rank r << hidden) are left out,
+    as are norms and activations.  Returns ``forward``, ``backward``, ``total``,
+    ``computed_tokens`` and the forward's ``linear``, ``attention`` and ``head`` parts."""
+    L, P_layer = int(config.num_hidden_layers), layer_params(config)
+    q, _ = _attn_dims(config)
+    head = 2 * int(config.hidden_size) * int(config.vocab_size)
+    lin = attn = logits = tokens = 0.0
+    for P, lengths, responses in groups:
+        tokens += P + sum(n - P for n in lengths)
+        attn += 2 * q * L * (P * (P + 1) + sum(n * (n + 1) - P * (P + 1) for n in lengths))
+        logits += sum(r + 1 for r in responses)
+    lin = 2 * P_layer * L * tokens
+    frac = min(max(int(grad_layers), 0), L) / L
+    fwd = lin + attn + head * logits
+    bwd = frac * (lin + 2 * attn) + (head * logits if grad_layers else 0.0)
+    return {"forward": fwd, "backward": bwd, "total": fwd + bwd, "computed_tokens": int(tokens),
+            "linear": lin, "attention": attn, "head": head * logits}
+
+
 def decode_flops(config, context: int) -> float:
     """FLOPs to generate one token at ``context`` cached positions: every linear, the
     attention over ``context + 1`` keys and the full-vocabulary logits."""

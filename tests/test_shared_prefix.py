@@ -141,3 +141,33 @@ def test_prefix_plan_is_a_partition_with_the_fewest_tokens(seed):
             assert shareable(s)[:len(g.prefix)] == g.prefix
     cost = sum(g.computed_tokens + (5 if g.prefix else 0) for g in groups)
     assert cost == _brute_force(samples, 4, 5)
+
+
+def test_pass_flop_model_counts_what_a_shared_pass_multiplies(tiny_spec):
+    """hardware.train_pass_flops against torch's own FLOP counter on a real shared-prefix
+    forward: the linears and the LM head, exactly (rows of equal length per group: no
+    padding).  The counter does not see the fused attention kernel, so the attention term
+    is not checked here."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from sprpo_lib import hardware as hw
+
+    pol = load_policy(tiny_spec, seed=0, dtype="float32")
+    rng = random.Random(0)
+    tok = lambda n: [rng.randrange(3, 250) for _ in range(n)]  # noqa: E731
+    head = tok(20)
+    batch = Batch([Sample(head + tok(9), 4, 1.0) for _ in range(3)] + [Sample(tok(17), 5, 1.0) for _ in range(2)])
+    actor = Actor(pol.model, 0, torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))]), micro_batch=3, prefix_min=4)
+    groups = [(len(g.prefix), [len(s.ids) for s in g.samples], [s.n_resp for s in g.samples])
+              for g in batch.prefix_plan(4)]
+    assert groups[0][0] == 20 and groups[1][0] == 0
+    with FlopCounterMode(display=False) as fc:
+        actor.log_probs(batch)
+    counted = fc.get_flop_counts()["Global"]
+    model = hw.train_pass_flops(pol.model.config, groups, grad_layers=0)
+    linears = sum(v for k, v in counted.items() if str(k).split(".")[-1] in ("mm", "addmm"))
+    head = sum(v for k, v in counted.items() if str(k).split(".")[-1] == "bmm")  # the LM head on [B, R+1, H]
+    prefix_logit = 2 * pol.model.config.hidden_size * pol.model.config.vocab_size  # the prefix pass keeps one logit
+    assert linears == model["linear"]
+    assert head == model["head"] + prefix_logit
+    assert model["computed_tokens"] == 20 + 3 * 9 + 2 * 17

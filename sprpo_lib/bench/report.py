@@ -82,7 +82,41 @@ def _flat_rows(res, prefix: str = "") -> list[str]:
     return out
 
 
-SUMMARIES = {"eval": _eval_rows, "churn": _churn_rows, "machine": _machine_rows}
+TRAIN_METHODS = ("vanilla", "sprpo", "sprpo_one_pass", "sam")
+
+
+def _train_rows(res: dict) -> list[str]:
+    """``bench train``: per pass layout and method, each phase against its FLOP floor."""
+    tok, ro = res.get("tokens", {}), res.get("rollout", {})
+    lines = [f"{res.get('env')} `{res.get('profile')}` batch: {res.get('samples')} rows "
+             f"({res.get('samples_nonzero_adv')} with A != 0), {tok.get('batch')} tokens; computed by a whole-row pass "
+             f"{tok.get('whole_computed')} (padding {tok.get('whole_padding')}), by a shared-prefix pass "
+             f"{tok.get('shared_computed')} (padding {tok.get('shared_padding')}, {tok.get('prefix_groups')} prefixes); "
+             f"{res.get('dtype')} matmul {res.get('matmul_gflops')} GFLOP/s. Rollout {ro.get('rollout_s')} s, "
+             f"generation {ro.get('generate_s')} s = {ro.get('generate_over_floor')}x its floor "
+             f"({ro.get('prefill_floor_s')} s prefill + {ro.get('decode_floor_s')} s decode).\n",
+             "| passes | method | update s (x floor) | s / row | extra pass s (x floor) | iteration s | x Vanilla |",
+             "|---|---|---|---|---|---|---|"]
+    for path in ("whole", "shared"):
+        rows = res.get(path)
+        if not isinstance(rows, dict):
+            continue
+        for m in TRAIN_METHODS:
+            r = rows.get(m)
+            if not isinstance(r, dict):
+                continue
+            extra = f"{r['sensitivity_s']} ({r.get('sensitivity_over_floor')}x)" if r.get("sensitivity_s") else "-"
+            ratio = rows.get(f"{m}_over_vanilla", 1.0)
+            lines.append(f"| {path} | {m} | {r['update_s']} ({r.get('update_over_floor')}x) | "
+                         f"{r['update_s_per_sample']} | {extra} | {r['iteration_s']} | {ratio} |")
+    cmp = res.get("one_pass_vs_replay")
+    if isinstance(cmp, dict):
+        lines.append(f"\nOne-pass S_hat against the replay's on this batch: Spearman {cmp.get('S_spearman')}, "
+                     f"relative L2 {cmp.get('S_rel_l2')}, m_hat relative difference {cmp.get('m_hat_rel_diff')}.")
+    return lines
+
+
+SUMMARIES = {"eval": _eval_rows, "churn": _churn_rows, "machine": _machine_rows, "train": _train_rows}
 
 
 def headline(record: dict) -> str | None:
@@ -94,6 +128,13 @@ def headline(record: dict) -> str | None:
                          for spec, row in res.items() if isinstance(row, dict) and "eval" in row)
     if name == "churn":
         return f"{res.get('hangs')} hangs and {res.get('retries')} retries in {res.get('builds')} engine builds"
+    if name == "train" and isinstance(res.get("shared"), dict):
+        sh, wh = res["shared"], res.get("whole") or {}
+        van = sh["vanilla"]
+        out = (f"{res.get('env')} update {van['update_s']} s ({van.get('update_over_floor')}x its floor)"
+               + (f" against {wh['vanilla']['update_s']} s computing every row whole" if "vanilla" in wh else ""))
+        return out + (f"; iteration x Vanilla: SPrPO {sh.get('sprpo_over_vanilla')} (replay), "
+                      f"{sh.get('sprpo_one_pass_over_vanilla')} (one pass), SAM {sh.get('sam_over_vanilla')}")
     if name == "machine":
         return ", ".join(f"{d} {g} GFLOP/s" for d, g in res.get("prefill_gflops", {}).items()) + " prefill matmul"
     return None

@@ -313,74 +313,169 @@ def bench_envs(n_episodes: int = 200, model: str | None = "smollm2-135m", n_task
     return res
 
 
-def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 2, overrides: list[str] | None = None) -> dict:
-    """Seconds per iteration split into rollout / update / sensitivity for Vanilla and
-    SPrPO (exact replay and one-pass) on the same rollout batch, side by side.
+def _pass_groups(rows, prefix_min: int) -> list[tuple[int, list[int], list[int]]]:
+    """``(P, row lengths, response lengths)`` per prefix group of the rows a pass runs."""
+    from sprpo_lib.batch import Batch
+
+    plan = Batch(rows).prefix_plan(prefix_min) if prefix_min else [None]
+    if plan == [None]:
+        return [(0, [len(s.ids) for s in rows], [s.n_resp for s in rows])]
+    return [(len(g.prefix), [len(s.ids) for s in g.samples], [s.n_resp for s in g.samples]) for g in plan]
+
+
+def grad_depth(model) -> int:
+    """Decoder layers a backward for the trainable parameters reaches: from the top down
+    to the lowest layer holding one."""
+    from sprpo_lib.models import decoder_layers
+
+    layers = list(decoder_layers(model))
+    low = [i for i, layer in enumerate(layers) if any(p.requires_grad for p in layer.parameters())]
+    return len(layers) - min(low) if low else 0
+
+
+def generation_floor(config, episodes, gflops: float, bandwidth_gbs: float, weight_bytes: int) -> dict:
+    """The rollout's generation floor: every prompt token prefilled at the measured matmul
+    rate, and per environment step (one generation call over the live episodes) as many
+    decode steps as its longest response, each at least one read of every weight at the
+    measured bandwidth or its FLOPs at the matmul rate, whichever is slower."""
+    from sprpo_lib import hardware as hw
+
+    by_step: dict[int, list] = {}
+    for e in episodes:
+        for st in e.steps:
+            by_step.setdefault(st.step, []).append(st)
+    prompts = [len(st.prompt_ids) for e in episodes for st in e.steps]
+    prefill = hw.prefill_flops(config, prompts) / (gflops * 1e9)
+    decode = 0.0
+    for steps in by_step.values():
+        ctx = max(len(st.prompt_ids) for st in steps)
+        per = max(weight_bytes / (bandwidth_gbs * 1e9), len(steps) * hw.decode_flops(config, ctx) / (gflops * 1e9))
+        decode += per * max(len(st.response_ids) for st in steps)
+    return {"prompt_tokens": sum(prompts), "prefill_floor_s": round(prefill, 2), "decode_floor_s": round(decode, 2),
+            "floor_s": round(prefill + decode, 2)}
+
+
+def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, overrides: list[str] | None = None,
+                paths: tuple[str, ...] = ("shared", "whole")) -> dict:
+    """Seconds per iteration by phase for Vanilla, SPrPO (Alg. 1 line 7's replay, and the
+    one-pass estimate) and SAM on one rollout batch, each phase against its FLOP floor, for
+    the shared-prefix passes (``shared``: ``update.prefix_min`` of the profile) and the
+    whole-row reference (``whole``: ``prefix_min=0``), side by side.
 
     One rollout batch is collected with :meth:`Trainer.collect` (timed, under SPrPO's
-    initial xi); then each method's :meth:`Trainer.update` runs from the same adapter
-    and optimizer state, interleaved ``repeats`` times (median).  The ratio is SPrPO's
-    total over Vanilla's, counting the same rollout time for both."""
+    initial xi); each method's :meth:`Trainer.update` then runs from the same adapter and
+    optimizer state, interleaved ``repeats`` times (median).  A method's iteration is the
+    rollout plus its update and extra pass.  Floors: :func:`hardware.train_pass_flops` of
+    the rows each pass runs (the update: every row when a regulariser is on; the replay and
+    SAM's channel gradient: the rows with a non-zero advantage, backward through every
+    layer; the update's backward stops at the lowest LoRA layer) at the matmul rate
+    measured here for the model's dtype and shapes; generation against
+    :func:`generation_floor`.  ``tokens`` says what the passes compute against what the
+    batch holds: padding, and prefixes computed once per row instead of once."""
     import copy
     import dataclasses
 
-    from sprpo_lib.batch import build_batch
-    from sprpo_lib.methods import MethodConfig, make_method
+    from sprpo_lib import hardware as hw
+    from sprpo_lib.batch import Batch, build_batch
+    from sprpo_lib.methods import MethodConfig, make_method, rank_correlation
     from sprpo_lib.train import Trainer, load_config
 
     cfg = load_config(profile, list(overrides or []) + [f"env.name={env}", "method.name=sprpo"])
     tr = Trainer(cfg, progress=True)
     eps, xi, rst = tr.collect(0)
     batch, _ = build_batch(eps, cfg.update.adv, cfg.update.estimator)
-    params0 = [p.detach().clone() for p in tr.actor.params]
-    opt0 = copy.deepcopy(tr.actor.opt.state_dict())
-    variants = {  # the profile's method settings (e.g. its sigma scale), one sensitivity mode each
-        "vanilla": MethodConfig(name="vanilla"),
-        "sprpo_replay": dataclasses.replace(cfg.method, name="sprpo", sensitivity="replay"),
-        "sprpo_one_pass": dataclasses.replace(cfg.method, name="sprpo", sensitivity="one_pass"),
-    }
-    times: dict[str, dict[str, list[float]]] = {v: {"update_s": [], "sensitivity_s": []} for v in variants}
-    states: dict[str, tuple] = {}
-    for _ in range(repeats):
-        for name, mcfg in variants.items():
-            with torch.no_grad():
-                for p, v in zip(tr.actor.params, params0):
-                    p.copy_(v)
-            tr.actor.opt.load_state_dict(copy.deepcopy(opt0))
-            tr.method = make_method(mcfg, tr.shape, cfg.seed)
-            st = tr.update(batch.without_old(), None if name == "vanilla" else xi, 0)
-            if name != "vanilla":
-                states[name] = (tr.method.S_hat.clone(), tr.method.m_hat, tr.method.sigma())
-            times[name]["update_s"].append(st["update_s"])
-            times[name]["sensitivity_s"].append(st["sensitivity_s"])
     tr.envs.close()
+    config = tr.policy.model.config
+    matmul = hw.probe_matmul(hw.linear_shapes(config), dtypes=(tr.dtype,))[tr.dtype]
+    gflops = matmul["gflops_by_rows"][str(hw.PREFILL_ROWS)]
+    bandwidth = hw.probe_bandwidth()
+    weight_bytes = sum(p.numel() * p.element_size() for p in tr.model.parameters())
+    L, depth = int(config.num_hidden_layers), grad_depth(tr.model)
+    a = tr.actor
+    regularised = bool(a.loss_cfg.entropy_coeff or a.kl_coef)
+    nonzero = [s for s in batch.samples if s.adv != 0.0]
+    update_rows = batch.samples if regularised or not a.skip_zero_adv else nonzero
+    probe_rows = nonzero if a.skip_zero_adv else batch.samples
+    # the passes of each method: (timer, rows, layers the backward reaches)
+    passes = {"vanilla": [("update_s", update_rows, depth)],
+              "sprpo": [("update_s", update_rows, depth), ("sensitivity_s", probe_rows, L)],
+              "sprpo_one_pass": [("update_s", probe_rows, L)] + ([("update_s", batch.samples, depth)] if regularised else []),
+              "sam": [("sensitivity_s", probe_rows, L), ("update_s", update_rows, depth)]}
+    variants = {"vanilla": MethodConfig(name="vanilla"),
+                "sprpo": dataclasses.replace(cfg.method, name="sprpo", sensitivity="replay"),
+                "sprpo_one_pass": dataclasses.replace(cfg.method, name="sprpo", sensitivity="one_pass"),
+                "sam": dataclasses.replace(cfg.method, name="sam")}
+    prefix_min = {"shared": cfg.update.prefix_min or 16, "whole": 0}
+    params0 = [p.detach().clone() for p in a.params]
+    opt0 = copy.deepcopy(a.opt.state_dict())
+    times = {(path, v): {"update_s": [], "sensitivity_s": []} for path in paths for v in variants}
+    states: dict[tuple[str, str], tuple] = {}
+    for path in paths:  # untimed warm-up of both layouts (first-call allocations), on a few rows
+        a.prefix_min = prefix_min[path]
+        tr.method = make_method(variants["sprpo"], tr.shape, cfg.seed)
+        tr.update(Batch(batch.without_old().samples[:2 * a.micro_batch]), xi, 0)
+    for _ in range(repeats):
+        for path in paths:
+            a.prefix_min = prefix_min[path]
+            for name, mcfg in variants.items():
+                with torch.no_grad():
+                    for p, v in zip(a.params, params0):
+                        p.copy_(v)
+                a.opt.load_state_dict(copy.deepcopy(opt0))
+                tr.method = make_method(mcfg, tr.shape, cfg.seed)
+                st = tr.update(batch.without_old(), xi if name.startswith("sprpo") else None, 0)
+                if name.startswith("sprpo"):
+                    states[(path, name)] = (tr.method.S_hat.clone(), tr.method.m_hat)
+                for k in ("update_s", "sensitivity_s"):
+                    times[(path, name)][k].append(st[k])
+    gen = generation_floor(config, eps, gflops, bandwidth, weight_bytes)
     t_roll = rst["rollout_s"]
-    res = {"profile": profile, "env": env, "overrides": list(overrides or []), "dtype": tr.dtype,
-           "episodes": len(eps), "samples": len(batch.samples), "response_tokens": batch.n_tokens,
-           "tokens": sum(len(s.ids) for s in batch.samples), "micro_batch": tr.actor.micro_batch,
-           "padded_tokens": batch.padded_tokens(tr.actor.micro_batch),
-           "padded_tokens_batch_order": batch.padded_tokens(tr.actor.micro_batch, sort=False),
-           "rollout_s": round(t_roll, 2), "generate_s": round(rst["generate_s"], 2), "env_s": round(rst["env_s"], 3)}
-    totals = {}
-    for name, t in times.items():
-        u, sens = statistics.median(t["update_s"]), statistics.median(t["sensitivity_s"])
-        totals[name] = t_roll + u + sens
-        res[name] = {"update_s": round(u, 2), "sensitivity_s": round(sens, 2), "total_s": round(totals[name], 2)}
-    res["ratio_replay_vs_vanilla"] = round(totals["sprpo_replay"] / totals["vanilla"], 3)
-    res["ratio_one_pass_vs_vanilla"] = round(totals["sprpo_one_pass"] / totals["vanilla"], 3)
-    res["update_ratio_replay"] = round((res["sprpo_replay"]["update_s"] + res["sprpo_replay"]["sensitivity_s"])
-                                       / res["vanilla"]["update_s"], 3)
-    res["samples_nonzero_adv"] = sum(s.adv != 0 for s in batch.samples)
-    if not res["samples_nonzero_adv"]:  # e.g. warm_start=false: no reward, zero gradient, S_hat = 0
+    res: dict = {"profile": profile, "env": env, "overrides": list(overrides or []), "dtype": tr.dtype,
+                 "matmul_gflops": gflops, "bandwidth_gbs": round(bandwidth, 1), "layers": L, "lora_layers": depth,
+                 "episodes": len(eps), "samples": len(batch.samples), "samples_nonzero_adv": len(nonzero),
+                 "response_tokens": batch.n_tokens, "micro_batch": a.micro_batch, "prefix_min": prefix_min["shared"],
+                 "rollout": {"rollout_s": round(t_roll, 2), "generate_s": round(rst["generate_s"], 2),
+                             "env_s": round(rst["env_s"], 3), **gen,
+                             "generate_over_floor": round(rst["generate_s"] / gen["floor_s"], 2)}}
+    whole = batch.computed_tokens(a.micro_batch)
+    shared = batch.computed_tokens(a.micro_batch, prefix_min["shared"])
+    res["tokens"] = {"batch": whole["tokens"], "whole_computed": whole["computed"], "whole_padding": whole["padding"],
+                     "shared_computed": shared["computed"], "shared_padding": shared["padding"],
+                     "prefix_groups": sum(1 for g in batch.prefix_plan(prefix_min["shared"]) if g.prefix),
+                     "shared_over_batch": round(shared["computed"] / whole["tokens"], 3)}
+    for path in paths:
+        out, totals = {}, {}
+        for name in variants:
+            t = times[(path, name)]
+            row = {k: round(statistics.median(v), 2) for k, v in t.items()}
+            for timer in ("update_s", "sensitivity_s"):
+                work = [hw.train_pass_flops(config, _pass_groups(rows, prefix_min[path]), d)["total"]
+                        for tm, rows, d in passes[name] if tm == timer]
+                if work:
+                    floor = sum(work) / (gflops * 1e9)
+                    row[timer.replace("_s", "_floor_s")] = round(floor, 2)
+                    row[timer.replace("_s", "_over_floor")] = round(row[timer] / floor, 2) if floor else None
+            row["update_s_per_sample"] = round(row["update_s"] / len(batch.samples), 3)
+            totals[name] = t_roll + row["update_s"] + row["sensitivity_s"]
+            row["iteration_s"] = round(totals[name], 2)
+            out[name] = row
+        for name in ("sprpo", "sprpo_one_pass", "sam"):
+            out[f"{name}_over_vanilla"] = round(totals[name] / totals["vanilla"], 3)
+        res[path] = out
+    if set(paths) == {"shared", "whole"}:
+        res["whole_over_shared"] = {n: round(res["whole"][n]["update_s"] / res["shared"][n]["update_s"], 2)
+                                    for n in variants}
+    if not nonzero:  # e.g. warm_start=false: no reward, zero gradient, S_hat = 0
         res["one_pass_vs_replay"] = "not comparable: every advantage in this batch is 0 (no reward signal)"
         return res
-    (S_r, m_r, sig_r), (S_o, m_o, sig_o) = states["sprpo_replay"], states["sprpo_one_pass"]
+    path = paths[0]
+    (S_r, m_r), (S_o, m_o) = states[(path, "sprpo")], states[(path, "sprpo_one_pass")]
     ls_r, ls_o = S_r.clamp_min(1e-30).log().flatten(), S_o.clamp_min(1e-30).log().flatten()
     res["one_pass_vs_replay"] = {
+        "S_spearman": round(rank_correlation(S_r, S_o), 4),
         "log_S_pearson": round(float(torch.corrcoef(torch.stack([ls_r, ls_o]))[0, 1]), 4),
         "S_rel_l2": round(float((S_o - S_r).norm() / S_r.norm()), 4),
         "m_hat_rel_diff": round(abs(m_o - m_r) / max(abs(m_r), 1e-30), 4),
-        "sigma_rel_l2": round(float((sig_o - sig_r).norm() / sig_r.norm()), 4),
     }
     return res
 
@@ -870,7 +965,9 @@ def main(argv: list[str] | None = None) -> int:
     t = sub.add_parser("train", help="seconds per iteration: rollout / update / sensitivity, vanilla vs sprpo")
     t.add_argument("--profile", default="cpu")
     t.add_argument("--env", default="webshop")
-    t.add_argument("--repeats", type=int, default=2)
+    t.add_argument("--repeats", type=int, default=1)
+    t.add_argument("--paths", default="shared,whole",
+                   help="shared (prefix-shared passes) and/or whole (every row whole: the reference path)")
     t.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. rollout.tasks_per_step=4")
     m = sub.add_parser("machine", help="matmul GFLOP/s per dtype at a model's shapes, bandwidth, prefill floor")
     m.add_argument("--model", default="smollm2-135m", help="shapes from this model's config (weights not loaded)")
@@ -953,7 +1050,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.what == "envs":
         res = bench_envs(args.episodes, args.model or None, args.tasks, args.group, args.max_steps)
     else:
-        res = bench_train(args.profile, args.env, args.repeats, args.overrides)
+        res = bench_train(args.profile, args.env, args.repeats, args.overrides, tuple(args.paths.split(",")))
     out = project_path(args.out) if args.out else runs_dir("bench", f"{args.what}.json")
     record = {"bench": args.what, "commit": git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "machine": machine_info(), "torch": torch.__version__, "wall_s": round(time.time() - t0, 1),
