@@ -23,6 +23,7 @@ import torch
 
 from sprpo_lib.batch import Batch, MicroBatch
 from sprpo_lib.losses import PPOLossConfig, agg_loss, get_policy_loss, kl_penalty, token_entropy, token_logprobs
+from sprpo_lib.models import lowest_trainable_layer
 from sprpo_lib.perturb import FFNChannels, below_resolution, float32_compute
 
 SURROGATE = frozenset({"surrogate"})
@@ -74,6 +75,8 @@ class Actor:
         self.dtype = next(model.parameters()).dtype
         self.timers: dict[str, float] = {}
         self._timer = "update_s"
+        self.side_grads: list[torch.Tensor | None] | None = None  # backward(split_regularisers=True)
+        self._group_leaves: list[torch.Tensor] = []  # the current prefix's key/value leaves (passes)
 
     # ------------------------------------------------------------------ timing
     @contextmanager
@@ -104,7 +107,8 @@ class Actor:
         return self.model(input_ids=mb.ids, attention_mask=mb.att, position_ids=mb.pos, past_key_values=cache,
                           use_cache=True, logits_to_keep=R + 1).logits[:, :-1]
 
-    def passes(self, batch: Batch, sort: bool = True) -> Iterator[tuple[MicroBatch, torch.Tensor]]:
+    def passes(self, batch: Batch, sort: bool = True,
+               on_prefix=None) -> Iterator[tuple[MicroBatch, torch.Tensor]]:
         """``(micro-batch, logits)`` over ``batch``, each prefix shared by a run of rows
         computed once (``prefix_min > 0``; :func:`sprpo_lib.batch.prefix_groups`).
 
@@ -113,7 +117,8 @@ class Actor:
         gradient the leaves collected flows through the prefix's own forward (LoRA, xi and
         gain receive both parts).  So a caller runs each micro-batch's backward before it asks
         for the next one, as a gradient-accumulation loop does.  The same function of the
-        tokens as the whole rows (a causal model), up to float rounding."""
+        tokens as the whole rows (a causal model), up to float rounding.  ``on_prefix(roots,
+        leaves)`` runs first at a group's end (a second gradient through the same prefix)."""
         if not self.prefix_min:
             for mb in batch.micro_batches(self.micro_batch, self.pad_id, self.device, sort):
                 yield mb, self._logits(mb)
@@ -125,8 +130,12 @@ class Actor:
                 cache = self.model(input_ids=prefix, use_cache=True, logits_to_keep=1).past_key_values
                 roots = [t for layer in cache.layers for t in (layer.keys, layer.values)]
                 leaves = [t.detach().requires_grad_(t.requires_grad) for t in roots]
+            self._group_leaves = leaves or []
             for mb in mbs:
                 yield mb, self._logits(mb, leaves)
+            if roots and on_prefix is not None:
+                on_prefix(roots, leaves)
+            self._group_leaves = []
             pairs = [(r, lf.grad) for r, lf in zip(roots, leaves or []) if r.requires_grad and lf.grad is not None]
             if pairs:  # the prefix's share of the gradient
                 torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
@@ -175,7 +184,7 @@ class Actor:
         return Batch([s for s in batch.samples if s.adv != 0.0])
 
     def backward(self, batch: Batch, xi: torch.Tensor | None = None, *, gain: torch.Tensor | None = None,
-                 terms: frozenset = TRAIN) -> dict[str, float]:
+                 terms: frozenset = TRAIN, split_regularisers: bool = False) -> dict[str, float]:
         """Accumulate the gradient of ``loss = -(L_k [+ regularisers])`` over ``batch``.
 
         Old log-probs: a sample without ``old_logp`` takes this pass's own log-probs
@@ -185,6 +194,11 @@ class Actor:
         ``pg_loss`` over the whole batch, the ratio statistics over the rows that ran
         (:meth:`rows_with_gradient`), and ``grad_token_frac``, their share of the tokens.
         A pass that runs no row leaves zero gradients (as the pass over them would).
+
+        ``split_regularisers``: one forward, two gradients: the surrogate's goes to ``.grad``
+        (of the parameters, ``xi`` and ``gain``: what SPrPO's one-pass estimate reads), the
+        entropy and KL terms' to :attr:`side_grads` (parameters only, through the adapted
+        layers alone), which :meth:`add_side_grads` adds before a step.
         """
         t0 = time.perf_counter()
         need_ent = "entropy" in terms and self.loss_cfg.entropy_coeff != 0
@@ -197,8 +211,31 @@ class Actor:
         rows = self.rows_with_gradient(batch, need_ent or need_kl)
         n_rows = max(1, rows.n_tokens)
         acc: dict[str, float] = {}
+        split = split_regularisers and (need_ent or need_kl)
+        self.side_grads = [None] * len(self.params) if split else None
+        side_leaves: dict[int, torch.Tensor] = {}
+        low = 2 * lowest_trainable_layer(self.model)  # keys/values below it lead to no parameter
+
+        def side(loss, extra=(), grads=None) -> None:  # a regulariser's gradient into side_grads
+            ins = self.params + list(extra)
+            got = torch.autograd.grad(loss, ins, grad_outputs=grads, retain_graph=True, allow_unused=True)
+            for i, g in enumerate(got):
+                if g is None:
+                    continue
+                if i < len(self.params):
+                    cur = self.side_grads[i]
+                    self.side_grads[i] = g if cur is None else cur + g
+                else:
+                    leaf = ins[i]
+                    side_leaves[id(leaf)] = g if id(leaf) not in side_leaves else side_leaves[id(leaf)] + g
+
+        def prefix_side(roots, leaves) -> None:
+            pairs = [(r, side_leaves.pop(id(lf))) for r, lf in zip(roots, leaves) if id(lf) in side_leaves]
+            if pairs:
+                side([r for r, _ in pairs], grads=[g for _, g in pairs])
+
         with torch.enable_grad(), self.fc, float32_compute(self.model, below_resolution(xi, self.dtype)):
-            for mb, logits in self.passes(rows, self.sort_micro_batches):
+            for mb, logits in self.passes(rows, self.sort_micro_batches, prefix_side if split else None):
                 logp = token_logprobs(logits, mb.tgt)
                 old = mb.field("old_logp")
                 if old is None:
@@ -206,20 +243,26 @@ class Actor:
                     old = logp.detach()
                 pg, st = self.loss_fn(logp, old, mb.adv, mb.mask, None, self.loss_cfg)
                 loss = pg if "surrogate" in terms else torch.zeros((), device=pg.device, dtype=pg.dtype)
+                reg = torch.zeros((), device=pg.device, dtype=pg.dtype)
                 if need_ent:
                     ent = agg_loss(token_entropy(logits), mb.mask, self.loss_cfg.loss_agg_mode)
-                    loss = loss - self.loss_cfg.entropy_coeff * ent
+                    reg = reg - self.loss_cfg.entropy_coeff * ent
                     st["entropy"] = ent.item()
                 if need_kl:
                     kl = agg_loss(kl_penalty(logp, mb.field("ref_logp"), self.kl_type), mb.mask,
                                   self.loss_cfg.loss_agg_mode)
-                    loss = loss + self.kl_coef * kl
+                    reg = reg + self.kl_coef * kl
                     st["kl"] = kl.item()
-                st["loss"] = loss.item()
+                st["loss"] = (loss + reg).item()
                 n_mb = float(mb.mask.sum())
                 w = n_mb / n_total
-                if loss.requires_grad:
-                    (loss * w).backward()
+                if split:
+                    if reg.requires_grad:
+                        side(reg * w, [lf for lf in self._group_leaves[low:] if lf.requires_grad])
+                    if loss.requires_grad and bool((mb.adv != 0).any()):  # a zero surrogate has zero gradient
+                        (loss * w).backward()
+                elif (loss + reg).requires_grad:
+                    ((loss + reg) * w).backward()
                 for k, v in st.items():  # the loss over the whole batch (a skipped row's is 0)
                     acc[k] = acc.get(k, 0.0) + float(v) * (w if k in ("loss", "pg_loss") else n_mb / n_rows)
         if not rows.samples:
@@ -237,6 +280,13 @@ class Actor:
         for p in [*self.params, *leaves]:
             if p is not None and p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
+
+    def add_side_grads(self) -> None:
+        """Add :attr:`side_grads` (the regularisers' gradient of a split pass) to ``.grad``."""
+        for p, g in zip(self.params, self.side_grads or []):
+            if g is not None:
+                p.grad = g.clone() if p.grad is None else p.grad + g
+        self.side_grads = None
 
     def grad_norm_sq(self) -> float:
         """``||grad_theta||_2^2`` of the accumulated gradient (float64)."""

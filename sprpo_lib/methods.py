@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sprpo_lib.actor import SURROGATE, Actor
+from sprpo_lib.actor import SURROGATE, TRAIN, Actor
 from sprpo_lib.perturb import sample_xi
 from sprpo_lib.registry import Registry
 
@@ -323,10 +323,10 @@ class SPrPO(Method):
     def _update_one_pass(self, actor: Actor, batch, xi: torch.Tensor) -> dict:
         xi_leaf = grad_leaf(xi, actor)
         actor.zero_grad()
-        stats = actor.backward(batch, xi_leaf, terms=SURROGATE)  # grad of L_k at theta_k
+        # one forward at theta_k: grad of L_k (-> S_hat, m_hat) in .grad, the regularisers' apart
+        stats = actor.backward(batch, xi_leaf, terms=TRAIN, split_regularisers=True)
         self.record(xi_leaf.grad, actor.grad_norm_sq())
-        if actor.loss_cfg.entropy_coeff or actor.kl_coef:  # the step's objective: add the regularisers' gradient
-            actor.backward(batch, xi, terms=frozenset({"entropy", "kl"}))
+        actor.add_side_grads()  # the step's objective: L_k and the regularisers
         actor.step()  # line 6
         return {**stats, **self._measured()}
 

@@ -399,6 +399,14 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
+def lowest_trainable_layer(model: nn.Module) -> int:
+    """Index of the lowest decoder layer holding a trainable parameter (the layer count
+    when none does): a backward for the parameters alone stops there."""
+    layers = list(decoder_layers(model))
+    return next((i for i, layer in enumerate(layers) if any(p.requires_grad for p in layer.parameters())),
+                len(layers))
+
+
 @dataclass
 class LoraSettings:
     """LoRA adapters on all attention and FFN projections (App. B, Table 3: 64/64)."""

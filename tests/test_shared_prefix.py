@@ -171,3 +171,39 @@ def test_pass_flop_model_counts_what_a_shared_pass_multiplies(tiny_spec):
     assert linears == model["linear"]
     assert head == model["head"] + prefix_logit
     assert model["computed_tokens"] == 20 + 3 * 9 + 2 * 17
+
+
+@pytest.mark.parametrize("prefix_min,lora_layers", [(0, None), (4, None), (4, 1)])
+def test_one_forward_split_equals_two_passes(prefix_min, lora_layers):
+    """SPrPO's one-pass estimate in one forward: the surrogate's gradient (S_hat = (dL/dxi)^2,
+    m_hat = ||grad||^2) and the step's whole gradient equal a surrogate pass followed by a
+    regulariser pass (entropy and KL)."""
+    pol = load_policy("tiny-llama", seed=0, dtype="float32")
+    add_lora(pol, lora_on_last_layers(pol.model, LoraSettings(rank=4, alpha=8), lora_layers), seed=0)
+    with torch.no_grad():
+        for n, p in pol.model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
+    actor = _actor(pol.model, prefix_min, kl_coef=0.2)
+    batch = _grouped_batch(5)
+    xi0 = torch.randn(actor.shape, generator=torch.Generator().manual_seed(2)) * 0.1
+    got = {}
+    for mode in ("two", "split"):
+        b = batch.without_old()
+        xi = grad_leaf(xi0, actor)
+        actor.zero_grad()
+        if mode == "two":
+            actor.backward(b, xi, terms=SURROGATE)
+            S, m = xi.grad.clone(), actor.grad_norm_sq()
+            actor.backward(b, xi0, terms=frozenset({"entropy", "kl"}))
+        else:
+            actor.backward(b, xi, terms=TRAIN, split_regularisers=True)
+            S, m = xi.grad.clone(), actor.grad_norm_sq()
+            assert any(g is not None and float(g.abs().sum()) > 0 for g in actor.side_grads)
+            actor.add_side_grads()
+        got[mode] = (S, m, [p.grad.clone() for p in actor.params])
+        actor.zero_grad()
+    (S2, m2, g2), (S1, m1, g1) = got["two"], got["split"]
+    assert _rel(S1, S2) < 1e-5 and m1 == pytest.approx(m2, rel=1e-5)
+    for a, b in zip(g1, g2):
+        assert _rel(a, b) < 1e-5

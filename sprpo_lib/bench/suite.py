@@ -323,16 +323,6 @@ def _pass_groups(rows, prefix_min: int) -> list[tuple[int, list[int], list[int]]
     return [(len(g.prefix), [len(s.ids) for s in g.samples], [s.n_resp for s in g.samples]) for g in plan]
 
 
-def grad_depth(model) -> int:
-    """Decoder layers a backward for the trainable parameters reaches: from the top down
-    to the lowest layer holding one."""
-    from sprpo_lib.models import decoder_layers
-
-    layers = list(decoder_layers(model))
-    low = [i for i, layer in enumerate(layers) if any(p.requires_grad for p in layer.parameters())]
-    return len(layers) - min(low) if low else 0
-
-
 def generation_floor(config, episodes, gflops: float, bandwidth_gbs: float, weight_bytes: int) -> dict:
     """The rollout's generation floor: every prompt token prefilled at the measured matmul
     rate, and per environment step (one generation call over the live episodes) as many
@@ -378,6 +368,7 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     from sprpo_lib import hardware as hw
     from sprpo_lib.batch import Batch, build_batch
     from sprpo_lib.methods import MethodConfig, make_method, rank_correlation
+    from sprpo_lib.models import lowest_trainable_layer
     from sprpo_lib.train import Trainer, load_config
 
     cfg = load_config(profile, list(overrides or []) + [f"env.name={env}", "method.name=sprpo"])
@@ -390,7 +381,8 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     gflops = matmul["gflops_by_rows"][str(hw.PREFILL_ROWS)]
     bandwidth = hw.probe_bandwidth()
     weight_bytes = sum(p.numel() * p.element_size() for p in tr.model.parameters())
-    L, depth = int(config.num_hidden_layers), grad_depth(tr.model)
+    L = int(config.num_hidden_layers)
+    depth = L - lowest_trainable_layer(tr.model)
     a = tr.actor
     regularised = bool(a.loss_cfg.entropy_coeff or a.kl_coef)
     nonzero = [s for s in batch.samples if s.adv != 0.0]
