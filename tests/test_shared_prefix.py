@@ -207,3 +207,37 @@ def test_one_forward_split_equals_two_passes(prefix_min, lora_layers):
     assert _rel(S1, S2) < 1e-5 and m1 == pytest.approx(m2, rel=1e-5)
     for a, b in zip(g1, g2):
         assert _rel(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_padded_chunks_are_the_cheapest_cut_of_the_sorted_rows(seed):
+    from sprpo_lib.batch import padded_chunks
+
+    rng = random.Random(seed)
+    samples = [Sample(list(range(rng.choice([12, 15, 300, 310, 700]))), 2, 1.0) for _ in range(7)]
+    runs = padded_chunks(samples, size=3, skip=5, overhead=20)
+    assert sorted(id(s) for r in runs for s in r) == sorted(id(s) for s in samples)
+    assert all(1 <= len(r) <= 3 for r in runs)
+    cost = lambda rs: sum(len(r) * (max(len(s.ids) for s in r) - 5) + 20 for r in rs)  # noqa: E731
+    order = sorted(samples, key=lambda s: -len(s.ids))
+    best = min(cost([order[a:b] for a, b in zip((0,) + cuts, cuts + (7,))])
+               for k in range(7) for cuts in itertools.combinations(range(1, 7), k)
+               if all(b - a <= 3 for a, b in zip((0,) + cuts, cuts + (7,))))
+    assert cost(runs) == best
+
+
+def test_bench_train_reports_each_phase_against_its_floor():
+    """bench train on the smoke profile: every method on both pass layouts, each phase with
+    its floor, the shared layout computing fewer positions than the whole rows."""
+    from sprpo_lib.bench.suite import bench_train
+
+    res = bench_train("smoke", "webshop", repeats=1, overrides=["rollout.tasks_per_step=2"])
+    tok = res["tokens"]
+    assert tok["shared_computed"] < tok["whole_computed"] and tok["prefix_groups"] >= 1
+    for path in ("shared", "whole"):
+        for m in ("vanilla", "sprpo", "sprpo_one_pass", "sam"):
+            row = res[path][m]
+            assert row["update_floor_s"] > 0 and row["update_over_floor"] > 0
+            assert ("sensitivity_floor_s" in row) == (m in ("sprpo", "sam"))
+        assert res[path]["sprpo_over_vanilla"] > 0
+    assert res["rollout"]["floor_s"] > 0 and set(res["whole_over_shared"]) == {"vanilla", "sprpo", "sprpo_one_pass", "sam"}

@@ -345,6 +345,32 @@ def generation_floor(config, episodes, gflops: float, bandwidth_gbs: float, weig
             "floor_s": round(prefill + decode, 2)}
 
 
+def _phase_rows(times: dict, passes: dict, config, prefix_min: int, gflops: float, rollout_s: float,
+                samples: int) -> dict:
+    """Per method: median seconds of its update and extra pass, each against the FLOP floor of
+    the passes it runs (:func:`hardware.train_pass_flops`), seconds per row, the iteration
+    (rollout + both) and its ratio to Vanilla's."""
+    from sprpo_lib import hardware as hw
+
+    out, totals = {}, {}
+    for name, t in times.items():
+        row = {k: round(statistics.median(v), 2) for k, v in t.items()}
+        for timer in ("update_s", "sensitivity_s"):
+            work = [hw.train_pass_flops(config, _pass_groups(rows, prefix_min), d)["total"]
+                    for tm, rows, d in passes[name] if tm == timer]
+            if work:
+                floor = sum(work) / (gflops * 1e9)
+                row[timer.replace("_s", "_floor_s")] = round(floor, 2)
+                row[timer.replace("_s", "_over_floor")] = round(row[timer] / floor, 2) if floor else None
+        row["update_s_per_sample"] = round(row["update_s"] / samples, 3)
+        totals[name] = rollout_s + row["update_s"] + row["sensitivity_s"]
+        row["iteration_s"] = round(totals[name], 2)
+        out[name] = row
+    for name in ("sprpo", "sprpo_one_pass", "sam"):
+        out[f"{name}_over_vanilla"] = round(totals[name] / totals["vanilla"], 3)
+    return out
+
+
 def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, overrides: list[str] | None = None,
                 paths: tuple[str, ...] = ("shared", "whole")) -> dict:
     """Seconds per iteration by phase for Vanilla, SPrPO (Alg. 1 line 7's replay, and the
@@ -436,24 +462,8 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
                      "prefix_groups": sum(1 for g in batch.prefix_plan(prefix_min["shared"]) if g.prefix),
                      "shared_over_batch": round(shared["computed"] / whole["tokens"], 3)}
     for path in paths:
-        out, totals = {}, {}
-        for name in variants:
-            t = times[(path, name)]
-            row = {k: round(statistics.median(v), 2) for k, v in t.items()}
-            for timer in ("update_s", "sensitivity_s"):
-                work = [hw.train_pass_flops(config, _pass_groups(rows, prefix_min[path]), d)["total"]
-                        for tm, rows, d in passes[name] if tm == timer]
-                if work:
-                    floor = sum(work) / (gflops * 1e9)
-                    row[timer.replace("_s", "_floor_s")] = round(floor, 2)
-                    row[timer.replace("_s", "_over_floor")] = round(row[timer] / floor, 2) if floor else None
-            row["update_s_per_sample"] = round(row["update_s"] / len(batch.samples), 3)
-            totals[name] = t_roll + row["update_s"] + row["sensitivity_s"]
-            row["iteration_s"] = round(totals[name], 2)
-            out[name] = row
-        for name in ("sprpo", "sprpo_one_pass", "sam"):
-            out[f"{name}_over_vanilla"] = round(totals[name] / totals["vanilla"], 3)
-        res[path] = out
+        res[path] = _phase_rows({n: times[(path, n)] for n in variants}, passes, config, prefix_min[path], gflops,
+                                t_roll, len(batch.samples))
     if set(paths) == {"shared", "whole"}:
         res["whole_over_shared"] = {n: round(res["whole"][n]["update_s"] / res["shared"][n]["update_s"], 2)
                                     for n in variants}
