@@ -315,11 +315,9 @@ def bench_envs(n_episodes: int = 200, model: str | None = "smollm2-135m", n_task
 
 def _pass_groups(rows, prefix_min: int) -> list[tuple[int, list[int], list[int]]]:
     """``(P, row lengths, response lengths)`` per prefix group of the rows a pass runs."""
-    from sprpo_lib.batch import Batch
+    from sprpo_lib.batch import Batch, PrefixGroup
 
-    plan = Batch(rows).prefix_plan(prefix_min) if prefix_min else [None]
-    if plan == [None]:
-        return [(0, [len(s.ids) for s in rows], [s.n_resp for s in rows])]
+    plan = Batch(rows).prefix_plan(prefix_min) if prefix_min else [PrefixGroup([], list(rows))]
     return [(len(g.prefix), [len(s.ids) for s in g.samples], [s.n_resp for s in g.samples]) for g in plan]
 
 
