@@ -116,6 +116,25 @@ class Batch:
                 padding += sum(T - (len(s.ids) - P) for s in chunk)
         return {"tokens": tokens, "computed": computed, "padding": padding}
 
+    def trie_tokens(self) -> int:
+        """The fewest token positions any sharing of prefixes computes over this batch: the
+        distinct prefixes of the rows' shareable tokens (:func:`shareable`; the nodes of
+        their trie) plus each row's own tokens.  :meth:`prefix_plan` shares one prefix per
+        row; nested sharing (a template shared by all rows, then a task by its group, then
+        a history by its episode) could at best reach this."""
+        root: dict = {}
+        nodes = own = 0
+        for s in self.samples:
+            key = shareable(s)
+            own += len(s.ids) - len(key)
+            node = root
+            for t in key:
+                if t not in node:
+                    node[t] = {}
+                    nodes += 1
+                node = node[t]
+        return nodes + own
+
     def shared_micro_batches(self, size: int, pad_id: int, device,
                              min_prefix: int = 16) -> list[tuple[torch.Tensor | None, list[MicroBatch]]]:
         """Per :class:`PrefixGroup`: its prefix ids ``[1, P]`` (``None`` for the plain

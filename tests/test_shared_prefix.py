@@ -143,6 +143,18 @@ def test_prefix_plan_is_a_partition_with_the_fewest_tokens(seed):
     assert cost == _brute_force(samples, 4, 5)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_trie_tokens_count_every_distinct_prefix_once(seed):
+    """The trie bound against a set of every prefix of every row's shareable tokens; no
+    plan computes fewer positions."""
+    batch = _grouped_batch(seed)
+    distinct = {tuple(shareable(s)[:n]) for s in batch.samples for n in range(1, len(shareable(s)) + 1)}
+    own = sum(len(s.ids) - len(shareable(s)) for s in batch.samples)
+    assert batch.trie_tokens() == len(distinct) + own
+    plan = batch.computed_tokens(size=64, min_prefix=1)
+    assert batch.trie_tokens() <= plan["computed"] - plan["padding"] <= batch.computed_tokens(64)["tokens"]
+
+
 def test_pass_flop_model_counts_what_a_shared_pass_multiplies(tiny_spec):
     """hardware.train_pass_flops against torch's own FLOP counter on a real shared-prefix
     forward: the linears and the LM head, exactly (rows of equal length per group: no
@@ -240,4 +252,6 @@ def test_bench_train_reports_each_phase_against_its_floor():
             assert row["update_floor_s"] > 0 and row["update_over_floor"] > 0
             assert ("sensitivity_floor_s" in row) == (m in ("sprpo", "sam"))
         assert res[path]["sprpo_over_vanilla"] > 0
+        assert 1 < res[path]["sam_over_vanilla_bound"]
+    assert tok["trie_limit"] <= tok["shared_computed"] - tok["shared_padding"]
     assert res["rollout"]["floor_s"] > 0 and set(res["whole_over_shared"]) == {"vanilla", "sprpo", "sprpo_one_pass", "sam"}

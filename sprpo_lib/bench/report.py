@@ -91,7 +91,8 @@ def _train_rows(res: dict) -> list[str]:
     lines = [f"{res.get('env')} `{res.get('profile')}` batch: {res.get('samples')} rows "
              f"({res.get('samples_nonzero_adv')} with A != 0), {tok.get('batch')} tokens; computed by a whole-row pass "
              f"{tok.get('whole_computed')} (padding {tok.get('whole_padding')}), by a shared-prefix pass "
-             f"{tok.get('shared_computed')} (padding {tok.get('shared_padding')}, {tok.get('prefix_groups')} prefixes); "
+             f"{tok.get('shared_computed')} (padding {tok.get('shared_padding')}, {tok.get('prefix_groups')} prefixes), "
+             f"by any prefix sharing at least {tok.get('trie_limit')}; "
              f"{res.get('dtype')} matmul {res.get('matmul_gflops')} GFLOP/s. Rollout {ro.get('rollout_s')} s, "
              f"generation {ro.get('generate_s')} s = {ro.get('generate_over_floor')}x its floor "
              f"({ro.get('prefill_floor_s')} s prefill + {ro.get('decode_floor_s')} s decode).\n",
@@ -109,6 +110,10 @@ def _train_rows(res: dict) -> list[str]:
             ratio = rows.get(f"{m}_over_vanilla", 1.0)
             lines.append(f"| {path} | {m} | {r['update_s']} ({r.get('update_over_floor')}x) | "
                          f"{r['update_s_per_sample']} | {extra} | {r['iteration_s']} | {ratio} |")
+    bounds = res.get("shared") or {}
+    if bounds.get("sprpo_over_vanilla_bound"):
+        lines.append(f"\nWith the extra pass at its floor (shared passes): SPrPO (replay) at least "
+                     f"{bounds['sprpo_over_vanilla_bound']}x Vanilla, SAM at least {bounds.get('sam_over_vanilla_bound')}x.")
     cmp = res.get("one_pass_vs_replay")
     if isinstance(cmp, dict):
         lines.append(f"\nOne-pass S_hat against the replay's on this batch: Spearman {cmp.get('S_spearman')}, "

@@ -347,7 +347,9 @@ def _phase_rows(times: dict, passes: dict, config, prefix_min: int, gflops: floa
                 samples: int) -> dict:
     """Per method: median seconds of its update and extra pass, each against the FLOP floor of
     the passes it runs (:func:`hardware.train_pass_flops`), seconds per row, the iteration
-    (rollout + both) and its ratio to Vanilla's."""
+    (rollout + both) and its ratio to Vanilla's; ``<method>_over_vanilla_bound``: that ratio
+    with the extra pass (the replay, SAM's channel gradient) at its floor and nothing else
+    changed, the least any speed-up of that pass can give."""
     from sprpo_lib import hardware as hw
 
     out, totals = {}, {}
@@ -366,6 +368,9 @@ def _phase_rows(times: dict, passes: dict, config, prefix_min: int, gflops: floa
         out[name] = row
     for name in ("sprpo", "sprpo_one_pass", "sam"):
         out[f"{name}_over_vanilla"] = round(totals[name] / totals["vanilla"], 3)
+    for name in ("sprpo", "sam"):  # the least the ratio can be while the extra pass runs: that pass at its floor
+        if out[name].get("sensitivity_floor_s"):
+            out[f"{name}_over_vanilla_bound"] = round(1 + out[name]["sensitivity_floor_s"] / totals["vanilla"], 3)
     return out
 
 
@@ -458,6 +463,7 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     res["tokens"] = {"batch": whole["tokens"], "whole_computed": whole["computed"], "whole_padding": whole["padding"],
                      "shared_computed": shared["computed"], "shared_padding": shared["padding"],
                      "prefix_groups": sum(1 for g in batch.prefix_plan(prefix_min["shared"]) if g.prefix),
+                     "trie_limit": batch.trie_tokens(),
                      "shared_over_batch": round(shared["computed"] / whole["tokens"], 3)}
     for path in paths:
         res[path] = _phase_rows({n: times[(path, n)] for n in variants}, passes, config, prefix_min[path], gflops,
