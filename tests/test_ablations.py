@@ -80,11 +80,34 @@ def test_ablation_table_bolds_the_best_of_each_group_in_the_papers_layout():
     (4.0, -1.0, 12.0, 8.0, 11.0, "not resolved, though the design could detect the paper's difference"),
     (-4.0, -8.0, -0.5, 3.0, -2.0, "agrees (interval below 0)"),
     (2.1, 0.0, 6.2, 5.6, 11.4, "not resolved; smaller than the paper's: the interval leaves out +11.4"),
-    (0.0, 0.0, 0.0, math.nan, 10.1, "not resolved; smaller than the paper's: the interval leaves out +10.1"),
-    (0.0, 0.0, 0.0, math.nan, 0.0, "not resolved"),
+    (0.0, 0.0, 0.0, math.nan, 10.1, "no difference observed; this design cannot detect differences"),
+    (0.0, 0.0, 0.0, 8.7, 0.0, "no difference observed; this design cannot detect less than 8.7 pp"),
+    (4.2, 4.2, 4.2, math.nan, 3.0, "not resolved: an interval of zero width is no evidence either way; this design "
+                                   "cannot detect differences"),
 ])
 def test_reading_of_a_claim_follows_its_interval(diff, lo, hi, mde, expected, text):
     assert C.reading(diff, lo, hi, mde, expected) == text
+
+
+@pytest.mark.parametrize("diff,lo,hi,mde,expected,counts,text", [
+    # the committed SPrPO - SAM cell: below 0 on 4 discordant goals, all one way (p = 0.125)
+    (-16.7, -33.3, -4.2, 21.0, 10.9, (0, 4, 0.125),
+     "not resolved: the interval is below 0 but the exact sign test on the 4 discordant goals gives p = 0.125"),
+    (5.0, 1.0, 9.0, 4.0, 3.0, (8, 0, 0.0078125), "agrees (interval above 0)"),
+    (-5.0, -9.0, -1.0, 4.0, 3.0, (1, 9, 0.021484375), "opposite sign to the paper (interval below 0)"),
+    # a bound at 0 only because no discordant goal went the other way: never "smaller than the paper's"
+    (2.1, 0.0, 6.2, 5.6, 11.4, (3, 0, 0.25),
+     "not resolved: all 3 discordant goals favour the first policy, whose bound at 0 says only that none favoured "
+     "the other (exact sign test p = 0.25); this design cannot detect less than 5.6 pp"),
+    (2.1, -2.0, 6.2, 5.6, 11.4, (3, 1, 0.625), "not resolved; smaller than the paper's: the interval leaves out +11.4"),
+])
+def test_reading_needs_the_sign_test_and_degenerate_bounds_say_so(diff, lo, hi, mde, expected, counts, text):
+    assert C.reading(diff, lo, hi, mde, expected, *counts) == text
+    grid = C.claims_grid(pd.DataFrame([{"env": "webshop", "claim": "c", "versus": "SAM", "setting": "s",
+                                        "paper": expected, "diff": diff, "lo": lo, "hi": hi, "mde80": mde,
+                                        "tasks": 24, "reading": text}]), profile="cpu")
+    # the dagger (the legend's, plus one in the cell) only where the interval straddles 0 and leaves out the paper's
+    assert grid.count("\u2020") == 1 + text.startswith("not resolved; smaller")
 
 
 def test_claim_rows_take_the_papers_differences():

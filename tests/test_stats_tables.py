@@ -127,6 +127,33 @@ def test_bootstrap_retention_difference_and_seeding():
     assert res["retention_undefined"] > 0  # resamples with only task 2 and 3 leave b without clean successes
 
 
+def test_two_way_bootstrap_carries_training_seed_variance():
+    """Hand-computed: a succeeds on both tasks with training seed 0 and on neither with seed
+    1, b never.  Every task differs alike (+50 pooled), so resampling tasks alone gives the
+    zero-width [50, 50]; resampling the two seeds too gives 0, 50, 100 with probabilities
+    1/4, 1/2, 1/4, so the 95% interval is [0, 100] and the standard error 25 *sqrt(2)."""
+    rows = []
+    for sd, a_succ in ((0, [1, 1]), (1, [0, 0])):
+        rows += episodes("a", sd, "clean", 0.0, [1, 1]) + episodes("a", sd, "rtn", 4.0, a_succ)
+        rows += episodes("b", sd, "clean", 0.0, [1, 1]) + episodes("b", sd, "rtn", 4.0, [0, 0])
+    df = pd.DataFrame(rows)
+    tasks_only = stats.paired_bootstrap(df, "a", "b", "rtn", 4.0, n_resamples=4000, seeds=None)
+    assert tasks_only["success_ci"] == (50.0, 50.0) and tasks_only["interval"] == "tasks"
+    both = stats.paired_bootstrap(df, "a", "b", "rtn", 4.0, n_resamples=20_000, seed=1)
+    assert both["success"] == 50.0 and both["success_ci"] == (0.0, 100.0)
+    assert both["interval"] == "training seeds x tasks" and both["train_seeds"] == 2
+    assert both["success_se"] == pytest.approx(25.0 * math.sqrt(2), rel=0.03)
+    assert (both["wins"], both["losses"]) == (2, 0) and both["sign_p"] == 0.5
+
+
+@pytest.mark.parametrize("wins,losses,p", [(4, 0, 0.125), (0, 5, 0.0625), (6, 0, 0.03125), (3, 3, 1.0),
+                                           (0, 0, 1.0), (8, 2, 0.109375)])
+def test_exact_sign_test(wins, losses, p):
+    """Two-sided exact binomial probabilities, by hand: 2 * P(X <= min) at n, 1/2
+    (4 of 4: 2/16; 8 of 10: 2 * 56/1024)."""
+    assert stats.sign_test(wins, losses) == pytest.approx(p, rel=1e-12)
+
+
 def test_bootstrap_refuses_unpaired_data():
     df = paired([1, 1], [1, 0], [1, 1], [0, 0])
     df = df[~((df["method"] == "b") & (df["family"] == "rtn") & (df["task_index"] == 1))]

@@ -57,16 +57,38 @@ def _key(family: str, strength: float) -> str:
     return f"{family}@{float(strength):g}"
 
 
-def reading(diff: float, lo: float, hi: float, mde: float, expected: float) -> str:
-    """What one paired comparison says about a claim whose paper difference is ``expected``:
-    the interval above or below zero decides; an interval across zero is "not resolved",
-    and says whether it leaves out the paper's difference (the data are then at odds with
-    an effect of the paper's size, though not with its sign) or whether that difference is
-    below what the design detects."""
-    if lo > 0:
-        return "agrees (interval above 0)" if expected > 0 else "opposite sign to the paper (interval above 0)"
-    if hi < 0:
-        return "agrees (interval below 0)" if expected < 0 else "opposite sign to the paper (interval below 0)"
+def reading(diff: float, lo: float, hi: float, mde: float, expected: float, wins: int | None = None,
+            losses: int | None = None, sign_p: float | None = None) -> str:
+    """What one paired comparison says about a claim whose paper difference is ``expected``,
+    by a fixed rule:
+
+    * an interval of zero width is no evidence either way: "no difference observed" when the
+      difference is 0, and what this design cannot detect below (the MDE);
+    * a bound exactly at 0 with every discordant goal (``wins``/``losses``: the goals on
+      which the two policies' outcomes differ) on one side says only that the other side
+      had none: not resolved, with the exact sign test (``sign_p``) and the MDE;
+    * an interval above or below 0 reads "agrees" or "opposite sign" only when the exact
+      sign test on the discordant goals also rejects no difference at 5%;
+    * an interval across zero is "not resolved", and says whether it leaves out the paper's
+      difference (the data are then at odds with an effect of the paper's size, though not
+      with its sign) or whether that difference is below what the design detects.
+    """
+    detect = "cannot detect differences" if math.isnan(mde) else f"cannot detect less than {mde:.1f} pp"
+    if lo == hi:
+        return (f"no difference observed; this design {detect}" if diff == 0
+                else f"not resolved: an interval of zero width is no evidence either way; this design {detect}")
+    one_sided = wins is not None and losses is not None and min(wins, losses) == 0
+    if (lo == 0 or hi == 0) and one_sided:
+        side = "the first" if wins else "the second"
+        return (f"not resolved: all {wins + losses} discordant goals favour {side} policy, whose bound at 0 says only "
+                f"that none favoured the other (exact sign test p = {sign_p:.3g}); this design {detect}")
+    if lo > 0 or hi < 0:
+        side = "above" if lo > 0 else "below"
+        if sign_p is not None and not sign_p < 0.05:
+            return (f"not resolved: the interval is {side} 0 but the exact sign test on the {wins + losses} discordant "
+                    f"goals gives p = {sign_p:.3g}")
+        same = (expected > 0) == (lo > 0)
+        return f"agrees (interval {side} 0)" if same else f"opposite sign to the paper (interval {side} 0)"
     if not lo <= expected <= hi:
         return f"not resolved; smaller than the paper's: the interval leaves out {expected:+.1f}"
     if math.isnan(mde):
@@ -104,9 +126,11 @@ def claim_rows(paired: pd.DataFrame, ablation_paired: pd.DataFrame | None, env: 
             out.append({"env": env, "claim": f"full SPrPO beats {name}", "versus": name,
                         "setting": setting_label(r["family"], r["strength"]),
                         "paper": full[k] - comp[r["baseline"]][k], **_nums(r)})
-    cols = ["env", "claim", "versus", "setting", "paper", "diff", "lo", "hi", "mde80", "tasks", "reading"]
+    cols = ["env", "claim", "versus", "setting", "paper", "diff", "lo", "hi", "mde80", "tasks", "train_seeds",
+            "wins", "losses", "sign_p", "reading"]
     for r in out:
-        r["reading"] = reading(r["diff"], r["lo"], r["hi"], r["mde80"], r["paper"])
+        r["reading"] = reading(r["diff"], r["lo"], r["hi"], r["mde80"], r["paper"], r["wins"], r["losses"],
+                               r["sign_p"])
     return pd.DataFrame(out, columns=cols)
 
 
@@ -122,8 +146,14 @@ def claim_table(paired: Mapping[str, pd.DataFrame], ablation_paired: Mapping[str
 def _nums(r: Mapping) -> dict:
     mde = r.get("success_mde80", float("nan"))
     mde = float("nan") if mde is None else float(mde)
+    def count(k):  # results written before the sign test have no counts: the rule then skips it
+        v = r.get(k)
+        return None if v is None or (isinstance(v, float) and math.isnan(v)) else v
+
+    wins, losses, p = count("wins"), count("losses"), count("sign_p")
     return {"diff": r["success_diff"], "lo": r["success_lo"], "hi": r["success_hi"], "mde80": mde,
-            "tasks": r["tasks"]}
+            "tasks": r["tasks"], "train_seeds": r.get("train_seeds"), "wins": None if wins is None else int(wins),
+            "losses": None if losses is None else int(losses), "sign_p": p}
 
 
 def claims_markdown(rows: pd.DataFrame, *, profile: str) -> str:
@@ -134,7 +164,8 @@ def claims_markdown(rows: pd.DataFrame, *, profile: str) -> str:
         return f"No claim of the paper can be read from the {profile} profile's results.\n"
     lines = [f"Paper's claims against the `{profile}` profile: differences in success (percentage points), "
              "SPrPO (full) minus the other policy or variant, paired over the same test goals and evaluation seeds (95% bootstrap over "
-             "tasks); MDE = the smallest difference this design detects with 80% power."]
+             "training seeds and tasks); MDE = the smallest difference this design detects with 80% power. \"Agrees\" "
+             "and \"opposite sign\" need the exact sign test on the goals whose outcomes differ at p < 0.05 as well."]
     for env, part in rows.groupby("env", sort=False):
         lines += ["", f"**{ENV_LABELS.get(env, env)}**", "",
                   "| Claim | Setting | Paper | This run [95% CI] | MDE | Tasks | Reading |", "|---|---|---|---|---|---|---|"]

@@ -5,7 +5,7 @@ folders.  Pure functions of their inputs (the logic of notebooks 03-07):
 * :func:`plot_motivation` (Fig. 1), :func:`plot_curves` (Fig. 3), :func:`plot_landscape`
   (Fig. 4): PNG + PDF;
 * :func:`paired_comparisons`: the reference method minus each baseline at every
-  setting, paired bootstrap over tasks (:func:`sprpo_lib.paper.stats.paired_bootstrap`);
+  setting, paired bootstrap over training seeds and tasks (:func:`sprpo_lib.paper.stats.paired_bootstrap`);
 * :func:`overhead` / :func:`overhead_latex`: App. "Training overhead" from the runs'
   own per-iteration metrics;
 * :func:`pick_examples` / :func:`examples_markdown`: App. "Qualitative Examples",
@@ -297,8 +297,11 @@ def paired_comparisons(rows: pd.DataFrame, reference: str, baselines: Sequence[s
                        settings: Sequence[tuple[str, float]], *, n_resamples: int = 10_000,
                        seed: int = 0) -> pd.DataFrame:
     """``reference`` minus each baseline at each setting: success and retention
-    differences (percentage points) with paired 95% bootstrap intervals over tasks, on
-    the training seeds both methods share (their policies are paired by seed).  A
+    differences (percentage points) with paired 95% bootstrap intervals over training seeds
+    and tasks (:func:`sprpo_lib.paper.stats.paired_bootstrap`; ``interval`` says which), on
+    the training seeds both methods share (their policies are paired by seed), and the
+    goals each side wins with the exact sign test on them (``wins``, ``losses``,
+    ``sign_p``).  A
     setting either method lacks is skipped.  ``success_mde80`` is the smallest true
     difference this design detects with 80% power at two-sided 5% (normal approximation:
     (1.96 + 0.84) x the bootstrap standard error of the paired difference); NaN where no
@@ -323,9 +326,11 @@ def paired_comparisons(rows: pd.DataFrame, reference: str, baselines: Sequence[s
                         "success_mde80": MDE80_Z * r["success_se"] if r["success_se"] > 0 else math.nan,
                         "retention_diff": r["retention"] if fam != "clean" else math.nan,
                         "retention_lo": r["retention_ci"][0] if fam != "clean" else math.nan,
-                        "retention_hi": r["retention_ci"][1] if fam != "clean" else math.nan})
+                        "retention_hi": r["retention_ci"][1] if fam != "clean" else math.nan,
+                        "interval": r["interval"], "wins": r["wins"], "losses": r["losses"], "sign_p": r["sign_p"]})
     cols = ["reference", "baseline", "family", "strength", "train_seeds", "tasks", "episodes", "success_diff",
-            "success_lo", "success_hi", "success_mde80", "retention_diff", "retention_lo", "retention_hi"]
+            "success_lo", "success_hi", "success_mde80", "retention_diff", "retention_lo", "retention_hi",
+            "interval", "wins", "losses", "sign_p"]
     return pd.DataFrame(out, columns=cols)
 
 
@@ -528,8 +533,9 @@ def headline_markdown(h: Mapping, methods: Sequence[str]) -> str:
         lines.append(f"| {METHOD_LABELS.get(m, m)} | " + " | ".join(cells) + " |")
     text = "\n".join(lines) + "\n"
     if h.get("paired"):
-        text += (f"\n{PAIRED_HEAD} (reference minus baseline, percentage points, 95% bootstrap over tasks; MDE: "
-                 "the smallest difference the design detects with 80% power):\n\n")
+        text += (f"\n{PAIRED_HEAD} (reference minus baseline, percentage points, 95% bootstrap over training seeds "
+                 "and tasks, over tasks alone where there is one training seed; MDE: the smallest difference the "
+                 "design detects with 80% power):\n\n")
         text += "| Setting | vs. | Success diff [95% CI] | MDE | Retention diff [95% CI] |\n|---|---|---|---|---|\n"
         for p in h["paired"]:
             ret = ("-" if p.get("retention_diff") is None else

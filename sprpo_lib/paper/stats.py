@@ -11,7 +11,9 @@ functions on the tidy episode rows of :func:`sprpo_lib.evaluate.evaluate`.
   ratio of the seed means in percent (Table 1: 18.73 / 57.00 = 32.9);
   :func:`policy_retention` gives the per-policy ratio;
 * :func:`paired_bootstrap`: two methods on the same tasks and seeds; percentile
-  interval of the difference in success and in retention from resampling tasks.
+  interval of the difference in success and in retention from resampling training seeds
+  and tasks (a two-way bootstrap: both are random samples, crossed), and the goals whose
+  outcome differs between the two with :func:`sign_test` on them.
 
 Rows need the columns ``env, split, task_index, family, strength, seed, success`` plus a
 method column and a training-seed column (the ``tags`` of an evaluation; names are
@@ -19,13 +21,14 @@ parameters).
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import numpy as np
 import pandas as pd
 
 __all__ = ["policy_success", "mean_std", "add_retention", "policy_retention", "summarize", "paired_bootstrap",
-           "N_RESAMPLES"]
+           "sign_test", "N_RESAMPLES"]
 
 #: Bootstrap resamples of :func:`paired_bootstrap` (percentile intervals at 95% move by
 #: well under 0.5 percentage points between seeds at this size).
@@ -104,31 +107,59 @@ def summarize(rows: pd.DataFrame, by: Sequence[str] = ("env",), method: str = "m
     return add_retention(out, by, method)
 
 
-def _task_sums(rows: pd.DataFrame, unit: Sequence[str], tasks: pd.Index) -> tuple[np.ndarray, np.ndarray]:
-    g = rows.groupby(list(unit))["success"].agg(["sum", "size"]).reindex(tasks)
-    return g["sum"].to_numpy(float), g["size"].to_numpy(float)
+def sign_test(wins: int, losses: int) -> float:
+    """Exact two-sided sign test: the probability, under no difference (each discordant
+    goal favours either side with probability 1/2), of a split at least as uneven as
+    ``wins``:``losses`` (1.0 without a discordant goal)."""
+    n, k = wins + losses, min(wins, losses)
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2.0 ** n
+    return min(1.0, 2.0 * tail)
+
+
+def _cell_sums(rows: pd.DataFrame, seed_col: str | None, unit: Sequence[str], seeds: list,
+               tasks: pd.Index) -> tuple[np.ndarray, np.ndarray]:
+    """Successes and episodes per (training seed, task): ``[seeds, tasks]`` arrays."""
+    s = np.zeros((len(seeds), len(tasks)))
+    n = np.zeros((len(seeds), len(tasks)))
+    for i, sd in enumerate(seeds):
+        part = rows if seed_col is None else rows[rows[seed_col] == sd]
+        g = part.groupby(list(unit))["success"].agg(["sum", "size"]).reindex(tasks)
+        s[i], n[i] = g["sum"].to_numpy(float), g["size"].to_numpy(float)
+    return s, n
 
 
 def paired_bootstrap(rows: pd.DataFrame, a: str, b: str, family: str, strength: float, *,
                      method: str = "method", pair: Sequence[str] = ("train_seed", "seed"),
                      unit: Sequence[str] = ("env", "split", "task_index"),
                      clean: tuple[str, float] = ("clean", 0.0), n_resamples: int = N_RESAMPLES,
-                     seed: int = 0, level: float = 0.95) -> dict:
+                     seed: int = 0, level: float = 0.95, seeds: str | None = "train_seed") -> dict:
     """Paired bootstrap of method ``a`` minus method ``b`` at one setting.
 
     Both methods must have been evaluated on the same tasks with the same
-    (training seed, evaluation seed) pairs, clean and perturbed.  The resampled unit is
-    the task (``unit``): ``n_resamples`` times, tasks are drawn with replacement from a
-    ``numpy`` generator seeded with ``seed`` and every episode of a drawn task (all
-    seeds, both methods, clean and perturbed) comes along, which keeps the pairing.
+    (training seed, evaluation seed) pairs, clean and perturbed.  Each of ``n_resamples``
+    replicates draws the tasks (``unit``) with replacement and, with ``seeds`` (a column of
+    ``pair``: the training seed), the training seeds with replacement too, independently
+    (a two-way bootstrap of a crossed design: every episode of a drawn (seed, task) cell
+    comes along, both methods and clean and perturbed alike, which keeps the pairing; the
+    policies of both methods are paired by their seed label).  So the interval carries
+    training-seed variance as well as task variance; with one training seed it carries
+    task variance only (``train_seeds`` says how many).  ``seeds=None`` resamples tasks
+    alone.  A ``numpy`` generator seeded with ``seed`` draws the tasks, then the seeds.
+
     Statistics, in percentage points: ``success`` = success(a) - success(b) at the
     setting; ``retention`` = retention(a) - retention(b), each the pooled perturbed /
-    clean success ratio of the method.  Intervals are percentile intervals at
-    ``level`` (resamples whose clean success is zero give no retention and are left
-    out, counted in ``retention_undefined``).
+    clean success ratio of the method.  Intervals are percentile intervals at ``level``
+    (resamples whose clean success is zero give no retention and are left out, counted in
+    ``retention_undefined``).  ``wins`` / ``losses``: the tasks on which a's success
+    (pooled over seeds) is above / below b's at the setting, and ``sign_p`` the exact sign
+    test on them (:func:`sign_test`).
     """
     if n_resamples < 1 or not 0 < level < 1:
         raise ValueError(f"paired_bootstrap: need n_resamples >= 1 and 0 < level < 1, got {n_resamples}, {level}")
+    if seeds is not None and seeds not in pair:
+        raise ValueError(f"paired_bootstrap: seeds={seeds!r} must be one of the pairing columns {list(pair)} or None")
     _need(rows, [method, *pair, *unit, *SETTING, "success"], "paired_bootstrap")
     parts = {}
     for m in (a, b):
@@ -145,29 +176,39 @@ def paired_bootstrap(rows: pd.DataFrame, a: str, b: str, family: str, strength: 
                              f"{'/'.join(pair)} as {a!r} at {family} {strength}: a paired comparison needs them equal")
     keys = sorted(set(map(tuple, ref[list(unit)].to_numpy().tolist())))
     tasks = pd.MultiIndex.from_tuples(keys, names=list(unit)) if len(unit) > 1 else pd.Index([k[0] for k in keys])
-    sums = {k: _task_sums(v, unit, tasks) for k, v in parts.items()}
+    seed_ids = sorted(set(ref[seeds])) if seeds is not None else [None]
+    sums = {k: _cell_sums(v, seeds, unit, seed_ids, tasks) for k, v in parts.items()}
 
-    def stats(idx):  # idx: [..., tasks drawn]
-        tot = {k: (s[idx].sum(-1), n[idx].sum(-1)) for k, (s, n) in sums.items()}
+    def stats(cs, ct):  # cs: [..., seeds] and ct: [..., tasks] draw counts
+        tot = {k: (((cs @ s) * ct).sum(-1), ((cs @ n) * ct).sum(-1)) for k, (s, n) in sums.items()}
         rate = {k: 100.0 * s / n for k, (s, n) in tot.items()}
         with np.errstate(divide="ignore", invalid="ignore"):
             ret = {m: np.where(tot[m, "clean"][0] > 0, 100.0 * tot[m, "pert"][0] / tot[m, "clean"][0]
                                * tot[m, "clean"][1] / tot[m, "pert"][1], np.nan) for m in (a, b)}
         return rate[a, "pert"] - rate[b, "pert"], ret[a] - ret[b]
 
-    t = len(tasks)
-    point_s, point_r = stats(np.arange(t))
+    t, k_s = len(tasks), len(seed_ids)
+    point_s, point_r = stats(np.ones(k_s), np.ones(t))
     rng = np.random.default_rng(seed)
     draws = rng.integers(0, t, size=(n_resamples, t))
-    boot_s, boot_r = stats(draws)
+    ct = np.stack([np.bincount(d, minlength=t) for d in draws]).astype(float)
+    cs = (np.stack([np.bincount(d, minlength=k_s) for d in rng.integers(0, k_s, size=(n_resamples, k_s))])
+          .astype(float) if k_s > 1 else np.ones((n_resamples, 1)))
+    boot_s, boot_r = stats(cs, ct)
     q = [(1 - level) / 2, 1 - (1 - level) / 2]
     ok = ~np.isnan(boot_r)
+    (sa, na), (sb, nb) = sums[a, "pert"], sums[b, "pert"]
+    per_task = sa.sum(0) / na.sum(0) - sb.sum(0) / nb.sum(0)
+    wins, losses = int((per_task > 0).sum()), int((per_task < 0).sum())
     return {
         "a": a, "b": b, "family": family, "strength": strength, "tasks": t,
+        "train_seeds": k_s if seeds is not None else len(set(ref[pair[0]])),
+        "interval": "training seeds x tasks" if seeds is not None and k_s > 1 else "tasks",
         "episodes_per_method": len(ref), "n_resamples": n_resamples, "seed": seed, "level": level,
         "success": float(point_s), "success_ci": tuple(float(v) for v in np.quantile(boot_s, q)),
         "success_se": float(boot_s.std(ddof=1)) if n_resamples > 1 else float("nan"),
         "retention": float(point_r),
         "retention_ci": tuple(float(v) for v in np.quantile(boot_r[ok], q)) if ok.any() else (np.nan, np.nan),
         "retention_undefined": int((~ok).sum()),
+        "wins": wins, "losses": losses, "sign_p": sign_test(wins, losses),
     }
