@@ -80,9 +80,18 @@ class RolloutConfig:
     engine: str = "hf"
     generation: GenerationConfig = field(default_factory=lambda: GenerationConfig(batch_size=128))
     agent: AgentConfig = field(default_factory=AgentConfig)
+    #: DAPO's dynamic sampling (verl's ``filter_groups``): a group whose episodes all scored
+    #: alike has no episode-level advantage and is dropped, and up to this many extra rounds
+    #: of ``tasks_per_step`` new tasks each refill the batch until it holds ``tasks_per_step``
+    #: groups whose scores differ (verl's ``max_num_gen_batches``).  ``0``: one round, every
+    #: group kept (the paper).  Every round plays under the iteration's xi_k.
+    refill_rounds: int = 0
 
     def __post_init__(self):
         from sprpo_lib.engines import ENGINES
+
+        if self.refill_rounds < 0:
+            raise ValueError(f"rollout.refill_rounds must be >= 0 (0: no dynamic sampling), got {self.refill_rounds}")
 
         if self.engine not in ENGINES:
             raise ValueError(f"unknown generation engine {self.engine!r} (rollout.engine); "

@@ -330,6 +330,20 @@ def run_groups(
     return [records[e] for e in sorted(records)], stats
 
 
+def episode_groups(episodes: Sequence[EpisodeRecord]) -> list[list[EpisodeRecord]]:
+    """The episodes by group (a task's ``group_size`` rollouts), groups in order of appearance."""
+    out: dict[int, list[EpisodeRecord]] = {}
+    for e in episodes:
+        out.setdefault(e.group, []).append(e)
+    return list(out.values())
+
+
+def score_spread(group: Sequence[EpisodeRecord]) -> bool:
+    """Whether a group's episodes scored differently: otherwise GiGPO's episode-level
+    advantage is 0 for all of them (DAPO drops such groups)."""
+    return len({e.score for e in group}) > 1
+
+
 # ----------------------------------------------------------------------------- baselines
 class RandomAdmissibleGenerator:
     """The random admissible-action agent (:func:`sprpo_lib.envs.baselines.random_action`)

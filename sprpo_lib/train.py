@@ -49,7 +49,7 @@ from sprpo_lib.methods import make_method
 from sprpo_lib.models import add_lora, is_peft, load_policy, lora_on_last_layers, resolve_device, save_peft
 from sprpo_lib.paths import project_path, runs_dir
 from sprpo_lib.perturb import xi_stats
-from sprpo_lib.rollout import EpisodeLog, ProcessEnvs, SerialEnvs, run_groups
+from sprpo_lib.rollout import EpisodeLog, ProcessEnvs, SerialEnvs, episode_groups, run_groups, score_spread
 from sprpo_lib.tracking import Tracking
 
 log = logging.getLogger(__name__)
@@ -99,31 +99,51 @@ class Trainer:
     def dtype(self) -> str:
         return str(self.policy.dtype).replace("torch.", "")
 
-    def sample_tasks(self, k: int) -> list[tuple[str, int]]:
+    def sample_tasks(self, k: int, rnd: int = 0) -> list[tuple[str, int]]:
+        """The training tasks of iteration ``k`` (refill round ``rnd``), a function of (seed, k, rnd)."""
         split = self.cfg.env.split
         n = self.pool.splits()[split]
-        rng = random.Random(f"tasks/{self.cfg.seed}/{k}")
+        rng = random.Random(f"tasks/{self.cfg.seed}/{k}" + (f"/{rnd}" if rnd else ""))
         m = self.cfg.rollout.tasks_per_step
         idx = rng.sample(range(n), m) if m <= n else [rng.randrange(n) for _ in range(m)]
         return [(split, i) for i in idx]
 
     def collect(self, k: int):
         """Alg. 1 lines 3-5: xi_k from the method, then the rollouts of iteration ``k``
-        under pi^xi.  Returns ``(episodes, xi, stats)``."""
+        under pi^xi, refilled (``rollout.refill_rounds``) with new tasks while fewer than
+        ``tasks_per_step`` groups have a score spread.  Returns ``(episodes, xi, stats)``:
+        the episodes of the batch (groups numbered in order), and in ``stats`` the episodes
+        played but dropped (``dropped``), the rounds played and the groups with a spread."""
         xi = self.method.rollout_xi(k)
-        self.gen.cfg.seed = self.cfg.seed * 100_003 + k
-        self.gen.calls = 0
         self.actor.fc.set(xi=xi)
         t0 = time.perf_counter()
+        rc = self.cfg.rollout
+        st: dict = {}
         with self.actor.fc:
             if getattr(self.gen, "own_weights", False):  # an engine with its own weights: theta_k and xi_k now
                 self.gen.load_weights(effective_weights(self.model))
-            episodes, st = run_groups(self.envs, self.sample_tasks(k), self.cfg.rollout.group_size, self.gen,
-                                      self.agent, self.cfg.env.max_steps, progress=self.progress,
-                                      count_tokens=self.count_tokens)
+            rounds: list[list[list]] = []  # per round, its groups of episodes
+            for rnd in range(rc.refill_rounds + 1):
+                self.gen.cfg.seed = self.cfg.seed * 100_003 + k + 1_000_003 * rnd
+                self.gen.calls = 0
+                episodes, got = run_groups(self.envs, self.sample_tasks(k, rnd), rc.group_size, self.gen,
+                                           self.agent, self.cfg.env.max_steps, progress=self.progress,
+                                           count_tokens=self.count_tokens)
+                st = {k2: st.get(k2, 0) + v for k2, v in got.items()}
+                rounds.append(episode_groups(episodes))
+                spread = [g for r in rounds for g in r if score_spread(g)]
+                if not rc.refill_rounds or len(spread) >= rc.tasks_per_step:
+                    break
         self.actor.fc.clear()
-        st["rollout_s"] = time.perf_counter() - t0
-        return episodes, xi, st
+        # the batch: every group of a single round; with refills the first tasks_per_step groups
+        # whose scores differ (none: the first round's, whose update then has no episode signal)
+        groups = rounds[0] if not rc.refill_rounds else (spread[:rc.tasks_per_step] or rounds[0])
+        chosen = {id(e) for g in groups for e in g}
+        kept = [dataclasses.replace(e, group=i) for i, g in enumerate(groups) for e in g]
+        st.update(rollout_s=time.perf_counter() - t0, rounds=len(rounds),
+                  groups_with_spread=sum(1 for g in groups if score_spread(g)),
+                  dropped=[e for r in rounds for g in r for e in g if id(e) not in chosen])
+        return kept, xi, st
 
     def update(self, batch, xi, k: int) -> dict:
         """Alg. 1 lines 6-7 (the method's update) on ``batch``; timings in the stats."""
@@ -139,15 +159,22 @@ class Trainer:
         episodes, xi, rst = self.collect(k)
         batch, adv_stats = build_batch(episodes, cfg.update.adv, cfg.update.estimator)
         ustats = self.update(batch, xi, k)
-        n = len(episodes)
-        steps = [s for e in episodes for s in e.steps]
+        played = episodes + rst["dropped"]  # the rollout's statistics: every episode played this iteration
+        n = len(played)
+        steps = [s for e in played for s in e.steps]
         cap = cfg.rollout.generation.max_new_tokens
         m = {
             "iteration": k,
-            "success": sum(e.success for e in episodes) / n,
-            "score": sum(e.score for e in episodes) / n,
-            "valid_rate": sum(s.valid for e in episodes for s in e.steps) / max(1, sum(e.length for e in episodes)),
-            "episode_length": sum(e.length for e in episodes) / n,
+            "success": sum(e.success for e in played) / n,
+            "score": sum(e.score for e in played) / n,
+            "valid_rate": sum(s.valid for e in played for s in e.steps) / max(1, sum(e.length for e in played)),
+            "episode_length": sum(e.length for e in played) / n,
+            # dynamic sampling (rollout.refill_rounds): rounds played, the batch's groups whose scores
+            # differ, episodes played but left out; and whether the update had any signal at all
+            "rollout_rounds": rst["rounds"],
+            "groups_with_spread": rst["groups_with_spread"],
+            "episodes_dropped": len(rst["dropped"]),
+            "updated": float(any(s.adv != 0.0 for s in batch.samples)),
             "samples": len(batch.samples),
             "response_tokens": batch.n_tokens,
             "rollout_s": round(rst["rollout_s"], 3),
@@ -174,6 +201,10 @@ class Trainer:
             path = self.out / "episodes" / f"iter_{k:05d}.jsonl"
             path.unlink(missing_ok=True)
             EpisodeLog(path).write(episodes)
+            if rst["dropped"]:  # played but left out of the batch by dynamic sampling
+                path = path.with_name(f"iter_{k:05d}_dropped.jsonl")
+                path.unlink(missing_ok=True)
+                EpisodeLog(path).write(rst["dropped"])
         return m
 
     def save(self, k: int) -> Path:

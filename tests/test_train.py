@@ -322,3 +322,41 @@ def test_sprpo_sigma_scales_closed_form():
         assert torch.equal(fresh.sigma(), m.sigma()) and fresh.m_ref == 0.02
     with pytest.raises(ValueError, match="method.scale"):
         MethodConfig(name="sprpo", scale="log")
+
+
+def test_dynamic_sampling_refills_groups_without_a_score_spread(tmp_path, monkeypatch):
+    """rollout.refill_rounds (DAPO's dynamic sampling): groups whose episodes all scored alike
+    are dropped and new tasks are played, under the same xi, until tasks_per_step groups have a
+    spread; the batch's groups are renumbered, the rest reported as dropped.  Scripted scores:
+    round 0 has no spread, round 1 one group with it, round 2 two."""
+    import sprpo_lib.train as T
+    from sprpo_lib.rollout import EpisodeRecord
+
+    played = []
+
+    def fake_run_groups(envs, tasks, group_size, gen, *a, **k):
+        rnd = (gen.cfg.seed - tr.cfg.seed * 100_003) // 1_000_003
+        played.append((rnd, list(tasks), tr.actor.fc.xi is not None))
+        eps = []
+        for g, (split, idx) in enumerate(tasks):
+            spread = g < rnd  # round r: its first r groups have a spread
+            for r in range(group_size):
+                eps.append(EpisodeRecord("webshop", split, idx, f"t{idx}", g, r, "do it",
+                                         score=float(r % 2) if spread else 0.0))
+        return eps, {"generate_s": 1.0, "env_s": 0.5, "steps": len(eps)}
+
+    monkeypatch.setattr(T, "run_groups", fake_run_groups)
+    tr = _trainer(tmp_path, "method.name=gaussian", "rollout.refill_rounds=3", "rollout.tasks_per_step=2",
+                  "rollout.group_size=2")
+    eps, xi, st = tr.collect(4)
+    assert [p[0] for p in played] == [0, 1, 2] and all(p[2] for p in played)  # stops once two groups have a spread
+    assert played[0][1] == tr.sample_tasks(4) and played[1][1] != played[0][1]  # new tasks each round
+    assert st["rounds"] == 3 and st["groups_with_spread"] == 2 and st["generate_s"] == 3.0
+    assert sorted({e.group for e in eps}) == [0, 1] and len(eps) == 4
+    assert all(len({e.score for e in eps if e.group == g}) == 2 for g in (0, 1))
+    assert len(st["dropped"]) == 3 * 4 - 4
+    # without refills: one round, every group kept as played
+    played.clear()
+    tr.cfg.rollout.refill_rounds = 0
+    eps, _, st = tr.collect(4)
+    assert len(played) == 1 and st["rounds"] == 1 and not st["dropped"] and len(eps) == 4
