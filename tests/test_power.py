@@ -1,0 +1,67 @@
+"""Power analysis (:mod:`sprpo_lib.paper.power`) against hand-computed ANOVA, simulation
+and a brute-force design search."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from sprpo_lib.paper import power as P
+
+
+def test_components_of_a_hand_computed_matrix():
+    """2 seeds x 3 goals: grand mean 3, seed means (2, 4), goal means (2, 3, 4), residuals
+    (+-0.5 / 0 / -+0.5): MS_seed = 3 * 2 / 1 = 6, MS_goal = 2 * 2 / 2 = 2, MS_cell =
+    1 / 2 = 0.5, so var_seed = (6 - 0.5) / 3, var_goal = (2 - 0.5) / 2, var_cell = 0.5."""
+    d = np.array([[1.5, 2.0, 2.5], [2.5, 4.0, 5.5]])
+    c = P.variance_components(d)
+    assert c.var_seed == pytest.approx(5.5 / 3) and c.var_goal == pytest.approx(0.75) and c.var_cell == pytest.approx(0.5)
+    assert c.seed_measured and (c.seeds, c.goals) == (2, 3)
+    # the variance of the design's mean and the MDE follow the closed form
+    assert c.variance(4, 10) == pytest.approx(5.5 / 12 + 0.075 + 0.5 / 40)
+    assert P.mde(c, 4, 10) == pytest.approx((1.959964 + 0.841621) * math.sqrt(5.5 / 12 + 0.075 + 0.5 / 40))
+
+
+def test_components_are_unbiased_on_simulated_designs():
+    """Known components (seed 4, goal 9, cell 1): averaged over 400 simulated 3 x 40 pilots,
+    the estimates are within a few standard errors of the truth, and the design variance
+    they imply matches the simulated spread of the grand mean."""
+    rng = np.random.default_rng(0)
+    est, means = [], []
+    for _ in range(400):
+        d = (2.0 + rng.normal(0, 2, (3, 1)) + rng.normal(0, 3, (1, 40)) + rng.normal(0, 1, (3, 40)))
+        c = P.variance_components(d)
+        est.append((c.var_seed, c.var_goal, c.var_cell))
+        means.append(d.mean())
+    e = np.array(est).mean(0)
+    assert e[0] == pytest.approx(4.0, rel=0.15) and e[1] == pytest.approx(9.0, rel=0.1) and e[2] == pytest.approx(1.0, rel=0.05)
+    assert np.var(means) == pytest.approx(P.Components(4, 9, 1).variance(3, 40), rel=0.2)
+
+
+def test_one_seed_borrows_the_seed_variance_and_says_so():
+    diff = np.array([[10.0, -10.0, 0.0, 0.0]])
+    c = P.difference_components(diff, 20.0, 30.0)
+    assert not c.seed_measured and c.var_seed == 50.0
+    assert c.var_goal == pytest.approx(np.var(diff, ddof=1)) and c.var_cell == 0.0
+    # the seed variance is a floor: with var_seed 50 no number of goals detects 15 pp with one
+    # seed (2.80^2 * 50 > 15^2), with three seeds some number does
+    need = P.designs_needed(c, 15.0, seeds=(1, 2, 3, 5), max_goals=10_000)
+    assert need[1] is None and need[3] is not None and need[5] < need[3]
+    assert P.mde(c, 3, need[3]) <= 15.0 < P.mde(c, 3, need[3] - 1)
+
+
+def test_best_design_is_the_brute_force_optimum():
+    claims = {"big": (P.Components(1.0, 100.0, 50.0), 8.0), "small": (P.Components(4.0, 400.0, 100.0), 5.0),
+              "tiny": (P.Components(10.0, 900.0, 300.0), 1.0)}
+    cost = lambda s, t, k: s * (k * 100.0 + t * 10.0)  # noqa: E731
+    grid = dict(seeds=(1, 2, 3, 4), goals=(12, 24, 48, 96, 192), iterations=(5, 10))
+    got = P.best_design(claims, cost, 8000.0, **grid)
+    feasible = [(s, t, k) for s, t, k in itertools.product(*grid.values()) if cost(s, t, k) <= 8000.0]
+    score = lambda d: (sum(P.mde(c, d[0], d[1]) <= e for c, e in claims.values()), -cost(*d))  # noqa: E731
+    s, t, k = max(feasible, key=score)
+    assert (got["seeds"], got["goals"], got["iterations"]) == (s, t, k)
+    assert "tiny" not in got["resolved"] and got["cost_s"] <= 8000.0
+    with pytest.raises(ValueError, match="no design"):
+        P.best_design(claims, cost, 10.0, **grid)
