@@ -6,7 +6,9 @@ Expected rewards below are re-derived by hand from the definition of WebShop's
 from __future__ import annotations
 
 import json
+import os
 import random
+from pathlib import Path
 
 import pytest
 
@@ -24,6 +26,9 @@ from sprpo_lib.envs.webshop import (
     visible_shopper_action,
 )
 from sprpo_lib.envs.webshop_catalog import generate_catalogue
+
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -566,3 +571,33 @@ def test_shopper_succeeds_often_and_never_acts_invalidly(pool):
         wins += obs.success
         score += obs.info.get("score", 0.0)
     assert 55 <= wins <= 90 and score / 100 > 0.85
+
+
+def test_the_search_never_initialises_jax(tmp_path):
+    """bm25s imports jax whenever it is installed and runs a top-k on its default device at
+    import (on a GPU machine: JAX's preallocation of 75% of the card).  With a stand-in jax
+    on the path that records being imported, a WebShop episode (reset, search, results)
+    leaves it untouched, and an application's own jax import still works afterwards."""
+    import subprocess
+    import sys
+
+    fake = tmp_path / "jax"
+    fake.mkdir()
+    marker = tmp_path / "jax_was_imported"
+    (fake / "__init__.py").write_text(f"open({str(marker)!r}, 'w').write('imported')\n")
+    (fake / "lax.py").write_text("def top_k(x, k):\n    return x, x\n")
+    code = ("import sys\n"
+            "from sprpo_lib.envs.webshop import make_webshop_pool\n"
+            "pool = make_webshop_pool(n_products=200)\n"
+            "ep = pool.open('test', 0).spawn()\n"
+            "ep.reset()\n"
+            "obs = ep.step('search[shoes]')\n"
+            "assert 'jax' not in sys.modules, 'jax imported'\n"
+            "import jax\n"
+            "print('ok', obs.done)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    env.pop("WEBSHOP_DATA", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert marker.read_text() == "imported"  # only by the application's own import, after the episode
+    assert "ok" in out.stdout

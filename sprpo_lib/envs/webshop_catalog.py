@@ -31,18 +31,41 @@ the type factor of the reward needs (see :func:`sprpo_lib.envs.webshop.title_nou
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import os
 import random
 import re
 import string
+import sys
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-import bm25s
 import numpy as np
+
+
+def import_without_jax(name: str):
+    """Import ``name`` with JAX hidden.  ``bm25s`` imports ``jax`` whenever it is installed
+    and runs a top-k on JAX's default device at import, which on a GPU machine initialises
+    JAX's backend and preallocates 75% of the card's memory (the first PPO update of the
+    ``paper`` profile then ran out of memory).  The search reads bm25s's scores only (its
+    top-k is numpy's), so bm25s never needs JAX; an application's own JAX is left as it was."""
+    if name in sys.modules:
+        return sys.modules[name]
+    saved = {k: sys.modules[k] for k in list(sys.modules) if k == "jax" or k.startswith("jax.")}
+    for k in saved:
+        del sys.modules[k]
+    sys.modules["jax"] = None  # type: ignore[assignment]  # "import jax" raises ImportError
+    try:
+        return importlib.import_module(name)
+    finally:
+        del sys.modules["jax"]
+        sys.modules.update(saved)
+
+
+bm25s = import_without_jax("bm25s")
 
 DATA_ENV_VAR = "WEBSHOP_DATA"
 SEARCH_RETURN_N = 50  # results kept per search (engine.py SEARCH_RETURN_N)
