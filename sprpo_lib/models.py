@@ -285,8 +285,8 @@ def load_policy(
             HF directory, or a hub id (``"Qwen/Qwen2.5-1.5B-Instruct"``).  Hub ids resolve
             through the local HF cache; nothing is downloaded when ``HF_HUB_OFFLINE=1``.
         dtype: ``"auto"`` (default), ``"float32"``, ``"bfloat16"`` or ``"float16"``.
-            ``"auto"`` is float32 for the tiny models (exact tests; their speed does not
-            matter) and otherwise the faster of float32 and bfloat16 on this machine,
+            ``"auto"`` is float32 for the tiny test models (exact tests; their speed does
+            not matter) and otherwise (``random-qwen2.5-1.5b`` too) the faster of float32 and bfloat16 on this machine,
             measured at the model's linear shapes (:mod:`sprpo_lib.hardware`; bfloat16 on
             CUDA): CPUs with AVX512-BF16 or AMX run bfloat16 linears faster, AVX2-only
             CPUs several times slower.  ``meta["dtype"]`` records the choice and
@@ -306,7 +306,14 @@ def load_policy(
     if spec in TINY_SPECS:
         model, tok = build_tiny(spec, seed=seed, cfg=tiny)
         source = "random-init"
-        torch_dtype = resolve_dtype("float32" if dtype in (None, "auto") else dtype)
+        if dtype in (None, "auto") and spec == "random-qwen2.5-1.5b":  # it measures the paper's shape: the real rule
+            from sprpo_lib.hardware import linear_shapes
+
+            probe: dict = {}
+            torch_dtype = resolve_dtype("auto", linear_shapes(model.config), device, probe)
+            meta.update(dtype_requested="auto", dtype_probe=probe)
+        else:
+            torch_dtype = resolve_dtype("float32" if dtype in (None, "auto") else dtype)
         model = model.to(torch_dtype)
     else:
         if spec == DEFAULT_MODEL:

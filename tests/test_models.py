@@ -147,3 +147,26 @@ def test_saved_adapters_are_the_same_bytes_in_every_process(tmp_path):
                        env={**os.environ, "PYTHONHASHSEED": seed}, capture_output=True)
         digests.add((out / "adapter_config.json").read_bytes())
     assert len(digests) == 1
+
+
+def test_the_paper_shape_stand_in_follows_the_hardware_dtype_rule(monkeypatch):
+    """random-qwen2.5-1.5b exists to measure the paper's shape, so dtype auto asks the
+    machine (bfloat16 where it is faster, e.g. on CUDA) like a real model, with the probe in
+    meta; the tiny test models stay float32 (exact tests).  The probe is stubbed to answer
+    bfloat16 and record the shapes it was asked about."""
+    import sprpo_lib.hardware as hw
+    from sprpo_lib.models import TinyConfig
+
+    asked = []
+
+    def fake_fast_dtype(shapes, device):
+        asked.append(list(shapes))
+        return torch.bfloat16, {"chosen": "bfloat16"}
+
+    monkeypatch.setattr(hw, "fast_dtype", fake_fast_dtype)
+    small = TinyConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1)
+    big = load_policy("random-qwen2.5-1.5b", tiny=small)
+    assert big.dtype == torch.bfloat16 and big.meta["dtype_probe"] == {"chosen": "bfloat16"}
+    assert asked == [[(32, 64), (64, 32), (32, 32)]]  # the model's own linear shapes
+    assert load_policy("tiny-qwen2", tiny=small).dtype == torch.float32 and len(asked) == 1
+    assert load_policy("random-qwen2.5-1.5b", dtype="float32", tiny=small).dtype == torch.float32
