@@ -405,3 +405,37 @@ def fast_dtype(shapes: Sequence[Shape], device: str | torch.device = "cpu", *, c
 def default_probe(shapes: Sequence[Shape]) -> dict:
     """The measurement behind :func:`fast_dtype`: matmul GFLOP/s and bandwidth on the CPU."""
     return {"matmul": probe_matmul(shapes), "bandwidth_gbs": round(probe_bandwidth(), 1)}
+
+
+def reset_peak_memory(device: str | torch.device = "cpu") -> None:
+    """Start a phase whose peak memory :func:`peak_memory` reads: CUDA's peak-allocation
+    counter of ``device`` and, on Linux, this process's peak resident set (``VmHWM``,
+    reset through ``/proc/self/clear_refs``; elsewhere the peak stays the process's)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_memory(device: str | torch.device = "cpu") -> dict[str, float]:
+    """GiB since :func:`reset_peak_memory`: ``peak_rss_gib`` (this process's peak resident
+    set; an engine's worker process is not counted) and, on CUDA, ``peak_cuda_gib``
+    (``torch.cuda.max_memory_allocated``)."""
+    out: dict[str, float] = {}
+    try:
+        with open("/proc/self/status") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration, ValueError):
+        import resource  # POSIX: the process's lifetime peak (KiB on Linux, bytes on macOS)
+
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        kib = rss // 1024 if platform.system() == "Darwin" else rss
+    out["peak_rss_gib"] = round(kib / 2**20, 3)
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        out["peak_cuda_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 3)
+    return out

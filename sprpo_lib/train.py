@@ -41,6 +41,7 @@ from sprpo_lib.checkpoint import load_checkpoint, save_checkpoint
 from sprpo_lib.config import TrainConfig, config_dict, load_config
 from sprpo_lib.engines import close_engine, effective_weights, make_engine
 from sprpo_lib.envs import make_pool
+from sprpo_lib.hardware import peak_memory, reset_peak_memory
 from sprpo_lib.heldout import agreement_is_current, eval_is_current, evaluate_agreement, evaluate_policy
 from sprpo_lib.io import (CorruptFileError, JsonLines, atomic_dir, atomic_write_json, canonical_hash, file_lock,
                           key_fields, read_cached)
@@ -156,9 +157,13 @@ class Trainer:
         t0, cpu0 = time.perf_counter(), time.process_time()
         eng0 = dict(getattr(self.gen, "stats", {}))  # engine counters (retries, worker CPU) before the iteration
         sig = self.method.sigma_stats()
+        reset_peak_memory(self.actor.device)
         episodes, xi, rst = self.collect(k)
+        mem = {f"rollout_{k2}": v for k2, v in peak_memory(self.actor.device).items()}
         batch, adv_stats = build_batch(episodes, cfg.update.adv, cfg.update.estimator)
-        ustats = self.update(batch, xi, k)
+        reset_peak_memory(self.actor.device)
+        ustats = self.update(batch, xi, k)  # the update and the method's extra pass (replay, SAM's gradient)
+        mem.update({f"update_{k2}": v for k2, v in peak_memory(self.actor.device).items()})
         played = episodes + rst["dropped"]  # the rollout's statistics: every episode played this iteration
         n = len(played)
         steps = [s for e in played for s in e.steps]
@@ -186,6 +191,7 @@ class Trainer:
             **{f"xi_real_{k2}": v for k2, v in xi_stats(xi).items()},
             **adv_stats,
             **{k2: v for k2, v in ustats.items() if isinstance(v, (int, float))},
+            **mem,  # peak memory per phase: rollout_/update_ peak_rss_gib, and peak_cuda_gib on CUDA
         }
         m["wall_s"] = round(time.perf_counter() - t0, 3)
         # contention check: this process's CPU seconds per wall second (about the thread count

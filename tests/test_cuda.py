@@ -34,6 +34,7 @@ def test_a_training_iteration_of_every_method_on_the_device(tmp_path, method):
     assert m["samples"] > 0 and all(math.isfinite(m[k]) for k in ("loss", "pg_loss", "entropy", "wall_s"))
     if method == "sprpo":
         assert math.isfinite(m["xi_sigma_rms"]) and m["xi_sigma_rms"] > 0
+    assert m["rollout_peak_cuda_gib"] > 0 and m["update_peak_cuda_gib"] > 0  # peak memory per phase
 
 
 def test_held_out_evaluation_on_the_device_matches_the_cpu_in_shape(tmp_path):

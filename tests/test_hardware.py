@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import types
 
 import pytest
@@ -171,3 +172,21 @@ def test_bench_machine_reports_rates_and_floors(tmp_path):
         assert res["prefill_gflops"][d] > 0 and res["decode_gflops"][d] > 0
         assert res["prefill_floor_s_per_1k_tokens"][d] > 0
     assert res["bandwidth_gbs"] > 0 and res["machine"]["capability"]
+
+
+def test_peak_memory_per_phase_sees_an_allocation_and_resets():
+    """A 300 MB buffer touched inside a phase raises that phase's peak RSS by about its
+    size; the next phase, started after it is freed, does not see it (Linux resets the
+    peak through /proc/self/clear_refs)."""
+    from sprpo_lib.hardware import peak_memory, reset_peak_memory
+
+    reset_peak_memory()
+    base = peak_memory()["peak_rss_gib"]
+    buf = bytearray(300 * 2**20)
+    buf[::4096] = b"\x01" * len(buf[::4096])  # touch every page
+    with_buf = peak_memory()["peak_rss_gib"]
+    assert with_buf - base > 0.25
+    del buf
+    reset_peak_memory()
+    if os.path.exists("/proc/self/clear_refs"):
+        assert peak_memory()["peak_rss_gib"] < with_buf - 0.2

@@ -256,6 +256,9 @@ def test_extend_run_and_refuse_other_config(tmp_path):
     last = __import__("json").loads(lines[1])
     numbers = {k: v for k, v in last.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     assert set(tb.Tags()["scalars"]) == set(numbers)  # every metric of metrics.jsonl
+    # peak memory per phase, and dynamic sampling's counts (off in smoke: one round, nothing dropped)
+    assert 0 < last["rollout_peak_rss_gib"] < 64 and 0 < last["update_peak_rss_gib"] < 64
+    assert last["rollout_rounds"] == 1 and last["episodes_dropped"] == 0 and last["updated"] in (0.0, 1.0)
     assert all([(e.step, e.value) for e in tb.Scalars(k)] == [(1, pytest.approx(v))] for k, v in numbers.items())
     meta = __import__("json").loads((out / "config.json").read_text())
     assert meta["commit"] and len(meta["entered_at"]) == 1  # the starting commit is kept
