@@ -52,12 +52,15 @@ class Actor:
         prefix_min: every pass computes a prefix shared by several rows once
             (:meth:`passes`) when it is at least this many tokens; ``0`` computes every
             row whole (the reference path).
+        micro_batch_tokens: a micro-batch of several rows also stays within this many
+            padded token positions (rows x longest row, a shared prefix not counted);
+            ``None``: rows alone decide.
     """
 
     def __init__(self, model, pad_id: int, opt: torch.optim.Optimizer, *, grad_clip: float = 1.0,
                  loss_name: str = "ppo_dual_clip", loss_cfg: PPOLossConfig | None = None, micro_batch: int = 8,
                  kl_coef: float = 0.0, kl_type: str = "low_var_kl", mini_batch: int | None = None, epochs: int = 1,
-                 skip_zero_adv: bool = True, prefix_min: int = 16):
+                 skip_zero_adv: bool = True, prefix_min: int = 16, micro_batch_tokens: int | None = None):
         self.model, self.pad_id, self.opt = model, pad_id, opt
         self.params = [p for g in opt.param_groups for p in g["params"]]
         self.grad_clip = grad_clip
@@ -69,6 +72,7 @@ class Actor:
         self.mini_batch, self.epochs = mini_batch, epochs
         self.skip_zero_adv = skip_zero_adv
         self.prefix_min = prefix_min
+        self.micro_batch_tokens = micro_batch_tokens
         self.fc = FFNChannels(model)
         self.shape = self.fc.shape
         self.device = next(model.parameters()).device
@@ -120,10 +124,11 @@ class Actor:
         tokens as the whole rows (a causal model), up to float rounding.  ``on_prefix(roots,
         leaves)`` runs first at a group's end (a second gradient through the same prefix)."""
         if not self.prefix_min:
-            for mb in batch.micro_batches(self.micro_batch, self.pad_id, self.device, sort):
+            for mb in batch.micro_batches(self.micro_batch, self.pad_id, self.device, sort, self.micro_batch_tokens):
                 yield mb, self._logits(mb)
             return
-        for prefix, mbs in batch.shared_micro_batches(self.micro_batch, self.pad_id, self.device, self.prefix_min):
+        for prefix, mbs in batch.shared_micro_batches(self.micro_batch, self.pad_id, self.device, self.prefix_min,
+                                                      self.micro_batch_tokens):
             roots: list[torch.Tensor] = []
             leaves: list[torch.Tensor] | None = None
             if prefix is not None:

@@ -79,38 +79,50 @@ class Batch:
         """The same steps with the old log-probs unfilled (a pass under another xi)."""
         return Batch([replace(s, old_logp=None) for s in self.samples])
 
-    def micro_batch_order(self, size: int, sort: bool = True) -> list[list[Sample]]:
-        """The samples in chunks of ``size``: longest first when ``sort`` (so that a chunk
-        pads its rows to similar lengths: the gradient of a token-weighted sum is the
-        same in any grouping), else in batch order."""
+    def micro_batch_order(self, size: int, sort: bool = True, max_tokens: int | None = None) -> list[list[Sample]]:
+        """The samples in chunks of at most ``size``: longest first when ``sort`` (so that a
+        chunk pads its rows to similar lengths: the gradient of a token-weighted sum is the
+        same in any grouping), else in batch order; with ``max_tokens``, a chunk also closes
+        before its padded positions (rows x longest row) would exceed it (a row longer than
+        that runs alone)."""
         order = sorted(self.samples, key=lambda s: -len(s.ids)) if sort else list(self.samples)
-        return [order[i:i + size] for i in range(0, len(order), size)]
+        chunks: list[list[Sample]] = []
+        for s in order:
+            cur = chunks[-1] if chunks else None
+            if (cur is None or len(cur) >= size or (max_tokens is not None and
+                                                    (len(cur) + 1) * max(len(s.ids), *(len(x.ids) for x in cur)) > max_tokens)):
+                chunks.append([s])
+            else:
+                cur.append(s)
+        return chunks
 
-    def padded_tokens(self, size: int, sort: bool = True) -> int:
+    def padded_tokens(self, size: int, sort: bool = True, max_tokens: int | None = None) -> int:
         """Token positions the forward passes compute over, padding included."""
-        return sum(len(c) * max(len(s.ids) for s in c) for c in self.micro_batch_order(size, sort))
+        return sum(len(c) * max(len(s.ids) for s in c) for c in self.micro_batch_order(size, sort, max_tokens))
 
-    def micro_batches(self, size: int, pad_id: int, device, sort: bool = True) -> list[MicroBatch]:
-        """Left-padded :class:`MicroBatch` es of ``size`` samples (see :meth:`micro_batch_order`)."""
-        return [_micro_batch(chunk, 0, pad_id, device) for chunk in self.micro_batch_order(size, sort)]
+    def micro_batches(self, size: int, pad_id: int, device, sort: bool = True,
+                      max_tokens: int | None = None) -> list[MicroBatch]:
+        """Left-padded :class:`MicroBatch` es (see :meth:`micro_batch_order`)."""
+        return [_micro_batch(chunk, 0, pad_id, device) for chunk in self.micro_batch_order(size, sort, max_tokens)]
 
     def prefix_plan(self, min_prefix: int = 16) -> list[PrefixGroup]:
         """The batch as :class:`PrefixGroup` s (:func:`prefix_groups`)."""
         return prefix_groups(self.samples, min_prefix)
 
-    def computed_tokens(self, size: int, min_prefix: int | None = None) -> dict[str, int]:
+    def computed_tokens(self, size: int, min_prefix: int | None = None,
+                        max_tokens: int | None = None) -> dict[str, int]:
         """What a pass computes over this batch: ``tokens`` in the batch, ``computed`` token
         positions (padding included; with ``min_prefix`` each shared prefix once) and the
         ``padding`` among them."""
         tokens = sum(len(s.ids) for s in self.samples)
         if min_prefix is None:
-            computed = self.padded_tokens(size)
+            computed = self.padded_tokens(size, max_tokens=max_tokens)
             return {"tokens": tokens, "computed": computed, "padding": computed - tokens}
         computed = padding = 0
         for g in self.prefix_plan(min_prefix):
             P = len(g.prefix)
             computed += P
-            for chunk in padded_chunks(g.samples, size, P):
+            for chunk in padded_chunks(g.samples, size, P, max_tokens=max_tokens):
                 T = max(len(s.ids) for s in chunk) - P
                 computed += len(chunk) * T
                 padding += sum(T - (len(s.ids) - P) for s in chunk)
@@ -135,15 +147,16 @@ class Batch:
                 node = node[t]
         return nodes + own
 
-    def shared_micro_batches(self, size: int, pad_id: int, device,
-                             min_prefix: int = 16) -> list[tuple[torch.Tensor | None, list[MicroBatch]]]:
+    def shared_micro_batches(self, size: int, pad_id: int, device, min_prefix: int = 16,
+                             max_tokens: int | None = None) -> list[tuple[torch.Tensor | None, list[MicroBatch]]]:
         """Per :class:`PrefixGroup`: its prefix ids ``[1, P]`` (``None`` for the plain
         group) and the micro-batches of its samples' own tokens (:func:`padded_chunks`),
         left-padded as :meth:`micro_batches` does."""
         out = []
         for g in self.prefix_plan(min_prefix):
             P = len(g.prefix)
-            mbs = [_micro_batch(chunk, P, pad_id, device) for chunk in padded_chunks(g.samples, size, P)]
+            mbs = [_micro_batch(chunk, P, pad_id, device)
+                   for chunk in padded_chunks(g.samples, size, P, max_tokens=max_tokens)]
             out.append((torch.tensor([g.prefix], dtype=torch.long, device=device) if P else None, mbs))
         return out
 
@@ -187,18 +200,22 @@ class PrefixGroup:
         return len(self.prefix) + sum(len(s.ids) - len(self.prefix) for s in self.samples)
 
 
-def padded_chunks(samples: list[Sample], size: int, skip: int = 0, overhead: int = 32) -> list[list[Sample]]:
+def padded_chunks(samples: list[Sample], size: int, skip: int = 0, overhead: int = 32,
+                  max_tokens: int | None = None) -> list[list[Sample]]:
     """The samples, longest first, cut into runs of at most ``size`` that minimise the
     token positions computed (each run pads to its longest row; ``skip`` leading tokens
     of every row are not computed here, e.g. a shared prefix) plus ``overhead`` per run for
     the extra forward call: a dynamic programme over the sorted lengths.  Fixed-size
     chunks pad a short row to a long one whenever lengths vary (a prefix group's later
-    steps run from 12 to 750 tokens of their own)."""
+    steps run from 12 to 750 tokens of their own).  ``max_tokens``: no run of several rows
+    computes more padded positions than that (activation memory grows with them)."""
     order = sorted(samples, key=lambda s: -len(s.ids))
     n = [len(s.ids) - skip for s in order]
     best, cut = [0] + [None] * len(order), [0] * (len(order) + 1)
     for i in range(1, len(order) + 1):
         for k in range(1, min(size, i) + 1):  # the run order[i-k:i], padded to n[i-k]
+            if k > 1 and max_tokens is not None and k * n[i - k] > max_tokens:
+                break  # longer runs only pad more
             c = best[i - k] + k * n[i - k] + overhead
             if best[i] is None or c < best[i]:
                 best[i], cut[i] = c, i - k

@@ -85,7 +85,7 @@ class RolloutConfig:
     #: of ``tasks_per_step`` new tasks each refill the batch until it holds ``tasks_per_step``
     #: groups whose scores differ (verl's ``max_num_gen_batches``).  ``0``: one round, every
     #: group kept (the paper).  Every round plays under the iteration's xi_k.
-    refill_rounds: int = 0
+    refill_rounds: int = field(default=0, metadata=OMIT_AT_DEFAULT)
 
     def __post_init__(self):
         from sprpo_lib.engines import ENGINES
@@ -117,7 +117,10 @@ class UpdateConfig:
     several rows (a group's task text; the whole prompt at a state several rollouts
     reached) once when it is at least this long, the rows' own tokens attending to its keys
     and values (Prefix Grouper's idea; same gradient up to rounding); ``0`` computes every
-    row whole, as verl does."""
+    row whole, as verl does.  ``micro_batch_tokens``: a micro-batch of several rows also
+    keeps its padded token positions (rows x longest row) within this budget, so that
+    activation memory follows tokens rather than rows (verl's ``ppo_max_token_len_per_gpu``);
+    ``null``: rows alone decide."""
 
     lr: float = 3e-6
     betas: tuple[float, float] = (0.9, 0.999)
@@ -134,8 +137,12 @@ class UpdateConfig:
     loss: PPOLossConfig = field(default_factory=PPOLossConfig)
     skip_zero_adv: bool = field(default=True, metadata=OMIT_AT_DEFAULT)
     prefix_min: int = field(default=16, metadata=OMIT_AT_DEFAULT)
+    micro_batch_tokens: int | None = field(default=None, metadata=OMIT_AT_DEFAULT)
 
     def __post_init__(self):
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
+            raise ValueError(f"update.micro_batch_tokens must be >= 1 or null (rows alone decide), got "
+                             f"{self.micro_batch_tokens}; e.g. update.micro_batch_tokens=16384")
         if self.prefix_min < 0:
             raise ValueError(f"update.prefix_min must be >= 0 (0 computes every row whole), got {self.prefix_min}")
         if self.ppo_mini_batch_size is not None and self.ppo_mini_batch_size < 1:

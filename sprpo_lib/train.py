@@ -89,7 +89,8 @@ class Trainer:
         self.actor = Actor(self.model, self.policy.tokenizer.pad_token_id, opt, grad_clip=u.grad_clip,
                            loss_name=u.loss_name, loss_cfg=u.loss, micro_batch=u.micro_batch, kl_coef=u.kl_coef,
                            kl_type=u.kl_type, mini_batch=u.ppo_mini_batch_size, epochs=u.ppo_epochs,
-                           skip_zero_adv=u.skip_zero_adv, prefix_min=u.prefix_min)
+                           skip_zero_adv=u.skip_zero_adv, prefix_min=u.prefix_min,
+                           micro_batch_tokens=u.micro_batch_tokens)
         self.shape = self.actor.shape
         self.method = make_method(cfg.method, self.shape, cfg.seed)
         self.gen = make_engine(cfg.rollout.engine, self.policy, dataclasses.replace(cfg.rollout.generation, seed=cfg.seed),

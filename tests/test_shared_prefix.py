@@ -57,12 +57,16 @@ def test_shared_prefix_gradients_equal_the_whole_row_path(tiny_spec, lora_layers
                 p.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
     batch = _grouped_batch()
     shared, whole = _actor(pol.model, prefix_min=4), _actor(pol.model, prefix_min=0, kl_coef=0.1)
-    whole.kl_coef = shared.kl_coef = 0.1
+    # micro-batches within a budget of padded tokens (update.micro_batch_tokens), on both layouts
+    shared_tok, whole_tok = (_actor(pol.model, prefix_min=4, micro_batch_tokens=40),
+                             _actor(pol.model, prefix_min=0, micro_batch_tokens=70))
+    for a in (shared, whole, shared_tok, whole_tok):
+        a.kl_coef = 0.1
     saved = batch.computed_tokens(2, 4)
     assert saved["computed"] < batch.computed_tokens(2)["computed"]  # the test batch does share prefixes
     xi0 = torch.randn(shared.shape, generator=torch.Generator().manual_seed(2)) * 0.1
     out = {}
-    for name, actor in (("shared", shared), ("whole", whole)):
+    for name, actor in (("shared", shared), ("whole", whole), ("shared_tok", shared_tok), ("whole_tok", whole_tok)):
         xi = grad_leaf(xi0, actor)
         gain = torch.ones(actor.shape, requires_grad=True)
         actor.zero_grad()
@@ -83,6 +87,9 @@ def test_shared_prefix_gradients_equal_the_whole_row_path(tiny_spec, lora_layers
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
     for k in ("loss", "pg_loss", "entropy", "kl"):
         assert sts[k] == pytest.approx(stw[k], rel=1e-5, abs=1e-7)
+    for name in ("shared_tok", "whole_tok"):
+        g, x, u = out[name][:3]
+        assert all(_rel(a, b) < 1e-5 for a, b in zip(g, gw)) and _rel(x, xw) < 1e-5 and _rel(u, uw) < 1e-5
 
 
 def test_surrogate_only_pass_with_skipped_rows_matches(tiny_spec):
@@ -236,6 +243,32 @@ def test_padded_chunks_are_the_cheapest_cut_of_the_sorted_rows(seed):
                for k in range(7) for cuts in itertools.combinations(range(1, 7), k)
                if all(b - a <= 3 for a, b in zip((0,) + cuts, cuts + (7,))))
     assert cost(runs) == best
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_token_budget_bounds_every_micro_batch_of_several_rows(seed):
+    """update.micro_batch_tokens: the DP's runs (shared layout) are the cheapest cut under the
+    budget (brute force), the greedy chunks (whole rows) partition the rows in order; no
+    micro-batch of two or more rows pads past the budget."""
+    from sprpo_lib.batch import padded_chunks
+
+    rng = random.Random(seed)
+    samples = [Sample(list(range(rng.choice([12, 15, 300, 310, 700]))), 2, 1.0) for _ in range(7)]
+    budget = 650
+    runs = padded_chunks(samples, size=3, skip=5, overhead=20, max_tokens=budget)
+    assert sorted(id(s) for r in runs for s in r) == sorted(id(s) for s in samples)
+    assert all(len(r) == 1 or len(r) * (max(len(s.ids) for s in r) - 5) <= budget for r in runs)
+    cost = lambda rs: sum(len(r) * (max(len(s.ids) for s in r) - 5) + 20 for r in rs)  # noqa: E731
+    order = sorted(samples, key=lambda s: -len(s.ids))
+    ok = lambda r: len(r) == 1 or len(r) * (len(r[0].ids) - 5) <= budget  # noqa: E731
+    best = min(cost(rs) for k in range(7) for cuts in itertools.combinations(range(1, 7), k)
+               if all(b - a <= 3 and ok(order[a:b]) for a, b in zip((0,) + cuts, cuts + (7,)))
+               for rs in [[order[a:b] for a, b in zip((0,) + cuts, cuts + (7,))]])
+    assert cost(runs) == best
+    chunks = Batch(samples).micro_batch_order(3, sort=False, max_tokens=budget)
+    assert [s for c in chunks for s in c] == samples
+    assert all(len(c) == 1 or len(c) * max(len(s.ids) for s in c) <= budget for c in chunks)
+    assert all(1 <= len(c) <= 3 for c in chunks)
 
 
 def test_bench_train_reports_each_phase_against_its_floor():
