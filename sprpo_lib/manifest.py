@@ -11,11 +11,20 @@ from sprpo_lib.io import atomic_write_json
 from sprpo_lib.paths import package_checkout
 
 
+NOT_A_CHECKOUT = "unknown (not a git checkout)"
+
+
 def git_commit(repo: str | Path | None = None) -> str:
     """Commit of the code that produced a result (``+dirty`` if tracked files outside
-    ``figures/`` have changes)."""
-    repo = Path(repo or package_checkout())
+    ``figures/`` have changes).  Only a repository whose top level is the checkout holding
+    the package counts: a copy unpacked inside another repository would otherwise record that
+    repository's commit.  Elsewhere :data:`NOT_A_CHECKOUT`."""
+    repo = Path(repo or package_checkout()).resolve()
     try:
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=repo, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        if Path(top).resolve() != repo:
+            return NOT_A_CHECKOUT
         sha = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, check=True
         ).stdout.strip()
@@ -25,7 +34,7 @@ def git_commit(repo: str | Path | None = None) -> str:
         ).stdout.strip()  # rewritten outputs in figures/ do not make the code that wrote them dirty
         return sha + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return NOT_A_CHECKOUT
 
 
 def write_manifest(

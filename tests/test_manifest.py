@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from sprpo_lib.manifest import git_commit
+from sprpo_lib.manifest import NOT_A_CHECKOUT, git_commit
 
 
 def test_git_commit_dirty_flag_ignores_figure_outputs(tmp_path):
@@ -27,6 +27,15 @@ def test_git_commit_dirty_flag_ignores_figure_outputs(tmp_path):
     assert git_commit(tmp_path) == clean
     (tmp_path / "code.py").write_text("x = 2\n")  # changed code
     assert git_commit(tmp_path) == clean + "+dirty"
+    # the project unpacked inside another repository: that repository's commit is not ours
+    inner = tmp_path / "unpacked" / "sprpo"
+    inner.mkdir(parents=True)
+    assert git_commit(inner) == NOT_A_CHECKOUT
+
+
+def test_git_commit_outside_any_repository(tmp_path, monkeypatch):
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))  # no repository above is searched
+    assert git_commit(tmp_path) == NOT_A_CHECKOUT
 
 
 def test_atomic_writes_get_the_permissions_open_and_mkdir_would(tmp_path):
