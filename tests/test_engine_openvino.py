@@ -272,12 +272,12 @@ def test_engine_options_are_checked(monkeypatch):
 def test_bench_churn_counts_builds_hangs_and_injected_stalls(tmp_path):
     import json
 
-    from sprpo_lib.bench import suite as bench
+    from sprpo_lib.bench import cli as bench_cli
 
     out = tmp_path / "churn.json"
     argv = ["churn", "--rounds", "2", "--deadline", "2", "--stall-every", "2", "--stall-s", "30", "--threads", "1",
             "--out", str(out)]
-    assert bench.main(argv) == 0
+    assert bench_cli.main(argv) == 0
     res = json.loads(out.read_text())["results"]
     assert res["builds"] == 4 and res["calls"] == 8 and res["mismatches"] == 0 and res["unrecovered"] == 0
     assert res["injected"] == 1 and res["retries"] >= 1 and res["hangs"] == res["retries"] - 1
@@ -404,13 +404,13 @@ def test_end_of_turn_is_kept(backend):
 def test_bench_generate_compares_openvino_side_by_side(tmp_path):
     import json
 
-    from sprpo_lib.bench import suite as bench
+    from sprpo_lib.bench import cli as bench_cli
 
     out = tmp_path / "generate.json"
     argv = ["generate", "--model", "tiny-llama", "--prompts", "3", "--new-tokens", "6", "--repeats", "1",
             "--engines", "hf_generator,hf,openvino,openvino_loop", "--dtypes", "float32", "--temperatures", "0",
             "--threads", "1", "--out", str(out)]
-    assert bench.main(argv) == 0
+    assert bench_cli.main(argv) == 0
     res = json.loads(out.read_text())["results"]
     for name in ("hf", "openvino", "openvino_loop"):
         assert res["float32"]["T0"][name]["greedy_equal"] == "3/3"

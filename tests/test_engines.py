@@ -203,12 +203,12 @@ def test_registry_names_valid_engines():
 def test_bench_generate_compares_engines_on_webshop_prompts(tmp_path):
     import json
 
-    from sprpo_lib.bench import suite as bench
+    from sprpo_lib.bench import cli as bench_cli
 
     out = tmp_path / "generate.json"
     argv = ["generate", "--model", "tiny-llama", "--prompts", "3", "--new-tokens", "6", "--repeats", "2",
             "--dtypes", "float32", "--out", str(out)]
-    assert bench.main(argv) == 0
+    assert bench_cli.main(argv) == 0
     res = json.loads(out.read_text())["results"]["float32"]
     assert res["T0"]["hf"]["greedy_equal"] == "3/3"
     for t in ("T0", "T0.4"):
@@ -221,14 +221,14 @@ def test_bench_prompts_splits_the_token_budget_by_section(tmp_path):
     import json
 
     from sprpo_lib.agent import PROMPT_SECTIONS, token_counter
-    from sprpo_lib.bench import suite as bench
+    from sprpo_lib.bench import cli as bench_cli
     from sprpo_lib.config import load_config
     from sprpo_lib.envs import make_pool
     from sprpo_lib.models import load_policy
     from sprpo_lib.sft import collect_demonstrations
 
     out = tmp_path / "prompts.json"
-    assert bench.main(["prompts", "--model", "tiny-llama", "--episodes", "3", "--out", str(out)]) == 0
+    assert bench_cli.main(["prompts", "--model", "tiny-llama", "--episodes", "3", "--out", str(out)]) == 0
     res = json.loads(out.read_text())["results"]
     # independent: the whole templated prompts of the shopper's episodes under the cpu agent settings
     cfg = load_config("cpu")

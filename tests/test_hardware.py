@@ -162,10 +162,10 @@ def test_machine_info_and_manifests_record_the_cpu_class(tmp_path, monkeypatch):
 
 
 def test_bench_machine_reports_rates_and_floors(tmp_path):
-    from sprpo_lib.bench import suite as bench
+    from sprpo_lib.bench import cli as bench_cli
 
     out = tmp_path / "machine.json"
-    assert bench.main(["machine", "--model", "tiny-qwen2", "--out", str(out)]) == 0
+    assert bench_cli.main(["machine", "--model", "tiny-qwen2", "--out", str(out)]) == 0
     res = json.loads(out.read_text())["results"]
     assert res["shapes"]["hidden"] == 64 and res["fast_dtype"] in ("float32", "bfloat16")
     for d in ("float32", "bfloat16"):

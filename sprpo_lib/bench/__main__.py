@@ -1,3 +1,3 @@
-from sprpo_lib.bench.suite import main
+from sprpo_lib.bench.cli import main
 
 raise SystemExit(main())

@@ -121,7 +121,29 @@ def _train_rows(res: dict) -> list[str]:
     return lines
 
 
-SUMMARIES = {"eval": _eval_rows, "churn": _churn_rows, "machine": _machine_rows, "train": _train_rows}
+def _gpu_rows(res: dict) -> list[str]:
+    """``bench gpu``: per environment and method, seconds and peak memory per phase; per engine,
+    generation against the decode floor."""
+    gpu = res.get("gpu", {})
+    lines = [f"{gpu.get('name', res.get('device'))} ({gpu.get('memory_gib', '?')} GiB), `{res.get('profile')}` profile, "
+             f"`{res.get('model')}`, {res.get('env_max_steps')} steps per episode; CUDA tests: "
+             f"{res.get('cuda_tests', {}).get('passed', '-')} passed, {res.get('cuda_tests', {}).get('failed', 0)} failed.\n",
+             "| env | method | rollout s | update s | extra pass s | peak GiB rollout / update |", "|---|---|---|---|---|---|"]
+    for env, rows in res.items():
+        if not isinstance(rows, dict) or env in ("gpu", "cuda_tests", "generation"):
+            continue
+        for m, r in rows.items():
+            if isinstance(r, dict):
+                mem = (f"{r.get('rollout_peak_cuda_gib', r.get('rollout_peak_rss_gib'))} / "
+                       f"{r.get('update_peak_cuda_gib', r.get('update_peak_rss_gib'))}")
+                lines.append(f"| {env} | {m} | {r.get('rollout_s')} | {r.get('update_s')} | {r.get('sensitivity_s')} | {mem} |")
+    for name, g in (res.get("generation") or {}).items():
+        lines.append(f"\n`{name}`: {g['tokens_per_s']} new tokens/s at batch {g['batch']}, "
+                     f"{g['floor_over_wall']} of the decode floor ({g['decode_floor_s']} s).")
+    return lines
+
+
+SUMMARIES = {"eval": _eval_rows, "churn": _churn_rows, "machine": _machine_rows, "train": _train_rows, "gpu": _gpu_rows}
 
 
 def headline(record: dict) -> str | None:
@@ -140,6 +162,11 @@ def headline(record: dict) -> str | None:
                + (f" against {wh['vanilla']['update_s']} s computing every row whole" if "vanilla" in wh else ""))
         return out + (f"; iteration x Vanilla: SPrPO {sh.get('sprpo_over_vanilla')} (replay), "
                       f"{sh.get('sprpo_one_pass_over_vanilla')} (one pass), SAM {sh.get('sam_over_vanilla')}")
+    if name == "gpu":
+        peaks = [f"{env} peak {rows['peak_cuda_gib']} GiB" for env, rows in res.items()
+                 if isinstance(rows, dict) and "peak_cuda_gib" in rows]
+        hf = (res.get("generation") or {}).get("hf", {})
+        return ", ".join(peaks + ([f"hf generation {hf['floor_over_wall']} of the decode floor"] if hf else [])) or None
     if name == "machine":
         return ", ".join(f"{d} {g} GFLOP/s" for d, g in res.get("prefill_gflops", {}).items()) + " prefill matmul"
     return None

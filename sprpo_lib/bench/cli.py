@@ -1,0 +1,178 @@
+"""``sprpo-bench`` (``python -m sprpo_lib.bench``): JSON for the record, a table for the eye.
+
+    sprpo-bench perturb [--model smollm2-135m] [--n-calib 128] [--calib-len 256]
+    sprpo-bench envs
+    sprpo-bench train [--profile cpu] [--env webshop] [key=value ...]
+    sprpo-bench machine [--model smollm2-135m]
+    sprpo-bench generate [--model smollm2-135m] [--prompts 16] [--engines hf_generator,hf,openvino]
+    sprpo-bench eval [--engines hf:float32,hf:bfloat16,openvino,openvino:auto:prefix_caching=false] [--episodes 64]
+    sprpo-bench update [--dtypes float32,bfloat16]
+    sprpo-bench prompts [--env alfworld] [--episodes 16] [--override env.max_steps=50]
+    sprpo-bench churn [--rounds 500] [--deadline 30] [--stall-every 0]
+    sprpo-bench gpu [--profile paper] [--device cuda]   # the paper profile on one GPU (bench/gpu.py)
+    sprpo-bench report   # runs/bench/*.json -> figures/bench_<machine>.md, README block
+
+Results go to ``runs/bench/<name>.json`` (``--out`` to change) and are printed as a table.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from sprpo_lib.bench.gpu import METHODS, bench_gpu
+from sprpo_lib.bench.report import report
+from sprpo_lib.bench.suite import (GENERATE_ENGINES, bench_churn, bench_envs, bench_eval, bench_generate,
+                                   bench_machine, bench_perturb, bench_prompts, bench_train, bench_update)
+from sprpo_lib.hardware import machine_info
+from sprpo_lib.io import atomic_write_json
+from sprpo_lib.manifest import git_commit
+from sprpo_lib.paths import project_path, runs_dir
+
+
+def _print_table(res: dict, prefix: str = "") -> None:
+    for k, v in res.items():
+        if isinstance(v, dict):
+            _print_table(v, prefix + k + ".")
+        else:
+            print(f"  {prefix + k:<40} {v}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="sprpo-bench", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="what", required=True)
+    p = sub.add_parser("perturb", help="hook overhead, RTN, Fisher and SparseGPT timings")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--n-calib", type=int, default=128)
+    p.add_argument("--calib-len", type=int, default=256)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-sparsegpt", action="store_true")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: the model's loader default)")
+    e = sub.add_parser("envs", help="environment steps/s and reset times")
+    e.add_argument("--episodes", type=int, default=200)
+    e.add_argument("--model", default="smollm2-135m", help="policy for the env-vs-generation ratio ('' to skip)")
+    e.add_argument("--tasks", type=int, default=4, help="env-vs-generation batch: tasks (cpu profile: 4)")
+    e.add_argument("--group", type=int, default=4, help="env-vs-generation batch: rollouts per task (cpu profile: 4)")
+    e.add_argument("--max-steps", type=int, default=10, help="env-vs-generation batch: steps per episode")
+    t = sub.add_parser("train", help="seconds per iteration: rollout / update / sensitivity, vanilla vs sprpo")
+    t.add_argument("--profile", default="cpu")
+    t.add_argument("--env", default="webshop")
+    t.add_argument("--repeats", type=int, default=1)
+    t.add_argument("--paths", default="shared,whole",
+                   help="shared (prefix-shared passes) and/or whole (every row whole: the reference path)")
+    t.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. rollout.tasks_per_step=4")
+    m = sub.add_parser("machine", help="matmul GFLOP/s per dtype at a model's shapes, bandwidth, prefill floor")
+    m.add_argument("--model", default="smollm2-135m", help="shapes from this model's config (weights not loaded)")
+    m.add_argument("--context", type=int, default=500, help="prompt length for the FLOPs per token")
+    u = sub.add_parser("update", help="one PPO forward/backward per dtype on the same batch, side by side")
+    u.add_argument("--model", default="smollm2-135m")
+    u.add_argument("--dtypes", default="float32,bfloat16")
+    u.add_argument("--samples", type=int, default=8)
+    u.add_argument("--prompt-len", type=int, default=500)
+    u.add_argument("--lora-layers", type=int, default=8, help="LoRA on the last N layers (0: all, the paper)")
+    u.add_argument("--repeats", type=int, default=2)
+    g = sub.add_parser("generate", help="generation engines x dtypes on real WebShop prompts, side by side")
+    g.add_argument("--model", default="smollm2-135m")
+    g.add_argument("--prompts", type=int, default=16)
+    g.add_argument("--new-tokens", type=int, default=48)
+    g.add_argument("--batch", type=int, default=16)
+    g.add_argument("--engines", default=",".join(GENERATE_ENGINES), help="hf_generator (reference) and/or engine names (openvino, openvino_loop)")
+    g.add_argument("--dtypes", default="float32,bfloat16")
+    g.add_argument("--temperatures", default="0,0.4")
+    g.add_argument("--max-steps", type=int, default=3, help="prompts after 0..max-steps shopper steps")
+    g.add_argument("--repeats", type=int, default=2, help="interleaved rounds (best wall time)")
+    q = sub.add_parser("prompts", help="token budget of a profile's prompts by section, per step and per episode")
+    q.add_argument("--model", default="smollm2-135m", help="tokenizer of this model")
+    q.add_argument("--episodes", type=int, default=16, help="demonstrator episodes, every step's prompt counted")
+    q.add_argument("--profile", default="cpu")
+    q.add_argument("--env", default="webshop")
+    q.add_argument("--split", default="test", help="task split (ALFWorld: valid_seen / valid_unseen / train)")
+    q.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="training-config override (repeatable), e.g. env.max_steps=50")
+    v = sub.add_parser("eval", help="the cpu profile's 64-episode held-out evaluation and one RL rollout batch, "
+                                    "per engine side by side")
+    v.add_argument("--profile", default="cpu")
+    v.add_argument("--env", default="webshop")
+    v.add_argument("--engines", default="hf:float32,hf:bfloat16,openvino",
+                   help="engine, engine:dtype or engine:dtype:field=value[+field=value] (a generation setting, "
+                        "e.g. openvino:auto:prefix_caching=false, or agent.field=value, e.g. "
+                        "agent.compact_actions=false), comma-separated; the first is the paired reference")
+    v.add_argument("--episodes", type=int, default=64)
+    v.add_argument("--no-rollout", action="store_true", help="skip the RL rollout batch")
+    v.add_argument("--model", help="model spec (default: the profile's)")
+    c = sub.add_parser("churn", help="openvino engines built, used and dropped N times: hangs, retries, wall time")
+    c.add_argument("--model", default="tiny-llama")
+    c.add_argument("--rounds", type=int, default=500, help="two engine builds per round")
+    c.add_argument("--deadline", type=float, default=30.0, help="seconds a generate call may take")
+    c.add_argument("--stall-every", type=int, default=0, help="inject a stalled call every N rounds (0: none)")
+    c.add_argument("--stall-s", type=float, default=60.0, help="how long an injected stall sleeps")
+    x = sub.add_parser("gpu", help="the paper profile on one GPU: CUDA tests, one iteration per method with seconds "
+                                   "and peak memory per phase, generation against the decode floor")
+    x.add_argument("--profile", default="paper")
+    x.add_argument("--envs", default="webshop,alfworld")
+    x.add_argument("--methods", default=",".join(METHODS))
+    x.add_argument("--model", default="random-qwen2.5-1.5b", help="the paper's shape, random weights")
+    x.add_argument("--device", default="cuda")
+    x.add_argument("--max-steps", type=int, default=3, help="environment steps per episode (the prompt reaches its "
+                                                            "history_len-step size by then)")
+    x.add_argument("--batch", type=int, default=128, help="generation batch (the paper profile's)")
+    x.add_argument("--new-tokens", type=int, default=64)
+    x.add_argument("--no-tests", action="store_true", help="skip tests/test_cuda.py")
+    x.add_argument("overrides", nargs="*", help="dotted training-config overrides")
+    for sp in (p, e, t, m, g, u, v, q, c, x):
+        sp.add_argument("--threads", type=int, default=2, help="torch threads (set explicitly: 2 cores here)")
+        sp.add_argument("--out", type=Path, help="JSON path (default runs/bench/<what>.json)")
+    r = sub.add_parser("report", help="runs/bench/*.json as figures/bench_<machine>.md and the README's bench block")
+    r.add_argument("--dir", type=Path, default=None, help="benchmark JSON folder (default runs/bench/)")
+    args = ap.parse_args(argv)
+    if args.what == "report":
+        for path in report(project_path(args.dir) if args.dir else None):
+            print(path)
+        return 0
+    torch.set_num_threads(args.threads)
+    t0 = time.time()
+    if args.what == "perturb":
+        res = bench_perturb(args.model, args.n_calib, args.calib_len, args.batch, args.new_tokens, args.repeats,
+                            not args.no_sparsegpt, args.device, args.dtype)
+    elif args.what == "machine":
+        res = bench_machine(args.model, args.context)
+    elif args.what == "generate":
+        res = bench_generate(args.model, args.prompts, args.new_tokens, tuple(args.engines.split(",")),
+                             tuple(args.dtypes.split(",")), tuple(float(x) for x in args.temperatures.split(",")),
+                             args.batch, args.max_steps, args.repeats)
+    elif args.what == "update":
+        res = bench_update(args.model, tuple(args.dtypes.split(",")), args.samples, args.prompt_len,
+                           response_len=24, lora_layers=args.lora_layers or None, repeats=args.repeats)
+    elif args.what == "prompts":
+        res = bench_prompts(args.model, args.episodes, args.profile, args.env, args.split, args.override)
+    elif args.what == "eval":
+        res = bench_eval(args.profile, args.env, tuple(args.engines.split(",")), args.episodes, not args.no_rollout,
+                         args.model)
+    elif args.what == "churn":
+        res = bench_churn(args.model, args.rounds, args.deadline, args.stall_every, args.stall_s)
+    elif args.what == "gpu":
+        res = bench_gpu(args.profile, tuple(args.envs.split(",")), tuple(args.methods.split(",")), args.model,
+                        args.device, args.max_steps, args.batch, args.new_tokens, not args.no_tests,
+                        tuple(args.overrides))
+    elif args.what == "envs":
+        res = bench_envs(args.episodes, args.model or None, args.tasks, args.group, args.max_steps)
+    else:
+        res = bench_train(args.profile, args.env, args.repeats, args.overrides, tuple(args.paths.split(",")))
+    out = project_path(args.out) if args.out else runs_dir("bench", f"{args.what}.json")
+    record = {"bench": args.what, "commit": git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "machine": machine_info(), "torch": torch.__version__, "wall_s": round(time.time() - t0, 1),
+              "results": res}
+    atomic_write_json(out, record)
+    print(f"bench {args.what} ({record['commit'][:12]}, {record['wall_s']} s) -> {out}")
+    _print_table(res)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""``sprpo-bench gpu``: the GPU checks of the ``paper`` profile in one command.
+
+1. the CUDA tests (``tests/test_cuda.py``, in a subprocess);
+2. one iteration of every method at the paper's shape (``random-qwen2.5-1.5b``, the
+   profile's 16 tasks x 8 rollouts, a few environment steps), per environment: seconds and
+   peak memory per phase (``rollout_peak_cuda_gib``, ``update_peak_cuda_gib``: the update
+   includes SPrPO's replay and SAM's extra pass), against the card's memory;
+3. generation throughput of every available engine (hf always, vllm where installed) at
+   the profile's batch against the decode floor: per token step every weight and every live
+   sequence's KV cache read once at the measured memory bandwidth.
+
+On a CPU the same code runs at a tiny shape (the test), so the bench is checked without a
+GPU.  A leaf: nothing in the library imports it.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from sprpo_lib import hardware as hw
+from sprpo_lib.bench.suite import webshop_prompts
+from sprpo_lib.config import load_config
+from sprpo_lib.engines import ENGINES, GenerationConfig, close_engine, make_engine
+from sprpo_lib.methods import make_method
+from sprpo_lib.paths import package_checkout
+from sprpo_lib.train import Trainer
+
+METHODS = ("vanilla", "gaussian", "sam", "sprpo")
+PHASE_KEYS = ("rollout_s", "update_s", "sensitivity_s", "wall_s", "samples", "response_tokens",
+              "rollout_peak_cuda_gib", "update_peak_cuda_gib", "rollout_peak_rss_gib", "update_peak_rss_gib")
+
+
+def cuda_tests(device: str, timeout_s: int = 240) -> dict:
+    """``pytest tests/test_cuda.py`` on ``device`` in a subprocess: counts and seconds."""
+    t0 = time.perf_counter()
+    env = {**os.environ, "SPRPO_TEST_DEVICE": device}
+    try:
+        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"],
+                             cwd=package_checkout(), env=env, capture_output=True, text=True, timeout=timeout_s)
+        text, rc = out.stdout + out.stderr, out.returncode
+    except subprocess.TimeoutExpired:
+        text, rc = "", "timeout"
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", text)}
+    return {"rc": rc, **counts, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def decode_floor_s(config, weight_bytes: int, prompt_lens: list[int], response_lens: list[int], bandwidth_gbs: float,
+                   kv_bytes: int) -> float:
+    """Seconds of a batch's decode steps if each step read every weight and the KV cache of
+    every sequence still generating (its prompt and the tokens so far) once from memory."""
+    layers = int(config.num_hidden_layers)
+    heads = int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    kv_width = int(getattr(config, "num_key_value_heads", None) or heads) * head_dim
+    per_token = 2 * layers * kv_width * kv_bytes
+    total = sum(weight_bytes + per_token * sum(p + step for p, r in zip(prompt_lens, response_lens) if r > step)
+                for step in range(max(response_lens, default=0)))
+    return total / (bandwidth_gbs * 1e9)
+
+
+def generation(policy, engines: tuple[str, ...], batch: int, new_tokens: int, bandwidth_gbs: float) -> dict:
+    """Per engine: new tokens per second on ``batch`` real WebShop prompts (greedy, at most
+    ``new_tokens`` each) and the decode floor over the wall time."""
+    prompts = webshop_prompts(batch)
+    weight_bytes = sum(p.numel() * p.element_size() for p in policy.model.parameters())
+    kv_bytes = next(policy.model.parameters()).element_size()
+    out = {}
+    for name in engines:
+        gen = make_engine(name, policy, GenerationConfig(temperature=0.0, max_new_tokens=new_tokens, batch_size=batch))
+        try:
+            gen(prompts[:2])  # warm-up: compilation, allocator
+            hw_sync(policy.device)
+            t0 = time.perf_counter()
+            res = gen(prompts)
+            hw_sync(policy.device)
+            wall = time.perf_counter() - t0
+        finally:
+            close_engine(gen)
+        tokens = sum(len(g.response_ids) for g in res)
+        floor = decode_floor_s(policy.model.config, weight_bytes, [len(g.prompt_ids) for g in res],
+                               [len(g.response_ids) for g in res], bandwidth_gbs, kv_bytes)
+        out[name] = {"batch": batch, "new_tokens": tokens, "wall_s": round(wall, 2),
+                     "tokens_per_s": round(tokens / wall, 1), "decode_floor_s": round(floor, 3),
+                     "floor_over_wall": round(floor / wall, 3)}
+    return out
+
+
+def hw_sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def iterations(profile: str, env: str, methods: tuple[str, ...], overrides: list[str]) -> tuple[dict, object]:
+    """One iteration of every method on one Trainer (the same adapter and optimizer state
+    restored before each); the per-phase seconds and peak memory of each."""
+    cfg = load_config(profile, [f"env.name={env}", "method.name=vanilla", "warm_start=false", *overrides])
+    out_dir = Path(tempfile.mkdtemp(prefix=f"sprpo-bench-gpu-{env}-"))
+    tr = Trainer(cfg, out_dir, progress=True)
+    a = tr.actor
+    params0 = [p.detach().clone() for p in a.params]
+    opt0 = copy.deepcopy(a.opt.state_dict())
+    res = {}
+    try:
+        for name in methods:
+            with torch.no_grad():
+                for p, v in zip(a.params, params0):
+                    p.copy_(v)
+            a.opt.load_state_dict(copy.deepcopy(opt0))
+            tr.method = make_method(dataclasses.replace(cfg.method, name=name), tr.shape, cfg.seed)
+            m = tr.iteration(0)
+            res[name] = {k: m[k] for k in PHASE_KEYS if k in m}
+    finally:
+        tr.envs.close()
+    return res, tr
+
+
+def bench_gpu(profile: str = "paper", envs: tuple[str, ...] = ("webshop", "alfworld"), methods: tuple[str, ...] = METHODS,
+              model: str = "random-qwen2.5-1.5b", device: str = "cuda", max_steps: int = 3, batch: int = 128,
+              new_tokens: int = 64, run_tests: bool = True, overrides: tuple[str, ...] = ()) -> dict:
+    """The record of ``sprpo-bench gpu`` (see the module doc)."""
+    dev = torch.device(device)
+    res: dict = {"profile": profile, "model": model, "device": str(dev), "env_max_steps": max_steps}
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        res["gpu"] = {"name": props.name, "memory_gib": round(props.total_memory / 2**30, 1)}
+    res["bandwidth_gbs"] = round(hw.probe_bandwidth(512 if dev.type == "cuda" else 128, dev), 1)
+    if run_tests:
+        res["cuda_tests"] = cuda_tests(device)
+    ov = [f"model.spec={model}", f"model.device={device}", f"env.max_steps={max_steps}", *overrides]
+    tr = None
+    for env in envs:
+        res[env], tr = iterations(profile, env, methods, ov)
+        if "memory_gib" in res.get("gpu", {}):
+            peak = max(max(r.get("rollout_peak_cuda_gib", 0), r.get("update_peak_cuda_gib", 0)) for r in res[env].values())
+            res[env]["peak_cuda_gib"] = peak
+            res[env]["headroom"] = round(1 - peak / res["gpu"]["memory_gib"], 3)
+    if tr is not None:
+        engines = tuple(e for e in ("hf", "vllm") if e in ENGINES and (e != "vllm" or _has("vllm")) and
+                        (e != "vllm" or dev.type == "cuda"))
+        res["generation"] = generation(tr.policy, engines, batch, new_tokens, res["bandwidth_gbs"])
+    return res
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
