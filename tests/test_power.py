@@ -65,3 +65,44 @@ def test_best_design_is_the_brute_force_optimum():
     assert "tiny" not in got["resolved"] and got["cost_s"] <= 8000.0
     with pytest.raises(ValueError, match="no design"):
         P.best_design(claims, cost, 10.0, **grid)
+
+
+def _rows(cells: dict, goals: int = 6, seeds=(0, 1)) -> "pd.DataFrame":
+    """Episode rows: ``cells[(method, family, strength)][seed][goal]`` success (0/1)."""
+    import pandas as pd
+
+    out = []
+    for (m, fam, s), by_seed in cells.items():
+        for sd in seeds:
+            for t in range(goals):
+                out.append({"method": m, "family": fam, "strength": s, "train_seed": sd, "env": "webshop",
+                            "split": "test", "task_index": t, "seed": 0, "success": by_seed[sd][t]})
+    return pd.DataFrame(out)
+
+
+def test_claim_power_reads_each_claim_from_the_rows():
+    """C1 (Vanilla clean minus Vanilla at Gaussian 0.2) from a hand-made pilot: its matrix is
+    the per-cell difference, its MDE the closed form of its components; a family whose two
+    policies agree on every goal is flagged, never sized; C2 needs 4 of 5 families."""
+    from sprpo_lib.paper import power as P
+
+    ones, zeros = [1] * 6, [0] * 6
+    cells = {("vanilla", "clean", 0.0): {0: ones, 1: [1, 1, 1, 1, 0, 0]},
+             ("vanilla", "gaussian", 0.2): {0: [0, 0, 1, 0, 0, 0], 1: zeros},
+             ("sprpo", "gaussian", 0.2): {0: [0, 0, 1, 0, 0, 0], 1: zeros}}
+    table = P.claim_power({"main": _rows(cells)}, "webshop").set_index("claim")
+    d = 100.0 * np.array([[1, 1, 0, 1, 1, 1], [1, 1, 1, 1, 0, 0]], dtype=float)
+    c = P.variance_components(d)
+    assert table.loc["C1", "mde"] == pytest.approx(P.mde(c, 2, 6))
+    assert table.loc["C1", "var_goal"] == pytest.approx(c.var_goal) and bool(table.loc["C1", "seed_measured"])
+    assert table.loc["C1", "paper"] == pytest.approx(57.00 - 18.73)
+    flat = table.loc["C2.gaussian"]
+    assert not flat["resolvable"] and "no variation" in flat["note"] and pd_isna(flat["goals_at_3_seeds"])
+    assert not table.loc["C2", "resolvable"]  # one family of five measured
+    assert "C6" not in table.index  # no ablation rows given
+
+
+def pd_isna(v) -> bool:
+    import pandas as pd
+
+    return bool(pd.isna(v))

@@ -27,8 +27,10 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 import pandas as pd
 
+from sprpo_lib.paper.claims import PAPER
+
 __all__ = ["Z_POWER80", "Components", "cell_matrix", "variance_components", "difference_components", "mde",
-           "designs_needed", "best_design"]
+           "designs_needed", "best_design", "ClaimSpec", "claim_specs", "claim_power"]
 
 #: z_{0.975} + z_{0.80}: a two-sided test at 5% with 80% power.
 Z_POWER80 = 1.959964 + 0.841621
@@ -53,23 +55,27 @@ class Components:
         return self.var_seed / seeds + self.var_goal / goals + self.var_cell / (seeds * goals)
 
 
-def cell_matrix(rows: pd.DataFrame, method: str, family: str, strength: float, minus: str | None = None, *,
+def _cells(rows: pd.DataFrame, method: str, family: str, strength: float, unit: Sequence[str]) -> pd.DataFrame:
+    sel = rows[(rows["method"] == method) & (rows["family"] == family) & (rows["strength"] == strength)]
+    if sel.empty:
+        raise ValueError(f"cell_matrix: no rows of method {method!r} at {family} {strength}")
+    return 100.0 * sel.groupby(["train_seed", *unit])["success"].mean().unstack(list(unit))
+
+
+def cell_matrix(rows: pd.DataFrame, method: str, family: str, strength: float,
+                minus: str | tuple[str, str, float] | None = None, *,
                 unit: Sequence[str] = ("env", "split", "task_index")) -> np.ndarray:
     """``[training seeds, goals]`` success (%) of ``method`` at a setting from evaluation rows
     (:mod:`sprpo_lib.paper.stats`' columns), each cell the mean over its evaluation seeds;
-    with ``minus``, that method's cells subtracted (paired on the seed label and goal: the
-    seeds both have)."""
-    def one(m: str) -> pd.DataFrame:
-        sel = rows[(rows["method"] == m) & (rows["family"] == family) & (rows["strength"] == strength)]
-        if sel.empty:
-            raise ValueError(f"cell_matrix: no rows of method {m!r} at {family} {strength}")
-        return 100.0 * sel.groupby(["train_seed", *unit])["success"].mean().unstack(list(unit))
-
-    a = one(method)
+    with ``minus`` (a method at the same setting, or ``(method, family, strength)``), its
+    cells subtracted, paired on the seed label and goal (the seeds and goals both have)."""
+    a = _cells(rows, method, family, strength, unit)
     if minus is not None:
-        b = one(minus)
+        bm, bf, bs = (minus, family, strength) if isinstance(minus, str) else minus
+        b = _cells(rows, bm, bf, bs, unit)
         seeds = sorted(set(a.index) & set(b.index))
-        a = a.loc[seeds] - b.loc[seeds]
+        goals = [g for g in a.columns if g in set(b.columns)]
+        a = a.loc[seeds, goals] - b.loc[seeds, goals]
     if a.isna().any().any():
         raise ValueError(f"cell_matrix: {method!r} at {family} {strength} was not evaluated on the same goals for every "
                          "training seed")
@@ -146,3 +152,107 @@ def best_design(claims: Mapping[str, tuple[Components, float]], cost_s: Callable
         raise ValueError(f"best_design: no design of the grid fits the budget of {budget_s:.0f} s; the cheapest "
                          f"costs {min(cost_s(s, t, k) for s, t, k in itertools.product(seeds, goals, iterations)):.0f} s")
     return best[1]
+
+
+@dataclass(frozen=True)
+class ClaimSpec:
+    """One of the paper's claims as a paired comparison: ``a`` minus ``b`` (each ``(method,
+    family, strength)``) in success points, the paper's difference ``effect``; an
+    equivalence claim (``margin``) asks for a 95% interval inside +-margin instead."""
+
+    key: str
+    text: str
+    source: str  # "main" (notebook 04's rows) or "ablation" (notebook 08's)
+    a: tuple[str, str, float]
+    b: tuple[str, str, float]
+    effect: float
+    margin: float | None = None
+
+
+#: Table 1's perturbation families and settings per environment (the paper's strong settings).
+TABLE1 = {"webshop": (("gaussian", 0.2), ("dropout", 0.05), ("fisher", 0.2), ("sparsegpt", 0.4), ("rtn", 6.0)),
+          "alfworld": (("gaussian", 0.2), ("dropout", 0.05), ("fisher", 0.2), ("sparsegpt", 0.7), ("rtn", 6.0))}
+
+
+def claim_specs(env: str) -> list[ClaimSpec]:
+    """C1-C3, C5, C6 of ``env`` with the paper's numbers (:data:`sprpo_lib.paper.claims.PAPER`).
+    C4 (a flatter reward surface) is read from notebook 05's landscape, not from these rows."""
+    t1 = PAPER[env]["table1"]
+    clean = ("clean", 0.0)
+
+    def k(fam, s):
+        return f"{fam}@{float(s):g}"
+
+    g = ("gaussian", 0.2)
+    out = [ClaimSpec("C1", "Vanilla loses success under Gaussian noise sigma = 0.2", "main", ("vanilla", *clean),
+                     ("vanilla", *g), t1["vanilla"]["clean@0"] - t1["vanilla"][k(*g)])]
+    out += [ClaimSpec(f"C2.{fam}", f"SPrPO keeps more success than Vanilla under {fam} {s:g}", "main", ("sprpo", fam, s),
+                      ("vanilla", fam, s), t1["sprpo"][k(fam, s)] - t1["vanilla"][k(fam, s)]) for fam, s in TABLE1[env]]
+    out.append(ClaimSpec("C3", "SPrPO's clean success within 2 pp of Vanilla's", "main", ("sprpo", *clean),
+                         ("vanilla", *clean), t1["sprpo"]["clean@0"] - t1["vanilla"]["clean@0"], margin=2.0))
+    comp = PAPER[env].get("components", {})
+    for variant, label in (("alpha0", "w/o sensitivity"), ("no_schedule", "w/o scheduling")):
+        if variant in comp:
+            out.append(ClaimSpec(f"C5.{variant}", f"full SPrPO beats {label} (clean)", "ablation", ("full", *clean),
+                                 (variant, *clean), t1["sprpo"]["clean@0"] - comp[variant]["clean@0"]))
+    if env == "webshop":  # App. B: SAM at rho = 0.1 "leads to performance collapse"; read as losing its clean success
+        out.append(ClaimSpec("C6", "channel SAM at rho = 0.1 collapses (against rho = 0.005, clean)", "ablation",
+                             ("sam_5e-3", *clean), ("sam_0.1", *clean), t1["sam"]["clean@0"]))
+    return out
+
+
+def claim_power(rows: Mapping[str, pd.DataFrame], env: str, seeds: Sequence[int] = (1, 2, 3, 5),
+                max_goals: int = 500) -> pd.DataFrame:
+    """Per claim of :func:`claim_specs`: the pilot's design (training seeds x goals), its
+    variance components (the seed variance borrowed where the pilot has one seed:
+    :func:`difference_components`, from the two methods' own seed variances where they
+    have several seeds, else 0 and marked), the MDE of that design, whether it resolves the
+    claim, and the goals each number of ``seeds`` needs.  An equivalence claim (C3) needs
+    its 95% half-width within the margin (and resolves only if the paper's own difference
+    is inside it).  ``rows``: ``{"main": notebook 04's rows, "ablation": notebook 08's}``;
+    a claim whose rows are missing is skipped."""
+    out = []
+    for c in claim_specs(env):
+        r = rows.get(c.source)
+        try:
+            d = cell_matrix(r, *c.a, minus=c.b) if r is not None else None
+        except ValueError:
+            d = None
+        if d is None or d.size == 0:
+            continue
+        comps = variance_components(d)
+        if not comps.seed_measured:
+            sv = []
+            for m, fam, s in (c.a, c.b):
+                try:
+                    own = variance_components(cell_matrix(r, m, fam, s))
+                    sv.append(own.var_seed if own.seed_measured else 0.0)
+                except ValueError:
+                    sv.append(0.0)
+            comps = difference_components(d, *(sv if c.a[0] != c.b[0] else (sv[0], 0.0)))
+        S, T = d.shape
+        flat = comps.variance(1, 1) == 0
+        row = {"env": env, "claim": c.key, "text": c.text, "paper": round(c.effect, 2), "seeds": S, "goals": T,
+               "var_seed": comps.var_seed, "var_goal": comps.var_goal, "var_cell": comps.var_cell,
+               "seed_measured": comps.seed_measured,
+               "note": ("no variation in the pilot: the two policies agreed on every cell, so no design can be sized"
+                        if flat else "" if comps.seed_measured else
+                        f"one training seed: seed variance {comps.var_seed:.1f} borrowed from the methods' own seeds")}
+        if c.margin is None:
+            row["mde"] = mde(comps, S, T)
+            row["resolvable"] = row["mde"] <= abs(c.effect) if row["mde"] > 0 else False
+            need = designs_needed(comps, c.effect, seeds, max_goals)
+        else:  # equivalence: the 95% half-width inside the margin
+            half = lambda s, t: 1.959964 * math.sqrt(comps.variance(s, t))  # noqa: E731
+            row["mde"] = half(S, T)
+            row["resolvable"] = 0 < row["mde"] <= c.margin and abs(c.effect) < c.margin
+            need = {s: next((t for t in range(1, max_goals + 1) if half(s, t) <= c.margin), None) for s in seeds}
+        row.update({f"goals_at_{s}_seeds": None if flat else n for s, n in need.items()})
+        out.append(row)
+    table = pd.DataFrame(out)
+    c2 = table[table["claim"].str.startswith("C2.")] if len(table) else table
+    if len(c2):  # C2: at least 4 of the 5 families
+        table = pd.concat([table, pd.DataFrame([{"env": env, "claim": "C2", "paper": float("nan"),
+                                                 "text": "SPrPO keeps more than Vanilla in at least 4 of 5 families",
+                                                 "resolvable": int(c2["resolvable"].sum()) >= 4}])], ignore_index=True)
+    return table
