@@ -23,11 +23,29 @@ import torch
 
 from sprpo_lib.batch import Batch, MicroBatch
 from sprpo_lib.losses import PPOLossConfig, agg_loss, get_policy_loss, kl_penalty, token_entropy, token_logprobs
-from sprpo_lib.models import lowest_trainable_layer
+from sprpo_lib.models import checkpointed_layers, lowest_trainable_layer
 from sprpo_lib.perturb import FFNChannels, below_resolution, float32_compute
 
 SURROGATE = frozenset({"surrogate"})
 TRAIN = frozenset({"surrogate", "entropy", "kl"})
+
+
+def prefix_cache():
+    """A cache of a shared prefix's keys and values that a forward reads and never extends:
+    ``update`` returns the prefix followed by the new states and leaves the cache as it was,
+    so the prefix's length (what the attention mask is built from) stays put and a layer
+    recomputed by activation checkpointing reads the same states.  ``store`` fills it."""
+    from transformers import DynamicCache
+
+    class PrefixCache(DynamicCache):
+        def store(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int) -> None:
+            DynamicCache.update(self, keys, values, layer_idx)
+
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            layer = self.layers[layer_idx]
+            return torch.cat([layer.keys, key_states], -2), torch.cat([layer.values, value_states], -2)
+
+    return PrefixCache()
 
 
 class Actor:
@@ -55,12 +73,18 @@ class Actor:
         micro_batch_tokens: a micro-batch of several rows also stays within this many
             padded token positions (rows x longest row, a shared prefix not counted);
             ``None``: rows alone decide.
+        grad_checkpointing: the passes that differentiate keep only each decoder layer's
+            input and recompute the layer in the backward
+            (:func:`sprpo_lib.models.checkpointed_layers`): activation memory per token falls
+            from every intermediate of every layer to one hidden state per layer, for about
+            one more forward of compute.  Same gradients.
     """
 
     def __init__(self, model, pad_id: int, opt: torch.optim.Optimizer, *, grad_clip: float = 1.0,
                  loss_name: str = "ppo_dual_clip", loss_cfg: PPOLossConfig | None = None, micro_batch: int = 8,
                  kl_coef: float = 0.0, kl_type: str = "low_var_kl", mini_batch: int | None = None, epochs: int = 1,
-                 skip_zero_adv: bool = True, prefix_min: int = 16, micro_batch_tokens: int | None = None):
+                 skip_zero_adv: bool = True, prefix_min: int = 16, micro_batch_tokens: int | None = None,
+                 grad_checkpointing: bool = False):
         self.model, self.pad_id, self.opt = model, pad_id, opt
         self.params = [p for g in opt.param_groups for p in g["params"]]
         self.grad_clip = grad_clip
@@ -73,6 +97,7 @@ class Actor:
         self.skip_zero_adv = skip_zero_adv
         self.prefix_min = prefix_min
         self.micro_batch_tokens = micro_batch_tokens
+        self.grad_checkpointing = grad_checkpointing
         self.fc = FFNChannels(model)
         self.shape = self.fc.shape
         self.device = next(model.parameters()).device
@@ -103,11 +128,9 @@ class Actor:
         if not mb.prefix_len:
             return self.model(input_ids=mb.ids, attention_mask=mb.att, use_cache=False,
                               logits_to_keep=R + 1).logits[:, :-1]
-        from transformers import DynamicCache
-
-        cache, B = DynamicCache(), mb.ids.shape[0]
+        cache, B = prefix_cache(), mb.ids.shape[0]
         for i in range(0, len(past), 2):
-            cache.update(past[i].expand(B, -1, -1, -1), past[i + 1].expand(B, -1, -1, -1), i // 2)
+            cache.store(past[i].expand(B, -1, -1, -1), past[i + 1].expand(B, -1, -1, -1), i // 2)
         return self.model(input_ids=mb.ids, attention_mask=mb.att, position_ids=mb.pos, past_key_values=cache,
                           use_cache=True, logits_to_keep=R + 1).logits[:, :-1]
 
@@ -239,7 +262,8 @@ class Actor:
             if pairs:
                 side([r for r, _ in pairs], grads=[g for _, g in pairs])
 
-        with torch.enable_grad(), self.fc, float32_compute(self.model, below_resolution(xi, self.dtype)):
+        with (torch.enable_grad(), self.fc, float32_compute(self.model, below_resolution(xi, self.dtype)),
+              checkpointed_layers(self.model, self.grad_checkpointing)):
             for mb, logits in self.passes(rows, self.sort_micro_batches, prefix_side if split else None):
                 logp = token_logprobs(logits, mb.tgt)
                 old = mb.field("old_logp")

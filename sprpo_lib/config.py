@@ -120,7 +120,9 @@ class UpdateConfig:
     row whole, as verl does.  ``micro_batch_tokens``: a micro-batch of several rows also
     keeps its padded token positions (rows x longest row) within this budget, so that
     activation memory follows tokens rather than rows (verl's ``ppo_max_token_len_per_gpu``);
-    ``null``: rows alone decide."""
+    ``null``: rows alone decide.  ``grad_checkpointing``: each decoder layer keeps only its
+    input for the backward and is recomputed there (verl's ``enable_gradient_checkpointing``):
+    far less activation memory for about one more forward."""
 
     lr: float = 3e-6
     betas: tuple[float, float] = (0.9, 0.999)
@@ -138,6 +140,7 @@ class UpdateConfig:
     skip_zero_adv: bool = field(default=True, metadata=OMIT_AT_DEFAULT)
     prefix_min: int = field(default=16, metadata=OMIT_AT_DEFAULT)
     micro_batch_tokens: int | None = field(default=None, metadata=OMIT_AT_DEFAULT)
+    grad_checkpointing: bool = field(default=False, metadata=OMIT_AT_DEFAULT)
 
     def __post_init__(self):
         if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:

@@ -33,8 +33,10 @@ import importlib.util
 import json
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -404,6 +406,33 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     if layers is None:
         raise TypeError(f"{type(base).__name__}: expected `.model.layers` (Llama/Qwen2 layout)")
     return layers
+
+
+@contextmanager
+def checkpointed_layers(model: nn.Module, on: bool = True) -> Iterator[None]:
+    """Activation checkpointing of every decoder layer inside the block: a layer keeps only
+    its input for the backward and runs its forward again there (``torch.utils.checkpoint``,
+    non-reentrant, so the FFN-channel hooks and leaves outside the layer's inputs still
+    receive gradients).  The layers are wrapped here rather than through transformers'
+    ``gradient_checkpointing_enable``, which drops ``past_key_values`` inside checkpointed
+    layers (a shared prefix's keys and values would silently vanish); the caches the actor
+    passes are read-only, so a recomputed layer reads the same states."""
+    if not on:
+        yield
+        return
+    from torch.utils.checkpoint import checkpoint
+
+    layers = list(decoder_layers(model))
+    for layer in layers:
+        def forward(hidden_states, *args, _forward=layer.forward, **kwargs):
+            return checkpoint(lambda h: _forward(h, *args, **kwargs), hidden_states, use_reentrant=False)
+
+        layer.forward = forward
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward  # back to the class's forward
 
 
 def lowest_trainable_layer(model: nn.Module) -> int:

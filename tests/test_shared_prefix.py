@@ -60,13 +60,17 @@ def test_shared_prefix_gradients_equal_the_whole_row_path(tiny_spec, lora_layers
     # micro-batches within a budget of padded tokens (update.micro_batch_tokens), on both layouts
     shared_tok, whole_tok = (_actor(pol.model, prefix_min=4, micro_batch_tokens=40),
                              _actor(pol.model, prefix_min=0, micro_batch_tokens=70))
-    for a in (shared, whole, shared_tok, whole_tok):
+    # and with every decoder layer recomputed in the backward (update.grad_checkpointing)
+    shared_ck, whole_ck = (_actor(pol.model, prefix_min=4, grad_checkpointing=True),
+                           _actor(pol.model, prefix_min=0, grad_checkpointing=True))
+    for a in (shared, whole, shared_tok, whole_tok, shared_ck, whole_ck):
         a.kl_coef = 0.1
     saved = batch.computed_tokens(2, 4)
     assert saved["computed"] < batch.computed_tokens(2)["computed"]  # the test batch does share prefixes
     xi0 = torch.randn(shared.shape, generator=torch.Generator().manual_seed(2)) * 0.1
     out = {}
-    for name, actor in (("shared", shared), ("whole", whole), ("shared_tok", shared_tok), ("whole_tok", whole_tok)):
+    for name, actor in (("shared", shared), ("whole", whole), ("shared_tok", shared_tok), ("whole_tok", whole_tok),
+                        ("shared_ck", shared_ck), ("whole_ck", whole_ck)):
         xi = grad_leaf(xi0, actor)
         gain = torch.ones(actor.shape, requires_grad=True)
         actor.zero_grad()
@@ -87,7 +91,7 @@ def test_shared_prefix_gradients_equal_the_whole_row_path(tiny_spec, lora_layers
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
     for k in ("loss", "pg_loss", "entropy", "kl"):
         assert sts[k] == pytest.approx(stw[k], rel=1e-5, abs=1e-7)
-    for name in ("shared_tok", "whole_tok"):
+    for name in ("shared_tok", "whole_tok", "shared_ck", "whole_ck"):
         g, x, u = out[name][:3]
         assert all(_rel(a, b) < 1e-5 for a, b in zip(g, gw)) and _rel(x, xw) < 1e-5 and _rel(u, uw) < 1e-5
 
@@ -192,8 +196,8 @@ def test_pass_flop_model_counts_what_a_shared_pass_multiplies(tiny_spec):
     assert model["computed_tokens"] == 20 + 3 * 9 + 2 * 17
 
 
-@pytest.mark.parametrize("prefix_min,lora_layers", [(0, None), (4, None), (4, 1)])
-def test_one_forward_split_equals_two_passes(prefix_min, lora_layers):
+@pytest.mark.parametrize("prefix_min,lora_layers,ck", [(0, None, False), (4, None, False), (4, 1, False), (4, 1, True)])
+def test_one_forward_split_equals_two_passes(prefix_min, lora_layers, ck):
     """SPrPO's one-pass estimate in one forward: the surrogate's gradient (S_hat = (dL/dxi)^2,
     m_hat = ||grad||^2) and the step's whole gradient equal a surrogate pass followed by a
     regulariser pass (entropy and KL)."""
@@ -203,7 +207,7 @@ def test_one_forward_split_equals_two_passes(prefix_min, lora_layers):
         for n, p in pol.model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
-    actor = _actor(pol.model, prefix_min, kl_coef=0.2)
+    actor = _actor(pol.model, prefix_min, kl_coef=0.2, grad_checkpointing=ck)
     batch = _grouped_batch(5)
     xi0 = torch.randn(actor.shape, generator=torch.Generator().manual_seed(2)) * 0.1
     got = {}
@@ -243,6 +247,34 @@ def test_padded_chunks_are_the_cheapest_cut_of_the_sorted_rows(seed):
                for k in range(7) for cuts in itertools.combinations(range(1, 7), k)
                if all(b - a <= 3 for a, b in zip((0,) + cuts, cuts + (7,))))
     assert cost(runs) == best
+
+
+@pytest.mark.parametrize("prefix_min", [0, 4])
+def test_checkpointed_layers_keep_far_less_for_the_backward(tiny_spec, prefix_min):
+    """What autograd saves for the backward, summed over every saved tensor (a deterministic
+    count, no timer or RSS): with every decoder layer checkpointed it is a fraction of the
+    plain pass's, and the layers are back to their own forward afterwards."""
+    from sprpo_lib.models import TinyConfig, decoder_layers
+
+    pol = load_policy(tiny_spec, seed=0, dtype="float32", tiny=TinyConfig(hidden_size=64, intermediate_size=256,
+                                                                           num_hidden_layers=4))
+    add_lora(pol, lora_on_last_layers(pol.model, LoraSettings(rank=4, alpha=8), None), seed=0)
+    batch = _grouped_batch()
+    saved = {}
+    for ck in (False, True):
+        actor = _actor(pol.model, prefix_min=prefix_min, grad_checkpointing=ck)
+        total = [0]
+
+        def pack(t):
+            total[0] += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            actor.backward(batch.without_old(), terms=TRAIN)
+        actor.zero_grad()
+        saved[ck] = total[0]
+    assert saved[True] < 0.5 * saved[False]
+    assert all("forward" not in vars(layer) for layer in decoder_layers(pol.model))
 
 
 @pytest.mark.parametrize("seed", range(4))
