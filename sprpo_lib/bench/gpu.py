@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from sprpo_lib import hardware as hw
-from sprpo_lib.bench.suite import webshop_prompts
+from sprpo_lib.bench.suite import sync_device, webshop_prompts
 from sprpo_lib.config import load_config
 from sprpo_lib.engines import ENGINES, GenerationConfig, close_engine, make_engine
 from sprpo_lib.methods import make_method
@@ -78,10 +78,10 @@ def generation(policy, engines: tuple[str, ...], batch: int, new_tokens: int, ba
         gen = make_engine(name, policy, GenerationConfig(temperature=0.0, max_new_tokens=new_tokens, batch_size=batch))
         try:
             gen(prompts[:2])  # warm-up: compilation, allocator
-            hw_sync(policy.device)
+            sync_device(policy.device)
             t0 = time.perf_counter()
             res = gen(prompts)
-            hw_sync(policy.device)
+            sync_device(policy.device)
             wall = time.perf_counter() - t0
         finally:
             close_engine(gen)
@@ -92,11 +92,6 @@ def generation(policy, engines: tuple[str, ...], batch: int, new_tokens: int, ba
                      "tokens_per_s": round(tokens / wall, 1), "decode_floor_s": round(floor, 3),
                      "floor_over_wall": round(floor / wall, 3)}
     return out
-
-
-def hw_sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
 
 
 def iterations(profile: str, env: str, methods: tuple[str, ...], overrides: list[str]) -> tuple[dict, object]:

@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 
 
-def _sync(device) -> None:
+def sync_device(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
 
@@ -71,7 +71,7 @@ def bench_perturb(model: str = "smollm2-135m", n_calib: int = 128, calib_len: in
         with torch.no_grad():
             out = m.generate(**enc, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                               pad_token_id=tok.pad_token_id)
-        _sync(pol.device)
+        sync_device(pol.device)
         return out
 
     gen()  # warm-up
@@ -88,16 +88,16 @@ def bench_perturb(model: str = "smollm2-135m", n_calib: int = 128, calib_len: in
         gen_tok_s_hooked=round(n_tok / statistics.median(hooked), 1),
         hook_overhead=round(statistics.median(hooked) / statistics.median(plain) - 1, 4),
     )
-    t, snap = _timed(lambda: (rtn_quantize(m, 4), _sync(pol.device))[0])
+    t, snap = _timed(lambda: (rtn_quantize(m, 4), sync_device(pol.device))[0])
     snap.restore()
     res["rtn_int4_s"] = round(t, 2)
     calib = fixed_length_calibration(tok, n_calib, calib_len)
     res.update(calib_sequences=n_calib, calib_len=calib_len)
-    t, _ = _timed(lambda: (fisher_scores(m, calib, 8, tok.pad_token_id, True), _sync(pol.device)))
+    t, _ = _timed(lambda: (fisher_scores(m, calib, 8, tok.pad_token_id, True), sync_device(pol.device)))
     res["fisher_s"] = round(t, 2)
     if sparsegpt:
         t, (snap, _) = _timed(
-            lambda: (sparsegpt_prune(m, calib, 0.5, 128, 0.01, 8, tok.pad_token_id, True), _sync(pol.device))
+            lambda: (sparsegpt_prune(m, calib, 0.5, 128, 0.01, 8, tok.pad_token_id, True), sync_device(pol.device))
         )
         snap.restore()
         res["sparsegpt_s"] = round(t, 2)
