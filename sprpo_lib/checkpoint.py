@@ -157,7 +157,7 @@ def final_method_state(out: Path) -> dict[str, torch.Tensor] | None:
 def load_checkpoint(out: Path, model, opt, method, cfg) -> tuple[int, dict] | None:
     """Load the latest checkpoint into ``model``/``opt``/``method``; returns its
     iteration and state (``None`` if there is none).  A checkpoint of a different
-    config is refused (only ``iterations`` may differ: a run can be extended; ``model.dtype``
+    config is refused (only ``iterations`` and ``eval_every`` may differ: a run can be extended; ``model.dtype``
     is compared by the caller as the dtype actually used).  A checkpoint that does not
     verify is skipped for the previous one, with a warning; when none verifies, a
     :class:`~sprpo_lib.io.CorruptFileError` names the bad file."""
@@ -183,8 +183,10 @@ def load_checkpoint(out: Path, model, opt, method, cfg) -> tuple[int, dict] | No
                CorruptFileError(ptr, "names no checkpoint folder and there is none", fix))
     state = got["state"]
 
-    def same_run(c: dict) -> dict:  # the iteration count may grow; the dtype is checked resolved, by the caller
-        return {k: ({**v, "dtype": None} if k == "model" else v) for k, v in c.items() if k != "iterations"}
+    def same_run(c: dict) -> dict:  # the iteration count may grow, the held-out cadence change (neither changes
+        # the training); the dtype is checked resolved, by the caller
+        return {k: ({**v, "dtype": None} if k == "model" else v) for k, v in c.items()
+                if k not in ("iterations", "eval_every")}
 
     try:  # keys added to the config since the checkpoint take their defaults
         saved = config_dict(config_from_dict(state["config"]))

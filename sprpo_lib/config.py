@@ -168,7 +168,11 @@ class TrainConfig:
     held-out evaluations' temperature (Table 2 "Validation temperature" 0.4; ``None``:
     the rollout's).  ``logger``: where each iteration's metrics go
     (:mod:`sprpo_lib.tracking`: ``console``, ``jsonl``, ``tensorboard``, ``wandb``; verl's
-    ``trainer.logger``); not part of the run's identity, so changing it resumes a run."""
+    ``trainer.logger``); not part of the run's identity, so changing it resumes a run.
+    ``eval_every``: also score the policy on those ``eval_tasks`` held-out tasks after
+    every N-th iteration (verl's ``trainer.test_freq``; 0: only the final policy), written
+    to ``heldout/iter_<k>/``: the learning curve, paired with the warm start's ``eval.json``
+    (same tasks, seed and temperature); it does not change the training itself."""
 
     profile: str = "paper"
     iterations: int = 200
@@ -178,6 +182,7 @@ class TrainConfig:
     log_episodes: bool = True
     warm_start: bool = False
     eval_tasks: int = 0
+    eval_every: int = field(default=0, metadata=OMIT_AT_DEFAULT)
     eval_temperature: float | None = 0.4
     sft: SFTConfig = field(default_factory=SFTConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -189,6 +194,9 @@ class TrainConfig:
 
     def __post_init__(self):
         self.logger = check_loggers(self.logger)
+        if self.eval_every < 0 or (self.eval_every and self.eval_tasks < 1):
+            raise ValueError(f"eval_every={self.eval_every} needs eval_tasks >= 1 held-out tasks (e.g. eval_tasks=64 "
+                             f"eval_every=10), and must be >= 0 (0: evaluate only the final policy)")
         if self.method.name == "sprpo" and self.method.sensitivity == "one_pass" and (
                 self.update.ppo_mini_batch_size is not None or self.update.ppo_epochs != 1):
             raise ValueError("method.sensitivity=one_pass reads S_hat and m_hat from the single update step at "

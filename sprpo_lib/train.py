@@ -42,7 +42,7 @@ from sprpo_lib.config import TrainConfig, config_dict, load_config
 from sprpo_lib.engines import close_engine, effective_weights, make_engine
 from sprpo_lib.envs import make_pool
 from sprpo_lib.hardware import peak_memory, reset_peak_memory
-from sprpo_lib.heldout import agreement_is_current, eval_is_current, evaluate_agreement, evaluate_policy
+from sprpo_lib.heldout import agreement_is_current, eval_is_current, evaluate_agreement, evaluate_policy, load_eval
 from sprpo_lib.io import (CorruptFileError, JsonLines, atomic_dir, atomic_write_json, canonical_hash, file_lock,
                           key_fields, read_cached)
 from sprpo_lib.manifest import git_commit
@@ -214,6 +214,22 @@ class Trainer:
                 EpisodeLog(path).write(rst["dropped"])
         return m
 
+    def held_out(self, k: int) -> dict:
+        """The held-out evaluation after iteration ``k`` (``cfg.eval_every``), made once and
+        kept in ``heldout/iter_<k>/``; the training's random streams are left as they were,
+        so a run with the curve trains exactly as one without it."""
+        out = heldout_dir(self.out, k)
+        if not eval_is_current(out / "eval.json", self.cfg, self.cfg.eval_tasks):
+            out.mkdir(parents=True, exist_ok=True)
+            py_state = random.getstate()
+            with torch.random.fork_rng(devices=[]):
+                self.model.eval()
+                evaluate_policy(self.policy, self.pool, self.cfg, self.agent, out, self.cfg.eval_tasks, self.progress)
+            random.setstate(py_state)
+        res = read_cached(out / "eval.json", load_eval)
+        return {"heldout_success": res["success_rate"], "heldout_score": res["mean_score"],
+                "heldout_valid_rate": res["valid_rate"], "heldout_s": res.get("seconds")}
+
     def save(self, k: int) -> Path:
         return save_checkpoint(self.out, k, self.model, self.actor.opt, self.method, self.cfg, {"dtype": self.dtype})
 
@@ -307,6 +323,17 @@ def _build_warm_start(policy, pool, cfg: TrainConfig, agent: AgentConfig, progre
     return out
 
 
+def heldout_due(cfg: TrainConfig) -> list[int]:
+    """The iterations after which ``cfg.eval_every`` scores the policy on held-out tasks."""
+    e = cfg.eval_every
+    return [k for k in range(cfg.iterations) if e and (k + 1) % e == 0]
+
+
+def heldout_dir(out: Path, k: int) -> Path:
+    """Where the held-out evaluation after iteration ``k`` of the run in ``out`` is kept."""
+    return Path(out) / "heldout" / f"iter_{k:05d}"
+
+
 def default_out_dir(cfg: TrainConfig) -> Path:
     """A run's folder: ``runs/train/<env>-<method>-<profile>-seed<seed>`` under the project root."""
     return runs_dir("train", f"{cfg.env.name}-{cfg.method.name}-{cfg.profile}-seed{cfg.seed}")
@@ -344,6 +371,8 @@ def is_complete(cfg: TrainConfig, out: Path) -> bool:
         return False
     done = {row.get("iteration") for row in JsonLines(metrics).read()}
     if done != set(range(cfg.iterations)):
+        return False
+    if any(not eval_is_current(heldout_dir(out, k) / "eval.json", cfg, cfg.eval_tasks) for k in heldout_due(cfg)):
         return False
     return not cfg.eval_tasks or eval_is_current(out / "final" / "eval.json", cfg, cfg.eval_tasks)
 
@@ -384,11 +413,21 @@ def _train(cfg: TrainConfig, out_dir, fresh: bool, progress: bool) -> Path:
         tracker = Tracking(cfg.logger, out, start=start, config=meta["config"])
         bar = progress_bar(range(start, cfg.iterations), desc=f"train {cfg.method.name}", disable=not progress,
                            initial=start, total=cfg.iterations)
+        due = set(heldout_due(cfg))
         for k in bar:
             m = tr.iteration(k)
+            if k in due:  # before the checkpoint: a run killed here repeats iteration k, then evaluates
+                m.update(tr.held_out(k))
             tracker.log(m, step=k)
             tr.save(k)
             bar.set_postfix(success=f"{m['success']:.2f}", valid=f"{m['valid_rate']:.2f}", last_s=f"{m['wall_s']:.0f}")
+        lost = [k for k in due if k < start - 1 and not eval_is_current(heldout_dir(out, k) / "eval.json", cfg,
+                                                                           cfg.eval_tasks)]
+        if lost:  # eval_every set after these iterations ran: their policies are no longer kept
+            log.warning("%s: no held-out evaluation after iteration(s) %s and their policies are gone; rerun with "
+                        "--fresh for the whole curve", out, lost)
+        if start and start - 1 in due:  # resumed a finished run whose last evaluation was missing
+            tr.held_out(start - 1)
         final = out / "final"
         if start < cfg.iterations or not adapter_is_whole(final / "adapter"):  # (re)written with its eval dropped
             _publish_adapter(tr.model, final)

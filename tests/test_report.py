@@ -62,3 +62,47 @@ def test_training_figure_keeps_every_line_inside_its_axes_and_equal_runs_apart(t
     xs = [tuple(np.asarray(line.get_xdata(), float)) for line in axes[0].get_lines()]
     assert len(xs) == 2 and xs[0] != xs[1]
     assert np.allclose(np.round(xs[0]), range(5)) and np.allclose(np.round(xs[1]), range(5))
+
+
+def test_heldout_curve_against_hand_counts():
+    """Two training seeds, four tasks: the paired difference, the tasks gained and lost
+    (pooled over seeds) and the sign test, counted by hand; the warm start is one policy."""
+    import pandas as pd
+
+    from sprpo_lib.paper.report import heldout_curve
+
+    start = [1, 0, 0, 0]
+    after = {0: [1, 1, 0, 0], 1: [1, 1, 1, 0]}  # task 1 gained by both seeds, task 2 by one
+    rows = [{"env": "webshop", "method": "vanilla", "train_seed": s, "iteration": it, "split": "train",
+             "task_index": t, "seed": 0, "family": "clean", "strength": 0.0, "success": float(v), "score": 0.0}
+            for s in (0, 1) for it, vals in ((0, start), (5, after[s])) for t, v in enumerate(vals)]
+    cur = heldout_curve(pd.DataFrame(rows), n_resamples=2000)
+    assert len(cur) == 1
+    r = cur.iloc[0]
+    assert (r["iteration"], r["train_seeds"], r["tasks"]) == (5, 2, 4)
+    assert r["start"] == pytest.approx(25.0) and r["success"] == pytest.approx(100 * 5 / 8)
+    assert r["diff"] == pytest.approx(100 * 5 / 8 - 25.0)
+    assert (r["wins"], r["losses"]) == (2, 0) and r["sign_p"] == pytest.approx(0.5)
+    assert r["lo"] <= r["diff"] <= r["hi"] and r["lo"] >= 0.0  # no task was lost: no resample below 0
+
+
+@pytest.mark.slow
+def test_heldout_rows_follow_a_run_from_its_warm_start(tmp_path, monkeypatch):
+    """A warm-started smoke run with ``eval_every=1``: the warm start (iteration 0) and each
+    iteration's policy on the same held-out tasks, read back from their own episode logs."""
+    from sprpo_lib.paper.report import heldout_curve, heldout_rows
+    from sprpo_lib.train import load_config, train
+
+    monkeypatch.setenv("SPRPO_HOME", str(tmp_path))
+    ov = ["warm_start=true", "sft.n_tasks=2", "sft.epochs=1", "sft.lora.rank=4", "sft.eval_tasks=3",
+          "eval_tasks=3", "eval_every=1", "iterations=2", "rollout.tasks_per_step=1"]
+    out = train(load_config("smoke", ov), tmp_path / "run", progress=False)
+    rows = heldout_rows([out])
+    assert sorted(set(rows["iteration"])) == [0, 1, 2]
+    assert all(sorted(g["task_index"]) == [2, 3, 4] for _, g in rows.groupby("iteration"))
+    logged = [json.loads(ln)["success"] for ln in (out / "heldout" / "iter_00001" / "eval_episodes.jsonl")
+              .read_text().splitlines()]
+    assert rows[rows["iteration"] == 2]["success"].tolist() == [float(v) for v in logged]
+    cur = heldout_curve(rows, n_resamples=200)
+    assert cur["iteration"].tolist() == [1, 2] and (cur["tasks"] == 3).all()
+    assert cur["diff"].tolist() == pytest.approx(list(cur["success"] - cur["start"]))

@@ -363,3 +363,33 @@ def test_dynamic_sampling_refills_groups_without_a_score_spread(tmp_path, monkey
     tr.cfg.rollout.refill_rounds = 0
     eps, _, st = tr.collect(4)
     assert len(played) == 1 and st["rounds"] == 1 and not st["dropped"] and len(eps) == 4
+
+
+def test_eval_every_draws_the_curve_without_changing_the_training(tmp_path):
+    """``eval_every`` (verl's test_freq): a held-out evaluation after every N-th iteration,
+    in the metrics and in heldout/iter_<k>/, and the same adapter as a run without it."""
+    import json
+
+    from sprpo_lib.heldout import load_eval
+    from sprpo_lib.train import heldout_dir, is_complete
+
+    ov = ["rollout.tasks_per_step=1", "method.name=vanilla", "iterations=2", "eval_tasks=2"]
+    plain = _adapter(train(load_config("smoke", ov), tmp_path / "plain", progress=False))
+    cfg = load_config("smoke", ov + ["eval_every=1"])
+    out = train(cfg, tmp_path / "curve", progress=False)
+    curve = _adapter(out)
+    assert curve.keys() == plain.keys() and all(torch.equal(curve[k], plain[k]) for k in curve)
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    for k, row in enumerate(rows):
+        res = load_eval(heldout_dir(out, k) / "eval.json")
+        assert res["episodes"] == 2 and row["heldout_success"] == res["success_rate"]
+    # the last one lost: the finished run is not complete, and training again evaluates it (nothing retrained)
+    import shutil
+
+    shutil.rmtree(heldout_dir(out, 1))
+    assert not is_complete(cfg, out)
+    train(cfg, out, progress=False)
+    assert is_complete(cfg, out) and load_eval(heldout_dir(out, 1) / "eval.json")["episodes"] == 2
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+    with pytest.raises(ValueError, match="eval_every=3 needs eval_tasks >= 1"):
+        load_config("smoke", ["eval_every=3"])

@@ -20,11 +20,14 @@ import pandas as pd
 from sprpo_lib.config import TrainConfig, config_from_dict
 from sprpo_lib.executor import current
 from sprpo_lib.heldout import load_eval
+from sprpo_lib.io import read_json_lines
 from sprpo_lib.methods import METHOD_DISPLAY
+from sprpo_lib.paper.stats import N_RESAMPLES, paired_bootstrap
 from sprpo_lib.paths import project_path
-from sprpo_lib.train import default_out_dir, load_config, train, warm_start_dir
+from sprpo_lib.train import default_out_dir, heldout_dir, heldout_due, load_config, train, warm_start_dir
 
-__all__ = ["run_grid", "find_runs", "load_metrics", "before_after", "paired_outcomes", "mcnemar_exact_p", "plot_training"]
+__all__ = ["run_grid", "find_runs", "load_metrics", "before_after", "paired_outcomes", "mcnemar_exact_p", "plot_training",
+           "heldout_rows", "heldout_curve"]
 
 
 def run_grid(profile: str, env: str, methods: Sequence[str], seeds: Sequence[int] | Mapping[str, Sequence[int]],
@@ -140,7 +143,9 @@ def before_after(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
                "iterations": len(m), "rollout_success_first": m["success"].iloc[0],
                "rollout_success_last": m["success"].iloc[-1],
                "rollout_success_first_half": m["success"].iloc[: max(1, len(m) // 2)].mean(),
-               "rollout_success_second_half": m["success"].iloc[len(m) // 2:].mean()}
+               "rollout_success_second_half": m["success"].iloc[len(m) // 2:].mean(),
+               # iterations whose batch had a non-zero advantage, so that the policy moved (Alg. 1 line 6)
+               "updated_fraction": float(m["updated"].mean()) if "updated" in m else float("nan")}
         start = warm_start_dir(cfg) / "eval.json"
         final = d / "final" / "eval.json"
         for name, path in (("start", start), ("final", final)):
@@ -156,20 +161,79 @@ def before_after(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def heldout_rows(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
+    """One row per held-out episode of every policy along each run, all on the same tasks
+    with the same generation seed and temperature: the warm start (``iteration`` 0, its
+    ``eval.json``; one policy, repeated under every run's ``train_seed``), the policy after
+    every ``eval_every``-th iteration (``heldout/iter_<k>/``: ``iteration`` k + 1) and the
+    final one (``final/eval.json``, unless the last iteration's is already there).
+    Columns: env, method, train_seed, iteration, split, task_index, seed (the evaluation's
+    generation seed, one per policy), family (``clean``), strength (0), success, score."""
+    rows = []
+    for d in map(project_path, run_dirs):
+        cfg = _config(d)
+        done = len(load_metrics([d])) if (d / "metrics.jsonl").is_file() else 0
+        points = [(0, warm_start_dir(cfg))] if cfg.warm_start else []
+        points += [(k + 1, heldout_dir(d, k)) for k in heldout_due(cfg) if k < done]
+        if done == cfg.iterations and cfg.iterations not in {i for i, _ in points}:
+            points.append((cfg.iterations, d / "final"))
+        for it, folder in points:
+            if not (folder / "eval.json").is_file():
+                continue
+            load_eval(folder / "eval.json")  # verified with its episode log, or one error naming the file
+            for e in read_json_lines(folder / "eval_episodes.jsonl"):
+                rows.append({"env": cfg.env.name, "method": cfg.method.name, "train_seed": cfg.seed, "iteration": it,
+                             "split": e["split"], "task_index": e["task_index"], "seed": cfg.sft.seed,
+                             "family": "clean", "strength": 0.0, "success": float(e["success"]),
+                             "score": float(e["score"])})
+    return pd.DataFrame(rows)
+
+
+def heldout_curve(rows: pd.DataFrame, n_resamples: int = N_RESAMPLES, seed: int = 0) -> pd.DataFrame:
+    """Per (env, method, iteration > 0): held-out success (%) of the policies after that many
+    iterations against the warm start's on the same tasks, with the two-way paired bootstrap
+    over training seeds and tasks of :func:`~sprpo_lib.paper.stats.paired_bootstrap` (``diff``,
+    ``lo``, ``hi`` in pp; ``wins`` / ``losses`` the tasks gained / lost pooled over seeds,
+    ``sign_p`` their exact sign test): whether RL moved the policy, and by how much."""
+    out = []
+    if rows.empty:
+        return pd.DataFrame(out)
+    start = rows[rows["iteration"] == 0]
+    for (env, method, it), after in rows[rows["iteration"] > 0].groupby(["env", "method", "iteration"]):
+        seeds = sorted(set(after["train_seed"]))
+        base = start[(start["env"] == env) & start["train_seed"].isin(seeds)]
+        if set(base["train_seed"]) != set(seeds):
+            continue  # no warm start to pair with (a profile without one)
+        both = pd.concat([after.assign(policy="after"), base.assign(policy="start")], ignore_index=True)
+        res = paired_bootstrap(both, "after", "start", "clean", 0.0, method="policy", n_resamples=n_resamples,
+                               seed=seed)
+        lo, hi = res["success_ci"]
+        out.append({"env": env, "method": method, "iteration": int(it), "train_seeds": len(seeds),
+                    "tasks": int(after.groupby("train_seed").size().iloc[0]),
+                    "success": 100 * after["success"].mean(), "start": 100 * base["success"].mean(),
+                    "diff": res["success"], "lo": lo, "hi": hi, "wins": res["wins"],
+                    "losses": res["losses"], "sign_p": res["sign_p"]})
+    return pd.DataFrame(out)
+
+
 TRAINING_DODGE = 0.05
 """Sideways offset (iterations) between consecutive runs in ``plot_training``: runs that share a seed
 roll out the same first batch, and equal values would otherwise hide one line behind another."""
 
 
-def plot_training(metrics: pd.DataFrame, summary: pd.DataFrame | None, path: str | Path):
+def plot_training(metrics: pd.DataFrame, summary: pd.DataFrame | None, path: str | Path,
+                  heldout: pd.DataFrame | None = None):
     """Rollout success, score (on the env's own scale) and valid-action rate (right axis) per
-    iteration, one line per run, and the held-out success before/after training when available."""
+    iteration, one line per run, and the held-out success before/after training when available:
+    along training (``heldout``: :func:`heldout_rows` with points between the warm start and the
+    end, one line per run from the warm start at 0) or as bars before / after."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    has_eval = summary is not None and "final_success" in summary and "start_success" in summary
+    has_curve = heldout is not None and not heldout.empty and heldout["iteration"].nunique() > 2
+    has_eval = has_curve or (summary is not None and "final_success" in summary and "start_success" in summary)
     fig, axes = plt.subplots(1, 3 if has_eval else 2, figsize=(13 if has_eval else 9, 3.4))
     from matplotlib.ticker import MaxNLocator
 
@@ -199,7 +263,19 @@ def plot_training(metrics: pd.DataFrame, summary: pd.DataFrame | None, path: str
                 ylim=(lo - pad, hi + pad))
     valid_ax.set(ylabel="valid-action rate (x)", ylim=(-0.02, 1.02))
     axes[0].legend(fontsize=7)  # the runs' colours and line styles are the same in both panels
-    if has_eval:
+    if has_curve:
+        ax = axes[2]
+        for (method, seed), df in heldout.groupby(["method", "train_seed"]):
+            disp = METHOD_DISPLAY.get(method)
+            per = df.groupby("iteration")["success"].mean()
+            ax.plot(per.index, per.values, color=disp.color if disp else None, ls=styles[int(seed) % len(styles)],
+                    marker=disp.marker if disp else "o", ms=4, label=f"{disp.label if disp else method} s{seed}")
+        n = int(heldout.groupby(["train_seed", "iteration"]).size().max())
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set(xlabel="RL iterations (0: warm start)", ylabel="held-out success",
+               title=f"held-out training tasks (n={n}, T=0.4)", ylim=(0, 1))
+        ax.legend(fontsize=7)
+    elif has_eval:
         ax = axes[2]
         s = summary.dropna(subset=["start_success", "final_success"])
         x = range(len(s))
