@@ -16,6 +16,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -205,10 +208,12 @@ class TrainConfig:
 
 
 def build(cls, data: dict, where: str = ""):
-    """A (nested) dataclass from a mapping; unknown keys are an error listing the valid ones."""
+    """A (nested) dataclass from a mapping; unknown keys are an error listing the valid ones,
+    and every value is checked against its field's declared type (:func:`typed`)."""
     if not isinstance(data, dict):
         raise ValueError(f"{where or 'config'}: expected a mapping, got {data!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
     kwargs = {}
     for k, v in data.items():
         if k not in fields:
@@ -216,14 +221,67 @@ def build(cls, data: dict, where: str = ""):
         default = _default(fields[k])
         if dataclasses.is_dataclass(default) and isinstance(v, dict):
             kwargs[k] = build(type(default), {**_shallow(default), **v}, f"{where}{k}.")
-        elif isinstance(default, tuple) and isinstance(v, list):
-            kwargs[k] = tuple(v)
-        else:
+        elif dataclasses.is_dataclass(default) and isinstance(v, type(default)):
             kwargs[k] = v
+        else:
+            kwargs[k] = typed(where + k, v, hints[k], default)
     try:
         return cls(**kwargs)
     except TypeError as err:
         raise ValueError(f"{where or 'config'}: {err}") from err
+
+
+def _describe(t) -> str:
+    args = typing.get_args(t)
+    if typing.get_origin(t) in (types.UnionType, typing.Union):
+        return " or ".join(_describe(a) for a in args)
+    if typing.get_origin(t) is tuple:
+        return (f"a list of {_describe(args[0])}" if len(args) == 2 and args[1] is Ellipsis
+                else f"a list of {len(args)} ({', '.join(map(_describe, args))})")
+    return {bool: "true or false", int: "an integer", float: "a finite number", str: "a string",
+            type(None): "null"}.get(t, getattr(t, "__name__", str(t)))
+
+
+def typed(key: str, value: Any, t, default: Any = None) -> Any:
+    """``value`` as the declared type ``t`` of config key ``key``, or one ``ValueError``
+    naming the key, the value, the type expected and a valid example.  Bools are only
+    true/false; an integer is accepted where a float is declared (and kept as written, so
+    that hashes of configs stay what they were); floats must be finite (no config field
+    takes NaN or infinity); a list becomes a tuple."""
+    origin, args = typing.get_origin(t), typing.get_args(t)
+    ok = False
+    if origin in (types.UnionType, typing.Union):
+        if value is None and type(None) in args:
+            return None
+        for a in (a for a in args if a is not type(None)):
+            try:
+                return typed(key, value, a, default)
+            except ValueError:
+                pass
+    elif origin is tuple and isinstance(value, (list, tuple)):
+        each = [args[0]] * len(value) if len(args) == 2 and args[1] is Ellipsis else list(args)
+        if len(each) == len(value):
+            return tuple(typed(key, v, a) for v, a in zip(value, each))
+    elif t is bool:
+        ok = isinstance(value, bool)
+    elif t is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif t is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    elif t is str:
+        ok = isinstance(value, str)
+    elif origin is tuple:  # one string for a list of strings (``logger=jsonl``): the field's own check splits it
+        ok = isinstance(value, str) and args[:1] == (str,)
+    else:  # a type this check does not know: left to the dataclass
+        ok = True
+    if ok:
+        return value
+    example = default if default is not None and not isinstance(default, (list, tuple)) else {
+        bool: "true", int: 1, float: 0.1, str: "name"}.get(next((a for a in (args or (t,)) if a is not type(None)), t), "...")
+    if isinstance(default, tuple):
+        example = "[" + ",".join(map(str, default)) + "]"
+    shown = json.dumps(example) if isinstance(example, bool) else example
+    raise ValueError(f"{key}={value!r}: expected {_describe(t)}; for example {key}={shown}")
 
 
 def _default(f: dataclasses.Field):
@@ -261,7 +319,12 @@ def load_config(profile: str = "paper", overrides: list[str] | None = None, **to
         if "=" not in ov:
             raise ValueError(f"override {ov!r} must look like key.sub=value (e.g. method.rho=0.1)")
         k, v = ov.split("=", 1)
-        pairs.append((k.strip(), yaml.safe_load(v)))
+        try:
+            pairs.append((k.strip(), yaml.safe_load(v)))
+        except yaml.YAMLError as err:
+            what = str(getattr(err, "problem", None) or err).splitlines()[0]
+            raise ValueError(f"override {ov!r}: the value is not valid YAML ({what}); quote a string, write a list "
+                             f"as [1, 2], e.g. {k.strip()}=0.1") from None
     env = next((v for k, v in reversed(pairs) if k == "env.name"), (data.get("env") or {}).get("name", "webshop"))
     for k, v in (per_env.get(env) or {}).items():
         _set_dotted(data, k, v)

@@ -330,7 +330,8 @@ def load_policy(
             raise ValueError(
                 f"model spec {spec!r} is neither a known name ({DEFAULT_MODEL!r}, "
                 f"{', '.join(TINY_SPECS)}), an existing directory, nor a hub id 'org/name'. "
-                "Point it at a local copy of the weights, e.g. --model /data/Qwen2.5-1.5B-Instruct"
+                "Point it at a local copy of the weights, e.g. model.spec=/data/Qwen2.5-1.5B-Instruct (sprpo-train, "
+                "sprpo-reproduce) or --model /data/Qwen2.5-1.5B-Instruct (sprpo-eval)"
             )
         try:
             torch_dtype = _real_model_dtype(dtype or "auto", path, device, trust_remote_code, meta)

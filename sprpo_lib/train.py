@@ -459,8 +459,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.profile, args.overrides, **{"env.name": args.env, "method.name": args.method,
                                                            "seed": args.seed, "iterations": args.iterations})
-    except ValueError as err:
-        ap.error(str(err))
+    except ValueError as err:  # a bad override or profile: one line, before anything loads
+        print(f"sprpo-train: error: {err}", file=sys.stderr)
+        return 2
     if args.warm_start_only:
         if not cfg.warm_start:
             ap.error(f"profile {cfg.profile!r} has warm_start: false; add the override warm_start=true")

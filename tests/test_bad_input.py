@@ -1,0 +1,43 @@
+"""Bad input gets one clear line before anything loads: typed overrides (issue table rows),
+each naming the key, the value, the type expected and a valid example."""
+from __future__ import annotations
+
+import pytest
+
+from sprpo_lib.config import load_config
+from sprpo_lib.train import main as train_main
+
+#: (override, key named, what the message must say)
+OVERRIDES = [
+    ("method.rho=abc", "method.rho", "expected a finite number"),
+    ("rollout.group_size=abc", "rollout.group_size", "expected an integer"),
+    ("iterations=abc", "iterations", "expected an integer"),
+    ("iterations=2.5", "iterations", "expected an integer"),
+    ("update.skip_zero_adv=maybe", "update.skip_zero_adv", "expected true or false"),
+    ("update.skip_zero_adv=1", "update.skip_zero_adv", "expected true or false"),
+    ("method.rho=.nan", "method.rho", "expected a finite number"),
+    ("method.rho=.inf", "method.rho", "expected a finite number"),
+    ("method.rho=[1,", "method.rho", "not valid YAML"),
+    ("update.betas=[0.9]", "update.betas", "a list of 2"),
+    ("model.dtype=3", "model.dtype", "a string or null"),
+    ("eval_every=5", "eval_every", "needs eval_tasks"),
+    ("method.nosuch=1", "method.nosuch", "unknown config key"),
+]
+
+
+@pytest.mark.parametrize("override,key,says", OVERRIDES)
+def test_bad_override_is_one_line_naming_the_key(override, key, says, capsys):
+    rc = train_main(["--profile", "smoke", "--no-progress", override])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert key in err and says in err
+    if "expected" in says and "needs" not in says:  # a valid example of the same key, which itself loads
+        example = err.split("for example ")[1]
+        assert example.startswith(key + "=")
+        load_config("smoke", [example])
+
+
+@pytest.mark.parametrize("override", ["method.rho=1", "threads=null", "update.betas=[0.9, 0.99]", "logger=jsonl",
+                                      "update.skip_zero_adv=false", "eval_tasks=2"])
+def test_good_overrides_still_load(override):
+    load_config("smoke", [override])
