@@ -32,6 +32,7 @@ import dataclasses
 import importlib.util
 import json
 import logging
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -255,6 +256,29 @@ def looks_like_hub_id(spec: str) -> bool:
     return len(parts) == 2 and all(parts) and not spec.startswith((".", "/", "~"))
 
 
+def downloads_allowed() -> bool:
+    """Whether a hub id may be downloaded: only when the user opts in by setting
+    ``HF_HUB_OFFLINE=0`` explicitly (unset, the library stays offline)."""
+    return os.environ.get("HF_HUB_OFFLINE") == "0"
+
+
+def hub_snapshot(spec: str) -> Path:
+    """The local snapshot folder of hub id ``spec`` in the Hugging Face cache; nothing is
+    downloaded unless :func:`downloads_allowed`.  Not cached: one error naming the id, the
+    cache folder and how to provide a local copy."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    try:
+        return Path(snapshot_download(spec, local_files_only=not downloads_allowed()))
+    except Exception as err:  # noqa: BLE001 - not cached, no such repo, no network: one message
+        how = ("downloading it failed" if downloads_allowed() else
+               "nothing is downloaded unless HF_HUB_OFFLINE=0 is set")
+        raise ValueError(f"model {spec!r} is not in the local Hugging Face cache ({HF_HUB_CACHE}) and {how} "
+                         f"({type(err).__name__}). Fix: pass the folder of a local copy (model.spec=/data/name for "
+                         f"sprpo-train, --model /data/name for sprpo-eval), or put the model in that cache") from None
+
+
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
     """``auto``: the first CUDA GPU when torch sees one, else the CPU; otherwise the device
     named, or one clear error (an unknown name, or CUDA asked for where there is none)."""
@@ -285,7 +309,8 @@ def load_policy(
     Args:
         spec: ``"smollm2-135m"`` (default), ``"tiny-qwen2"``, ``"tiny-llama"``, a local
             HF directory, or a hub id (``"Qwen/Qwen2.5-1.5B-Instruct"``).  Hub ids resolve
-            through the local HF cache; nothing is downloaded when ``HF_HUB_OFFLINE=1``.
+            through the local HF cache; nothing is downloaded unless ``HF_HUB_OFFLINE=0``
+            is set (:func:`hub_snapshot`).
         dtype: ``"auto"`` (default), ``"float32"``, ``"bfloat16"`` or ``"float16"``.
             ``"auto"`` is float32 for the tiny test models (exact tests; their speed does
             not matter) and otherwise (``random-qwen2.5-1.5b`` too) the faster of float32 and bfloat16 on this machine,
@@ -325,7 +350,7 @@ def load_policy(
         elif Path(spec).expanduser().is_dir():
             path = Path(spec).expanduser()
         elif looks_like_hub_id(spec):
-            path = spec
+            path = hub_snapshot(spec)
         else:
             raise ValueError(
                 f"model spec {spec!r} is neither a known name ({DEFAULT_MODEL!r}, "

@@ -41,3 +41,23 @@ def test_bad_override_is_one_line_naming_the_key(override, key, says, capsys):
                                       "update.skip_zero_adv=false", "eval_tasks=2"])
 def test_good_overrides_still_load(override):
     load_config("smoke", [override])
+
+
+def test_uncached_hub_id_is_one_line_without_network(capsys, monkeypatch, tmp_path):
+    """Offline by default: a hub id not in the local cache is one error naming the id and the
+    cache, without a download attempt (no retries), unless HF_HUB_OFFLINE=0 is set."""
+    import time
+
+    from sprpo_lib.evaluate.cli import main as eval_main
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    t0 = time.perf_counter()
+    rc = eval_main(["--model", "nosuchorg/nosuchmodel", "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1, err
+    assert "'nosuchorg/nosuchmodel'" in err and "not in the local Hugging Face cache" in err and "HF_HUB_OFFLINE=0" in err
+    assert time.perf_counter() - t0 < 10  # no HTTP retries
+    assert train_main(["--profile", "smoke", "--no-progress", "model.spec=nosuchorg/nosuchmodel"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "nosuchorg/nosuchmodel" in err and "model.spec=" in err

@@ -109,8 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         cfg = config_from_args(args)
-    except ValueError as err:
-        ap.error(str(err))
+    except ValueError as err:  # a bad option: one line, before anything loads
+        print(f"sprpo-eval: error: {err}", file=sys.stderr)
+        return 2
     progress = not args.no_progress
     if args.build_calibration:
         from sprpo_lib.envs import make_pool
@@ -133,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                "cell_gpus": args.cell_gpus})
         rows = sweep([cfg], progress=progress, executor=executor)
     except ValueError as err:
-        ap.error(str(err))
+        print(f"sprpo-eval: error: {err}", file=sys.stderr)
+        return 2
     if args.out:
         atomic_write_text(project_path(args.out), rows.to_csv(index=False))
     print(_summary(rows))

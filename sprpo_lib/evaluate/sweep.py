@@ -197,7 +197,7 @@ class EvalConfig:
 
 
 def _check_model_spec(spec: str) -> None:
-    from sprpo_lib.models import DEFAULT_MODEL, TINY_SPECS, looks_like_hub_id
+    from sprpo_lib.models import DEFAULT_MODEL, TINY_SPECS, hub_snapshot, looks_like_hub_id
 
     if spec in TINY_SPECS or spec == DEFAULT_MODEL:
         return
@@ -209,6 +209,7 @@ def _check_model_spec(spec: str) -> None:
                              "are not loaded). Fix: re-save the model as safetensors")
         return
     if looks_like_hub_id(spec):
+        hub_snapshot(spec)  # in the local cache, or one error (nothing is downloaded unless asked for)
         return
     raise ValueError(f"--model / EvalConfig.model: {spec!r} is neither a known name ({DEFAULT_MODEL!r}, "
                      f"{', '.join(TINY_SPECS)}), an existing directory, nor a hub id 'org/name'. Fix: pass the "
@@ -272,7 +273,7 @@ class ModelSource:
         return resolve_device(self.cfg.device)
 
     def _dir(self) -> Path | None:
-        from sprpo_lib.models import DEFAULT_MODEL, TINY_SPECS, convert_smollm2
+        from sprpo_lib.models import DEFAULT_MODEL, TINY_SPECS, convert_smollm2, hub_snapshot
 
         spec = self.cfg.model
         if spec in TINY_SPECS:
@@ -283,10 +284,8 @@ class ModelSource:
         if p.is_dir():
             return p
         try:  # a hub id: its snapshot in the local cache, if there is one
-            from huggingface_hub import snapshot_download
-
-            return Path(snapshot_download(spec, local_files_only=True))
-        except Exception:
+            return hub_snapshot(spec)
+        except ValueError:
             return None
 
     def dtype(self, model_dir: Path | None) -> str:
