@@ -197,6 +197,9 @@ class TrainConfig:
 
     def __post_init__(self):
         self.logger = check_loggers(self.logger)
+        if self.iterations < 1:
+            raise ValueError(f"iterations={self.iterations}: expected at least 1 RL iteration; to score the starting "
+                             "policy without training use sprpo-train --warm-start-only or sprpo-eval")
         if self.eval_every < 0 or (self.eval_every and self.eval_tasks < 1):
             raise ValueError(f"eval_every={self.eval_every} needs eval_tasks >= 1 held-out tasks (e.g. eval_tasks=64 "
                              f"eval_every=10), and must be >= 0 (0: evaluate only the final policy)")

@@ -131,7 +131,9 @@ def plan(profile: str, only: list[str] | None = None, model: str | None = None,
         jobs.append((path, params))
     if not jobs:
         raise SystemExit(f"no notebook of profile {profile!r} matches --only {only}"
-                         + (f" and --envs {envs}" if envs else ""))
+                         + (f" and --envs {envs}" if envs else "")
+                         + f"; its notebooks: {', '.join(sorted(prof['notebooks']))} (a number such as 04 or a "
+                           "whole name)")
     return jobs
 
 

@@ -22,6 +22,7 @@ OVERRIDES = [
     ("model.dtype=3", "model.dtype", "a string or null"),
     ("eval_every=5", "eval_every", "needs eval_tasks"),
     ("method.nosuch=1", "method.nosuch", "unknown config key"),
+    ("iterations=0", "iterations", "at least 1 RL iteration"),
 ]
 
 
@@ -61,3 +62,23 @@ def test_uncached_hub_id_is_one_line_without_network(capsys, monkeypatch, tmp_pa
     assert train_main(["--profile", "smoke", "--no-progress", "model.spec=nosuchorg/nosuchmodel"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "nosuchorg/nosuchmodel" in err and "model.spec=" in err
+
+
+def test_reproduce_only_lists_the_valid_names():
+    from sprpo_lib.reproduce import plan
+
+    with pytest.raises(SystemExit, match="its notebooks: 00_quickstart, 01_training.*08_ablations"):
+        plan("cpu", only=["99"])
+
+
+def test_every_parameters_cell_parses_without_a_papermill_warning(caplog):
+    import logging
+
+    import papermill as pm
+
+    from sprpo_lib.paths import notebooks_dir
+
+    with caplog.at_level(logging.WARNING):
+        for nb in sorted(notebooks_dir().glob("[0-9][0-9]_*.ipynb")):
+            assert pm.inspect_notebook(str(nb)), nb
+    assert not [r for r in caplog.records if "Unable to parse" in r.getMessage()]
