@@ -22,20 +22,30 @@ HOME_ENV = "SPRPO_HOME"
 CACHE_ENV = "SPRPO_CACHE"
 
 
+class ProjectRootError(RuntimeError, ValueError):
+    """No usable project root (a ``SPRPO_HOME`` that does not exist, an install outside a
+    checkout); a ``ValueError`` too, so the commands print it as their one-line error."""
+
+
 def package_checkout() -> Path:
     """The folder above the ``sprpo_lib`` package (the checkout, for an editable install)."""
     return Path(__file__).resolve().parents[1]
 
 
 def project_root() -> Path:
-    """``$SPRPO_HOME``, else the checkout holding ``sprpo_lib/`` and ``notebooks/``."""
+    """``$SPRPO_HOME`` (an existing folder: it is never created silently), else the
+    checkout holding ``sprpo_lib/`` and ``notebooks/``."""
     home = os.environ.get(HOME_ENV)
     if home:
-        return Path(home).expanduser().resolve()
+        root = Path(home).expanduser().resolve()
+        if not root.is_dir():  # a typo would otherwise scatter outputs into a new folder
+            raise ProjectRootError(f"{HOME_ENV}={home}: no such folder. Fix: correct the path, or create it first "
+                               f"(mkdir -p {root}) to start a new project root there")
+        return root
     checkout = package_checkout()
     if (checkout / "notebooks").is_dir():
         return checkout
-    raise RuntimeError(f"sprpo_lib is installed at {checkout}, outside a checkout of the project: set {HOME_ENV} to "
+    raise ProjectRootError(f"sprpo_lib is installed at {checkout}, outside a checkout of the project: set {HOME_ENV} to "
                        "the folder for runs/ and figures/ (for example the clone: export "
                        f"{HOME_ENV}=/path/to/sprpo), or install the clone with `pip install -e .`")
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from sprpo_lib.executor import EXECUTORS, executor_environment, make_executor
 from sprpo_lib.io import atomic_write_json, atomic_write_text, read_cached
 from sprpo_lib.manifest import git_commit, write_manifest
-from sprpo_lib.paths import notebooks_dir, package_checkout, project_path, project_root
+from sprpo_lib.paths import ProjectRootError, notebooks_dir, package_checkout, project_path, project_root
 from sprpo_lib.paths import runs_dir as project_runs
 from sprpo_lib.progress import PROGRESS_ENV
 
@@ -425,6 +425,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.address and args.executor != "ray":
         ap.error("--address: only --executor ray connects to a cluster; add --executor ray or drop --address")
+    try:
+        project_root()  # a SPRPO_HOME that does not exist: one line, before anything runs
+    except ProjectRootError as err:
+        print(f"sprpo-reproduce: error: {err}", file=sys.stderr)
+        return 2
     t0 = time.time()
     records = run(args.profile, args.only, args.force, args.model, args.runs_dir, render_only=args.render_only,
                   stream=not args.quiet, executor=args.executor, address=args.address, envs=args.envs)

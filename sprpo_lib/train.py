@@ -473,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = train(cfg, args.out, args.fresh, not args.no_progress)
     except ValueError as err:  # e.g. a checkpoint of another config or dtype: one clear message
-        print(f"error: {err}", file=sys.stderr)
+        print(f"sprpo-train: error: {err}", file=sys.stderr)
         return 2
     print(f"done: {out}")
     return 0

@@ -82,3 +82,18 @@ def test_every_parameters_cell_parses_without_a_papermill_warning(caplog):
         for nb in sorted(notebooks_dir().glob("[0-9][0-9]_*.ipynb")):
             assert pm.inspect_notebook(str(nb)), nb
     assert not [r for r in caplog.records if "Unable to parse" in r.getMessage()]
+
+
+@pytest.mark.parametrize("argv", [["sprpo_lib.train", "--profile", "smoke"],
+                                  ["sprpo_lib.evaluate", "--model", "tiny-qwen2"],
+                                  ["sprpo_lib.reproduce", "--profile", "smoke", "--only", "02"]])
+def test_missing_sprpo_home_is_one_line_and_creates_nothing(argv, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "SPRPO_HOME": str(tmp_path / "typo")}
+    res = subprocess.run([sys.executable, "-m", *argv], env=env, capture_output=True, text=True, timeout=300)
+    err = res.stderr.strip()
+    assert res.returncode == 2 and len(err.splitlines()) == 1, err
+    assert "SPRPO_HOME=" in err and "no such folder" in err and not (tmp_path / "typo").exists()

@@ -19,6 +19,10 @@ def test_project_root_is_the_checkout_or_sprpo_home(monkeypatch, tmp_path):
     assert paths.project_root() == tmp_path.resolve()
     assert paths.runs_dir("train", "x") == tmp_path.resolve() / "runs" / "train" / "x"
     assert paths.figures_dir() == tmp_path.resolve() / "figures"
+    monkeypatch.setenv(paths.HOME_ENV, str(tmp_path / "typo"))  # never created silently
+    with pytest.raises(RuntimeError, match="no such folder.*mkdir -p"):
+        paths.project_root()
+    assert not (tmp_path / "typo").exists()
 
 
 def test_no_path_depends_on_the_working_directory(monkeypatch, tmp_path):
