@@ -41,6 +41,7 @@ from sprpo_lib.checkpoint import load_checkpoint, save_checkpoint
 from sprpo_lib.config import TrainConfig, config_dict, load_config
 from sprpo_lib.engines import close_engine, effective_weights, make_engine
 from sprpo_lib.envs import make_pool
+from sprpo_lib.envs.base import DataError
 from sprpo_lib.hardware import peak_memory, reset_peak_memory
 from sprpo_lib.heldout import agreement_is_current, eval_is_current, evaluate_agreement, evaluate_policy, load_eval
 from sprpo_lib.io import (CorruptFileError, JsonLines, atomic_dir, atomic_write_json, canonical_hash, file_lock,
@@ -67,11 +68,12 @@ class Trainer:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.out = project_path(out_dir or cfg.out_dir or default_out_dir(cfg))
-        self.policy = load_policy(cfg.model.spec, dtype=cfg.model.dtype, seed=cfg.seed,
-                                  device=resolve_device(cfg.model.device))
+        # the environment first: missing or damaged data is one error before the model loads
         factory = partial(make_pool, cfg.env.name, cfg.env.data_dir, cfg.env.seed)
         self.envs = ProcessEnvs(factory, cfg.env.workers) if cfg.env.workers else SerialEnvs(factory)
         self.pool = self.envs.pool
+        self.policy = load_policy(cfg.model.spec, dtype=cfg.model.dtype, seed=cfg.seed,
+                                  device=resolve_device(cfg.model.device))
         self.agent: AgentConfig = cfg.rollout.agent
         if cfg.warm_start:
             self.warm_start_dir = warm_start_policy(self.policy, self.pool, cfg, self.agent, progress)
@@ -454,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--warm-start-only", action="store_true",
                     help="build (or load) the cached supervised warm start, evaluate it, and stop")
+    ap.add_argument("--debug", action="store_true", help="show the traceback of an error")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. method.rho=0.1 rollout.group_size=4")
     args = ap.parse_args(argv)
     try:
@@ -465,14 +468,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.warm_start_only:
         if not cfg.warm_start:
             ap.error(f"profile {cfg.profile!r} has warm_start: false; add the override warm_start=true")
-        tr = Trainer(cfg, args.out, not args.no_progress)
+        try:
+            tr = Trainer(cfg, args.out, not args.no_progress)
+        except (ValueError, DataError) as err:
+            if args.debug:
+                raise
+            print(f"sprpo-train: error: {err}", file=sys.stderr)
+            return 2
         tr.envs.close()
         shown = [tr.warm_start_dir / n for n in ("eval.json", "agreement.json")]
         print(f"warm start: {tr.warm_start_dir}" + "".join(f"\n{p.read_text()}" for p in shown if p.is_file()))
         return 0
     try:
         out = train(cfg, args.out, args.fresh, not args.no_progress)
-    except ValueError as err:  # e.g. a checkpoint of another config or dtype: one clear message
+    except (ValueError, DataError) as err:  # a checkpoint of another config or dtype, missing data: one message
+        if args.debug:
+            raise
         print(f"sprpo-train: error: {err}", file=sys.stderr)
         return 2
     print(f"done: {out}")

@@ -97,3 +97,27 @@ def test_missing_sprpo_home_is_one_line_and_creates_nothing(argv, tmp_path):
     err = res.stderr.strip()
     assert res.returncode == 2 and len(err.splitlines()) == 1, err
     assert "SPRPO_HOME=" in err and "no such folder" in err and not (tmp_path / "typo").exists()
+
+
+@pytest.mark.parametrize("layout,names", [
+    ("missing", ["does not exist"]),
+    ("empty", ["no complete product file pair", "items_shuffle.json"]),
+    ("garbage", ["items_shuffle_1000.json is not a whole JSON file"]),
+])
+def test_webshop_data_errors_name_the_variable_and_the_file(layout, names, tmp_path, monkeypatch, capsys):
+    """Data checks run before the model loads; the message names the variable, the file and the
+    expected layout, without a traceback."""
+    import sprpo_lib.train as T
+
+    root = tmp_path / "data"
+    if layout != "missing":
+        root.mkdir()
+    if layout == "garbage":
+        for n in ("items_shuffle_1000.json", "items_ins_v2_1000.json", "items_human_ins.json"):
+            (root / n).write_text("garbage")
+    monkeypatch.setenv("WEBSHOP_DATA", str(root))
+    monkeypatch.setattr(T, "load_policy", lambda *a, **k: pytest.fail("the model loaded before the data check"))
+    assert train_main(["--profile", "smoke", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"sprpo-train: error: WEBSHOP_DATA={root}: WebShop data:") and "Traceback" not in err
+    assert all(n in err for n in names) and "Expected layout" in err

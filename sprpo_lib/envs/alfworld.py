@@ -74,7 +74,7 @@ from textworld.generator.game import EntityInfo
 
 from sprpo_lib.envs import alfworld_gen
 from sprpo_lib.envs.alfworld_explorer import receptacle_prior, visible_explorer_action
-from sprpo_lib.envs.base import Observation, check_split
+from sprpo_lib.envs.base import DataError, Observation, check_split
 
 MAX_STEPS = 50  # App. B: ALFWorld episodes end after 50 environment steps.
 PRIOR_GAMES = 60  # training games whose object placements give the explorer's search order
@@ -84,7 +84,7 @@ TASK_TYPES = alfworld_gen.TASK_TYPES
 HIDDEN_COMMANDS = frozenset({"help"})  # executable, not listed (verl-agent drops it)
 
 
-class AlfworldDataError(FileNotFoundError):
+class AlfworldDataError(DataError):
     """A real-data folder is missing or not in ALFWorld's ``json_2.1.1`` layout."""
 
 

@@ -25,6 +25,12 @@ from dataclasses import dataclass, field
 from typing import Protocol, Sequence, runtime_checkable
 
 
+class DataError(FileNotFoundError):
+    """An environment's real data (``data_dir``, ``$WEBSHOP_DATA``, ``$ALFWORLD_DATA``) is
+    missing, incomplete or unreadable; the message names the folder or file and the
+    expected layout, and the commands print it without a traceback."""
+
+
 @dataclass
 class Observation:
     """What the agent sees after ``reset`` or ``step``.

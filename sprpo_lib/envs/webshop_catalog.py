@@ -45,6 +45,8 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from sprpo_lib.envs.base import DataError
+
 
 def import_without_jax(name: str):
     """Import ``name`` with JAX hidden.  ``bm25s`` imports ``jax`` whenever it is installed
@@ -83,7 +85,7 @@ _PRODUCT_FILE_PAIRS = (
 )
 
 
-class WebShopDataError(FileNotFoundError):
+class WebShopDataError(DataError):
     """Raised when a requested WebShop data folder is missing or incomplete."""
 
 
@@ -333,8 +335,14 @@ def process_raw_product(
 
 
 def _read_json(path: Path) -> Any:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    """One of the data files, parsed; a truncated or foreign file is a :class:`WebShopDataError`
+    naming it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise data_error(path.parent, f"{path} is not a whole JSON file ({type(err).__name__}: "
+                                      f"{str(err).splitlines()[0][:120]}); download it again") from None
 
 
 def load_webshop_data(data_dir: str | os.PathLike, seed: int = 0) -> WebShopCatalogue:
@@ -937,7 +945,12 @@ def get_catalogue(
     not mutate the returned catalogue.
     """
     if data_dir is None:
-        data_dir = os.environ.get(DATA_ENV_VAR) or None
+        env = os.environ.get(DATA_ENV_VAR) or None
+        if env is not None:  # the error names the variable the folder came from
+            try:
+                return _cached_catalogue(str(Path(env).expanduser().resolve()), seed, 0)
+            except WebShopDataError as err:
+                raise WebShopDataError(f"{DATA_ENV_VAR}={env}: {err}") from None
     if data_dir is not None:
         return _cached_catalogue(str(Path(data_dir).expanduser().resolve()), seed, 0)
     return _cached_catalogue(None, seed, n_products)

@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from sprpo_lib.envs.base import DataError
 from sprpo_lib.evaluate.calibration import build_calibration_pool, save_calibration
 from sprpo_lib.evaluate.cells import DEFAULT_CACHE
 from sprpo_lib.evaluate.sweep import EvalConfig, ModelSource, config_from_profile, config_from_run, sweep
@@ -53,6 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--tag", nargs="+", default=[], metavar="KEY=VALUE", help="columns added to every row")
     ap.add_argument("--out", help="write the rows as CSV here")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--debug", action="store_true", help="show the traceback of an error")
     ap.add_argument("--executor", default="local", choices=EXECUTORS,
                     help="local: cells one after another here; ray: each missing cell a Ray task")
     ap.add_argument("--address", help="a running Ray cluster for --executor ray (default: a local Ray instance)")
@@ -133,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         executor = make_executor(args.executor, args.address, {"cell_cpus": args.cell_cpus,
                                                                "cell_gpus": args.cell_gpus})
         rows = sweep([cfg], progress=progress, executor=executor)
-    except ValueError as err:
+    except (ValueError, DataError) as err:  # bad options found late, missing or damaged data: one message
+        if args.debug:
+            raise
         print(f"sprpo-eval: error: {err}", file=sys.stderr)
         return 2
     if args.out:
