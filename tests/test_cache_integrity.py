@@ -110,12 +110,18 @@ def test_a_whole_cell_is_served_without_recomputing(stored, tmp_path, pool, engi
     assert engines == []
 
 
-@pytest.mark.parametrize("damage", ["truncated", "garbage", "rows cut", "not an object"])
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "rows cut", "not an object", "success edited",
+                                    "score edited"])
 def test_a_corrupt_cell_json_is_recomputed(stored, tmp_path, pool, engines, damage, caplog):
     root, cell, log = _copy(stored, tmp_path)
     if damage == "rows cut":  # valid JSON, one row short
         data = json.loads(cell.read_text())
         cell.write_text(json.dumps({**data, "rows": data["rows"][:-1]}))
+    elif damage.endswith("edited"):  # valid JSON, every row there, one outcome changed: the log disagrees
+        data = json.loads(cell.read_text())
+        row = data["rows"][0]
+        row.update(success=not row["success"]) if damage == "success edited" else row.update(score=row["score"] + 0.5)
+        cell.write_text(json.dumps(data))
     elif damage == "not an object":
         cell.write_text("[1, 2]\n")
     else:

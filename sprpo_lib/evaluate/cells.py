@@ -268,6 +268,20 @@ def _check_cell_log(path: Path, data: dict, parse: bool) -> list[dict] | None:
     return read_json_lines(lp, check=same_episodes)
 
 
+def _rows_problem(rows: list[dict], eps: list[dict]) -> str | None:
+    """Whether a cell's rows are the ones its episode log gives (:func:`episode_rows` of the
+    same episodes: task, success, score, length and the responses' trace); the log's hash
+    is checked, so rows edited after the fact are caught here."""
+    if len(eps) != len(rows):
+        return f"its {len(rows)} rows are not the {len(eps)} episodes of its log"
+    for r, e in zip(rows, eps):
+        trace = hashlib.sha256("\0".join(s["response"] for s in e["steps"]).encode()).hexdigest()[:16]
+        got = (e["split"], e["task_index"], bool(e["success"]), float(e["score"]), len(e["steps"]), trace)
+        if got != (r["split"], r["task_index"], r["success"], r["score"], r["length"], r["trace"]):
+            return f"its row of task {r['split']}/{r['task_index']} disagrees with the episode log it was made from"
+    return None
+
+
 class CellCache:
     """Cells stored one JSON file each: ``<root>/cells/<env>-<family>/<key>.json`` with
     the key's fields (what the rows depend on), the rows, and provenance, and beside it
@@ -282,14 +296,18 @@ class CellCache:
         return self.root / "cells" / f"{fields['env']['name']}-{fields['perturbation']['family']}" / f"{key}.json"
 
     def get(self, key: str, fields: Mapping) -> list[dict] | None:
-        """The cell's rows, or ``None`` when it is missing or it (or its episode log) does
-        not verify: then it is recomputed (with a warning) and rewritten."""
+        """The cell's rows, or ``None`` when it is missing, it (or its episode log) does not
+        verify, or its rows are not what its log gives: then it is recomputed (with a
+        warning) and rewritten."""
         p = self.path(key, fields)
         if not p.is_file():
             return None
         try:
             data = _read_cell(p, key, fields["env"]["tasks"])
-            _check_cell_log(p, data, parse=False)
+            eps = _check_cell_log(p, data, parse=True)
+            bad = _rows_problem(data["rows"], eps) if eps is not None else None
+            if bad:
+                raise CorruptFileError(p, bad)
         except CorruptFileError as err:
             logger.warning("%s", err.with_fix("recomputing the cell"))
             return None
