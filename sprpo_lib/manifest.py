@@ -7,7 +7,7 @@ import platform
 import subprocess
 from pathlib import Path
 
-from sprpo_lib.io import atomic_write_json
+from sprpo_lib.io import CorruptFileError, atomic_write_json, file_record, read_json, verify_file
 from sprpo_lib.paths import package_checkout
 
 
@@ -63,4 +63,39 @@ def write_manifest(
         pass
     if extra:
         manifest.update(extra)
+    manifest["file"] = file_record(artifact)  # what readers verify the artifact against (check_artifact)
     return atomic_write_json(artifact.with_name(artifact.name + ".manifest.json"), manifest)
+
+
+def manifest_path(artifact: str | Path) -> Path:
+    """``<artifact>.manifest.json``."""
+    artifact = Path(artifact)
+    return artifact.with_name(artifact.name + ".manifest.json")
+
+
+def check_artifact(artifact: str | Path) -> dict:
+    """The manifest of ``artifact``, verified: a JSON object naming this artifact, and the
+    artifact matching the SHA-256 and size it records (manifests written before that record
+    are checked for their form only).  Raises :class:`~sprpo_lib.io.CorruptFileError` naming
+    the damaged file, or ``FileNotFoundError``."""
+    artifact = Path(artifact)
+
+    def problem(m) -> str | None:
+        if not isinstance(m, dict):
+            return "not a JSON object"
+        if m.get("artifact") != artifact.name:
+            return f"it describes {m.get('artifact')!r}, not {artifact.name}"
+        if "file" in m and not isinstance(m["file"], dict):
+            return "its 'file' record is not an object"
+        return None
+
+    if not artifact.is_file():
+        raise FileNotFoundError(f"{artifact}: missing, though it should have been written")
+    m = read_json(manifest_path(artifact), problem)
+    if "file" in m:
+        try:
+            verify_file(artifact, m["file"])
+        except CorruptFileError as err:
+            raise CorruptFileError(artifact, f"{err.problem} (against its manifest {manifest_path(artifact).name})",
+                                   err.fix) from None
+    return m

@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 
 from sprpo_lib.executor import EXECUTORS, executor_environment, make_executor
-from sprpo_lib.io import atomic_write_json, atomic_write_text, read_cached
-from sprpo_lib.manifest import git_commit, write_manifest
+from sprpo_lib.io import CorruptFileError, atomic_write_json, atomic_write_text, read_cached
+from sprpo_lib.manifest import check_artifact, git_commit, write_manifest
 from sprpo_lib.paths import ProjectRootError, notebooks_dir, package_checkout, project_path, project_root
 from sprpo_lib.paths import runs_dir as project_runs
 from sprpo_lib.progress import PROGRESS_ENV
@@ -213,8 +213,12 @@ def run(profile: str, only: list[str] | None = None, force: bool = False, model:
         stamp = runs_dir / "stamps" / f"{path.stem}.json"
         key = {"parameters": params, "commit": commit}
         if not (force or render_only) and stamp.is_file() and out_nb.is_file() and "+dirty" not in commit:
-            old = json.loads(stamp.read_text())
-            if old.get("key") == key:
+            old = read_cached(stamp)
+            old = old if isinstance(old, dict) else {}
+            damaged = _damaged(old.get("artifacts", []))
+            if old.get("key") == key and damaged:  # a figure, table or manifest changed since: computed again
+                print(f"{head}: {damaged}; running it again")
+            elif old.get("key") == key:
                 print(f"{head}: up to date (commit {commit[:10]}), skipped")
                 records.append({"notebook": path.stem, "status": "skipped", "artifacts": old.get("artifacts", [])})
                 continue
@@ -245,6 +249,17 @@ def run(profile: str, only: list[str] | None = None, force: bool = False, model:
             atomic_write_json(stamp, {"key": key, **rec})
         records.append(rec)
     return records
+
+
+def _damaged(artifacts) -> str | None:
+    """What is wrong with the first of a notebook's recorded artifacts that is missing or
+    does not match its manifest (:func:`~sprpo_lib.manifest.check_artifact`), else None."""
+    for a in artifacts:
+        try:
+            check_artifact(a)
+        except (CorruptFileError, FileNotFoundError) as err:
+            return str(err)
+    return None
 
 
 def notebooks_table() -> str:

@@ -121,3 +121,48 @@ def test_webshop_data_errors_name_the_variable_and_the_file(layout, names, tmp_p
     err = capsys.readouterr().err
     assert err.startswith(f"sprpo-train: error: WEBSHOP_DATA={root}: WebShop data:") and "Traceback" not in err
     assert all(n in err for n in names) and "Expected layout" in err
+
+
+@pytest.mark.parametrize("damage", ["manifest truncated", "manifest garbage", "artifact edited", "artifact missing"])
+def test_a_damaged_figure_or_manifest_is_not_up_to_date(damage, tmp_path):
+    """What ``sprpo-reproduce`` checks before it skips a notebook as up to date: every
+    artifact it wrote, against the SHA-256 its manifest records."""
+    from sprpo_lib.manifest import check_artifact, manifest_path, write_manifest
+    from sprpo_lib.reproduce import _damaged
+
+    art = tmp_path / "04_robustness_webshop_rows.csv"
+    art.write_text("method,family,strength,success\nvanilla,clean,0.0,1\n")
+    write_manifest(art, {"profile": "smoke"}, seed=0, wall_seconds=1.0)
+    assert _damaged([str(art)]) is None and check_artifact(art)["file"]["bytes"] == art.stat().st_size
+    man = manifest_path(art)
+    if damage == "manifest truncated":
+        man.write_text(man.read_text()[:40])
+    elif damage == "manifest garbage":
+        man.write_bytes(b"\xff\xfe garbage")
+    elif damage == "artifact edited":
+        art.write_text(art.read_text().replace(",1\n", ",0\n"))
+    else:
+        art.unlink()
+    msg = _damaged([str(art)])
+    assert msg and (art.name in msg or man.name in msg)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "edited", "not a table"])
+def test_render_only_rows_are_verified_or_one_error_naming_the_file(damage, tmp_path):
+    from sprpo_lib.io import CorruptFileError
+    from sprpo_lib.manifest import manifest_path, write_manifest
+    from sprpo_lib.paper.experiments import load_rows
+
+    art = tmp_path / "04_robustness_webshop_rows.csv"
+    art.write_text("method,family,strength,success\n" + "vanilla,clean,0.0,1\n" * 20)
+    write_manifest(art, {"profile": "smoke"}, seed=0, wall_seconds=1.0)
+    assert len(load_rows(art)) == 20
+    if damage == "truncated":
+        art.write_text(art.read_text()[:50])
+    elif damage == "edited":
+        art.write_text(art.read_text().replace("vanilla,clean,0.0,1", "vanilla,clean,0.0,0", 1))
+    else:  # no manifest to check against: parsed, and it is not a result table
+        manifest_path(art).unlink()
+        art.write_text("garbage\n\x01\x02")
+    with pytest.raises(CorruptFileError, match=f"corrupt file {art}.*sprpo-reproduce --only"):
+        load_rows(art)

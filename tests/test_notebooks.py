@@ -103,6 +103,10 @@ def test_result_notebooks_smoke_and_render_only(tmp_path):
     recs = run("smoke", only=["03", "04", "05", "06", "07", "08"], force=True, runs_dir=tmp_path / "runs",
                out_dir=str(out))
     assert [r["status"] for r in recs] == ["ok"] * 6
+    from sprpo_lib.manifest import check_artifact
+
+    for man in out.glob("*.manifest.json"):  # every artifact matches the SHA-256 its manifest records
+        assert "file" in check_artifact(man.with_name(man.name[: -len(".manifest.json")])), man
     rows = pd.read_csv(out / "04_robustness_webshop_rows.csv")
     assert set(rows.method) == {"vanilla", "gaussian", "sam", "sprpo"}
     per_cell = rows.groupby(["method", "family", "strength"]).size()

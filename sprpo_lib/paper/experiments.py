@@ -44,7 +44,8 @@ from sprpo_lib.evaluate import (
     save_calibration,
     sweep,
 )
-from sprpo_lib.io import atomic_write_text, key_fields, read_cached
+from sprpo_lib.io import CorruptFileError, atomic_write_text, key_fields, read_cached
+from sprpo_lib.manifest import check_artifact, manifest_path
 from sprpo_lib.methods import METHOD_DISPLAY, METHODS
 from sprpo_lib.paths import project_path
 
@@ -347,10 +348,24 @@ def save_rows(rows: pd.DataFrame, path: str | Path) -> Path:
 
 
 def load_rows(path: str | Path) -> pd.DataFrame:
-    """Read result rows written by :func:`save_rows` (the render-only path); a missing
-    file is one clear error saying how to compute it."""
+    """Read result rows written by :func:`save_rows` (the render-only path), verified
+    against their manifest's SHA-256 when it records one and parsed whole: a missing or
+    damaged file is one clear error naming it and saying how to compute it again."""
     p = Path(path)
+    fix = ("run its notebook with render_only=False (or sprpo-reproduce --only <its number> without --render-only) "
+           "to compute it again")
     if not p.is_file():
         raise FileNotFoundError(f"{p}: no cached results; run the notebook with render_only=False (or "
                                 "python -m sprpo_lib.reproduce without --render-only) to compute them")
-    return pd.read_csv(p)
+    if manifest_path(p).is_file():  # the rows a figure is drawn from are the rows that were computed
+        try:
+            check_artifact(p)
+        except CorruptFileError as err:
+            raise err.with_fix(fix) from None
+    try:
+        rows = pd.read_csv(p)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as err:
+        raise CorruptFileError(p, f"not a whole CSV table ({type(err).__name__})", fix) from None
+    if "method" not in rows:  # every result table has one row per method (and more)
+        raise CorruptFileError(p, "no 'method' column: not a result table", fix)
+    return rows
