@@ -1103,6 +1103,11 @@ def evaluate_format(
     }
 
 
+#: Prompts per generate call of :func:`agreement` (a few hundred states would otherwise be one
+#: call, longer than an OpenVINO worker's first-call deadline on 2 cores).
+AGREEMENT_CHUNK = 64
+
+
 def agreement(generate, demos: Sequence[Demo]) -> dict:
     """How often a clone's action equals its demonstrator's on the demonstrator's own
     states (held-out games), overall and per verb (:func:`label_verb` of the label).
@@ -1112,7 +1117,9 @@ def agreement(generate, demos: Sequence[Demo]) -> dict:
     tell a clone that walks well but never takes the task's object from one that wanders;
     the per-verb agreement on a few hundred states can.  Returns ``states``, ``agree``,
     ``rate`` and ``by_verb`` ({verb: the same three})."""
-    outs = generate([d.prompt for d in demos]) if demos else []
+    outs = []  # in chunks: an engine's first call has a fixed deadline, later ones scale with the measured speed
+    for i in range(0, len(demos), AGREEMENT_CHUNK):
+        outs += generate([d.prompt for d in demos[i:i + AGREEMENT_CHUNK]])
     if len(outs) != len(demos):
         raise RuntimeError(f"agreement: the generator returned {len(outs)} responses for {len(demos)} prompts")
     counts: dict[str, list[int]] = {}
