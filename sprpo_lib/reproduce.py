@@ -233,6 +233,8 @@ def run(profile: str, only: list[str] | None = None, force: bool = False, model:
                                 progress_bar=not stream, log_output=stream,
                                 stdout_file=sys.stdout if stream else None, stderr_file=sys.stderr if stream else None)
         except pm.PapermillExecutionError as err:
+            if err.ename == "CorruptFileError":  # a damaged input the notebook read: one error naming it
+                raise SystemExit(f"[reproduce] {path.stem}: {err.evalue}") from None
             if not (render_only and err.ename == "FileNotFoundError"):
                 raise
             # rendering needs cached results that are not here (training runs are not committed): say so, go on
