@@ -166,3 +166,13 @@ def test_render_only_rows_are_verified_or_one_error_naming_the_file(damage, tmp_
         art.write_text("garbage\n\x01\x02")
     with pytest.raises(CorruptFileError, match=f"corrupt file {art}.*sprpo-reproduce --only"):
         load_rows(art)
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["model.spec=/no/such"], "model.spec=/data/"),  # names the option sprpo-train has, not --model
+    (["--iterations", "0"], "at least 1 RL iteration"),
+])
+def test_train_command_errors_are_one_line(argv, says, capsys):
+    assert train_main(["--profile", "smoke", "--no-progress", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("sprpo-train: error:") and says in err, err
