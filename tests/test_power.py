@@ -106,3 +106,48 @@ def pd_isna(v) -> bool:
     import pandas as pd
 
     return bool(pd.isna(v))
+
+
+def test_design_seconds_counts_runs_iterations_and_episodes():
+    """Hand count on the cpu WebShop plan: 2 seeds of Vanilla and SPrPO, one of Gaussian and SAM."""
+    from sprpo_lib.paper import budget as B
+
+    rates = B.Rates("test", {"webshop": {"vanilla": 10.0, "gaussian": 11.0, "sam": 20.0, "sprpo": 30.0}},
+                    {"webshop": 2.0})
+    p = B.design_plan("webshop", 2, 24)
+    assert {m: len(s) for m, s in p.seeds.items()} == {"vanilla": 2, "gaussian": 1, "sam": 1, "sprpo": 2}
+    got = B.design_seconds("webshop", 2, 24, 7, rates, heldout_every=5, heldout_tasks=8)
+    assert got["train_s"] == pytest.approx(7 * (2 * 10 + 11 + 20 + 2 * 30))
+    assert got["heldout_s"] == pytest.approx(6 * 1 * 8 * 2.0)  # 6 runs, one curve point (iteration 5) each
+    eps = B.planned_episodes(p)
+    assert got["eval_s"] == pytest.approx(2.0 * (eps["table"] + eps["curves"] + eps["landscape"]))
+    assert got["total_s"] == pytest.approx(got["train_s"] + got["heldout_s"] + got["eval_s"])
+
+
+def test_choose_design_is_the_brute_force_best_and_skips_unsizable_claims():
+    import pandas as pd
+
+    from sprpo_lib.paper import budget as B
+
+    rates = B.Rates("test", {"webshop": {"vanilla": 10.0, "gaussian": 10.0, "sam": 20.0, "sprpo": 20.0}},
+                    {"webshop": 1.0})
+    power = pd.DataFrame([
+        {"env": "webshop", "claim": "C1", "paper": 30.0, "var_seed": 20.0, "var_goal": 400.0, "var_cell": 800.0},
+        {"env": "webshop", "claim": "C2.rtn", "paper": 10.0, "var_seed": 5.0, "var_goal": 100.0, "var_cell": 300.0},
+        {"env": "webshop", "claim": "C2.dropout", "paper": 9.0, "var_seed": 0.0, "var_goal": 0.0, "var_cell": 0.0},
+        {"env": "webshop", "claim": "C3", "paper": 3.0, "var_seed": 1.0, "var_goal": 10.0, "var_cell": 10.0}])
+    grid = dict(seeds=(1, 2, 3), goals=(6, 12, 24, 48), iterations=(5, 10))
+    budget = 6 * 3600
+    d = B.choose_design(power, rates, budget, envs=("webshop",), **grid)
+    assert "webshop:C2.dropout" not in d["mde"]  # no variation in the pilot: cannot be sized
+    comps = {r.claim: (P.Components(r.var_seed, r.var_goal, r.var_cell),
+                       2.0 * P.Z_POWER80 / 1.959964 if r.claim == "C3" else r.paper)
+             for r in power.itertuples() if r.claim != "C2.dropout"}
+    best = None
+    for s, t, k in itertools.product(*grid.values()):
+        cost = B.design_seconds("webshop", s, t, k, rates)["total_s"]
+        if cost <= budget:
+            n = sum(P.mde(c, s, t) <= e for c, e in comps.values())
+            if best is None or (n, -cost) > best[0]:
+                best = ((n, -cost), (s, t, k))
+    assert (d["seeds"], d["goals"], d["iterations"]) == best[1] and len(d["resolved"]) == best[0][0]

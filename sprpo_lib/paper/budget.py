@@ -5,6 +5,11 @@ README's table of the ``cpu`` profile against the ``paper`` profile is generated
 so no size in it is typed by hand."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import pandas as pd
+
 from sprpo_lib.config import load_config
 from sprpo_lib.envs.alfworld import MAX_STEPS as ALFWORLD_MAX_STEPS
 from sprpo_lib.envs.alfworld_gen import DEFAULT_SIZES
@@ -14,11 +19,13 @@ from sprpo_lib.evaluate import EVAL_SPLITS
 from sprpo_lib.methods import METHOD_DISPLAY
 from sprpo_lib.paper import ablations as A
 from sprpo_lib.paper import experiments as X
+from sprpo_lib.paper import power as P
 from sprpo_lib.paper.results import setting_label
 from sprpo_lib.paper.tables import ENV_LABELS
 
 __all__ = ["APP_C_TASKS", "PAPER_STEP_SECONDS", "split_tasks", "planned_episodes", "plan_table", "paper_cost_table",
-           "paper_gpu_hours", "plans_markdown", "plans_summary", "cost_summary"]
+           "paper_gpu_hours", "plans_markdown", "plans_summary", "cost_summary", "Rates", "DESIGN_METHODS",
+           "design_plan", "design_seconds", "choose_design"]
 
 #: App. C's held-out tasks per split (the ``paper`` plan evaluates all of them).
 APP_C_TASKS: dict[str, dict[str, int]] = {
@@ -177,3 +184,71 @@ def cost_summary() -> str:
     """One line for the README: the paper profile's training grid in GPU-hours."""
     return (f"About {paper_gpu_hours():.0f} GPU-hours for the `paper` profile's training grid at the paper's "
             f"seconds per step ([figures/{PLANS_FILE}](figures/{PLANS_FILE})).\n")
+
+
+# ----------------------------------------------------------------------------- choosing the cpu design
+@dataclass(frozen=True)
+class Rates:
+    """Measured seconds on one machine (``machine``: its CPU and class): per RL iteration of
+    each method and per evaluation episode, per environment (``{env: {method: s}}``,
+    ``{env: s}``), and where each number came from (``sources``)."""
+
+    machine: str
+    iteration_s: Mapping[str, Mapping[str, float]]
+    episode_s: Mapping[str, float]
+    sources: Mapping[str, str] = field(default_factory=dict)
+
+
+#: Methods whose training seeds the design sets (the others keep one seed: no resolvable claim
+#: compares them with enough power at this scale, :func:`sprpo_lib.paper.power.claim_power`).
+DESIGN_METHODS = ("vanilla", "sprpo")
+
+
+def design_plan(env: str, seeds: int, goals: int) -> X.Plan:
+    """The ``cpu`` plan with ``seeds`` training seeds for :data:`DESIGN_METHODS` (one for the
+    others) and ``goals`` test goals per split."""
+    base = X.PLANS["cpu"][env]
+    return X.plan("cpu", env, seeds={m: tuple(range(seeds if m in DESIGN_METHODS else 1)) for m in base.methods},
+                  tasks=goals)
+
+
+def design_seconds(env: str, seeds: int, goals: int, iterations: int, rates: Rates,
+                   heldout_every: int = 0, heldout_tasks: int = 0) -> dict[str, float]:
+    """Seconds of the ``cpu`` design (:func:`design_plan`) on ``env`` at ``rates``: its RL
+    runs of ``iterations`` each, their held-out curve (``heldout_tasks`` episodes every
+    ``heldout_every`` iterations) and the evaluation episodes of Table 1, the curves and
+    the landscape (:func:`planned_episodes`; the ablation study is priced by the caller)."""
+    p = design_plan(env, seeds, goals)
+    runs = sum(len(p.seeds[m]) for m in p.methods)
+    train = sum(len(p.seeds[m]) * iterations * rates.iteration_s[env][m] for m in p.methods)
+    curve = runs * (iterations // heldout_every) * heldout_tasks * rates.episode_s[env] if heldout_every else 0.0
+    eps = planned_episodes(p)
+    evals = (eps["table"] + eps["curves"] + eps["landscape"]) * rates.episode_s[env]
+    return {"train_s": train, "heldout_s": curve, "eval_s": evals, "total_s": train + curve + evals}
+
+
+def choose_design(power: pd.DataFrame, rates: Rates, budget_s: float, seeds: Sequence[int], goals: Sequence[int],
+                  iterations: Sequence[int], envs: Sequence[str] = ("alfworld", "webshop"), **curve) -> dict:
+    """The design (training seeds, test goals per split, RL iterations), the same on every
+    env, that resolves the most of the main claims of ``power`` (:func:`~sprpo_lib.paper.power.claim_power`
+    rows with components: C1, C2.<family>, C3; a claim whose pilot showed no variation cannot
+    be sized and is left out) within ``budget_s`` at ``rates`` (:func:`design_seconds`, every
+    env together); :func:`~sprpo_lib.paper.power.best_design` on a grid.  An equivalence claim
+    (C3, margin m) counts as the effect ``m * Z_POWER80 / 1.96`` (its 95% half-width within m).
+    Goals are per split: ALFWorld's two splits pair twice as many goals."""
+    claims = {}
+    for r in power.itertuples():
+        if not str(r.claim).startswith(("C1", "C2.", "C3")) or pd.isna(r.var_seed):
+            continue
+        if r.var_seed + r.var_goal + r.var_cell == 0:
+            continue  # the pilot's policies agreed on every cell: no design can be sized from it
+        per = len(APP_C_TASKS[r.env])  # goals paired per "goal per split"
+        comps = P.Components(r.var_seed, r.var_goal / per, r.var_cell / per)
+        effect = 2.0 * P.Z_POWER80 / 1.959964 if r.claim == "C3" else r.paper
+        if r.env in envs:
+            claims[f"{r.env}:{r.claim}"] = (comps, effect)
+
+    def cost(s, t, k):
+        return sum(design_seconds(env, s, t, k, rates, **curve)["total_s"] for env in envs)
+
+    return P.best_design(claims, cost, budget_s, seeds, goals, iterations)
