@@ -215,7 +215,7 @@ def run(profile: str, only: list[str] | None = None, force: bool = False, model:
         if not (force or render_only) and stamp.is_file() and out_nb.is_file() and "+dirty" not in commit:
             old = read_cached(stamp)
             old = old if isinstance(old, dict) else {}
-            damaged = _damaged(old.get("artifacts", []))
+            damaged = damaged_artifact(old.get("artifacts", []))
             if old.get("key") == key and damaged:  # a figure, table or manifest changed since: computed again
                 print(f"{head}: {damaged}; running it again")
             elif old.get("key") == key:
@@ -253,7 +253,7 @@ def run(profile: str, only: list[str] | None = None, force: bool = False, model:
     return records
 
 
-def _damaged(artifacts) -> str | None:
+def damaged_artifact(artifacts) -> str | None:
     """What is wrong with the first of a notebook's recorded artifacts that is missing or
     does not match its manifest (:func:`~sprpo_lib.manifest.check_artifact`), else None."""
     for a in artifacts:

@@ -128,12 +128,12 @@ def test_a_damaged_figure_or_manifest_is_not_up_to_date(damage, tmp_path):
     """What ``sprpo-reproduce`` checks before it skips a notebook as up to date: every
     artifact it wrote, against the SHA-256 its manifest records."""
     from sprpo_lib.manifest import check_artifact, manifest_path, write_manifest
-    from sprpo_lib.reproduce import _damaged
+    from sprpo_lib.reproduce import damaged_artifact
 
     art = tmp_path / "04_robustness_webshop_rows.csv"
     art.write_text("method,family,strength,success\nvanilla,clean,0.0,1\n")
     write_manifest(art, {"profile": "smoke"}, seed=0, wall_seconds=1.0)
-    assert _damaged([str(art)]) is None and check_artifact(art)["file"]["bytes"] == art.stat().st_size
+    assert damaged_artifact([str(art)]) is None and check_artifact(art)["file"]["bytes"] == art.stat().st_size
     man = manifest_path(art)
     if damage == "manifest truncated":
         man.write_text(man.read_text()[:40])
@@ -143,7 +143,7 @@ def test_a_damaged_figure_or_manifest_is_not_up_to_date(damage, tmp_path):
         art.write_text(art.read_text().replace(",1\n", ",0\n"))
     else:
         art.unlink()
-    msg = _damaged([str(art)])
+    msg = damaged_artifact([str(art)])
     assert msg and (art.name in msg or man.name in msg)
 
 
