@@ -151,3 +151,21 @@ def test_choose_design_is_the_brute_force_best_and_skips_unsizable_claims():
             if best is None or (n, -cost) > best[0]:
                 best = ((n, -cost), (s, t, k))
     assert (d["seeds"], d["goals"], d["iterations"]) == best[1] and len(d["resolved"]) == best[0][0]
+
+
+def test_bench_rates_use_the_machines_own_numbers_and_scale_the_rest():
+    from sprpo_lib.paper import budget as B
+
+    ref = B.Rates("ref", {"webshop": {"vanilla": 60.0, "gaussian": 66.0, "sam": 150.0, "sprpo": 120.0},
+                          "alfworld": {"vanilla": 120.0, "gaussian": 132.0, "sam": 300.0, "sprpo": 240.0}},
+                  {"webshop": 1.0, "alfworld": 4.0})
+    ev = {"episodes": 32, "wall_s": 96.0}
+    bench = {"train_webshop": {"results": {"machine": {"cpu_model": "X", "cpu_class": "avx2"}, "shared": {
+                 "vanilla": {"iteration_s": 90.0}, "sprpo": {"iteration_s": 180.0}, "sam": {"iteration_s": 171.0}}}},
+             "eval_openvino": {"results": {"env": "webshop", "openvino": {"eval": ev}}}}
+    r = B.bench_rates(bench, ref)
+    assert r.machine == "X (avx2)"
+    assert r.iteration_s["webshop"] == {"vanilla": 90.0, "sprpo": 180.0, "sam": 171.0, "gaussian": pytest.approx(99.0)}
+    assert r.iteration_s["alfworld"]["sprpo"] == pytest.approx(240.0 * 1.5)  # WebShop's Vanilla ratio 90 / 60
+    assert r.episode_s == {"webshop": 3.0, "alfworld": pytest.approx(12.0)}  # 96 s / 32, ALFWorld x 3
+    assert "x 3.00" in r.sources["episode_s"] and "x 1.50" in r.sources["iteration_s"]

@@ -25,7 +25,7 @@ from sprpo_lib.paper.tables import ENV_LABELS
 
 __all__ = ["APP_C_TASKS", "PAPER_STEP_SECONDS", "split_tasks", "planned_episodes", "plan_table", "paper_cost_table",
            "paper_gpu_hours", "plans_markdown", "plans_summary", "cost_summary", "Rates", "DESIGN_METHODS",
-           "design_plan", "design_seconds", "choose_design"]
+           "design_plan", "design_seconds", "choose_design", "bench_episode_s", "training_rates", "bench_rates", "design_table"]
 
 #: App. C's held-out tasks per split (the ``paper`` plan evaluates all of them).
 APP_C_TASKS: dict[str, dict[str, int]] = {
@@ -252,3 +252,86 @@ def choose_design(power: pd.DataFrame, rates: Rates, budget_s: float, seeds: Seq
         return sum(design_seconds(env, s, t, k, rates, **curve)["total_s"] for env in envs)
 
     return P.best_design(claims, cost, budget_s, seeds, goals, iterations)
+
+
+def bench_episode_s(bench: Mapping) -> dict[str, float]:
+    """Seconds per evaluation episode per env from one machine's ``sprpo-bench`` record
+    (``figures/bench_<machine>.json``: its ``eval*`` entries, the openvino engine at the
+    profile's own settings)."""
+    out: dict[str, float] = {}
+    for key, rec in bench.items():
+        r = rec.get("results", {}) if key.startswith("eval") and isinstance(rec, dict) else {}
+        for eng in ("openvino", "openvino:auto"):
+            ev = (r.get(eng) or {}).get("eval") if isinstance(r.get(eng), dict) else None
+            if ev and ev.get("episodes"):
+                out.setdefault(r["env"], ev["wall_s"] / ev["episodes"])
+    return out
+
+
+def training_rates(metrics: Mapping[str, pd.DataFrame], ratios: Mapping[str, float] | None = None) -> dict:
+    """Seconds per RL iteration per env and method from training runs' metrics (notebook
+    01's ``_metrics.csv``): Vanilla's mean ``wall_s`` per env, times each method's ratio to
+    Vanilla on WebShop (``ratios``, e.g. ``sprpo-bench train``'s, or those of the same
+    metrics), where every iteration updated: ALFWorld's SPrPO skipped its replay in the
+    iterations without a non-zero advantage, which makes its own mean too low."""
+    vanilla = {env: float(m.loc[m["method"] == "vanilla", "wall_s"].mean()) for env, m in metrics.items()}
+    if ratios is None:
+        ws = metrics["webshop"].groupby("method")["wall_s"].mean()
+        ratios = {m: float(ws[m] / ws["vanilla"]) for m in ws.index}
+    return {env: {m: v * r for m, r in ratios.items()} for env, v in vanilla.items()}
+
+
+def bench_rates(bench: Mapping, reference: Rates) -> Rates:
+    """Rates of the machine of ``bench`` (its ``sprpo-bench`` record): what it measured
+    itself (WebShop's iteration per method from ``bench train``, each env's evaluation
+    episode from ``bench eval``), the rest scaled from ``reference`` by the ratio the two
+    machines show on WebShop (an estimate, said in ``sources``)."""
+    machine = next((rec["results"].get("machine") or {} for rec in bench.values()
+                    if isinstance(rec, dict) and isinstance(rec.get("results"), dict)
+                    and rec["results"].get("machine")), {})
+    name = f"{machine.get('cpu_model', '?')} ({machine.get('cpu_class', '?')})"
+    train = (bench.get("train_webshop") or {}).get("results", {}).get("shared")
+    it, src = {}, {}
+    if train:
+        v = train["vanilla"]["iteration_s"]
+        own = {"vanilla": v, "sprpo": train["sprpo"]["iteration_s"], "sam": train["sam"]["iteration_s"],
+               "gaussian": v * reference.iteration_s["webshop"]["gaussian"] / reference.iteration_s["webshop"]["vanilla"]}
+        scale = v / reference.iteration_s["webshop"]["vanilla"]
+        it = {env: (own if env == "webshop" else {m: s * scale for m, s in per.items()})
+              for env, per in reference.iteration_s.items()}
+        src["iteration_s"] = (f"WebShop: bench train (Gaussian as Vanilla x the reference's ratio); other envs: "
+                              f"the reference x {scale:.2f}")
+    else:
+        it, src["iteration_s"] = dict(reference.iteration_s), "the reference's (no bench train on this machine)"
+    ep = bench_episode_s(bench)
+    if "webshop" in ep:
+        scale = ep["webshop"] / reference.episode_s["webshop"]
+        missing = [e for e in reference.episode_s if e not in ep]
+        ep.update({e: reference.episode_s[e] * scale for e in missing})
+        src["episode_s"] = "bench eval" + (f"; {', '.join(missing)}: the reference x {scale:.2f}" if missing else "")
+    else:
+        ep, src["episode_s"] = dict(reference.episode_s), "the reference's (no bench eval on this machine)"
+    return Rates(name, it, ep, src)
+
+
+def design_table(power: pd.DataFrame, rates: Rates, others: Sequence[Rates], budget_s: float,
+                 iterations: Sequence[int], seeds: Sequence[int] = (1, 2, 3, 4, 5),
+                 goals: Sequence[int] = (6, 12, 24, 48, 96), **curve) -> pd.DataFrame:
+    """Per RL length: the design :func:`choose_design` picks within ``budget_s`` at ``rates``
+    (its machine's hours), its hours at each of ``others``, and the claims it resolves;
+    a length no design of the grid fits says so."""
+    out = []
+    for k in iterations:
+        row = {"iterations": k, "machine": rates.machine, "budget_h": budget_s / 3600}
+        try:
+            d = choose_design(power, rates, budget_s, seeds, goals, (k,), **curve)
+        except ValueError as err:
+            out.append({**row, "note": str(err)})
+            continue
+        row.update(seeds=d["seeds"], goals_per_split=d["goals"], hours=d["cost_s"] / 3600,
+                   resolved=len(d["resolved"]), claims=" ".join(d["resolved"]), note="")
+        for o in others:
+            row[f"hours on {o.machine}"] = sum(design_seconds(env, d["seeds"], d["goals"], k, o, **curve)["total_s"]
+                                               for env in ("alfworld", "webshop")) / 3600
+        out.append(row)
+    return pd.DataFrame(out)
