@@ -25,7 +25,8 @@ from sprpo_lib.paper.tables import ENV_LABELS
 
 __all__ = ["APP_C_TASKS", "PAPER_STEP_SECONDS", "split_tasks", "planned_episodes", "plan_table", "paper_cost_table",
            "paper_gpu_hours", "plans_markdown", "plans_summary", "cost_summary", "Rates", "DESIGN_METHODS",
-           "design_plan", "design_seconds", "choose_design", "bench_episode_s", "training_rates", "bench_rates", "design_table"]
+           "design_plan", "design_seconds", "choose_design", "bench_episode_s", "training_rates", "bench_rates", "design_table",
+           "design_from_figures"]
 
 #: App. C's held-out tasks per split (the ``paper`` plan evaluates all of them).
 APP_C_TASKS: dict[str, dict[str, int]] = {
@@ -286,9 +287,8 @@ def bench_rates(bench: Mapping, reference: Rates) -> Rates:
     itself (WebShop's iteration per method from ``bench train``, each env's evaluation
     episode from ``bench eval``), the rest scaled from ``reference`` by the ratio the two
     machines show on WebShop (an estimate, said in ``sources``)."""
-    machine = next((rec["results"].get("machine") or {} for rec in bench.values()
-                    if isinstance(rec, dict) and isinstance(rec.get("results"), dict)
-                    and rec["results"].get("machine")), {})
+    machine = next((rec["results"]["machine"] for rec in bench.values() if isinstance(rec, dict)
+                    and isinstance(rec.get("results"), dict) and isinstance(rec["results"].get("machine"), dict)), {})
     name = f"{machine.get('cpu_model', '?')} ({machine.get('cpu_class', '?')})"
     train = (bench.get("train_webshop") or {}).get("results", {}).get("shared")
     it, src = {}, {}
@@ -335,3 +335,39 @@ def design_table(power: pd.DataFrame, rates: Rates, others: Sequence[Rates], bud
                                                for env in ("alfworld", "webshop")) / 3600
         out.append(row)
     return pd.DataFrame(out)
+
+
+def design_from_figures(out_dir, power: pd.DataFrame, budget_h: float = 8.0,
+                        iterations: Sequence[int] = (5, 10, 15, 20), **curve) -> pd.DataFrame:
+    """:func:`design_table` from what ``out_dir`` (``figures/``) holds: the training runs'
+    rates of notebook 01's ``_metrics.csv`` on the machine its manifest names, with that
+    machine's ``bench_<machine>.json`` for the evaluation episode, and every other
+    benchmarked machine's hours (:func:`bench_rates`).  Empty when a piece is missing."""
+    import json
+    from pathlib import Path
+
+    from sprpo_lib.manifest import manifest_path
+
+    out = Path(out_dir)
+    paths = {e: out / f"01_training_{e}_metrics.csv" for e in ("alfworld", "webshop")}
+    benches = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("bench_*.json"))
+               if not p.name.endswith(".manifest.json")}
+    if not all(p.is_file() for p in paths.values()) or not benches or power is None or not len(power):
+        return pd.DataFrame()
+    host = json.loads(manifest_path(paths["webshop"]).read_text()).get("host", {})
+
+    def cls(b):
+        return next((rec["results"]["machine"].get("cpu_class") for rec in b.values() if isinstance(rec, dict)
+                     and isinstance(rec.get("results"), dict) and isinstance(rec["results"].get("machine"), dict)),
+                    None)
+
+    ref_name = next((n for n, b in benches.items() if cls(b) == host.get("cpu_class")), None)
+    if ref_name is None:
+        return pd.DataFrame()
+    ref = Rates(f"{host.get('cpu_model', '?')} ({host.get('cpu_class')})",
+                training_rates({e: pd.read_csv(p) for e, p in paths.items()}), bench_episode_s(benches[ref_name]),
+                {"iteration_s": "notebook 01's runs", "episode_s": f"{ref_name}.json"})
+    if set(ref.episode_s) != set(paths):
+        return pd.DataFrame()
+    others = [bench_rates(b, ref) for n, b in benches.items() if n != ref_name]
+    return design_table(power, ref, others, budget_h * 3600, iterations, **curve)
