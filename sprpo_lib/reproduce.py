@@ -331,13 +331,22 @@ def recorded_seconds(profile: str, out_dir: str | Path | None = None, runs_dir: 
     return res
 
 
-def stage_table(profile: str, out_dir: str | Path | None = None, runs_dir: Path | None = None) -> str:
+def stage_table(profile: str, out_dir: str | Path | None = None, runs_dir: Path | None = None,
+                previous: str = "") -> str:
     """Markdown: each notebook's measured wall time, read from the manifests of the figures
     and tables it wrote (a render-only pass records no compute time), and the compute its
     outputs rest on as the runs and evaluation cells recorded it (:func:`recorded_seconds`:
-    every pass of a staged reproduction, whichever session did it)."""
+    every pass of a staged reproduction, whichever session did it).  Where this machine
+    holds none of a notebook's runs or cells (a render-only pass elsewhere), the value of
+    ``previous`` (the table this one replaces) is kept."""
     out = project_path(out_dir or PROFILES[profile]["out_dir"])
     recorded = recorded_seconds(profile, out_dir, runs_dir)
+    for line in previous.splitlines():  # | `nb` | wall | 12.3 min | date | machine |
+        cols = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cols) >= 3 and cols[0].startswith("`") and cols[2].endswith(" min"):
+            nb = cols[0].strip("`")
+            if not recorded.get(nb):
+                recorded[nb] = 60 * float(cols[2].split()[0])
     lines = ["| notebook | wall time (last pass) | recorded compute | date | machine |", "|---|---|---|---|---|"]
     total = rec_total = 0.0
     for nb in PROFILES[profile]["notebooks"]:
@@ -392,8 +401,9 @@ def update_readme(profile: str, out_dir: str, readme: Path | None = None) -> boo
                 body = claims_grid(pd.read_csv(src.with_suffix(".csv")), profile=profile, full=str(where))
             text = replace_block(text, f"{block}-{profile}", f"<!-- generated from {where}; do not edit -->\n" + body)
     if f"<!-- stages-{profile}:begin -->" in text:
+        old = text.split(f"<!-- stages-{profile}:begin -->", 1)[1].split(f"<!-- stages-{profile}:end -->", 1)[0]
         text = replace_block(text, f"stages-{profile}", "<!-- generated from the manifests by sprpo-reproduce; "
-                             "do not edit -->\n" + stage_table(profile, out_dir))
+                             "do not edit -->\n" + stage_table(profile, out_dir, previous=old))
     from sprpo_lib.paper import budget
 
     plans = atomic_write_text(project_path(out_dir) / budget.PLANS_FILE, budget.plans_markdown())  # full tables

@@ -82,3 +82,16 @@ def test_bench_report_writes_one_file_per_machine_and_the_readme_block(tmp_path)
     assert "old" not in text and text.startswith("intro\n") and text.endswith("rest\n")
     assert "0 hangs and 0 retries in 1000 engine builds" in text and "66.4 held-out episodes/min" in text
     assert "bfloat16 739.2 GFLOP/s prefill matmul" in text
+
+
+def test_stage_table_keeps_recorded_compute_this_machine_does_not_hold(tmp_path):
+    """A render-only pass on a machine without the runs and cells keeps the recorded compute
+    of the table it replaces instead of erasing it."""
+    from sprpo_lib.reproduce import stage_table
+
+    previous = ("| notebook | wall time (last pass) | recorded compute | date | machine |\n|---|---|---|---|---|\n"
+                "| `01_training` | 0.2 min | 213.6 min | 2026-11-27 | X |\n| `04_robustness` | 0.2 min | 46.0 min | | |\n")
+    got = stage_table("cpu", out_dir=tmp_path / "figures", runs_dir=tmp_path / "runs", previous=previous)
+    assert "| `01_training` | not run | 213.6 min |" in got and "| `04_robustness` | not run | 46.0 min |" in got
+    assert got.strip().splitlines()[-1] == "| all | 0.0 min | 259.6 min | | |"
+    assert "| `01_training` | not run |  |" in stage_table("cpu", out_dir=tmp_path / "figures", runs_dir=tmp_path / "runs")
