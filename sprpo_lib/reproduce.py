@@ -400,6 +400,12 @@ def update_readme(profile: str, out_dir: str, readme: Path | None = None) -> boo
             else:  # the full table stays in its file; the README has one grid per environment
                 body = claims_grid(pd.read_csv(src.with_suffix(".csv")), profile=profile, full=str(where))
             text = replace_block(text, f"{block}-{profile}", f"<!-- generated from {where}; do not edit -->\n" + body)
+    power = project_path(out_dir) / f"claims_power_{profile}.md"  # notebook 08: its summary paragraph
+    if power.is_file() and f"<!-- power-{profile}:begin -->" in text:
+        where = power.relative_to(root) if power.is_relative_to(root) else power
+        summary = power.read_text().split("\n\n")[1].strip()
+        text = replace_block(text, f"power-{profile}", f"<!-- generated from {where}; do not edit -->\n{summary} "
+                             f"Every claim, its MDE and the goals a design would need: [{where}]({where}).")
     if f"<!-- stages-{profile}:begin -->" in text:
         old = text.split(f"<!-- stages-{profile}:begin -->", 1)[1].split(f"<!-- stages-{profile}:end -->", 1)[0]
         text = replace_block(text, f"stages-{profile}", "<!-- generated from the manifests by sprpo-reproduce; "

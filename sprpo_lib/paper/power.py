@@ -28,9 +28,11 @@ import numpy as np
 import pandas as pd
 
 from sprpo_lib.paper.claims import PAPER
+from sprpo_lib.paper.tables import markdown_table
 
 __all__ = ["Z_POWER80", "Components", "cell_matrix", "variance_components", "difference_components", "mde",
-           "designs_needed", "best_design", "ClaimSpec", "claim_specs", "claim_power"]
+           "designs_needed", "best_design", "ClaimSpec", "claim_specs", "claim_power", "power_summary",
+           "power_markdown"]
 
 #: z_{0.975} + z_{0.80}: a two-sided test at 5% with 80% power.
 Z_POWER80 = 1.959964 + 0.841621
@@ -256,3 +258,58 @@ def claim_power(rows: Mapping[str, pd.DataFrame], env: str, seeds: Sequence[int]
                                                  "text": "SPrPO keeps more than Vanilla in at least 4 of 5 families",
                                                  "resolvable": int(c2["resolvable"].sum()) >= 4}])], ignore_index=True)
     return table
+
+
+def _num(v, fmt: str = "{:.1f}") -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
+
+
+def power_summary(power: pd.DataFrame, design: pd.DataFrame | None = None) -> str:
+    """Two sentences for the README, from the power table and the design table
+    (``claims_design_<profile>.csv``): how many claims the pilot's own design resolves, and
+    what the best design within the budget resolves and costs on each machine."""
+    sized = power[power["claim"] != "C2"] if len(power) else power
+    n_res = int(sized["resolvable"].astype(bool).sum()) if len(sized) else 0
+    out = [f"At the pilot's own design {n_res} of its {len(sized)} claims could be told from 0 (MDE at 80% power "
+           "no larger than the paper's difference, from the pilot's variances; its policies were a few optimizer steps "
+           "apart, so these variances are optimistic)."]
+    if design is not None and len(design) and "seeds" in design:
+        ok = design.dropna(subset=["seeds"])
+        for r in ok.to_dict("records"):
+            others = "; ".join(f"{k[len('hours on '):]} {r[k]:.0f} h" for k in r if k.startswith("hours on ")
+                               and not math.isnan(r[k]))
+            out.append(f"{r['iterations']} RL iterations: {int(r['seeds'])} seed(s) x {int(r['goals_per_split'])} "
+                       f"goals per split, {r['hours']:.1f} h on {r['machine']} ({others}), {int(r['resolved'])} claims.")
+        none = design[design["seeds"].isna()]["iterations"].tolist() if "seeds" in design else []
+        if none:
+            out.append(f"No design fits {design['budget_h'].iloc[0]:.0f} h at {', '.join(map(str, none))} iterations.")
+    return " ".join(out)
+
+
+def power_markdown(power: pd.DataFrame, design: pd.DataFrame | None = None, profile: str = "cpu") -> str:
+    """``claims_power_<profile>.md``: every claim with the pilot's design, its MDE, whether
+    it is resolvable there and the goals each number of training seeds would need, then the
+    budgeted designs (:func:`sprpo_lib.paper.budget.design_table`)."""
+    seeds = sorted(int(c.split("_")[2]) for c in power.columns if c.startswith("goals_at_"))
+    lines = [f"# Which of the paper's claims the `{profile}` profile can resolve", "", power_summary(power, design), "",
+             "MDE: the smallest true difference (pp of success) a two-sided 5% test detects with 80% power at the "
+             "pilot's design, from its two-way variance components (training seeds x goals); C3 is an equivalence "
+             "claim (its 95% half-width against the 2 pp margin). Goals needed: per number of training seeds, "
+             "\"-\" where no number of goals suffices.", "",
+             "| Env | Claim | Paper | Pilot design | MDE | Resolvable | " + " | ".join(
+                 f"goals at {s} seed{'s' if s > 1 else ''}" for s in seeds) + " | Note |",
+             "|---|---|---|---|---|---|" + "---|" * len(seeds) + "---|"]
+    for r in power.to_dict("records"):
+        design_txt = (f"{int(r['seeds'])} x {int(r['goals'])}" if not (isinstance(r.get("seeds"), float)
+                                                                        and math.isnan(r["seeds"])) else "-")
+        lines.append(f"| {r['env']} | {r['claim']}: {r['text']} | {_num(r.get('paper'))} | {design_txt} | "
+                     f"{_num(r.get('mde'))} | {'yes' if r.get('resolvable') is True or r.get('resolvable') == 1 else 'no'} | "
+                     + " | ".join(_num(r.get(f"goals_at_{s}_seeds"), "{:.0f}") for s in seeds)
+                     + f" | {r.get('note') if isinstance(r.get('note'), str) else ''} |")
+    if design is not None and len(design):
+        lines += ["", "## Designs within the budget", "",
+                  "Per RL length, the training seeds (Vanilla and SPrPO; one for the other methods) and test goals per "
+                  "split that resolve the most of C1-C3, at rates measured on the machine of the training runs, and "
+                  "the same design's hours elsewhere (`sprpo_lib.paper.budget.design_table`).", "",
+                  markdown_table(design)]
+    return "\n".join(lines) + "\n"

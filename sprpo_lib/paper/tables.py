@@ -26,7 +26,7 @@ from sprpo_lib.methods import METHOD_DISPLAY
 
 __all__ = ["FAMILY_LABELS", "METHOD_LABELS", "ENV_LABELS", "strength_label", "meanstd", "best_flags", "main_frame",
            "main_table", "appendix_frame", "appendix_table", "default_levels", "ablation_frame", "ablation_table", "to_csv",
-           "write_text"]
+           "write_text", "markdown_table"]
 
 FAMILY_ORDER = ("clean", "gaussian", "dropout", "fisher", "sparsegpt", "rtn")
 #: Labels and symbols of the families and methods, read from their one table each.
@@ -278,3 +278,15 @@ def to_csv(frame: pd.DataFrame, path: str | Path | None = None, digits: int | No
 def write_text(path: str | Path, text: str) -> Path:
     """Write a LaTeX table atomically."""
     return atomic_write_text(path, text)
+
+
+def markdown_table(df: pd.DataFrame, digits: int = 1) -> str:
+    """A data frame as a Markdown table (floats to ``digits`` places, missing values "-")."""
+    def cell(v) -> str:
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            return "-"
+        return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(map(str, df.columns)) + " |", "|" + "---|" * len(df.columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join(lines)
