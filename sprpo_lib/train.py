@@ -44,7 +44,7 @@ from sprpo_lib.envs import make_pool
 from sprpo_lib.envs.base import DataError
 from sprpo_lib.hardware import peak_memory, reset_peak_memory
 from sprpo_lib.heldout import agreement_is_current, eval_is_current, evaluate_agreement, evaluate_policy, load_eval
-from sprpo_lib.io import (CorruptFileError, JsonLines, atomic_dir, atomic_write_json, canonical_hash, file_lock,
+from sprpo_lib.io import (CorruptFileError, JsonLines, atomic_dir, atomic_write_json, atomic_write_text, canonical_hash, file_lock,
                           key_fields, read_cached)
 from sprpo_lib.manifest import git_commit
 from sprpo_lib.methods import make_method
@@ -433,9 +433,14 @@ def _train(cfg: TrainConfig, out_dir, fresh: bool, progress: bool) -> Path:
         final = out / "final"
         if start < cfg.iterations or not adapter_is_whole(final / "adapter"):  # (re)written with its eval dropped
             _publish_adapter(tr.model, final)
+        last = heldout_dir(out, cfg.iterations - 1)
         if cfg.eval_tasks and not eval_is_current(final / "eval.json", cfg, cfg.eval_tasks):
-            tr.model.eval()
-            evaluate_policy(tr.policy, tr.pool, cfg, tr.agent, final, cfg.eval_tasks, progress)
+            if cfg.iterations - 1 in due and eval_is_current(last / "eval.json", cfg, cfg.eval_tasks):
+                for name in ("eval_episodes.jsonl", "eval.json"):  # the same policy, tasks and seed: its numbers
+                    atomic_write_text(final / name, (last / name).read_text())
+            else:
+                tr.model.eval()
+                evaluate_policy(tr.policy, tr.pool, cfg, tr.agent, final, cfg.eval_tasks, progress)
     finally:
         if tracker is not None:
             tracker.close()

@@ -380,6 +380,9 @@ def test_eval_every_draws_the_curve_without_changing_the_training(tmp_path):
     curve = _adapter(out)
     assert curve.keys() == plain.keys() and all(torch.equal(curve[k], plain[k]) for k in curve)
     rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    # the final policy is the last iteration's: its evaluation is that one, not made again
+    assert (out / "final" / "eval.json").read_text() == (heldout_dir(out, 1) / "eval.json").read_text()
+    assert load_eval(out / "final" / "eval.json")["episodes"] == 2
     for k, row in enumerate(rows):
         res = load_eval(heldout_dir(out, k) / "eval.json")
         assert res["episodes"] == 2 and row["heldout_success"] == res["success_rate"]
