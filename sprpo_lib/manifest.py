@@ -63,7 +63,8 @@ def write_manifest(
         pass
     if extra:
         manifest.update(extra)
-    manifest["file"] = file_record(artifact)  # what readers verify the artifact against (check_artifact)
+    if artifact.is_file():  # what readers verify the artifact against (check_artifact)
+        manifest["file"] = file_record(artifact)
     return atomic_write_json(artifact.with_name(artifact.name + ".manifest.json"), manifest)
 
 

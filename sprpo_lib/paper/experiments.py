@@ -347,10 +347,11 @@ def save_rows(rows: pd.DataFrame, path: str | Path) -> Path:
     return atomic_write_text(path, rows.to_csv(index=False))
 
 
-def load_rows(path: str | Path) -> pd.DataFrame:
+def load_rows(path: str | Path, columns: Sequence[str] = ()) -> pd.DataFrame:
     """Read result rows written by :func:`save_rows` (the render-only path), verified
-    against their manifest's SHA-256 when it records one and parsed whole: a missing or
-    damaged file is one clear error naming it and saying how to compute it again."""
+    against their manifest's SHA-256 when it records one and parsed whole, with ``columns``
+    present: a missing or damaged file is one clear error naming it and saying how to
+    compute it again."""
     p = Path(path)
     fix = ("run its notebook with render_only=False (or sprpo-reproduce --only <its number> without --render-only) "
            "to compute it again")
@@ -366,6 +367,7 @@ def load_rows(path: str | Path) -> pd.DataFrame:
         rows = pd.read_csv(p)
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as err:
         raise CorruptFileError(p, f"not a whole CSV table ({type(err).__name__})", fix) from None
-    if "method" not in rows:  # every result table has one row per method (and more)
-        raise CorruptFileError(p, "no 'method' column: not a result table", fix)
+    missing = [c for c in columns if c not in rows]
+    if missing:
+        raise CorruptFileError(p, f"no column(s) {missing}: not the table it should be", fix)
     return rows

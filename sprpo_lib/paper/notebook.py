@@ -71,10 +71,10 @@ class ResultsPage:
         for env, p in self.plans.items():
             path = self.stem(env, suffix)
             if self.render_only:
-                out[env] = X.load_rows(path)
+                out[env] = X.load_rows(path, columns=("method",))
             else:
                 save(compute(p, self.runs(env)), path)
-                out[env] = X.load_rows(path)
+                out[env] = X.load_rows(path, columns=("method",))
         return out
 
     def config(self, **extra) -> dict:
