@@ -139,6 +139,12 @@ def test_overhead_means_from_metrics(tmp_path):
     t = R.overhead([c]).set_index("method")
     assert t.loc["vanilla", "total"] == 17 and t.loc["vanilla", "steps"] == 2 and t.loc["vanilla", "excluded"] == 1
     assert R.overhead([c], quiet=None).set_index("method").loc["vanilla", "total"] == pytest.approx(35)
+    # a method none of whose iterations ran quiet keeps its row (all its iterations), flagged
+    d = run("webshop-sprpo-smoke-seed1", "sprpo", [
+        {"rollout_s": 20, "update_s": 20, "wall_s": 44, "cpu_per_wall": 0.9, "success": 0, "score": 0}])
+    t = R.overhead([c, d]).set_index("method")
+    assert list(t.index) == ["vanilla", "sprpo"] and t.loc["sprpo", "total"] == 44 and t.loc["sprpo", "all_contended"]
+    assert not t.loc["vanilla", "all_contended"] and t.loc["vanilla", "excluded"] == 1
 
 
 def test_landscape_grid_pivot():

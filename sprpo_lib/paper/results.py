@@ -344,8 +344,9 @@ def overhead(run_dirs: Sequence[str | Path], quiet: float | None = 0.9) -> pd.Da
     Timings are only comparable on an otherwise idle machine: with ``quiet`` set, an
     iteration counts only if its ``cpu_per_wall`` (process CPU seconds per wall second) is
     at least ``quiet`` x the highest of all iterations (the uncontended level, about the
-    thread count); ``excluded`` counts the others (shared or paused machine).  ``None``
-    keeps every iteration."""
+    thread count); ``excluded`` counts the others (shared or paused machine); a method with
+    no such iteration keeps all of its own, marked ``all_contended``.  ``None`` keeps every
+    iteration."""
     from sprpo_lib.paper.report import load_metrics
 
     m = load_metrics(run_dirs)
@@ -363,10 +364,14 @@ def overhead(run_dirs: Sequence[str | Path], quiet: float | None = 0.9) -> pd.Da
     for col, name in (("cpu_per_wall", "cpu_per_wall"), ("loadavg_1min", "loadavg")):
         if col in m:
             agg[name] = (col, "mean")
-    kept = m[~m["excluded"]]
+    # a method none of whose iterations ran quiet keeps them all (flagged): a row is never lost to contention
+    every = m.groupby(["env", "method"], sort=False)["excluded"].transform("all")
+    kept = m[~m["excluded"] | every]
     out = kept.groupby(["env", "method"], sort=False).agg(**agg).reset_index()
-    dropped = m.groupby(["env", "method"], sort=False)["excluded"].sum()
+    dropped = m[~every].groupby(["env", "method"], sort=False)["excluded"].sum()
     out["excluded"] = [int(dropped.get((e, k), 0)) for e, k in zip(out["env"], out["method"])]
+    contended = set(m[every][["env", "method"]].itertuples(index=False, name=None))
+    out["all_contended"] = [(e, k) in contended for e, k in zip(out["env"], out["method"])]
     order = {k: i for i, k in enumerate(("vanilla", "gaussian", "sam", "sprpo"))}
     out = out.sort_values(["env", "method"], key=lambda s: s.map(order) if s.name == "method" else s)
     base = out[out["method"] == "vanilla"].set_index("env")["total"]
