@@ -25,7 +25,7 @@ from sprpo_lib.paper.tables import ENV_LABELS
 
 __all__ = ["APP_C_TASKS", "PAPER_STEP_SECONDS", "split_tasks", "planned_episodes", "plan_table", "paper_cost_table",
            "paper_gpu_hours", "plans_markdown", "plans_summary", "cost_summary", "Rates", "DESIGN_METHODS",
-           "design_plan", "design_seconds", "choose_design", "bench_episode_s", "training_rates", "bench_rates", "design_table",
+           "design_plan", "design_seconds", "choose_design", "bench_episode_s", "training_rates", "bench_machine", "bench_rates", "design_table",
            "design_from_figures"]
 
 #: App. C's held-out tasks per split (the ``paper`` plan evaluates all of them).
@@ -282,13 +282,18 @@ def training_rates(metrics: Mapping[str, pd.DataFrame], ratios: Mapping[str, flo
     return {env: {m: v * r for m, r in ratios.items()} for env, v in vanilla.items()}
 
 
+def bench_machine(bench: Mapping) -> dict:
+    """The machine record (CPU model, class, ...) of a ``sprpo-bench`` record, ``{}`` if none."""
+    return next((rec["results"]["machine"] for rec in bench.values() if isinstance(rec, dict)
+                 and isinstance(rec.get("results"), dict) and isinstance(rec["results"].get("machine"), dict)), {})
+
+
 def bench_rates(bench: Mapping, reference: Rates) -> Rates:
     """Rates of the machine of ``bench`` (its ``sprpo-bench`` record): what it measured
     itself (WebShop's iteration per method from ``bench train``, each env's evaluation
     episode from ``bench eval``), the rest scaled from ``reference`` by the ratio the two
     machines show on WebShop (an estimate, said in ``sources``)."""
-    machine = next((rec["results"]["machine"] for rec in bench.values() if isinstance(rec, dict)
-                    and isinstance(rec.get("results"), dict) and isinstance(rec["results"].get("machine"), dict)), {})
+    machine = bench_machine(bench)
     name = f"{machine.get('cpu_model', '?')} ({machine.get('cpu_class', '?')})"
     train = (bench.get("train_webshop") or {}).get("results", {}).get("shared")
     it, src = {}, {}
@@ -356,12 +361,8 @@ def design_from_figures(out_dir, power: pd.DataFrame, budget_h: float = 8.0,
         return pd.DataFrame()
     host = json.loads(manifest_path(paths["webshop"]).read_text()).get("host", {})
 
-    def cls(b):
-        return next((rec["results"]["machine"].get("cpu_class") for rec in b.values() if isinstance(rec, dict)
-                     and isinstance(rec.get("results"), dict) and isinstance(rec["results"].get("machine"), dict)),
+    ref_name = next((n for n, b in benches.items() if bench_machine(b).get("cpu_class") == host.get("cpu_class")),
                     None)
-
-    ref_name = next((n for n, b in benches.items() if cls(b) == host.get("cpu_class")), None)
     if ref_name is None:
         return pd.DataFrame()
     ref = Rates(f"{host.get('cpu_model', '?')} ({host.get('cpu_class')})",
