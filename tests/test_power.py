@@ -59,9 +59,15 @@ def test_best_design_is_the_brute_force_optimum():
     grid = dict(seeds=(1, 2, 3, 4), goals=(12, 24, 48, 96, 192), iterations=(5, 10))
     got = P.best_design(claims, cost, 8000.0, **grid)
     feasible = [(s, t, k) for s, t, k in itertools.product(*grid.values()) if cost(s, t, k) <= 8000.0]
-    score = lambda d: (sum(P.mde(c, d[0], d[1]) <= e for c, e in claims.values()), -cost(*d))  # noqa: E731
+
+    def score(d):  # most claims, then the most margin (smallest largest MDE / effect), then the cheapest
+        ratios = [P.mde(c, d[0], d[1]) / e for c, e in claims.values() if P.mde(c, d[0], d[1]) <= e]
+        return len(ratios), -round(max(ratios, default=float("inf")), 6), -cost(*d)
+
     s, t, k = max(feasible, key=score)
     assert (got["seeds"], got["goals"], got["iterations"]) == (s, t, k)
+    cheapest_tie = min((d for d in feasible if score(d)[0] == score((s, t, k))[0]), key=lambda d: cost(*d))
+    assert cost(s, t, k) >= cost(*cheapest_tie)  # the spare budget went to margin
     assert "tiny" not in got["resolved"] and got["cost_s"] <= 8000.0
     with pytest.raises(ValueError, match="no design"):
         P.best_design(claims, cost, 10.0, **grid)
@@ -109,7 +115,8 @@ def pd_isna(v) -> bool:
 
 
 def test_design_seconds_counts_runs_iterations_and_episodes():
-    """Hand count on the cpu WebShop plan: 2 seeds of Vanilla and SPrPO, one of Gaussian and SAM."""
+    """Hand count on the cpu WebShop plan: 2 seeds of Vanilla and SPrPO, one of Gaussian and SAM,
+    and the ablation study's three trained variants (alpha = 0 and no scheduling: SPrPO; SAM at 0.1)."""
     from sprpo_lib.paper import budget as B
 
     rates = B.Rates("test", {"webshop": {"vanilla": 10.0, "gaussian": 11.0, "sam": 20.0, "sprpo": 30.0}},
@@ -117,10 +124,11 @@ def test_design_seconds_counts_runs_iterations_and_episodes():
     p = B.design_plan("webshop", 2, 24)
     assert {m: len(s) for m, s in p.seeds.items()} == {"vanilla": 2, "gaussian": 1, "sam": 1, "sprpo": 2}
     got = B.design_seconds("webshop", 2, 24, 7, rates, heldout_every=5, heldout_tasks=8)
-    assert got["train_s"] == pytest.approx(7 * (2 * 10 + 11 + 20 + 2 * 30))
-    assert got["heldout_s"] == pytest.approx(6 * 1 * 8 * 2.0)  # 6 runs, one curve point (iteration 5) each
+    assert got["train_s"] == pytest.approx(7 * (2 * 10 + 11 + 20 + 2 * 30 + (30 + 30 + 20)))
+    assert got["heldout_s"] == pytest.approx(9 * 1 * 8 * 2.0)  # 9 runs, one curve point (iteration 5) each
     eps = B.planned_episodes(p)
-    assert got["eval_s"] == pytest.approx(2.0 * (eps["table"] + eps["curves"] + eps["landscape"]))
+    assert eps["ablations"] == 16 * 6 * 3  # 16 goals, clean and Table 1's five settings, 3 variants
+    assert got["eval_s"] == pytest.approx(2.0 * (eps["table"] + eps["curves"] + eps["landscape"] + eps["ablations"]))
     assert got["total_s"] == pytest.approx(got["train_s"] + got["heldout_s"] + got["eval_s"])
 
 
@@ -147,9 +155,10 @@ def test_choose_design_is_the_brute_force_best_and_skips_unsizable_claims():
     for s, t, k in itertools.product(*grid.values()):
         cost = B.design_seconds("webshop", s, t, k, rates)["total_s"]
         if cost <= budget:
-            n = sum(P.mde(c, s, t) <= e for c, e in comps.values())
-            if best is None or (n, -cost) > best[0]:
-                best = ((n, -cost), (s, t, k))
+            ratios = [P.mde(c, s, t) / e for c, e in comps.values() if P.mde(c, s, t) <= e]
+            key = (len(ratios), -round(max(ratios, default=float("inf")), 6), -cost)
+            if best is None or key > best[0]:
+                best = (key, (s, t, k))
     assert (d["seeds"], d["goals"], d["iterations"]) == best[1] and len(d["resolved"]) == best[0][0]
 
 
@@ -160,12 +169,36 @@ def test_bench_rates_use_the_machines_own_numbers_and_scale_the_rest():
                           "alfworld": {"vanilla": 120.0, "gaussian": 132.0, "sam": 300.0, "sprpo": 240.0}},
                   {"webshop": 1.0, "alfworld": 4.0})
     ev = {"episodes": 32, "wall_s": 96.0}
-    bench = {"train_webshop": {"results": {"machine": {"cpu_model": "X", "cpu_class": "avx2"}, "shared": {
-                 "vanilla": {"iteration_s": 90.0}, "sprpo": {"iteration_s": 180.0}, "sam": {"iteration_s": 171.0}}}},
+    shared = {"vanilla": {"iteration_s": 90.0, "update_s": 40.0}, "sprpo": {"iteration_s": 180.0, "update_s": 40.0},
+              "sam": {"iteration_s": 171.0, "update_s": 60.0}}
+    bench = {"train_webshop": {"results": {"machine": {"cpu_model": "X", "cpu_class": "avx2"}, "shared": shared,
+                                           "ppo_mini_batch_size": 16}},
              "eval_openvino": {"results": {"env": "webshop", "openvino": {"eval": ev}}}}
+    old = B.bench_rates({**bench, "train_webshop": {"results": {"machine": {"cpu_model": "X"}, "shared": shared}}},
+                        ref, update_factor=1.5)  # a record from before mini-batches: its update priced at 1.5x
+    assert old.iteration_s["webshop"]["sam"] == pytest.approx(171.0 + 0.5 * 60.0)
+    assert "update x1.5" in old.sources["iteration_s"]
     r = B.bench_rates(bench, ref)
     assert r.machine == "X (avx2)"
     assert r.iteration_s["webshop"] == {"vanilla": 90.0, "sprpo": 180.0, "sam": 171.0, "gaussian": pytest.approx(99.0)}
     assert r.iteration_s["alfworld"]["sprpo"] == pytest.approx(240.0 * 1.5)  # WebShop's Vanilla ratio 90 / 60
     assert r.episode_s == {"webshop": 3.0, "alfworld": pytest.approx(12.0)}  # 96 s / 32, ALFWorld x 3
     assert "x 3.00" in r.sources["episode_s"] and "x 1.50" in r.sources["iteration_s"]
+
+
+def test_training_rates_price_single_step_runs_at_minibatches():
+    """Runs with one optimizer step per iteration are priced with their update scaled; the
+    method ratios come from WebShop's same-scaled means (a hand computation)."""
+    import pandas as pd
+
+    from sprpo_lib.paper import budget as B
+
+    web = pd.DataFrame({"method": ["vanilla", "vanilla", "sprpo"], "wall_s": [60.0, 80.0, 150.0],
+                        "update_s": [40.0, 40.0, 50.0], "ppo_steps": [1, 1, 1]})
+    alf = pd.DataFrame({"method": ["vanilla"], "wall_s": [100.0], "update_s": [60.0], "ppo_steps": [1]})
+    assert not B.uses_minibatches(web) and B.uses_minibatches(web.assign(ppo_steps=4))
+    r = B.training_rates({"webshop": web, "alfworld": alf}, update_factor=1.5)
+    assert r["webshop"]["vanilla"] == pytest.approx(90.0)  # (60 + 20 + 80 + 20) / 2
+    assert r["webshop"]["sprpo"] == pytest.approx(175.0)  # 150 + 25
+    assert r["alfworld"]["sprpo"] == pytest.approx(130.0 * 175.0 / 90.0)
+    assert B.training_rates({"webshop": web, "alfworld": alf})["webshop"]["vanilla"] == pytest.approx(70.0)

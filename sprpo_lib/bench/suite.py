@@ -434,6 +434,7 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
                  "matmul_gflops": gflops, "bandwidth_gbs": round(bandwidth, 1), "layers": L, "lora_layers": depth,
                  "episodes": len(eps), "samples": len(batch.samples), "samples_nonzero_adv": len(nonzero),
                  "response_tokens": batch.n_tokens, "micro_batch": a.micro_batch, "prefix_min": prefix_min["shared"],
+                 "ppo_mini_batch_size": cfg.update.ppo_mini_batch_size,
                  "rollout": {"rollout_s": round(t_roll, 2), "generate_s": round(rst["generate_s"], 2),
                              "env_s": round(rst["env_s"], 3), **gen,
                              "generate_over_floor": round(rst["generate_s"] / gen["floor_s"], 2)}}

@@ -205,6 +205,11 @@ class Rates:
 DESIGN_METHODS = ("vanilla", "sprpo")
 
 
+#: Training seeds a design may give the compared methods: at least 3, so that the intervals
+#: carry a training-seed variance estimated from more than two runs.
+MIN_SEEDS = (3, 4, 5)
+
+
 def design_plan(env: str, seeds: int, goals: int) -> X.Plan:
     """The ``cpu`` plan with ``seeds`` training seeds for :data:`DESIGN_METHODS` (one for the
     others) and ``goals`` test goals per split."""
@@ -217,14 +222,19 @@ def design_seconds(env: str, seeds: int, goals: int, iterations: int, rates: Rat
                    heldout_every: int = 0, heldout_tasks: int = 0) -> dict[str, float]:
     """Seconds of the ``cpu`` design (:func:`design_plan`) on ``env`` at ``rates``: its RL
     runs of ``iterations`` each, their held-out curve (``heldout_tasks`` episodes every
-    ``heldout_every`` iterations) and the evaluation episodes of Table 1, the curves and
-    the landscape (:func:`planned_episodes`; the ablation study is priced by the caller)."""
+    ``heldout_every`` iterations), the evaluation episodes of Table 1, the curves and the
+    landscape, and the ablation study where the profile has one on ``env`` (its trained
+    variants at the same length, with their curve, and its episodes: :func:`planned_episodes`)."""
     p = design_plan(env, seeds, goals)
-    runs = sum(len(p.seeds[m]) for m in p.methods)
-    train = sum(len(p.seeds[m]) * iterations * rates.iteration_s[env][m] for m in p.methods)
-    curve = runs * (iterations // heldout_every) * heldout_tasks * rates.episode_s[env] if heldout_every else 0.0
+    runs = [(m, len(p.seeds[m])) for m in p.methods]
+    if env in A.ABLATIONS.get(p.profile, {}):
+        ab = A.ablation(p.profile, env)
+        runs += [(v.method, len(ab.seeds)) for v in A.trained_variants(ab, p)]
+    train = sum(n * iterations * rates.iteration_s[env][m] for m, n in runs)
+    points = iterations // heldout_every if heldout_every else 0
+    curve = sum(n for _, n in runs) * points * heldout_tasks * rates.episode_s[env]
     eps = planned_episodes(p)
-    evals = (eps["table"] + eps["curves"] + eps["landscape"]) * rates.episode_s[env]
+    evals = (eps["table"] + eps["curves"] + eps["landscape"] + eps.get("ablations", 0)) * rates.episode_s[env]
     return {"train_s": train, "heldout_s": curve, "eval_s": evals, "total_s": train + curve + evals}
 
 
@@ -269,17 +279,36 @@ def bench_episode_s(bench: Mapping) -> dict[str, float]:
     return out
 
 
-def training_rates(metrics: Mapping[str, pd.DataFrame], ratios: Mapping[str, float] | None = None) -> dict:
+#: The update's cost with mini-batches (``update.ppo_mini_batch_size: 16``, several Adam steps
+#: per iteration) over one step per iteration: the old-log-prob forward pass of verl's actor
+#: is added.  Measured on this library's WebShop Vanilla runs, seed 0, one AVX2 machine
+#: (update seconds per sample, quiet iterations): 1.2 s with one step, 1.8 s with
+#: mini-batches of 16.  Used only to price runs that predate mini-batches.
+MINIBATCH_UPDATE_FACTOR = 1.5
+
+
+def training_rates(metrics: Mapping[str, pd.DataFrame], ratios: Mapping[str, float] | None = None,
+                   update_factor: float = 1.0) -> dict:
     """Seconds per RL iteration per env and method from training runs' metrics (notebook
     01's ``_metrics.csv``): Vanilla's mean ``wall_s`` per env, times each method's ratio to
     Vanilla on WebShop (``ratios``, e.g. ``sprpo-bench train``'s, or those of the same
     metrics), where every iteration updated: ALFWorld's SPrPO skipped its replay in the
-    iterations without a non-zero advantage, which makes its own mean too low."""
-    vanilla = {env: float(m.loc[m["method"] == "vanilla", "wall_s"].mean()) for env, m in metrics.items()}
+    iterations without a non-zero advantage, which makes its own mean too low.
+    ``update_factor`` scales each iteration's ``update_s`` (runs made with one optimizer step
+    per iteration priced at mini-batches: :data:`MINIBATCH_UPDATE_FACTOR`)."""
+    def wall(m: pd.DataFrame) -> pd.Series:
+        return m["wall_s"] + (update_factor - 1.0) * m["update_s"] if "update_s" in m else m["wall_s"]
+
+    vanilla = {env: float(wall(m.loc[m["method"] == "vanilla"]).mean()) for env, m in metrics.items()}
     if ratios is None:
-        ws = metrics["webshop"].groupby("method")["wall_s"].mean()
+        ws = wall(metrics["webshop"]).groupby(metrics["webshop"]["method"]).mean()
         ratios = {m: float(ws[m] / ws["vanilla"]) for m in ws.index}
     return {env: {m: v * r for m, r in ratios.items()} for env, v in vanilla.items()}
+
+
+def uses_minibatches(metrics: pd.DataFrame) -> bool:
+    """Whether the runs of ``metrics`` took several optimizer steps per iteration (``ppo_steps``)."""
+    return "ppo_steps" in metrics and bool((metrics["ppo_steps"].dropna() > 1).any())
 
 
 def bench_machine(bench: Mapping) -> dict:
@@ -288,24 +317,32 @@ def bench_machine(bench: Mapping) -> dict:
                  and isinstance(rec.get("results"), dict) and isinstance(rec["results"].get("machine"), dict)), {})
 
 
-def bench_rates(bench: Mapping, reference: Rates) -> Rates:
+def bench_rates(bench: Mapping, reference: Rates, update_factor: float = MINIBATCH_UPDATE_FACTOR) -> Rates:
     """Rates of the machine of ``bench`` (its ``sprpo-bench`` record): what it measured
     itself (WebShop's iteration per method from ``bench train``, each env's evaluation
     episode from ``bench eval``), the rest scaled from ``reference`` by the ratio the two
-    machines show on WebShop (an estimate, said in ``sources``)."""
+    machines show on WebShop (an estimate, said in ``sources``).  A ``bench train`` record
+    that predates mini-batches (no ``ppo_mini_batch_size``) has its update scaled by
+    ``update_factor``."""
     machine = bench_machine(bench)
     name = f"{machine.get('cpu_model', '?')} ({machine.get('cpu_class', '?')})"
-    train = (bench.get("train_webshop") or {}).get("results", {}).get("shared")
+    results = (bench.get("train_webshop") or {}).get("results", {})
+    train = results.get("shared")
     it, src = {}, {}
     if train:
-        v = train["vanilla"]["iteration_s"]
-        own = {"vanilla": v, "sprpo": train["sprpo"]["iteration_s"], "sam": train["sam"]["iteration_s"],
+        factor = update_factor if "ppo_mini_batch_size" not in results else 1.0
+
+        def iteration(m: str) -> float:
+            return train[m]["iteration_s"] + (factor - 1.0) * train[m]["update_s"]
+
+        v = iteration("vanilla")
+        own = {"vanilla": v, "sprpo": iteration("sprpo"), "sam": iteration("sam"),
                "gaussian": v * reference.iteration_s["webshop"]["gaussian"] / reference.iteration_s["webshop"]["vanilla"]}
         scale = v / reference.iteration_s["webshop"]["vanilla"]
         it = {env: (own if env == "webshop" else {m: s * scale for m, s in per.items()})
               for env, per in reference.iteration_s.items()}
-        src["iteration_s"] = (f"WebShop: bench train (Gaussian as Vanilla x the reference's ratio); other envs: "
-                              f"the reference x {scale:.2f}")
+        src["iteration_s"] = (f"WebShop: bench train{f', update x{factor:g} for mini-batches' if factor != 1 else ''} "
+                              f"(Gaussian as Vanilla x the reference's ratio); other envs: the reference x {scale:.2f}")
     else:
         it, src["iteration_s"] = dict(reference.iteration_s), "the reference's (no bench train on this machine)"
     ep = bench_episode_s(bench)
@@ -320,7 +357,7 @@ def bench_rates(bench: Mapping, reference: Rates) -> Rates:
 
 
 def design_table(power: pd.DataFrame, rates: Rates, others: Sequence[Rates], budget_s: float,
-                 iterations: Sequence[int], seeds: Sequence[int] = (1, 2, 3, 4, 5),
+                 iterations: Sequence[int], seeds: Sequence[int] = MIN_SEEDS,
                  goals: Sequence[int] = (6, 12, 24, 48, 96), **curve) -> pd.DataFrame:
     """Per RL length: the design :func:`choose_design` picks within ``budget_s`` at ``rates``
     (its machine's hours), its hours at each of ``others``, and the claims it resolves;
@@ -365,9 +402,12 @@ def design_from_figures(out_dir, power: pd.DataFrame, budget_h: float = 8.0,
                     None)
     if ref_name is None:
         return pd.DataFrame()
+    metrics = {e: pd.read_csv(p) for e, p in paths.items()}
+    factor = 1.0 if all(map(uses_minibatches, metrics.values())) else MINIBATCH_UPDATE_FACTOR
     ref = Rates(f"{host.get('cpu_model', '?')} ({host.get('cpu_class')})",
-                training_rates({e: pd.read_csv(p) for e, p in paths.items()}), bench_episode_s(benches[ref_name]),
-                {"iteration_s": "notebook 01's runs", "episode_s": f"{ref_name}.json"})
+                training_rates(metrics, update_factor=factor), bench_episode_s(benches[ref_name]),
+                {"iteration_s": "notebook 01's runs" + (f", update x{factor:g} for mini-batches" if factor != 1 else ""),
+                 "episode_s": f"{ref_name}.json"})
     if set(ref.episode_s) != set(paths):
         return pd.DataFrame()
     others = [bench_rates(b, ref) for n, b in benches.items() if n != ref_name]

@@ -136,7 +136,10 @@ def best_design(claims: Mapping[str, tuple[Components, float]], cost_s: Callable
                 budget_s: float, seeds: Sequence[int], goals: Sequence[int], iterations: Sequence[int]) -> dict:
     """The design (training seeds, test goals, RL iterations) from the grid that resolves the
     most claims (``claims``: name -> (components, the effect to detect)) at a cost
-    ``cost_s(seeds, goals, iterations)`` within ``budget_s``; ties go to the cheaper design.
+    ``cost_s(seeds, goals, iterations)`` within ``budget_s``.  Ties go to the design with
+    the most power margin (the smallest largest MDE / effect among the claims it resolves),
+    then to the cheaper one: a pilot's variances are estimates (optimistic when its policies
+    barely differed), so budget left over buys margin rather than sitting idle.
     Iterations enter the cost only (the components are the pilot's, at its length).
     Returns the design, its cost, the claims it resolves and every claim's MDE there."""
     best = None
@@ -146,7 +149,8 @@ def best_design(claims: Mapping[str, tuple[Components, float]], cost_s: Callable
             continue
         mdes = {name: mde(c, s, t) for name, (c, _) in claims.items()}
         resolved = [name for name, (_, eff) in claims.items() if mdes[name] <= abs(eff)]
-        key = (len(resolved), -cost)
+        margin = max((mdes[name] / abs(claims[name][1]) for name in resolved), default=math.inf)
+        key = (len(resolved), -round(margin, 6), -cost)
         if best is None or key > best[0]:
             best = (key, {"seeds": s, "goals": t, "iterations": k, "cost_s": cost, "resolved": resolved,
                           "mde": mdes})
