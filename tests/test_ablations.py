@@ -195,9 +195,9 @@ def test_motivation_figure_marks_bars_measured_on_fewer_goals(tmp_path, monkeypa
 def test_fig3_rows_per_env_categorical_precision_and_one_marker_per_method(tmp_path, monkeypatch):
     cells = {("clean", 0.0): 40.0, ("gaussian", 0.1): 30.0, ("rtn", 8.0): 39.0, ("rtn", 6.0): 35.0,
              ("rtn", 4.0): 5.0}
-    web = _summary({"vanilla": cells, "sprpo": {k: v + 1 for k, v in cells.items()}})
+    web = _summary({"vanilla": cells, "sprpo": {k: v + 1 for k, v in cells.items()}}).assign(tasks=10)
     alf = web.assign(env="alfworld")
-    alf = alf[~((alf.method == "sprpo") & (alf.strength == 6.0))]  # a missing point keeps its neighbours' slots
+    alf = alf[~((alf.method == "sprpo") & (alf.strength == 6.0))]  # a level not evaluated is a gap in the line
     figs = []
     monkeypatch.setattr(R, "save_figure", lambda fig, path: figs.append(fig) or [])
     R.plot_curves(pd.concat([web, alf]), ["vanilla", "sprpo"], tmp_path / "fig3", families=("gaussian", "rtn"))
@@ -206,12 +206,15 @@ def test_fig3_rows_per_env_categorical_precision_and_one_marker_per_method(tmp_p
     for row in axes:
         rtn = row[1]
         assert [t.get_text() for t in rtn.get_xticklabels()] == ["BF16", "INT8", "INT6", "INT4"]
-        lines = {c.get_label(): c.lines[0] for c in rtn.containers}  # errorbar: (data line, caps, bars)
+        lines = {ln.get_label(): ln for ln in rtn.get_lines() if not ln.get_label().startswith("_")}
         assert {k: ln.get_marker() for k, ln in lines.items()} == {"Vanilla": "o", "SPrPO": "D"}
-        assert list(lines["Vanilla"].get_xdata()) == [0, 1, 2, 3]
-    sp = [c.lines[0] for c in axes[0, 1].containers if c.get_label() == "SPrPO"][0]
+        assert np.round(lines["Vanilla"].get_xdata(), 3).tolist() == [-0.035, 0.965, 1.965, 2.965]  # dodged left
+    sp = [ln for ln in axes[0, 1].get_lines() if ln.get_label() == "SPrPO"][0]
+    assert np.isnan(sp.get_ydata()[2]) and list(sp.get_ydata()[[0, 1, 3]]) == [41.0, 40.0, 6.0]
+    assert not any(ax.containers for ax in axes.flat)  # single runs: no error bars
+    assert "single runs have none" in figs[0].texts[-1].get_text() and "10 goals x 1 training seed" in figs[0].texts[-1].get_text()
     # one legend for all rows: a method drawn only in the second row is in it too
     sam_web_only = web[web.method == "vanilla"].assign(method="sam")
     R.plot_curves(pd.concat([sam_web_only, alf]), ["vanilla", "sam", "sprpo"], tmp_path / "f", families=("gaussian", "rtn"))
     assert [t.get_text() for t in figs[-1].legends[0].get_texts()] == ["Vanilla", "SAM", "SPrPO"]
-    assert list(sp.get_xdata()) == [0, 1, 3] and list(sp.get_ydata()) == [41.0, 40.0, 6.0]
+

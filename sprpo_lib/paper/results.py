@@ -25,6 +25,7 @@ import pandas as pd
 from sprpo_lib.compress import FAMILIES
 from sprpo_lib.io import atomic_write_text
 from sprpo_lib.methods import METHOD_DISPLAY
+from sprpo_lib.paper.figcheck import design_gid
 from sprpo_lib.paper.stats import paired_bootstrap, summarize
 from sprpo_lib.paper.tables import ENV_LABELS, FAMILY_LABELS, METHOD_LABELS, strength_label
 
@@ -77,33 +78,79 @@ def _family_points(summary: pd.DataFrame, family: str, method: str) -> pd.DataFr
     return pd.concat([clean, fam]).sort_values("strength", ascending=family != "rtn")
 
 
+#: Sideways offset between methods' markers, as a fraction of a category (or of a third of
+#: a continuous axis's range).
+DODGE = 0.07
+
+
+def _design(row) -> tuple[int, int]:
+    """(test goals per split, training seeds) of a summary row: what sets its sampling error."""
+    tasks = row.get("tasks", 0)
+    return int(tasks) if pd.notna(tasks) else 0, int(row.get("n", 1) or 1)
+
+
+def _design_text(d: tuple[int, int]) -> str:
+    goals, seeds = d
+    return f"{goals} goals x {seeds} training seed{'s' if seeds != 1 else ''}"
+
+
 def plot_curves(summary: pd.DataFrame, methods: Sequence[str], path: str | Path, *, title: str = "",
                 families: Sequence[str] = CURVE_FAMILIES, env_label: str = "") -> list[Path]:
-    """Fig. 3: success (mean +- std over training seeds) against strength, one panel per
-    family, one line per method (its colour and marker), one row per environment of
-    ``summary["env"]`` (the paper's order: ALFWorld, then WebShop).  The clean policy is the
-    leftmost point; quantization is a categorical axis (BF16, INT8, INT6, INT4), the
-    precision falling to the right."""
+    """Fig. 3: success against strength, one panel per family, one colour and marker per
+    method, one row per environment of ``summary["env"]`` (the paper's order: ALFWorld,
+    then WebShop).  The clean policy is the leftmost point.
+
+    What the picture may suggest is what was measured
+    (:mod:`sprpo_lib.paper.figcheck`): a line joins only points of the method's main design
+    (that of its clean point: goals x training seeds); points of a smaller design are hollow
+    markers, never joined; a level the method was not evaluated at is a gap in its line.
+    Families with one strength, and quantization (BF16, INT8, INT6, INT4), sit on a
+    categorical axis.  Error bars are the std over training seeds, drawn only where there
+    are several.  A footnote states the designs, from the data."""
     plt = _plt()
     envs = [e for e in ENV_ORDER if "env" in summary and (summary["env"] == e).any()]
     envs += [e for e in (summary["env"].unique() if "env" in summary else []) if e not in envs]
     parts = [(e, summary[summary["env"] == e]) for e in envs] or [(None, summary)]
     fams = [f for f in families if (summary["family"] == f).any()]
     ncol = max(1, len(fams))
-    fig, axes = plt.subplots(len(parts), ncol, figsize=(3.1 * ncol, 2.9 * len(parts)), squeeze=False)
+    fig, axes = plt.subplots(len(parts), ncol, figsize=(2.6 * ncol + 0.6, 2.5 * len(parts) + 1.0), squeeze=False)
+    mains: dict[str, set] = {}
+    others, single = set(), False
+    shift = {m: i - (len(methods) - 1) / 2 for i, m in enumerate(methods)}  # sideways, so equal values stay visible
     for row, (env, part) in zip(axes, parts):
         for ax, fam in zip(row, fams):
-            if fam == "rtn":  # categorical: the clean policy, then INT8, INT6, INT4
-                bits = sorted({float(b) for b in part.loc[part["family"] == fam, "strength"]}, reverse=True)
-                levels = [16.0, *bits]
-                ax.set_xticks(range(len(levels)), [strength_label("clean" if b == 16.0 else fam, b) for b in levels])
+            zero = 16.0 if fam == "rtn" else 0.0
+            levels = sorted({zero, *(float(b) for b in part.loc[part["family"] == fam, "strength"])},
+                            reverse=fam == "rtn")
+            categorical = fam == "rtn" or len(levels) <= 2
+            if categorical:
+                ticks = [strength_label("clean" if b == zero else fam, b, clean_label="BF16" if fam == "rtn" else "none")
+                         for b in levels]
+                ax.set_xticks(range(len(levels)), ticks)
+                ax.set_xlim(-0.5, len(levels) - 0.5)
             for m in methods:
                 pts = _family_points(part, fam, m)
                 if pts.empty:
                     continue
-                xs = [levels.index(float(b)) for b in pts["strength"]] if fam == "rtn" else pts["strength"]
-                ax.errorbar(xs, pts["mean"], yerr=pts["std"].fillna(0).to_numpy(), marker=MARKERS.get(m, "o"), ms=4,
-                            capsize=2, lw=1.4, color=COLORS.get(m), label=METHOD_LABELS.get(m, m))
+                at = {float(b): r for b, r in zip(pts["strength"], pts.to_dict("records"))}
+                main = _design(at[zero]) if zero in at else _design(next(iter(at.values())))
+                dodge = DODGE * shift[m] * (1.0 if categorical else (levels[-1] - levels[0]) / 3.0)
+                xs = [x + dodge for x in (range(len(levels)) if categorical else levels)]
+                ys = [at[b]["mean"] if b in at and _design(at[b]) == main else np.nan for b in levels]
+                err = [at[b]["std"] if b in at and _design(at[b]) == main and main[1] > 1 else np.nan for b in levels]
+                style = dict(color=COLORS.get(m), marker=MARKERS.get(m, "o"), ms=4)
+                joined = not categorical or fam == "rtn"  # two levels on a categorical axis: markers only
+                ax.plot(xs, ys, linestyle="-" if joined else "none", lw=1.4, label=METHOD_LABELS.get(m, m),
+                        gid=design_gid(*main), **style)
+                if main[1] > 1:
+                    ax.errorbar(xs, ys, yerr=np.nan_to_num(err), fmt="none", ecolor=COLORS.get(m), capsize=2, lw=0.9)
+                mains.setdefault(ENV_LABELS.get(env, env) if env else env_label, set()).add(main)
+                single = single or main[1] == 1
+                for b, r in at.items():
+                    if _design(r) != main:
+                        others.add(_design(r))
+                        ax.plot([xs[levels.index(b)]], [r["mean"]], linestyle="none", mfc="white", mew=1.1,
+                                **style, label="_" + METHOD_LABELS.get(m, m))
             ax.set(xlabel="precision" if fam == "rtn" else _AXIS.get(fam, "strength"),
                    title=FAMILY_LABELS.get(fam, fam), ylim=(-2, 102))
             ax.grid(alpha=0.3)
@@ -116,12 +163,23 @@ def plot_curves(summary: pd.DataFrame, methods: Sequence[str], path: str | Path,
     order = [METHOD_LABELS.get(m, m) for m in methods]
     labels = sorted(legend, key=lambda lab: order.index(lab) if lab in order else len(order))
     handles = [legend[lab] for lab in labels]
+    notes = ["; ".join(f"{name + ': ' if name else ''}{' / '.join(map(_design_text, sorted(ds, reverse=True)))}"
+                       for name, ds in mains.items()) + " per point"]
+    if others:
+        notes.append(f"hollow markers, not joined: {' / '.join(map(_design_text, sorted(others, reverse=True)))}")
+    notes.append("error bars: std over training seeds" + ("; single runs have none" if single else ""))
+    notes.append("markers offset sideways so that equal values stay visible")
+    top = 1.0
     if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    if handles:  # one legend for all panels, below them
-        fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=len(handles), fontsize=8,
+        fig.suptitle(title, fontsize=9, y=0.995)
+        top -= 0.45 / fig.get_figheight()
+    if handles:  # one legend for all panels, under the title
+        fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, top), ncol=len(handles), fontsize=8,
                    frameon=False)
+        top -= 0.35 / fig.get_figheight()
+    fig.text(0.5, 0.005, ". ".join(n[0].upper() + n[1:] for n in notes) + ".", ha="center", va="bottom", fontsize=7,
+             wrap=True)
+    fig.tight_layout(rect=(0, 0.45 / fig.get_figheight(), 1, top))
     return save_figure(fig, path)
 
 

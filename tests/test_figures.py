@@ -1,0 +1,124 @@
+"""The figure check (sprpo_lib.paper.figcheck): texts inside the canvas without overlap, lines
+that join points of one design; it fails on the old Fig. 3 and passes on the new one, drawn
+from the committed rows."""
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import pytest  # noqa: E402
+
+from sprpo_lib.paper import experiments as X  # noqa: E402
+from sprpo_lib.paper import figcheck as F  # noqa: E402
+from sprpo_lib.paper import results as R  # noqa: E402
+from sprpo_lib.paths import figures_dir  # noqa: E402
+
+
+def test_text_rule_finds_overlaps_and_texts_off_the_canvas():
+    fig, ax = plt.subplots(figsize=(3, 2))
+    ax.set_title("a title")
+    assert any("'0.0' lies outside the canvas" in p for p in F.text_problems(fig))  # tick labels cut at the edge
+    fig.tight_layout()
+    assert F.text_problems(fig) == []
+    ax.text(0.5, 0.5, "one label", transform=ax.transAxes)
+    ax.text(0.52, 0.5, "another label", transform=ax.transAxes)
+    fig.text(0.5, -0.2, "below the canvas")
+    got = F.text_problems(fig)
+    assert any("'one label' and 'another label' overlap" in p for p in got)
+    assert any("'below the canvas' lies outside the canvas" in p for p in got)
+    assert len(got) == 2
+    plt.close(fig)
+
+
+def test_off_view_tick_labels_are_not_texts():
+    """matplotlib keeps labels for ticks outside the view; they are never drawn, never checked."""
+    fig, ax = plt.subplots(figsize=(3, 2))
+    ax.plot([0, 0.2], [0, 100])
+    ax.set_xlim(-0.01, 0.21)
+    fig.canvas.draw()
+    drawn = F.drawn_tick_labels(ax.xaxis)
+    assert 0 < len(drawn) < len(ax.get_xticklabels())
+    assert all(-0.01 <= t.get_position()[0] <= 0.21 for t in drawn)
+    plt.close(fig)
+
+
+def test_line_rule_needs_one_stated_design():
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [1, 2], label="untagged")
+    ax.plot([0, 1], [1, 2], gid=F.design_gid(24, 2), label="tagged")
+    ax.plot([0, 1], [1, 2], gid="design:24x2,10x1", label="mixed")
+    ax.plot([0, 1], [3, 3], gid=F.REFERENCE + "chance", label="reference")
+    ax.plot([0, 1], [1, 2], linestyle="none", marker="o", label="markers only")
+    ax.plot([0, np.nan], [1, np.nan], label="one point")
+    got = F.line_problems(fig)
+    assert len(got) == 2 and "'untagged'" in got[0] and "several designs (24x2,10x1)" in got[1]
+    plt.close(fig)
+
+
+def _committed_summary() -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The committed cpu rows of both envs: their summary (Table 1's design at clean and the
+    table settings, the curve design elsewhere) and the summary of Fig. 3's one design."""
+    out = figures_dir()
+    paths = {e: out / f"04_robustness_{e}_rows.csv" for e in ("alfworld", "webshop")}
+    if not all(p.is_file() for p in paths.values()):
+        pytest.skip("no committed cpu rows")
+    rows = {e: X.load_rows(p) for e, p in paths.items()}
+    plans = {e: _recorded_plan(out, e) for e in rows}
+    whole = pd.concat([R.summary_of(r) for r in rows.values()])
+    curve = pd.concat([R.summary_of(X.curve_rows(plans[e], r)) for e, r in rows.items()])
+    return whole, curve
+
+
+def _recorded_plan(out, env: str) -> X.Plan:
+    import json
+
+    rec = json.loads((out / f"04_robustness_{env}_rows.csv.manifest.json").read_text())
+    return X.Plan.from_dict(rec["config"]["plan"][env])
+
+
+def _old_fig3(summary: pd.DataFrame):
+    """Fig. 3 as the first cpu run drew it: one errorbar line per method and family through
+    every point it has, whatever design each point came from, legend below the axes."""
+    fams = ["gaussian", "rtn"]
+    fig, axes = plt.subplots(1, 2, figsize=(6.2, 2.9))
+    web = summary[summary.env == "webshop"]
+    for ax, fam in zip(axes, fams):
+        for m in ("vanilla", "sprpo"):
+            pts = pd.concat([web[(web.method == m) & (web.family == "clean")], web[(web.method == m) & (web.family == fam)]])
+            ax.errorbar(range(len(pts)), pts["mean"], yerr=pts["std"].fillna(0).to_numpy(), label=m)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=2)
+    return fig
+
+
+def test_the_old_fig3_fails_and_the_new_one_passes_on_the_committed_rows(tmp_path, monkeypatch):
+    whole, curve = _committed_summary()
+    old = _old_fig3(whole)
+    problems = F.figure_problems(old)
+    assert any("without a stated design" in p for p in problems)
+    assert any("outside the canvas" in p for p in problems)  # the legend hung below the figure
+    plt.close(old)
+
+    figs = []
+    monkeypatch.setattr(R, "save_figure", lambda fig, path: figs.append(fig) or [])
+    R.plot_curves(curve, ["warm_start", "vanilla", "gaussian", "sam", "sprpo"], tmp_path / "fig3",
+                  title="cpu profile: success vs strength, every environment of the plan")
+    assert F.figure_problems(figs[0]) == []
+    # and each tag tells the truth: every joined point is a summary row of the stated design
+    for ax in figs[0].axes:
+        for line in F.data_lines(ax):
+            goals, seeds = map(int, line.get_gid()[len(F.DESIGN):].split("x"))
+            env = "ALFWorld" if ax.get_subplotspec().rowspan.start == 0 else "WebShop"
+            part = curve[curve.env == env.lower()]
+            assert ((part["tasks"] == goals) & (part["n"] == seeds)).any()
+            ys = [y for y in line.get_ydata() if np.isfinite(y)]
+            assert set(np.round(ys, 3)) <= set(np.round(part["mean"], 3))
+
+    # drawn from the whole summary, the new code keeps other designs off the lines
+    figs.clear()
+    R.plot_curves(whole, ["vanilla", "sprpo"], tmp_path / "mixed")
+    assert F.line_problems(figs[0]) == []
+    hollow = [ln for ax in figs[0].axes for ln in ax.get_lines() if ln.get_markerfacecolor() == "white"]
+    assert hollow and all(len(ln.get_xdata()) == 1 for ln in hollow)
