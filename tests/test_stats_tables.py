@@ -250,3 +250,23 @@ def test_strength_labels():
     assert tables.strength_label("sparsegpt", 0.4, short=True) == "$r=.40$"
     assert tables.strength_label("rtn", 6.0) == "INT6" and tables.strength_label("clean", 0.0) == "BF16"
     assert tables.default_levels(CRAFTED) == [("clean", 0.0), ("gaussian", 0.2), ("rtn", 8.0), ("rtn", 4.0)]
+
+
+def test_hyperparameter_tables_read_the_profiles_and_mark_every_difference():
+    """App. B's Tables 2-3: the paper profile equals the paper on every row but its documented
+    response budget (64 new tokens: single actions); each cpu value is the profile's own."""
+    from sprpo_lib.config import load_config
+    from sprpo_lib.paper import hparams as H
+
+    shared = H.hparam_frame(H.SHARED).set_index("hyperparameter")
+    differs = set(shared.index[shared["differs"].str.contains("paper")])
+    assert differs == {"WebShop prompt / response length", "ALFWorld prompt / response length"}
+    cpu = load_config("cpu", **{"env.name": "alfworld"})
+    assert shared.loc["ALFWorld prompt / response length", "cpu"].endswith(f"/ {cpu.rollout.generation.max_new_tokens}")
+    assert shared.loc["Learning rate", "cpu"] == f"{cpu.update.lr:g}" and "cpu" in shared.loc["Learning rate", "differs"]
+    pert = H.hparam_frame(H.PERTURBATION)
+    assert (pert["paper"] == pert["paper (App. B)"]).all()
+    md = H.hparam_markdown(pert)
+    assert f"**{load_config('cpu').method.rho:g}**" in md and "**0.005**" not in md
+    tex = H.hparam_latex(pert, "c", "tab:perturbation-hparams")
+    assert r"\label{tab:perturbation-hparams}" in tex and r"SPrPO & Sensitivity exponent $\alpha$ & 1 & 1 & 1 \\" in tex
