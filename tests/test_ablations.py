@@ -189,7 +189,31 @@ def test_motivation_figure_marks_bars_measured_on_fewer_goals(tmp_path, monkeypa
     assert notes and "24 goals x 2 training seeds per bar" in notes[0] and "\u2020 10 goals x 1 training seed" in notes[0]
     figs.clear()
     R.plot_motivation(summ.assign(tasks=24, n=2), tmp_path / "fig1", reference="warm_start")
-    assert not figs[0].texts and "\u2020" not in "".join(t.get_text() for t in figs[0].axes[0].get_xticklabels())
+    assert "\u2020" not in "".join(t.get_text() for t in figs[0].axes[0].get_xticklabels())
+    assert "\u2020" not in figs[0].texts[0].get_text() and "24 goals x 2 training seeds per bar" in figs[0].texts[0].get_text()
+
+
+def test_motivation_figure_wears_the_method_colours_and_no_zero_error_bars(tmp_path, monkeypatch):
+    """Fig. 1's bars are Vanilla's colour and the warm start's outline its own (one colour per
+    method in every figure); single runs get no error bar; the figure passes the figure check."""
+    from matplotlib.colors import to_rgba
+
+    from sprpo_lib.paper import figcheck as F
+
+    summ = _summary({"vanilla": {("clean", 0.0): 40.0, ("gaussian", 0.2): 16.0, ("rtn", 6.0): 30.0},
+                     "warm_start": {("clean", 0.0): 25.0, ("gaussian", 0.2): 20.0, ("rtn", 6.0): 22.0}}).assign(tasks=12)
+    figs = []
+    monkeypatch.setattr(R, "save_figure", lambda fig, path: figs.append(fig) or [])
+    R.plot_motivation(summ, tmp_path / "fig1", reference="warm_start")
+    from matplotlib.container import BarContainer
+
+    bars, outlines = [c for c in figs[0].axes[0].containers if isinstance(c, BarContainer)]
+    assert {p.get_facecolor() for p in bars.patches} == {to_rgba(R.COLORS["vanilla"])}
+    assert {p.get_edgecolor() for p in outlines.patches} == {to_rgba(R.COLORS["warm_start"])}
+    caps = [ln for c in (bars, outlines) if c.errorbar is not None for ln in c.errorbar.lines[1]]
+    assert all(np.isnan(np.asarray(ln.get_ydata(), dtype=float)).all() for ln in caps)  # no zero-height caps
+    assert "single runs have none" in figs[0].texts[0].get_text()
+    assert F.figure_problems(figs[0]) == []
 
 
 def test_fig3_rows_per_env_categorical_precision_and_one_marker_per_method(tmp_path, monkeypatch):

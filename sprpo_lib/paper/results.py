@@ -216,38 +216,42 @@ def plot_motivation(summary: pd.DataFrame, path: str | Path, *, method: str = "v
 
     bars = bars_of(method)
     ref = {(b[3], b[4]): b for b in bars_of(reference)} if reference else {}
-    fig, ax = plt.subplots(figsize=(max(5.0, (0.8 if ref else 0.6) * len(bars) + 1), 3.4))
-    palette = dict(zip(("clean", *CURVE_FAMILIES), plt.get_cmap("tab10").colors))
+    fig, ax = plt.subplots(figsize=(max(5.0, (0.8 if ref else 0.6) * len(bars) + 1), 3.6))
     x = np.arange(len(bars))
     w = 0.42 if ref else 0.8
     dx = -w / 2 if ref else 0.0
 
-    def values(xs, heights, errs):
-        for xi, h, e in zip(xs, heights, errs):
-            if not math.isnan(h):
-                ax.text(xi, h + e + 1, f"{h:.0f}", ha="center", va="bottom", fontsize=6)
+    def errs(bs) -> list[float]:  # std over training seeds; a single run has none (not a zero-height bar)
+        return [b[2] if b[5] is not None and b[5][1] > 1 else math.nan for b in bs]
 
-    ax.bar(x + dx, [b[1] for b in bars], w, yerr=[b[2] for b in bars], capsize=2, color=[palette.get(b[3]) for b in bars],
+    def values(xs, heights, es):
+        for xi, h, e in zip(xs, heights, es):
+            if not math.isnan(h):
+                ax.text(xi, h + (0 if math.isnan(e) else e) + 1, f"{h:.0f}", ha="center", va="bottom", fontsize=6)
+
+    ax.bar(x + dx, [b[1] for b in bars], w, yerr=errs(bars), capsize=2, color=COLORS.get(method),
            label=METHOD_LABELS.get(method, method))
-    values(x + dx, [b[1] for b in bars], [b[2] for b in bars])
+    values(x + dx, [b[1] for b in bars], errs(bars))
     if ref:
         rb = [ref.get((b[3], b[4]), (None, math.nan, 0.0, None, None, None)) for b in bars]
-        ax.bar(x + w / 2, [r[1] for r in rb], w, yerr=[r[2] for r in rb], capsize=2, facecolor="none",
-               edgecolor=[palette.get(b[3]) for b in bars], hatch="//", label=METHOD_LABELS.get(reference, reference))
-        values(x + w / 2, [r[1] for r in rb], [r[2] for r in rb])
+        ax.bar(x + w / 2, [r[1] for r in rb], w, yerr=errs(rb), capsize=2, facecolor="none",
+               edgecolor=COLORS.get(reference), hatch="//", label=METHOD_LABELS.get(reference, reference))
+        values(x + w / 2, [r[1] for r in rb], errs(rb))
         ax.legend(fontsize=7, loc="upper right")
     if not math.isnan(bars[0][1]):
-        ax.axhline(bars[0][1], ls="--", lw=1, color="k", alpha=0.6)
+        ax.axhline(bars[0][1], ls="--", lw=1, color="k", alpha=0.6, gid="reference:clean success")
     main = bars[0][5]
     off = sorted({b[5] for b in bars if b[5] is not None and b[5] != main}, key=str)
-    footnote = bool(off) and main is not None  # bars measured on another design than the clean bar's
     ax.set_xticks(x, [b[0] + ("\u2020" if off and b[5] != main else "") for b in bars], fontsize=7)
-    if footnote:
-        note = (f"{METHOD_LABELS.get(method, method)}: {in_words(main)} per bar; \u2020 "
-                + "; ".join(in_words(d) for d in off))
-        if ref and {b[5][1] for b in ref.values() if b[5]} == {1}:
-            note += f". {METHOD_LABELS.get(reference, reference)} (hatched): one policy on the same goals"
-        fig.text(0.01, 0.01, note, fontsize=6, ha="left", va="bottom", alpha=0.8)
+    note = f"{METHOD_LABELS.get(method, method)}: {in_words(main)} per bar" if main is not None else ""
+    if off:  # bars measured on another design than the clean bar's
+        note += "; \u2020 " + "; ".join(in_words(d) for d in off)
+    if ref and {b[5][1] for b in ref.values() if b[5]} == {1}:
+        note += f". {METHOD_LABELS.get(reference, reference)} (hatched): one policy on the same goals"
+    if main is not None:
+        note += ". Error bars: std over training seeds" + ("; single runs have none" if main[1] == 1 or ref else "")
+        note += ". Dashed: clean success"
+        fig.text(0.01, 0.01, note + ".", fontsize=6, ha="left", va="bottom", alpha=0.8, wrap=True)
     for fam in ("clean", *families):  # the family under its group of ticks
         idx = [i for i, b in enumerate(bars) if b[3] == fam]
         if idx and fam != "clean":
@@ -255,10 +259,10 @@ def plot_motivation(summary: pd.DataFrame, path: str | Path, *, method: str = "v
                         xycoords=("data", "axes fraction"), xytext=(0, -20), textcoords="offset points",
                         ha="center", va="top", fontsize=7)
             if idx[0] > 0:
-                ax.axvline(idx[0] - 0.5, color="k", lw=0.5, alpha=0.3)
-    ax.set(ylabel="success (%)", ylim=(0, 110),
-           title=title or f"{METHOD_LABELS.get(method, method)} under perturbations")
-    fig.tight_layout(rect=(0, 0.04, 1, 1) if footnote else None)
+                ax.axvline(idx[0] - 0.5, color="k", lw=0.5, alpha=0.3, gid="reference:family separator")
+    ax.set(ylabel="success (%)", ylim=(0, 110))
+    ax.set_title(title or f"{METHOD_LABELS.get(method, method)} under perturbations", fontsize=9)
+    fig.tight_layout(rect=(0, 0.06, 1, 1) if main is not None else None)
     return save_figure(fig, path)
 
 
