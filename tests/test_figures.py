@@ -20,7 +20,6 @@ from sprpo_lib.paths import figures_dir  # noqa: E402
 def test_text_rule_finds_overlaps_and_texts_off_the_canvas():
     fig, ax = plt.subplots(figsize=(3, 2))
     ax.set_title("a title")
-    assert any("'0.0' lies outside the canvas" in p for p in F.text_problems(fig))  # tick labels cut at the edge
     fig.tight_layout()
     assert F.text_problems(fig) == []
     ax.text(0.5, 0.5, "one label", transform=ax.transAxes)

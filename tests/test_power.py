@@ -127,7 +127,7 @@ def test_design_seconds_counts_runs_iterations_and_episodes():
     assert got["train_s"] == pytest.approx(7 * (2 * 10 + 11 + 20 + 2 * 30 + (30 + 30 + 20)))
     assert got["heldout_s"] == pytest.approx(9 * 1 * 8 * 2.0)  # 9 runs, one curve point (iteration 5) each
     eps = B.planned_episodes(p)
-    assert eps["ablations"] == 16 * 6 * 3  # 16 goals, clean and Table 1's five settings, 3 variants
+    assert eps["ablations"] == 24 * 6 * 3  # the plan's goals, clean and Table 1's five settings, 3 variants
     assert got["eval_s"] == pytest.approx(2.0 * (eps["table"] + eps["curves"] + eps["landscape"] + eps["ablations"]))
     assert got["total_s"] == pytest.approx(got["train_s"] + got["heldout_s"] + got["eval_s"])
 

@@ -74,7 +74,7 @@ class Variant:
 class Ablation:
     """The study of one profile and environment: ``variants``, trained with ``seeds``
     (a reused main run keeps the main plan's seeds), evaluated on the first ``tasks``
-    test goals."""
+    test goals (``None``: the main plan's, :meth:`goals`)."""
 
     profile: str
     env: str
@@ -86,6 +86,10 @@ class Ablation:
         keys = [v.key for v in self.variants]
         if len(set(keys)) != len(keys) or REFERENCE not in keys:
             raise ValueError(f"Ablation.variants: keys must be unique and include {REFERENCE!r}, got {keys}")
+
+    def goals(self, p: X.Plan) -> int | None:
+        """Test goals per split of the study: ``tasks``, or the main plan's (``None``: all)."""
+        return self.tasks if self.tasks is not None else p.tasks
 
     def variant(self, key: str) -> Variant:
         return next(v for v in self.variants if v.key == key)
@@ -133,7 +137,8 @@ def _study(profile: str, env: str, rho: float, rhos: Sequence[float], *, seeds=(
 
 
 #: The study per profile and env.  ``cpu``: the variants the paper's claims compare (one
-#: training seed each, 16 test goals), within the plan's 8-hour budget
+#: training seed each, the main plan's test goals, so that the starred rows are Table 1's
+#: numbers as in the paper), within the plan's 8-hour budget
 #: (:func:`sprpo_lib.paper.budget.design_seconds` prices them): the strategies at the same
 #: magnitude (C6: SAM at 0.1 trained; Gaussian at sigma = rho and SAM at 5e-3 are the main
 #: runs), and C5's components (alpha = 0, scheduling off; rho = 0 is Vanilla).  The alpha
@@ -145,7 +150,8 @@ ABLATIONS: dict[str, dict[str, Ablation]] = {
     # variant, a clean-only one) on the tiny model, seconds
     "smoke": {"webshop": _study("smoke", "webshop", 0.2, (0.0, 0.1, 0.2), tasks=2, lrs=(3e-4,),
                                 only=("full", "rho0", "alpha0", "sam_5e-3", "lr_profile", "lr0.0003", "scale_relative"))},
-    "cpu": {"webshop": _study("cpu", "webshop", 0.1, (0.0, 0.1), tasks=16,
+    # tasks=None: the main plan's test goals, so the starred rows are Table 1's own cells
+    "cpu": {"webshop": _study("cpu", "webshop", 0.1, (0.0, 0.1),
                               only=("full", "rho0", "alpha0", "no_schedule", "gaussian_rho", "sam_0.1", "sam_5e-3"))},
     "paper": {env: _study("paper", env, 0.2, (0.0, 0.1, 0.2, 0.3), seeds=(0, 1, 2)) for env in ("webshop",)},
 }
@@ -201,7 +207,7 @@ def ablation_rows(ab: Ablation, p: X.Plan, runs: Mapping[tuple[str, int], Path],
                   *, cache_dir: str | Path = DEFAULT_CACHE, progress: bool = True) -> pd.DataFrame:
     """Episode rows of every variant (``method`` = variant key, plus ``variant_method``),
     clean and at Table 1's settings (``settings="clean"``: clean only), on the first
-    ``ab.tasks`` test goals.  A main run is evaluated with the main plan's cells (cached
+    :meth:`Ablation.goals` test goals.  A main run is evaluated with the main plan's cells (cached
     by notebook 04) and restricted to those tasks."""
     cache_dir = project_path(cache_dir)
     table = [("clean", 0.0), *[(f, float(s)) for f, s in p.table]]
@@ -211,13 +217,14 @@ def ablation_rows(ab: Ablation, p: X.Plan, runs: Mapping[tuple[str, int], Path],
     cfgs = []
     for (key, seed), run in runs.items():
         v = ab.variant(key)
-        tasks = p.tasks if run in main_dirs else ab.tasks
+        tasks = p.tasks if run in main_dirs else ab.goals(p)
         wanted = table if v.settings == "table" else table[:1]
         base = X.eval_config(p, run, cache_dir)
         base = dataclasses.replace(base, tags={**base.tags, "method": key, "variant_method": v.method})
         cfgs += X.settings_configs(base, wanted, tasks=tasks, calibration=calib)
     rows = sweep(cfgs, progress=progress)
-    rows = rows[rows["task_index"] < ab.tasks].reset_index(drop=True) if ab.tasks is not None else rows
+    goals = ab.goals(p)
+    rows = rows[rows["task_index"] < goals].reset_index(drop=True) if goals is not None else rows
     return X.slim_rows(rows, extra=("variant_method",))
 
 

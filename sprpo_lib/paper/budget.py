@@ -67,7 +67,7 @@ def planned_episodes(p: X.Plan) -> dict[str, int]:
     if p.env in A.ABLATIONS.get(p.profile, {}):
         ab = A.ablation(p.profile, p.env)
         trained = A.trained_variants(ab, p)
-        per = split_tasks(p.env, ab.tasks) * seeds * len(ab.seeds)
+        per = split_tasks(p.env, ab.goals(p)) * seeds * len(ab.seeds)
         out["ablations"] = sum(per * (table if v.settings == "table" else 1) for v in trained)
     out["all"] = sum(out.values())
     return out

@@ -21,6 +21,7 @@ import torch
 
 from sprpo_lib.compress import perturbation
 from sprpo_lib.models import Policy
+from sprpo_lib.paper.style import pyplot
 
 # App. C families at one representative (strong) level each.
 DEMO_LEVELS: dict[str, float] = {
@@ -175,11 +176,9 @@ def _topk_rows(family, strength, logp, tok, k):
 
 def plot_demo(result: DemoResult, path):
     """Two panels: mean KL per perturbation and top-1 agreement with the clean policy."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import seaborn as sns
+
+    plt = pyplot()
 
     df = result.table()
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))

@@ -23,6 +23,7 @@ from sprpo_lib.heldout import load_eval
 from sprpo_lib.io import read_json_lines
 from sprpo_lib.methods import METHOD_DISPLAY
 from sprpo_lib.paper.stats import N_RESAMPLES, paired_bootstrap
+from sprpo_lib.paper.style import pyplot
 from sprpo_lib.paths import project_path
 from sprpo_lib.train import default_out_dir, heldout_dir, heldout_due, load_config, train, warm_start_dir
 
@@ -227,11 +228,7 @@ def plot_training(metrics: pd.DataFrame, summary: pd.DataFrame | None, path: str
     iteration, one line per run, and the held-out success before/after training when available:
     along training (``heldout``: :func:`heldout_rows` with points between the warm start and the
     end, one line per run from the warm start at 0) or as bars before / after."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     has_curve = heldout is not None and not heldout.empty and heldout["iteration"].nunique() > 2
     has_eval = has_curve or (summary is not None and "final_success" in summary and "start_success" in summary)
     fig, axes = plt.subplots(1, 3 if has_eval else 2, figsize=(13 if has_eval else 9, 3.4))

@@ -24,17 +24,17 @@ import pandas as pd
 
 from sprpo_lib.compress import FAMILIES
 from sprpo_lib.io import atomic_write_text
-from sprpo_lib.methods import METHOD_DISPLAY
 from sprpo_lib.paper.figcheck import design_gid
 from sprpo_lib.paper.stats import paired_bootstrap, summarize
+from sprpo_lib.paper.style import METHOD_COLORS, METHOD_MARKERS, pyplot, role
 from sprpo_lib.paper.tables import ENV_LABELS, FAMILY_LABELS, METHOD_LABELS, strength_label
 
 __all__ = ["COLORS", "save_figure", "plot_motivation", "plot_curves", "plot_landscape", "landscape_grid", "plot_ablation",
            "paired_comparisons", "overhead", "overhead_latex", "pick_examples", "examples_markdown", "headline",
            "headline_markdown", "without_paired", "replace_block", "setting_label", "plain"]
 
-COLORS = {m: d.color for m, d in METHOD_DISPLAY.items()}
-MARKERS = {m: d.marker for m, d in METHOD_DISPLAY.items()}
+COLORS = METHOD_COLORS  # one colour and marker per method, in every figure (sprpo_lib.paper.style)
+MARKERS = METHOD_MARKERS
 #: z_{0.975} + z_{0.80}: a difference of this many standard errors is detected with 80% power.
 MDE80_Z = 1.959964 + 0.841621
 CURVE_FAMILIES = ("gaussian", "dropout", "fisher", "sparsegpt", "rtn")
@@ -44,12 +44,7 @@ _AXIS = {f: FAMILIES[f].axis for f in CURVE_FAMILIES}
 
 
 def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    return pyplot()
 
 
 def save_figure(fig, path: str | Path) -> list[Path]:
@@ -321,27 +316,35 @@ def plot_ablation(summary: pd.DataFrame, panels: Sequence[tuple[str, Sequence[tu
                   settings: Sequence[tuple[str, float]], path: str | Path, *, env: str, title: str = "") -> list[Path]:
     """Fig. 5: one panel per group ``(title, [(variant key, label)])``: each variant's clean
     success and its mean success over the perturbed ``settings`` (bars: mean over training
-    seeds; whiskers: the std where there are several seeds)."""
+    seeds; whiskers: the std where there are several seeds, none for a single run), in the
+    non-method colours of :mod:`sprpo_lib.paper.style` (clean grey, perturbed brown); a
+    footnote gives each bar's design and what the perturbed bar averages."""
     plt = _plt()
-    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(3.3 * max(1, len(panels)), 3.1), squeeze=False)
+    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(3.3 * max(1, len(panels)), 3.4), squeeze=False)
     pert = [x for x in settings if x[0] != "clean"]
+    designs: set = set()
     for ax, (ptitle, members) in zip(axes[0], panels):
         x = np.arange(len(members))
         clean, cstd, mean_p, pstd = [], [], [], []
         for k, _ in members:
             sel = summary[(summary["env"] == env) & (summary["method"] == k)]
             c = sel[sel["family"] == "clean"]
+            several = len(c) and int(c["n"].iloc[0]) > 1  # std over training seeds exists
+            if len(c):
+                designs.add(_design(c.iloc[0]))
             clean.append(float(c["mean"].iloc[0]) if len(c) else math.nan)
-            cstd.append(float(c["std"].fillna(0).iloc[0]) if len(c) else 0.0)
+            cstd.append(float(c["std"].iloc[0]) if several else math.nan)
             ps = sel[[(f, st) in pert for f, st in zip(sel["family"], sel["strength"])]]
             mean_p.append(float(ps["mean"].mean()) if len(ps) == len(pert) else math.nan)
-            pstd.append(float(ps["std"].fillna(0).mean()) if len(ps) == len(pert) else 0.0)
-        ax.bar(x - 0.2, clean, 0.4, yerr=cstd, capsize=2, color="#9ecae1", label="clean")
-        ax.bar(x + 0.2, mean_p, 0.4, yerr=pstd, capsize=2, color="#de2d26", label="mean of Table 1's perturbations")
+            pstd.append(float(ps["std"].mean()) if several and len(ps) == len(pert) else math.nan)
+        ax.bar(x - 0.2, clean, 0.4, yerr=cstd, capsize=2, color=role("clean"), label="clean")
+        ax.bar(x + 0.2, mean_p, 0.4, yerr=pstd, capsize=2, color=role("perturbed"),
+               label="mean over Table 1's perturbations")
         for xi, a, ea, b, eb in zip(x, clean, cstd, mean_p, pstd):
             for dx, v, e in ((-0.2, a, ea), (0.2, b, eb)):
                 if not math.isnan(v):  # above the whisker
-                    ax.text(xi + dx, v + e + 1, f"{v:.0f}", ha="center", va="bottom", fontsize=6)
+                    ax.text(xi + dx, v + (0 if math.isnan(e) else e) + 1, f"{v:.0f}", ha="center", va="bottom",
+                            fontsize=6)
         ax.set_xticks(x, [plain(lab) for _, lab in members], fontsize=7, rotation=20)
         ax.set(title=plain(ptitle), ylim=(0, 100))
         ax.title.set_fontsize(8)
@@ -350,7 +353,11 @@ def plot_ablation(summary: pd.DataFrame, panels: Sequence[tuple[str, Sequence[tu
     axes[0][0].legend(fontsize=6, loc="upper right")
     if title:
         fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
+    note = (f"Bars: {' / '.join(map(_design_text, sorted(designs, reverse=True)))}"
+            f" (* = main runs, Table 1's design); error bars: std over training seeds, none for a single run. "
+            f"Perturbed: the mean of {len(pert)} settings, above clean where a perturbation helped on these goals.")
+    fig.text(0.01, 0.005, note, fontsize=6, ha="left", va="bottom", wrap=True)
+    fig.tight_layout(rect=(0, 0.3 / fig.get_figheight(), 1, 1))
     return save_figure(fig, path)
 
 

@@ -26,6 +26,7 @@ from sprpo_lib.io import read_json
 from sprpo_lib.methods import make_method, rank_correlation
 from sprpo_lib.paper import experiments as X
 from sprpo_lib.paper.results import save_figure
+from sprpo_lib.paper.style import pyplot
 from sprpo_lib.paths import project_path
 
 __all__ = ["layer_sigma", "final_sigma", "sigma_fisher", "plot_sigma", "noise_health", "HEALTH"]
@@ -119,11 +120,7 @@ def plot_sigma(layers: pd.DataFrame, corr: pd.DataFrame, path: str | Path, *, ti
     """One heatmap per SPrPO run (layer x iteration, RMS sigma of the layer, one colour
     scale), then Spearman(sigma, Fisher) per layer for every run (bars; the dashed line
     is the all-channel correlation)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     runs = list(dict.fromkeys(layers["run"]))
     n = len(runs) + (1 if len(corr) else 0)
     fig, axes = plt.subplots(1, max(1, n), figsize=(3.6 * max(1, n), 3.4), squeeze=False)

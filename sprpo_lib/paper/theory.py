@@ -30,6 +30,7 @@ from statistics import NormalDist
 import numpy as np
 import pandas as pd
 
+from sprpo_lib.paper.style import pyplot
 from sprpo_lib.paths import project_path
 
 # --------------------------------------------------------------------------------------
@@ -1025,12 +1026,7 @@ def _colors(n: int) -> np.ndarray:
 
 
 def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    return pyplot()
 
 
 def plot_lemma1(lem: dict):

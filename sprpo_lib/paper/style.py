@@ -1,0 +1,62 @@
+"""The figures' one visual language: a seaborn theme, one colour per method (from
+:data:`sprpo_lib.methods.METHOD_DISPLAY`), and colours for everything that is not a method
+drawn from a palette that shares none of them, so that a method's colour means that
+method in every figure.
+
+* :func:`apply`: the theme (seaborn's ``paper`` context, white grid, font sizes readable at
+  the README's width); :func:`pyplot` (the Agg backend with the theme) is how every
+  plotting function of :mod:`sprpo_lib.paper` gets matplotlib.
+* :data:`METHOD_COLORS`, :data:`METHOD_MARKERS`: the methods' colours and markers.
+* :data:`ROLE_COLORS`: named roles that are not methods (clean vs perturbed bars, the
+  theory figures' runs and bounds); :func:`role` looks one up.
+"""
+from __future__ import annotations
+
+from sprpo_lib.methods import METHOD_DISPLAY
+
+__all__ = ["METHOD_COLORS", "METHOD_MARKERS", "ROLE_COLORS", "NEUTRAL", "apply", "pyplot", "role"]
+
+METHOD_COLORS = {m: d.color for m, d in METHOD_DISPLAY.items()}
+METHOD_MARKERS = {m: d.marker for m, d in METHOD_DISPLAY.items()}
+#: Greys for what carries no identity (references, separators, clean baselines).
+NEUTRAL = {"light": "#c7c7c7", "mid": "#7f7f7f", "dark": "#3b3b3b"}
+#: Roles that are not methods, in colours no method wears (tab10's purple, brown, pink,
+#: olive and cyan; the methods hold its grey, blue, orange, red and green).
+ROLE_COLORS = {
+    "clean": NEUTRAL["light"],
+    "perturbed": "#8c564b",
+    "unconstrained": "#9467bd",
+    "bound": "#9467bd",
+    "stable_m": "#17becf",
+    "stable_mu": "#bcbd22",
+    "accent": "#e377c2",
+}
+
+_THEME = {"axes.titlesize": 9, "axes.labelsize": 8, "xtick.labelsize": 7, "ytick.labelsize": 7,
+          "legend.fontsize": 7, "figure.titlesize": 9, "savefig.dpi": 150}
+
+
+def apply() -> None:
+    """The shared theme: seaborn ``whitegrid`` at the ``paper`` context, with the sizes
+    above (idempotent; cheap enough to call at the top of every plotting function)."""
+    import seaborn as sns
+
+    sns.set_theme(context="paper", style="whitegrid", rc=_THEME)
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (headless: papermill, CI) with the theme applied."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    apply()
+    return plt
+
+
+def role(name: str) -> str:
+    """The colour of a non-method role (one clear error for an unknown one)."""
+    if name not in ROLE_COLORS:
+        raise KeyError(f"style.role: unknown role {name!r}; roles: {sorted(ROLE_COLORS)}")
+    return ROLE_COLORS[name]
