@@ -30,7 +30,7 @@ from statistics import NormalDist
 import numpy as np
 import pandas as pd
 
-from sprpo_lib.paper.style import pyplot
+from sprpo_lib.paper.style import pyplot, role
 from sprpo_lib.paths import project_path
 
 # --------------------------------------------------------------------------------------
@@ -980,8 +980,11 @@ def summary_table(lem: dict, thm1: dict, cor1: dict, thm2: dict) -> pd.DataFrame
         (cert.p_improve - (1 - cert.beta_star)).min() if len(cert) else float("nan"), "probability",
         f"at beta* = v/(v+m^2); {len(u) - len(cert)} updates with m_nu <= 0")
     pc = cor1["poincare"]
+    level = f"Bonferroni {100 * cor1['level']:.2f}%"
     add("Corollary 1 (Poincare)", "Var[L_xi] <= sum_i sigma_i^2 S_i", len(pc), pc.poincare_violated.sum(),
-        1 - pc.ratio.max(), "1 - Var/bound", f"violation: Bonferroni {100 * cor1['level']:.2f}% lower > 1")
+        1 - pc.ratio.max(), "1 - Var/bound", f"violation: {level} lower > 1"
+        + (f"; the negative min slack is Monte Carlo error of Var (ratio {pc.ratio.max():.4f}, {level} interval "
+           f"reaching below 1)" if pc.ratio.max() > 1 else ""))
     cc = pc[pc.beta_star < 1]
     add("Corollary 1", "stability condition => P(DJ_xi >= 0) >= 1-beta", len(cc), cc.corollary_violated.sum(),
         (cc.p_improve - (1 - cc.beta_star)).min() if len(cc) else float("nan"), "probability",
@@ -1019,10 +1022,10 @@ def _yerr(mid, lo, hi) -> list:
 
 
 def _colors(n: int) -> np.ndarray:
-    """n distinct colours (tab20), for one line per update."""
+    """n colours along viridis, one line per update (no method's colour: paper.style)."""
     import matplotlib
 
-    return matplotlib.colormaps["tab20"](np.arange(n) % 20)
+    return matplotlib.colormaps["viridis"](np.linspace(0.0, 0.9, max(n, 1)))
 
 
 def _plt():
@@ -1044,7 +1047,7 @@ def plot_lemma1(lem: dict):
     ax[0].set_xticks(ticks, [f"{t:g}" for t in ticks], fontsize=8)
     ax[0].set( xlabel="Lemma 1 bound  L - 4 gamma A_max alpha^2/(1-gamma)^2",
               ylabel="Delta J = J(pi') - J(pi)", title=f"Lemma 1: {len(p)} random pairs, min slack {p.slack.min():.2e}")
-    ax[0].legend(fontsize=8, loc="upper left")
+    ax[0].legend(fontsize=8, loc="lower right")  # clear of the diagonal it explains
     fig.colorbar(sc, ax=ax[0], label="log10 alpha")
     ok = p.alpha > 0
     ax[1].loglog(p.alpha[ok], p.slack[ok].clip(1e-16), ".", ms=2, alpha=0.3, label="slack Delta J - bound",
@@ -1055,7 +1058,7 @@ def plot_lemma1(lem: dict):
               title=f"slopes (alpha<0.05): slack {lem['slope_slack']:.2f}, gap {lem['slope_gap']:.2f}")
     ax[1].legend(fontsize=8)
     ax[2].semilogx(p.alpha[ok], p.tightness[ok], ".", ms=2, alpha=0.3, label="random pairs", rasterized=True)
-    ax[2].semilogx(s.alpha, s.tightness, "r*", ms=9, label="adversarial search (best per restart)")
+    ax[2].semilogx(s.alpha, s.tightness, "*", color=role("accent"), ms=9, label="adversarial search (best per restart)")
     ax[2].axhline(1, color="k", ls="--", lw=1, label="lemma fails above 1")
     ax[2].set(xlabel="alpha", ylabel="(L - Delta J) / penalty", ylim=(-0.1, 1.1),
               title=f"share of the penalty used: max {max(p.tightness.max(), s.tightness.max()):.3f}")
@@ -1075,9 +1078,11 @@ def plot_theorem1(thm1: dict):
         a.hist(dj, bins=80, color="0.6")
         a.axvline(r.mu_nu.iloc[0], color="k", label="mu_nu = E[Delta J_xi]")
         if r.m_nu.iloc[0] > dj.min() - (dj.max() - dj.min()):  # far-off m_nu would squash the histogram
-            a.axvline(r.m_nu.iloc[0], color="r", label="m_nu (Thm 1)")
+            a.axvline(r.m_nu.iloc[0], color=role("bound"), label="m_nu (Thm 1)")
+        else:  # said, not silently dropped
+            a.plot([], [], color=role("bound"), label=f"m_nu = {r.m_nu.iloc[0]:.3g}: off the axis, left")
         for thr in r.thr_mu:
-            a.axvline(thr, color="C0", ls=":", lw=1)
+            a.axvline(thr, color=role("accent"), ls=":", lw=1)
         a.xaxis.set_major_locator(plt.MaxNLocator(5))
         a.axvline(0, color="k", ls="--", lw=0.8)
         a.set(xlabel="Delta J_xi", ylabel="count",
@@ -1135,8 +1140,9 @@ def plot_corollary1(cor1: dict):
     return fig
 
 
-RUN_STYLE = {"pg": ("C3", "unconstrained PG"), "stable_m": ("C0", "stable, U_beta with m_nu"),
-             "stable_mu": ("C2", "stable, U_beta with E[Delta J]")}
+RUN_STYLE = {"pg": (role("unconstrained"), "unconstrained PG"),
+             "stable_m": (role("stable_m"), "stable, U_beta with m_nu"),
+             "stable_mu": (role("stable_mu"), "stable, U_beta with E[Delta J]")}
 
 
 def plot_theorem2(thm2: dict):
@@ -1183,17 +1189,21 @@ def plot_fig2(trajs: dict, finals: pd.DataFrame, toy: ToyLandscape | None = None
     fig, ax = plt.subplots(1, 3, figsize=(14, 4.6), sharey=True)
     titles = {"isotropic": "isotropic noise", "sam": "SAM-style (adversarial)", "controlled": "sensitivity-controlled"}
     f = finals.set_index("method")
+    colors = _colors(max_lines)  # one per drawn seed, no method's colour (paper.style)
     for a, method in zip(ax, ("isotropic", "sam", "controlled")):
         a.contourf(X, Y, Z, levels=20, cmap="Greys", alpha=0.8)
         ref = trajs["none"][0]
         a.plot(ref[:, 0], ref[:, 1], "k--", lw=1, label=f"no noise (R={f.loc['none', 'final_reward_mean']:.2f})")
-        for i, t in enumerate(trajs[method][:max_lines]):
-            a.plot(t[:, 0], t[:, 1], "-", lw=1, color=f"C{i}", alpha=0.9)
-            a.plot(*t[-1], "o", color=f"C{i}", ms=4)
+        drawn = trajs[method][:max_lines]
+        for i, t in enumerate(drawn):
+            a.plot(t[:, 0], t[:, 1], "-", lw=1, color=colors[i], alpha=0.9, gid=f"reference:trajectory {i}")
+            a.plot(*t[-1], "o", color=colors[i], ms=4)
         a.plot(*toy.start, "k^", ms=7)
         r = f.loc[method]
-        sd = f" +- {r.final_reward_sd:.2f} (n={int(r.runs)})" if r.runs > 1 else ""
-        a.set(title=f"{titles[method]}: final R = {r.final_reward_mean:.2f}{sd}", xlabel="x (sharp direction)")
+        sd = f" +- {r.final_reward_sd:.2f} over {int(r.runs)} runs" if r.runs > 1 else ""
+        shown = f"; {len(drawn)} of {int(r.runs)} runs drawn" if r.runs > len(drawn) else ""
+        a.set(title=f"{titles[method]}: final R = {r.final_reward_mean:.2f}{sd}{shown}", xlabel="x (sharp direction)")
+        a.title.set_fontsize(8)
         a.legend(fontsize=7, loc="lower right")
     ax[0].set_ylabel("y (flat direction)")
     fig.tight_layout()
@@ -1227,7 +1237,8 @@ def _latex_escape(text: str) -> str:
 
 
 def to_booktabs(df: pd.DataFrame, caption: str = "", label: str = "") -> str:
-    """A LaTeX table (booktabs rules) of ``df``: floats in 3 significant digits, text escaped."""
+    """A LaTeX table (booktabs rules) of ``df``: floats in 3 significant digits, text escaped,
+    a ``notes`` column wrapped in a paragraph column."""
     def fmt(v):
         if isinstance(v, (float, np.floating)):
             return "--" if not np.isfinite(v) else f"{v:.3g}"
@@ -1238,7 +1249,8 @@ def to_booktabs(df: pd.DataFrame, caption: str = "", label: str = "") -> str:
         lines.append(rf"\caption{{{_latex_escape(caption)}}}")
     if label:
         lines.append(rf"\label{{{label}}}")
-    lines += [rf"\begin{{tabular}}{{{'l' * 2 + 'r' * (len(df.columns) - 2)}}}", r"\toprule",
+    spec = "".join("l" if i < 2 else ("p{5.5cm}" if c == "notes" else "r") for i, c in enumerate(df.columns))
+    lines += [rf"\begin{{tabular}}{{{spec}}}", r"\toprule",
               " & ".join(_latex_escape(str(c)) for c in df.columns) + r" \\", r"\midrule"]
     lines += [" & ".join(fmt(v) for v in row) + r" \\" for row in df.itertuples(index=False)]
     lines += [r"\bottomrule", r"\end{tabular}", r"\end{table}", ""]
