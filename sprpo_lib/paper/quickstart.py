@@ -17,11 +17,12 @@ import random
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from sprpo_lib.compress import perturbation
 from sprpo_lib.models import Policy
-from sprpo_lib.paper.style import pyplot
+from sprpo_lib.paper.style import NEUTRAL, pyplot
 
 # App. C families at one representative (strong) level each.
 DEMO_LEVELS: dict[str, float] = {
@@ -175,19 +176,22 @@ def _topk_rows(family, strength, logp, tok, k):
 
 
 def plot_demo(result: DemoResult, path):
-    """Two panels: mean KL per perturbation and top-1 agreement with the clean policy."""
-    import seaborn as sns
-
+    """Two panels: mean KL per perturbation (points on a log axis: a bar's length would mean
+    nothing there) and top-1 agreement with the clean policy (bars from 0), in neutral
+    colours (no method is drawn: paper.style)."""
     plt = pyplot()
-
     df = result.table()
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     labels = [f"{f}\n{s:g}" for f, s in zip(df.family, df.strength)]
-    sns.barplot(x=labels, y=df.kl_mean, ax=axes[0], color="#4c72b0")
+    x = np.arange(len(labels))
+    axes[0].plot(x, df.kl_mean, "o", color=NEUTRAL["dark"], ms=6)
+    axes[0].vlines(x, df.kl_mean.min() / 3, df.kl_mean, color=NEUTRAL["light"], lw=1)
+    axes[0].set_xticks(x, labels)
     axes[0].set_ylabel("mean KL(clean || perturbed)")
     axes[0].set_yscale("log")
     axes[0].set_title("Shift of next-token distributions along the clean response")
-    sns.barplot(x=labels, y=df.top1_agreement, ax=axes[1], color="#dd8452")
+    axes[1].bar(x, df.top1_agreement, color=NEUTRAL["mid"])
+    axes[1].set_xticks(x, labels)
     axes[1].set_ylim(0, 1.02)
     axes[1].set_ylabel("top-1 agreement with clean")
     axes[1].set_title("Greedy token unchanged along the clean response")

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Mapping, Sequence
 
+import numpy as np
 import pandas as pd
 
 from sprpo_lib.config import TrainConfig, config_from_dict
@@ -235,7 +236,11 @@ def plot_training(metrics: pd.DataFrame, summary: pd.DataFrame | None, path: str
     from matplotlib.ticker import MaxNLocator
 
     styles = ("-", ":", "-.", (0, (5, 2)))
-    valid_ax = axes[1].twinx()  # the score's scale is the env's (ALFWorld's success pays 10), the rate's is [0, 1]
+    # the score panel only where the score says more than success (WebShop's partial matches; ALFWorld's
+    # score is 10 x success): then the valid-action rate sits on a right axis, else on the panel's own
+    ratio = float(metrics["score"].abs().max()) / max(float(metrics["success"].max()), 1e-12)
+    score_shown = not np.allclose(metrics["score"], ratio * metrics["success"], atol=1e-9)
+    valid_ax = axes[1].twinx() if score_shown else axes[1]
     runs = list(metrics.groupby("run"))
     for k, (run, df) in enumerate(runs):
         method, seed = df["method"].iloc[0], int(df["seed"].iloc[0])
@@ -245,20 +250,24 @@ def plot_training(metrics: pd.DataFrame, summary: pd.DataFrame | None, path: str
               "marker": disp.marker if disp else "o", "ms": 3}
         x = df["iteration"] + (k - (len(runs) - 1) / 2) * TRAINING_DODGE  # equal runs stay visible side by side
         axes[0].plot(x, df["success"], label=label, **kw)
-        axes[1].plot(x, df["score"], label=f"{label} score", **kw)
-        valid_ax.plot(x, df["valid_rate"], color=kw["color"], ls=kw["ls"], marker="x", ms=3, alpha=0.5,
-                      label=f"{label} valid")
+        if score_shown:
+            axes[1].plot(x, df["score"], label=f"{label} score", **kw)
+        valid_ax.plot(x, df["valid_rate"], color=kw["color"], ls=kw["ls"], marker="x", ms=4,
+                      alpha=0.6 if score_shown else 1.0, label=f"{label} valid")
     for ax in axes[:2]:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     temps = sorted(set(metrics["temperature"])) if "temperature" in metrics else []
     t = f", T={temps[0]:g}" if len(temps) == 1 else ""
     axes[0].set(xlabel="iteration (runs offset sideways)", ylabel="rollout success",
                 title=f"success (rollouts on training tasks{t})", ylim=(-0.02, 1.02))
-    lo, hi = min(0.0, float(metrics["score"].min())), max(1.0, float(metrics["score"].max()))
-    pad = 0.02 * (hi - lo)
-    axes[1].set(xlabel="iteration", ylabel="mean score (lines)", title="score (lines), valid-action rate (x, faint)",
-                ylim=(lo - pad, hi + pad))
-    valid_ax.set(ylabel="valid-action rate (x)", ylim=(-0.02, 1.02))
+    if score_shown:
+        lo, hi = min(0.0, float(metrics["score"].min())), max(1.0, float(metrics["score"].max()))
+        pad = 0.02 * (hi - lo)
+        axes[1].set(xlabel="iteration", ylabel="mean score (lines)", title="score (lines), valid-action rate (x, faint)",
+                    ylim=(lo - pad, hi + pad))
+    else:
+        axes[1].set(xlabel="iteration", title=f"valid-action rate (score = {ratio:g} x success)")
+    valid_ax.set(ylabel="valid-action rate (x)", ylim=(-0.02, 1.08))  # a rate of 1 stays off the frame
     axes[0].legend(fontsize=7)  # the runs' colours and line styles are the same in both panels
     if has_curve:
         ax = axes[2]
