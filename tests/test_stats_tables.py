@@ -270,3 +270,23 @@ def test_hyperparameter_tables_read_the_profiles_and_mark_every_difference():
     assert f"**{load_config('cpu').method.rho:g}**" in md and "**0.005**" not in md
     tex = H.hparam_latex(pert, "c", "tab:perturbation-hparams")
     assert r"\label{tab:perturbation-hparams}" in tex and r"SPrPO & Sensitivity exponent $\alpha$ & 1 & 1 & 1 \\" in tex
+
+
+def test_claims_format_the_papers_difference_alike_from_memory_and_from_the_csv(tmp_path):
+    """The claims table (in memory) and the README grid (from the CSV) print the paper's
+    difference the same: 10.95 is not 10.950000000000003 in one and 10.95 in the other."""
+    import pandas as pd
+
+    from sprpo_lib.paper import claims as C
+
+    paired = pd.DataFrame([{"baseline": "vanilla", "family": "gaussian", "strength": 0.2, "success_diff": 0.0,
+                            "success_lo": -10.0, "success_hi": 10.0, "success_mde80": 12.0, "tasks": 12,
+                            "train_seeds": "0", "wins": 1, "losses": 1, "sign_p": 1.0}])
+    paper = {"alfworld": {"table1": {"sprpo": {"gaussian@0.2": 30.1}, "vanilla": {"gaussian@0.2": 19.15}}}}
+    assert 30.1 - 19.15 != 10.95  # the float the paper's two numbers give
+    rows = C.claim_rows(paired, None, "alfworld", paper)
+    tables.to_csv(rows, tmp_path / "c.csv", digits=3)  # as notebook 08 writes claims_<profile>.csv
+    again = pd.read_csv(tmp_path / "c.csv")
+    assert float(rows["paper"].iloc[0]) == float(again["paper"].iloc[0])
+    grid = C.claims_grid(rows, profile="cpu").splitlines()[-1]
+    assert grid == C.claims_grid(again, profile="cpu").splitlines()[-1]

@@ -109,7 +109,9 @@ def claim_rows(paired: pd.DataFrame, ablation_paired: pd.DataFrame | None, env: 
         base, k = r["baseline"], _key(r["family"], r["strength"])
         if base not in t1 or k not in t1.get("sprpo", {}):
             continue
-        expected = t1["sprpo"][k] - t1[base][k]
+        # the paper prints one decimal: its differences are exact at two, and rounding them here keeps the
+        # in-memory value equal to the CSV's, so every table formats it alike (10.95, not 10.950000000000003)
+        expected = round(t1["sprpo"][k] - t1[base][k], 2)
         claim = (f"SPrPO {'matches or beats' if r['family'] == 'clean' else 'keeps more success than'} "
                  f"{METHOD_LABELS.get(base, base)}")
         out.append({"env": env, "claim": claim, "versus": METHOD_LABELS.get(base, base),
@@ -125,7 +127,7 @@ def claim_rows(paired: pd.DataFrame, ablation_paired: pd.DataFrame | None, env: 
             # the ablation rows are reference (full) minus variant: the paper's full minus variant
             out.append({"env": env, "claim": f"full SPrPO beats {name}", "versus": name,
                         "setting": setting_label(r["family"], r["strength"]),
-                        "paper": full[k] - comp[r["baseline"]][k], **_nums(r)})
+                        "paper": round(full[k] - comp[r["baseline"]][k], 2), **_nums(r)})
     cols = ["env", "claim", "versus", "setting", "paper", "diff", "lo", "hi", "mde80", "tasks", "train_seeds",
             "wins", "losses", "sign_p", "reading"]
     for r in out:

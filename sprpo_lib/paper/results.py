@@ -31,7 +31,7 @@ from sprpo_lib.paper.tables import ENV_LABELS, FAMILY_LABELS, METHOD_LABELS, str
 
 __all__ = ["COLORS", "save_figure", "plot_motivation", "plot_curves", "plot_landscape", "landscape_grid", "plot_ablation",
            "paired_comparisons", "overhead", "overhead_latex", "pick_examples", "examples_markdown", "headline",
-           "headline_markdown", "without_paired", "replace_block", "setting_label", "plain"]
+           "headline_markdown", "headline_caption", "seeds_text", "without_paired", "replace_block", "setting_label", "plain"]
 
 COLORS = METHOD_COLORS  # one colour and marker per method, in every figure (sprpo_lib.paper.style)
 MARKERS = METHOD_MARKERS
@@ -580,6 +580,19 @@ def tasks_per_split(rows: pd.DataFrame, settings: Sequence[tuple[str, float]] | 
 
 
 PAIRED_HEAD = "Paired differences"  # how headline_markdown's paired table starts (without_paired finds it)
+
+
+def seeds_text(seeds: Mapping[str, Sequence[int]]) -> str:
+    """``Vanilla 0, 1; Gaussian 0; ...``: a plan's training seeds per method, for a caption."""
+    return "; ".join(f"{METHOD_LABELS.get(m, m)} {', '.join(map(str, s))}" for m, s in seeds.items())
+
+
+def headline_caption(env: str, profile: str, h: Mapping) -> str:
+    """The line above one environment's headline table: design and what the cells hold."""
+    return (f"**{ENV_LABELS.get(env, env)}** ({profile} profile; {h['tasks_per_split']} held-out tasks per split, "
+            f"evaluation seeds {', '.join(map(str, h['eval_seeds']))}; training seeds {seeds_text(h['training_seeds'])}); "
+            f"success % mean ± std over training seeds (retention %: perturbed / clean success of the same method, "
+            f"above 100 where a perturbation helped on these goals):")
 
 
 def headline_markdown(h: Mapping, methods: Sequence[str]) -> str:
