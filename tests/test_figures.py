@@ -121,3 +121,25 @@ def test_the_old_fig3_fails_and_the_new_one_passes_on_the_committed_rows(tmp_pat
     assert F.line_problems(figs[0]) == []
     hollow = [ln for ax in figs[0].axes for ln in ax.get_lines() if ln.get_markerfacecolor() == "white"]
     assert hollow and all(len(ln.get_xdata()) == 1 for ln in hollow)
+
+
+def test_fig4_is_a_heat_map_of_the_measured_cells(tmp_path, monkeypatch):
+    """Fig. 4 draws each grid point as one cell with its value (no interpolated surface or
+    contour), the centre outlined, and the episodes per cell in a footnote."""
+    rows = pd.DataFrame([{"method": m, "family": "plane", "strength": w1, "w2": w2, "task_index": t,
+                          "success": float((t + int(10 * w1) + int(10 * w2)) % 3 == 0)}
+                         for m in ("vanilla", "sprpo") for w1 in (-0.2, 0.0, 0.2) for w2 in (-0.2, 0.0, 0.2)
+                         for t in range(6)])
+    figs = []
+    monkeypatch.setattr(R, "save_figure", lambda fig, path: figs.append(fig) or [])
+    R.plot_landscape(rows, ["vanilla", "sprpo"], tmp_path / "fig4", title="a title")
+    fig = figs[0]
+    heat = [ax for ax in fig.axes if ax.images]
+    assert len(heat) == 2 and not any(ax.collections for ax in heat)  # no contour bands
+    assert all(ax.name == "rectilinear" for ax in fig.axes)  # no 3-D surface
+    w1, w2, z = R.landscape_grid(rows, "vanilla")
+    assert np.array_equal(heat[0].images[0].get_array(), z)  # the cells are the measured means
+    assert sorted(t.get_text() for t in heat[0].texts) == sorted(f"{v:.0f}" for v in z.ravel())
+    assert len(heat[0].patches) == 1  # the unperturbed centre
+    assert any("6 episodes per cell" in t.get_text() for t in fig.texts)
+    assert F.figure_problems(fig) == []

@@ -26,7 +26,7 @@ from sprpo_lib.paper.tables import ENV_LABELS
 __all__ = ["APP_C_TASKS", "PAPER_STEP_SECONDS", "split_tasks", "planned_episodes", "plan_table", "paper_cost_table",
            "paper_gpu_hours", "plans_markdown", "plans_summary", "cost_summary", "Rates", "DESIGN_METHODS",
            "design_plan", "design_seconds", "choose_design", "bench_episode_s", "training_rates", "bench_machine", "bench_rates", "design_table",
-           "design_from_figures"]
+           "design_from_figures", "missing_landscape"]
 
 #: App. C's held-out tasks per split (the ``paper`` plan evaluates all of them).
 APP_C_TASKS: dict[str, dict[str, int]] = {
@@ -71,6 +71,19 @@ def planned_episodes(p: X.Plan) -> dict[str, int]:
         out["ablations"] = sum(per * (table if v.settings == "table" else 1) for v in trained)
     out["all"] = sum(out.values())
     return out
+
+
+def missing_landscape(p: X.Plan) -> str:
+    """Why a plan draws no landscape on its env, in numbers: the episodes that a grid like
+    another env's of the same profile would add (the design of notebook 08 prices them)."""
+    other = next((q for q in X.PLANS.get(p.profile, {}).values() if q.landscape_grid), None)
+    if other is None:
+        return f"the {p.profile} plan draws no landscape on any environment"
+    n = len(other.landscape_grid) ** 2 * len(p.landscape_methods) * split_tasks(p.env, p.landscape_tasks or p.tasks)
+    return (f"the {p.profile} plan leaves {ENV_LABELS.get(p.env, p.env)}'s landscape out: {other.env}'s "
+            f"{len(other.landscape_grid)}x{len(other.landscape_grid)} grid would add {n:,} episodes "
+            f"({len(p.landscape_methods)} policies x {split_tasks(p.env, p.landscape_tasks or p.tasks)} games per "
+            f"point), which the 8-hour design that notebook 08 chooses does not include")
 
 
 def _rl(profile: str, env: str) -> str:
@@ -358,7 +371,7 @@ def bench_rates(bench: Mapping, reference: Rates, update_factor: float = MINIBAT
 
 def design_table(power: pd.DataFrame, rates: Rates, others: Sequence[Rates], budget_s: float,
                  iterations: Sequence[int], seeds: Sequence[int] = MIN_SEEDS,
-                 goals: Sequence[int] = (6, 12, 24, 48, 96), **curve) -> pd.DataFrame:
+                 goals: Sequence[int] = (6, 8, 12, 16, 20, 24, 32, 48, 96), **curve) -> pd.DataFrame:
     """Per RL length: the design :func:`choose_design` picks within ``budget_s`` at ``rates``
     (its machine's hours), its hours at each of ``others``, and the claims it resolves;
     a length no design of the grid fits says so."""

@@ -269,30 +269,39 @@ def landscape_grid(rows: pd.DataFrame, method: str) -> tuple[np.ndarray, np.ndar
 
 
 def plot_landscape(rows: pd.DataFrame, methods: Sequence[str], path: str | Path, *, title: str = "") -> list[Path]:
-    """Fig. 4: success over the ``(w1, w2)`` plane, a surface and a contour map per method
-    (same colour scale for all)."""
+    """Fig. 4: success over the ``(w1, w2)`` plane as measured, one heat map of cells per
+    method (the same colour scale for all; each cell printed with its value; the
+    unperturbed centre outlined), no surface or contour interpolated between the points;
+    a footnote gives the episodes per point."""
     grids = {m: landscape_grid(rows, m) for m in methods}
     if not any(z.size for _, _, z in grids.values()):
         raise ValueError(f"plot_landscape: no 'plane' rows for {list(methods)}; run the plan's landscape "
                          "(experiments.landscape_rows with a non-empty Plan.landscape_grid) first")
     plt = _plt()
-    fig = plt.figure(figsize=(4.2 * len(methods), 6.4))
-    levels = np.linspace(0, 100, 11)
-    cs = None
-    for i, (m, (w1, w2, z)) in enumerate(grids.items()):
+    fig, axes = plt.subplots(1, len(methods), figsize=(3.4 * len(methods) + 0.8, 3.8), squeeze=False)
+    im = None
+    for ax, (m, (w1, w2, z)) in zip(axes[0], grids.items()):
         if z.size == 0:
+            ax.set_axis_off()
             continue
-        X, Y = np.meshgrid(w1, w2)
-        ax = fig.add_subplot(2, len(methods), i + 1, projection="3d")
-        ax.plot_surface(X, Y, z, cmap="viridis", vmin=0, vmax=100, edgecolor="k", linewidth=0.2)
-        ax.set(xlabel="$w_1$", ylabel="$w_2$", zlabel="success (%)", zlim=(0, 100),
-               title=METHOD_LABELS.get(m, m))
-        ax2 = fig.add_subplot(2, len(methods), len(methods) + i + 1)
-        cs = ax2.contourf(X, Y, z, levels=levels, cmap="viridis", vmin=0, vmax=100)
-        ax2.plot([0], [0], "w+", ms=8)
-        ax2.set(xlabel="$w_1$", ylabel="$w_2$", aspect="equal")
-    if cs is not None:
-        fig.colorbar(cs, ax=fig.axes[-1], label="success (%)", shrink=0.8)
+        im = ax.imshow(z, origin="lower", cmap="viridis", vmin=0, vmax=100, aspect="auto")
+        ax.set_xticks(range(len(w1)), [f"{v:g}" for v in w1])
+        ax.set_yticks(range(len(w2)), [f"{v:g}" for v in w2])
+        for (i, j), v in np.ndenumerate(z):
+            if not math.isnan(v):
+                ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=7, color="w" if v < 60 else "k")
+        if 0.0 in w1 and 0.0 in w2:  # the unperturbed policy
+            j, i = list(w1).index(0.0), list(w2).index(0.0)
+            ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, ec=role("accent"), lw=2))
+        ax.set(xlabel="$w_1$", ylabel="$w_2$", title=METHOD_LABELS.get(m, m))
+        ax.grid(False)
+    fig.subplots_adjust(bottom=0.22, top=0.84, wspace=0.35)  # room for the footnote and the title
+    if im is not None:
+        fig.colorbar(im, ax=list(axes[0]), label="success (%)", shrink=0.85)
+    per = rows[rows["family"] == "plane"].groupby(["method", "strength", "w2"]).size()
+    n = f"{per.min()}" if per.min() == per.max() else f"{per.min()}-{per.max()}"
+    fig.text(0.01, 0.01, f"{n} episodes per cell; outlined: the unperturbed policy (w1 = w2 = 0).", fontsize=7,
+             ha="left", va="bottom")
     if title:
         fig.suptitle(title, fontsize=9)
     return save_figure(fig, path)
