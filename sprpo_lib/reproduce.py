@@ -46,13 +46,14 @@ RESULT_NOTEBOOKS = ("03_motivation", "04_robustness", "05_landscape", "06_overhe
 NOTEBOOK_INFO: dict[str, tuple[str, str]] = {
     "00_quickstart": ("the five deployment perturbations of App. C on one prompt",
                       "`00_quickstart_perturbations.png/.csv`"),
-    "01_training": ("training curves (App. B); warm start vs. RL", "`01_training_<env>.png`, `_metrics.csv`, `_summary.csv`"),
+    "01_training": ("training curves; warm start vs. RL; App. B Tables 2-3 beside the profiles",
+                    "`01_training_<env>.png`, `_metrics.csv`, `_summary.csv`, `01_training_hparams_*.csv/.tex/.md`"),
     "02_theory": ("Lemma 1, Theorem 1, Corollary 1, Theorem 2 checked on exact MDPs; Fig. 2",
                   "`02_theory_*.png/.pdf/.csv`, `02_theory_summary.tex`"),
     "03_motivation": ("Fig. 1", "`03_motivation_<env>.png/.pdf`, `_summary.csv`, `_rows.csv`"),
     "04_robustness": ("Fig. 3, Table 1, appendix overall and ID/OOD tables, paired comparisons",
                       "`04_robustness_<env>_curves.png/.pdf`, `_table1.tex/.csv`, `_appendix.tex/.csv`, `_paired.csv`, "
-                      "`headline_<profile>.json/.md`"),
+                      "`headline_<profile>.json/.md`, `04_robustness_readme.png` (the README's figure)"),
     "05_landscape": ("Fig. 4 (reward landscape)", "`05_landscape_<env>.png/.pdf`, `_grid.csv`"),
     "06_overhead": ("appendix table \"Training overhead\"", "`06_overhead_<env>.tex/.csv`"),
     "07_examples": ("appendix \"Qualitative examples\"", "`07_examples_<env>.md/.csv`"),
@@ -375,15 +376,15 @@ def stage_table(profile: str, out_dir: str | Path | None = None, runs_dir: Path 
 def update_readme(profile: str, out_dir: str, readme: Path | None = None) -> bool:
     """Refresh the README's generated blocks from ``out_dir``: the headline numbers
     (``headline-<profile>``, from ``headline_<profile>.md`` less its paired tables, which
-    the README links), the paper's claims against
-    them (``claims-<profile>``: a grid per environment from ``claims_<profile>.csv``, which
+    the README links), one sentence of what the claims' verdicts say (``verdict-<profile>``), the
+    paper's claims against them (``claims-<profile>``: a grid per environment from ``claims_<profile>.csv``, which
     links the full ``.md``), the stage times
     (``stages-<profile>``, from the manifests), what the profiles run (``plans``, from the
     plans) and the notebook table (``notebooks``).
     No number in the README is typed by hand."""
     import pandas as pd
 
-    from sprpo_lib.paper.claims import claims_grid
+    from sprpo_lib.paper.claims import claims_grid, verdict_sentence
     from sprpo_lib.paper.results import replace_block, without_paired
 
     root = project_root()
@@ -400,6 +401,11 @@ def update_readme(profile: str, out_dir: str, readme: Path | None = None) -> boo
             else:  # the full table stays in its file; the README has one grid per environment
                 body = claims_grid(pd.read_csv(src.with_suffix(".csv")), profile=profile, full=str(where))
             text = replace_block(text, f"{block}-{profile}", f"<!-- generated from {where}; do not edit -->\n" + body)
+    claims = project_path(out_dir) / f"claims_{profile}.csv"  # the first screen's sentence, from the verdicts
+    if claims.is_file() and f"<!-- verdict-{profile}:begin -->" in text:
+        where = claims.relative_to(root) if claims.is_relative_to(root) else claims
+        text = replace_block(text, f"verdict-{profile}", f"<!-- generated from {where}; do not edit -->\n"
+                             + verdict_sentence(pd.read_csv(claims), profile=profile))
     power = project_path(out_dir) / f"claims_power_{profile}.md"  # notebook 08: its summary paragraph
     if power.is_file() and f"<!-- power-{profile}:begin -->" in text:
         where = power.relative_to(root) if power.is_relative_to(root) else power

@@ -290,3 +290,18 @@ def test_claims_format_the_papers_difference_alike_from_memory_and_from_the_csv(
     assert float(rows["paper"].iloc[0]) == float(again["paper"].iloc[0])
     grid = C.claims_grid(rows, profile="cpu").splitlines()[-1]
     assert grid == C.claims_grid(again, profile="cpu").splitlines()[-1]
+
+
+def test_the_first_screen_sentence_counts_the_verdicts():
+    import pandas as pd
+
+    from sprpo_lib.paper import claims as C
+
+    rows = pd.DataFrame({"env": ["webshop", "webshop", "alfworld", "alfworld"],
+                         "reading": ["agrees (interval above 0)", "not resolved; ...", "opposite sign to the paper (...)",
+                                     "no difference observed; ..."]})
+    s = C.verdict_sentence(rows, profile="cpu")
+    assert "1 of 4 paired comparisons on WebShop and ALFWorld agree" in s and "1 go the other way" in s
+    assert "2 resolve nothing" in s
+    none = C.verdict_sentence(rows.assign(reading="not resolved"), profile="cpu")
+    assert "no SPrPO comparison resolves: all 4" in none and "neither confirm nor refute" in none

@@ -20,7 +20,7 @@ import pandas as pd
 from sprpo_lib.paper.results import setting_label
 from sprpo_lib.paper.tables import ENV_LABELS, METHOD_LABELS
 
-__all__ = ["PAPER", "reading", "claim_rows", "claim_table", "claims_markdown", "claims_grid"]
+__all__ = ["PAPER", "reading", "claim_rows", "claim_table", "claims_markdown", "claims_grid", "verdict_sentence"]
 
 #: The paper's success (%) per method and Table 1 setting (both environments), and its
 #: WebShop component ablations.
@@ -179,6 +179,22 @@ def claims_markdown(rows: pd.DataFrame, *, profile: str) -> str:
 
 
 #: Marks of :func:`claims_grid`: a reading of :func:`reading` by its opening words.
+def verdict_sentence(rows: pd.DataFrame, *, profile: str) -> str:
+    """One sentence of what the claims say at this profile's scale, from their readings:
+    how many comparisons agree with the paper, go the other way, or resolve nothing."""
+    if rows.empty:
+        return f"The {profile} profile's results support no reading of the paper's claims yet."
+    r = rows["reading"].astype(str)
+    agree, opposite = int(r.str.startswith("agrees").sum()), int(r.str.startswith("opposite").sum())
+    nothing = len(rows) - agree - opposite
+    envs = " and ".join(ENV_LABELS.get(e, e) for e in dict.fromkeys(rows["env"]))
+    if agree == opposite == 0:
+        return (f"At the {profile} profile's scale no SPrPO comparison resolves: all {len(rows)} paired comparisons "
+                f"on {envs} are within their noise, so these results neither confirm nor refute the paper.")
+    return (f"At the {profile} profile's scale {agree} of {len(rows)} paired comparisons on {envs} agree with the "
+            f"paper, {opposite} go the other way and {nothing} resolve nothing (exact sign test and 95% interval).")
+
+
 GRID_MARKS = (("agrees", "**{}**"), ("opposite sign", "{} (!)"), ("not resolved; smaller than the paper's", "{} \u2020"))
 
 

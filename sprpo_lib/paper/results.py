@@ -47,8 +47,8 @@ def _plt():
     return pyplot()
 
 
-def save_figure(fig, path: str | Path) -> list[Path]:
-    """Save ``fig`` as PNG and PDF beside each other (atomic renames); returns both paths."""
+def save_figure(fig, path: str | Path, dpi: int = 150) -> list[Path]:
+    """Save ``fig`` as PNG (at ``dpi``) and PDF beside each other (atomic renames); returns both paths."""
     plt = _plt()
     path = Path(path).with_suffix("")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -56,7 +56,7 @@ def save_figure(fig, path: str | Path) -> list[Path]:
     for ext in (".png", ".pdf"):
         final = path.with_name(path.name + ext)
         tmp = path.with_name(path.name + ".tmp" + ext)
-        fig.savefig(tmp, dpi=150, bbox_inches="tight")
+        fig.savefig(tmp, dpi=dpi, bbox_inches="tight")
         tmp.replace(final)
         out.append(final)
     plt.close(fig)
@@ -89,8 +89,13 @@ def _design_text(d: tuple[int, int]) -> str:
     return f"{goals} goals x {seeds} training seed{'s' if seeds != 1 else ''}"
 
 
+#: The width the README shows its opening figure at (px): :func:`plot_curves` with ``readme=True``
+#: draws at exactly that size, so its text is read at the size it was set.
+README_WIDTH_PX = 900
+
+
 def plot_curves(summary: pd.DataFrame, methods: Sequence[str], path: str | Path, *, title: str = "",
-                families: Sequence[str] = CURVE_FAMILIES, env_label: str = "") -> list[Path]:
+                families: Sequence[str] = CURVE_FAMILIES, env_label: str = "", readme: bool = False) -> list[Path]:
     """Fig. 3: success against strength, one panel per family, one colour and marker per
     method, one row per environment of ``summary["env"]`` (the paper's order: ALFWorld,
     then WebShop).  The clean policy is the leftmost point.
@@ -101,14 +106,16 @@ def plot_curves(summary: pd.DataFrame, methods: Sequence[str], path: str | Path,
     markers, never joined; a level the method was not evaluated at is a gap in its line.
     Families with one strength, and quantization (BF16, INT8, INT6, INT4), sit on a
     categorical axis.  Error bars are the std over training seeds, drawn only where there
-    are several.  A footnote states the designs, from the data."""
+    are several.  A footnote states the designs, from the data.  ``readme``: drawn at
+    :data:`README_WIDTH_PX` (100 dpi), the size the README shows it."""
     plt = _plt()
     envs = [e for e in ENV_ORDER if "env" in summary and (summary["env"] == e).any()]
     envs += [e for e in (summary["env"].unique() if "env" in summary else []) if e not in envs]
     parts = [(e, summary[summary["env"] == e]) for e in envs] or [(None, summary)]
     fams = [f for f in families if (summary["family"] == f).any()]
     ncol = max(1, len(fams))
-    fig, axes = plt.subplots(len(parts), ncol, figsize=(2.6 * ncol + 0.6, 2.5 * len(parts) + 1.0), squeeze=False)
+    width = README_WIDTH_PX / 100 if readme else 2.6 * ncol + 0.6
+    fig, axes = plt.subplots(len(parts), ncol, figsize=(width, 2.5 * len(parts) + 1.0), squeeze=False)
     mains: dict[str, set] = {}
     others, single = set(), False
     shift = {m: i - (len(methods) - 1) / 2 for i, m in enumerate(methods)}  # sideways, so equal values stay visible
@@ -175,7 +182,7 @@ def plot_curves(summary: pd.DataFrame, methods: Sequence[str], path: str | Path,
     fig.text(0.5, 0.005, ". ".join(n[0].upper() + n[1:] for n in notes) + ".", ha="center", va="bottom", fontsize=7,
              wrap=True)
     fig.tight_layout(rect=(0, 0.45 / fig.get_figheight(), 1, top))
-    return save_figure(fig, path)
+    return save_figure(fig, path, dpi=100 if readme else 150)
 
 
 def plot_motivation(summary: pd.DataFrame, path: str | Path, *, method: str = "vanilla",
