@@ -63,18 +63,27 @@ def test_pick_examples_follows_the_documented_rule():
         ("vanilla", "gaussian", 0.1): [0, 1, 1, 1, 1, 1],
         ("sprpo", "gaussian", 0.1):   [1, 1, 1, 1, 1, 1],
     })
-    picks = R.pick_examples(rows, "vanilla", "sprpo", per_family=1)
+    picks = R.pick_examples(rows, "vanilla", "sprpo", per_family=1, min_pairs=1)
     assert len(picks) == 1
     r = picks.iloc[0]
     # strongest setting first; qualifying tasks (both solved clean: 0, 1, 2, 4): differ at 1 (sprpo), 2 (vanilla), 4 (sprpo)
-    assert (r["family"], r["strength"], r["task_index"]) == ("gaussian", 0.2, 1)
-    assert (r["sprpo_only"], r["vanilla_only"], r["both_clean"]) == (2, 1, 4)
+    assert (r["family"], r["strength"], r["task_index"], r["rule"]) == ("gaussian", 0.2, 1, "strict")
+    assert (r["sprpo_only"], r["vanilla_only"], r["eligible"]) == (2, 1, 4)
     assert r["cell_vanilla"] == "vanilla-gaussian-0.2" and r["cell_sprpo"] == "sprpo-gaussian-0.2"
     two = R.pick_examples(rows, "vanilla", "sprpo", per_family=3)
-    assert list(two["task_index"]) == [1, 2, 4]
+    assert list(two["task_index"]) == [1, 2, 4] and set(two["rule"]) == {"strict"}
+    # fewer strict pairs than min_pairs: the relaxed rule adds tasks that differ whatever their clean outcome
+    relaxed = R.pick_examples(rows, "vanilla", "sprpo", per_family=1, min_pairs=2)
+    assert list(relaxed["rule"]) == ["strict", "relaxed"]
+    extra = relaxed.iloc[1]  # the lowest differing task not yet taken, whatever its clean outcome
+    assert (extra["task_index"], extra["clean_vanilla"], extra["clean_sprpo"]) == (2, True, True)
+    only_relaxed = R.pick_examples(rows[rows["task_index"].isin([3, 5])], "vanilla", "sprpo")  # none solved by both
+    assert list(only_relaxed["rule"]) == ["relaxed"] and only_relaxed.iloc[0]["task_index"] == 3
+    assert not only_relaxed.iloc[0]["clean_vanilla"]
     none = R.pick_examples(_rows({("vanilla", "clean", 0.0): [1], ("sprpo", "clean", 0.0): [1],
                                   ("vanilla", "rtn", 4.0): [1], ("sprpo", "rtn", 4.0): [1]}))
-    assert none.empty and "No task qualifies" in R.examples_markdown(none, {})
+    md = R.examples_markdown(none, {})
+    assert none.empty and "No task qualifies" in md and md.startswith("Selection rule")
 
 
 def test_examples_markdown_renders_both_trajectories():

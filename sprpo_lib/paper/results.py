@@ -30,7 +30,7 @@ from sprpo_lib.paper.style import METHOD_COLORS, METHOD_MARKERS, pyplot, role
 from sprpo_lib.paper.tables import ENV_LABELS, FAMILY_LABELS, METHOD_LABELS, strength_label
 
 __all__ = ["COLORS", "save_figure", "plot_motivation", "plot_curves", "plot_landscape", "landscape_grid", "plot_ablation",
-           "paired_comparisons", "overhead", "overhead_latex", "pick_examples", "examples_markdown", "headline",
+           "paired_comparisons", "overhead", "overhead_latex", "EXAMPLE_RULE", "pick_examples", "examples_markdown", "headline",
            "headline_markdown", "headline_caption", "seeds_text", "without_paired", "replace_block", "setting_label", "plain"]
 
 COLORS = METHOD_COLORS  # one colour and marker per method, in every figure (sprpo_lib.paper.style)
@@ -477,40 +477,63 @@ def overhead_latex(table: pd.DataFrame, methods: Sequence[str] = ("vanilla", "sp
 
 
 # ----------------------------------------------------------------------------- text examples
+#: The rule of :func:`pick_examples`, in words (the examples page opens with it).
+EXAMPLE_RULE = ("Selection rule, fixed before looking: per perturbation family (strongest setting first), the "
+                "lowest-numbered task where the two policies (same training seed, evaluation seed and task) differ "
+                "in success under the perturbation while both solved it clean ('strict'); where fewer than {n} such "
+                "pairs exist in the environment, tasks where they differ under the perturbation whatever their clean "
+                "outcome ('relaxed', clean outcomes shown). Counts per setting say how many tasks went each way, so "
+                "no pair passes for the typical case.")
+
+
 def pick_examples(rows: pd.DataFrame, a: str = "vanilla", b: str = "sprpo", *, train_seed: int = 0, seed: int = 0,
-                  per_family: int = 1) -> pd.DataFrame:
-    """Trajectory pairs for the text examples, by a fixed rule: at each perturbed setting
-    of the rows (strongest first within a family), the tasks where ``a`` and ``b`` (same
-    training seed, same evaluation seed, same task) differ in success under the
-    perturbation while both succeeded on it clean; the ``per_family`` lowest task
-    indices of each family, in either direction.  ``counts`` columns report how many
+                  per_family: int = 1, min_pairs: int = 2) -> pd.DataFrame:
+    """Trajectory pairs for the text examples by :data:`EXAMPLE_RULE`: at each perturbed
+    setting of the rows (strongest first within a family), the tasks where ``a`` and ``b``
+    (same training seed, same evaluation seed, same task) differ in success under the
+    perturbation while both succeeded on it clean (``rule`` "strict"); the ``per_family``
+    lowest task indices of each family, in either direction.  Where that gives fewer than
+    ``min_pairs`` pairs, tasks that differ under the perturbation whatever their clean
+    outcome are added the same way (``rule`` "relaxed").  ``counts`` columns report how many
     tasks went each way, so the chosen pairs are not mistaken for the typical case."""
     key = ["env", "split", "task_index"]
     sel = rows[(rows["train_seed"] == train_seed) & (rows["seed"] == seed) & rows["method"].isin([a, b])]
     clean = sel[sel["family"] == "clean"].pivot_table(index=key, columns="method", values="success", aggfunc="first")
-    both_clean = clean[(clean.get(a) == 1) & (clean.get(b) == 1)].index if {a, b} <= set(clean.columns) else []
-    out = []
-    for fam in [f for f in CURVE_FAMILIES if (sel["family"] == f).any()]:
-        picked = 0
-        for s in sorted(set(sel.loc[sel["family"] == fam, "strength"]), reverse=(fam != "rtn")):
-            part = sel[(sel["family"] == fam) & (sel["strength"] == s)]
-            piv = part.pivot_table(index=key, columns="method", values=["success", "cell"], aggfunc="first")
-            if not {a, b} <= set(piv["success"].columns):
-                continue
-            piv = piv[piv.index.isin(both_clean)]
-            diff = piv[piv["success"][a] != piv["success"][b]]
-            wins, losses = int((diff["success"][b] == 1).sum()), int((diff["success"][a] == 1).sum())
-            for idx, r in diff.sort_index(level="task_index").iterrows():
+    if not {a, b} <= set(clean.columns):
+        return pd.DataFrame()
+    both_clean = clean[(clean[a] == 1) & (clean[b] == 1)].index
+    out: list[dict] = []
+
+    def scan(rule: str, eligible) -> None:
+        taken = {(r["family"], r["split"], r["task_index"]) for r in out}
+        for fam in [f for f in CURVE_FAMILIES if (sel["family"] == f).any()]:
+            picked = sum(1 for r in out if r["family"] == fam and r["rule"] == rule)
+            for st in sorted(set(sel.loc[sel["family"] == fam, "strength"]), reverse=(fam != "rtn")):
                 if picked >= per_family:
                     break
-                out.append({"env": idx[0], "split": idx[1], "task_index": int(idx[2]), "family": fam, "strength": s,
-                            "train_seed": train_seed, "seed": seed, f"success_{a}": bool(r["success"][a]),
-                            f"success_{b}": bool(r["success"][b]), f"cell_{a}": r["cell"][a],
-                            f"cell_{b}": r["cell"][b], f"{b}_only": wins, f"{a}_only": losses,
-                            "both_clean": len(piv)})
-                picked += 1
-            if picked >= per_family:
-                break
+                part = sel[(sel["family"] == fam) & (sel["strength"] == st)]
+                piv = part.pivot_table(index=key, columns="method", values=["success", "cell"], aggfunc="first")
+                if not {a, b} <= set(piv["success"].columns):
+                    continue
+                piv = piv[piv.index.isin(eligible)]
+                diff = piv[piv["success"][a] != piv["success"][b]]
+                wins, losses = int((diff["success"][b] == 1).sum()), int((diff["success"][a] == 1).sum())
+                for idx, r in diff.sort_index(level="task_index").iterrows():
+                    if picked >= per_family:
+                        break
+                    if (fam, idx[1], int(idx[2])) in taken:
+                        continue
+                    out.append({"env": idx[0], "split": idx[1], "task_index": int(idx[2]), "family": fam, "strength": st,
+                                "train_seed": train_seed, "seed": seed, "rule": rule,
+                                f"success_{a}": bool(r["success"][a]), f"success_{b}": bool(r["success"][b]),
+                                f"clean_{a}": bool(clean.loc[idx, a]), f"clean_{b}": bool(clean.loc[idx, b]),
+                                f"cell_{a}": r["cell"][a], f"cell_{b}": r["cell"][b], f"{b}_only": wins,
+                                f"{a}_only": losses, "eligible": len(piv)})
+                    picked += 1
+
+    scan("strict", both_clean)
+    if len(out) < min_pairs:
+        scan("relaxed", clean.index)
     return pd.DataFrame(out)
 
 
@@ -526,17 +549,21 @@ def examples_markdown(picks: pd.DataFrame, logs: Mapping[str, list[dict] | None]
     """The chosen pairs as Markdown: the task, then each method's steps (action and the
     start of the feedback) side by side in sequence; ``logs`` maps a cell prefix to its
     episode log (:func:`sprpo_lib.evaluate.load_episode_log`)."""
+    rule = EXAMPLE_RULE.format(n=2) + "\n"
     if picks.empty:
-        return (f"No task qualifies: at no evaluated setting did {METHOD_LABELS.get(a, a)} and "
-                f"{METHOD_LABELS.get(b, b)} differ on a task both solved clean.\n")
-    parts = []
-    for i, r in enumerate(picks.itertuples(index=False), 1):
-        r = r._asdict()
+        return (rule + f"\nNo task qualifies: at no evaluated setting did {METHOD_LABELS.get(a, a)} and "
+                f"{METHOD_LABELS.get(b, b)} differ on a task under a perturbation.\n")
+    parts = [rule]
+    for i, r in enumerate(picks.to_dict("records"), 1):
         label = f"{FAMILY_LABELS.get(r['family'], r['family'])} {strength_label(r['family'], r['strength'])}"
-        parts.append(f"### Example {i}: {r['env']} task {r['split']}/{r['task_index']}, {label}\n")
+        parts.append(f"### Example {i} ({r.get('rule', 'strict')}): {r['env']} task {r['split']}/{r['task_index']}, "
+                     f"{label}\n")
+        clean = ("" if r.get("rule", "strict") == "strict" else
+                 f" Clean, {METHOD_LABELS.get(a, a)} {'succeeded' if r[f'clean_{a}'] else 'failed'} and "
+                 f"{METHOD_LABELS.get(b, b)} {'succeeded' if r[f'clean_{b}'] else 'failed'} on this task.")
         parts.append(f"At this setting {r[b + '_only']} task(s) were solved by {METHOD_LABELS.get(b, b)} only and "
-                     f"{r[a + '_only']} by {METHOD_LABELS.get(a, a)} only, of {r['both_clean']} that both solved clean "
-                     f"(training seed {r['train_seed']}, evaluation seed {r['seed']}).\n")
+                     f"{r[a + '_only']} by {METHOD_LABELS.get(a, a)} only, of {r['eligible']} eligible "
+                     f"(training seed {r['train_seed']}, evaluation seed {r['seed']}).{clean}\n")
         first = True
         for m in (a, b):
             ep = _episode(logs.get(r[f"cell_{m}"]), r["split"], r["task_index"])
