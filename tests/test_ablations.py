@@ -181,7 +181,7 @@ def test_motivation_figure_marks_bars_measured_on_fewer_goals(tmp_path, monkeypa
     summ["tasks"] = [24, 10, 24, 24, 10, 24]
     summ["n"] = [2, 1, 2, 1, 1, 1]
     figs = []
-    monkeypatch.setattr(R, "save_figure", lambda fig, path: figs.append(fig) or [])
+    monkeypatch.setattr(R, "save_figure", lambda fig, path, **kw: figs.append(fig) or [])
     R.plot_motivation(summ, tmp_path / "fig1", reference="warm_start")
     ticks = [t.get_text() for t in figs[0].axes[0].get_xticklabels()]
     assert ticks == ["Clean", "\u03c3=0.10\u2020", "\u03c3=0.20"]
@@ -203,7 +203,7 @@ def test_motivation_figure_wears_the_method_colours_and_no_zero_error_bars(tmp_p
     summ = _summary({"vanilla": {("clean", 0.0): 40.0, ("gaussian", 0.2): 16.0, ("rtn", 6.0): 30.0},
                      "warm_start": {("clean", 0.0): 25.0, ("gaussian", 0.2): 20.0, ("rtn", 6.0): 22.0}}).assign(tasks=12)
     figs = []
-    monkeypatch.setattr(R, "save_figure", lambda fig, path: figs.append(fig) or [])
+    monkeypatch.setattr(R, "save_figure", lambda fig, path, **kw: figs.append(fig) or [])
     R.plot_motivation(summ, tmp_path / "fig1", reference="warm_start")
     from matplotlib.container import BarContainer
 
@@ -223,7 +223,7 @@ def test_fig3_rows_per_env_categorical_precision_and_one_marker_per_method(tmp_p
     alf = web.assign(env="alfworld")
     alf = alf[~((alf.method == "sprpo") & (alf.strength == 6.0))]  # a level not evaluated is a gap in the line
     figs = []
-    monkeypatch.setattr(R, "save_figure", lambda fig, path: figs.append(fig) or [])
+    monkeypatch.setattr(R, "save_figure", lambda fig, path, **kw: figs.append(fig) or [])
     R.plot_curves(pd.concat([web, alf]), ["vanilla", "sprpo"], tmp_path / "fig3", families=("gaussian", "rtn"))
     axes = np.asarray(figs[0].axes).reshape(2, 2)
     assert [ax.get_ylabel() for ax in axes[:, 0]] == ["success (%) - ALFWorld", "success (%) - WebShop"]

@@ -101,7 +101,7 @@ def test_the_old_fig3_fails_and_the_new_one_passes_on_the_committed_rows(tmp_pat
     plt.close(old)
 
     figs = []
-    monkeypatch.setattr(R, "save_figure", lambda fig, path: figs.append(fig) or [])
+    monkeypatch.setattr(R, "save_figure", lambda fig, path, **kw: figs.append(fig) or [])
     R.plot_curves(curve, ["warm_start", "vanilla", "gaussian", "sam", "sprpo"], tmp_path / "fig3",
                   title="cpu profile: success vs strength, every environment of the plan")
     assert F.figure_problems(figs[0]) == []
@@ -131,7 +131,7 @@ def test_fig4_is_a_heat_map_of_the_measured_cells(tmp_path, monkeypatch):
                          for m in ("vanilla", "sprpo") for w1 in (-0.2, 0.0, 0.2) for w2 in (-0.2, 0.0, 0.2)
                          for t in range(6)])
     figs = []
-    monkeypatch.setattr(R, "save_figure", lambda fig, path: figs.append(fig) or [])
+    monkeypatch.setattr(R, "save_figure", lambda fig, path, **kw: figs.append(fig) or [])
     R.plot_landscape(rows, ["vanilla", "sprpo"], tmp_path / "fig4", title="a title")
     fig = figs[0]
     heat = [ax for ax in fig.axes if ax.images]

@@ -29,9 +29,10 @@ from sprpo_lib.paper.stats import paired_bootstrap, summarize
 from sprpo_lib.paper.style import METHOD_COLORS, METHOD_MARKERS, pyplot, role
 from sprpo_lib.paper.tables import ENV_LABELS, FAMILY_LABELS, METHOD_LABELS, strength_label
 
-__all__ = ["COLORS", "save_figure", "plot_motivation", "plot_curves", "plot_landscape", "landscape_grid", "plot_ablation",
-           "paired_comparisons", "overhead", "overhead_latex", "EXAMPLE_RULE", "pick_examples", "examples_markdown", "headline",
-           "headline_markdown", "headline_caption", "seeds_text", "without_paired", "replace_block", "setting_label", "plain"]
+__all__ = ["COLORS", "save_figure", "plot_motivation", "plot_curves", "plot_landscape", "landscape_grid",
+           "plot_ablation", "paired_comparisons", "overhead", "overhead_latex", "EXAMPLE_RULE", "pick_examples",
+           "examples_markdown", "headline", "headline_markdown", "headline_caption", "seeds_text", "without_paired",
+           "replace_block", "setting_label", "plain", "README_WIDTH_PX"]
 
 COLORS = METHOD_COLORS  # one colour and marker per method, in every figure (sprpo_lib.paper.style)
 MARKERS = METHOD_MARKERS
@@ -126,8 +127,8 @@ def plot_curves(summary: pd.DataFrame, methods: Sequence[str], path: str | Path,
                             reverse=fam == "rtn")
             categorical = fam == "rtn" or len(levels) <= 2
             if categorical:
-                ticks = [strength_label("clean" if b == zero else fam, b, clean_label="BF16" if fam == "rtn" else "none")
-                         for b in levels]
+                none = "BF16" if fam == "rtn" else "none"
+                ticks = [strength_label("clean" if b == zero else fam, b, clean_label=none) for b in levels]
                 ax.set_xticks(range(len(levels)), ticks)
                 ax.set_xlim(-0.5, len(levels) - 0.5)
             for m in methods:
@@ -523,8 +524,8 @@ def pick_examples(rows: pd.DataFrame, a: str = "vanilla", b: str = "sprpo", *, t
                         break
                     if (fam, idx[1], int(idx[2])) in taken:
                         continue
-                    out.append({"env": idx[0], "split": idx[1], "task_index": int(idx[2]), "family": fam, "strength": st,
-                                "train_seed": train_seed, "seed": seed, "rule": rule,
+                    out.append({"env": idx[0], "split": idx[1], "task_index": int(idx[2]), "family": fam,
+                                "strength": st, "train_seed": train_seed, "seed": seed, "rule": rule,
                                 f"success_{a}": bool(r["success"][a]), f"success_{b}": bool(r["success"][b]),
                                 f"clean_{a}": bool(clean.loc[idx, a]), f"clean_{b}": bool(clean.loc[idx, b]),
                                 f"cell_{a}": r["cell"][a], f"cell_{b}": r["cell"][b], f"{b}_only": wins,
@@ -633,7 +634,8 @@ def seeds_text(seeds: Mapping[str, Sequence[int]]) -> str:
 def headline_caption(env: str, profile: str, h: Mapping) -> str:
     """The line above one environment's headline table: design and what the cells hold."""
     return (f"**{ENV_LABELS.get(env, env)}** ({profile} profile; {h['tasks_per_split']} held-out tasks per split, "
-            f"evaluation seeds {', '.join(map(str, h['eval_seeds']))}; training seeds {seeds_text(h['training_seeds'])}); "
+            f"evaluation seeds {', '.join(map(str, h['eval_seeds']))}; "
+            f"training seeds {seeds_text(h['training_seeds'])}); "
             f"success % mean ± std over training seeds (retention %: perturbed / clean success of the same method, "
             f"above 100 where a perturbation helped on these goals):")
 
