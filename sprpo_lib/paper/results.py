@@ -15,6 +15,7 @@ folders.  Pure functions of their inputs (the logic of notebooks 03-07):
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -24,10 +25,12 @@ import pandas as pd
 
 from sprpo_lib.compress import FAMILIES
 from sprpo_lib.io import atomic_write_text
-from sprpo_lib.paper.figcheck import design_gid
+from sprpo_lib.paper.figcheck import design_gid, figure_problems
 from sprpo_lib.paper.stats import paired_bootstrap, summarize
 from sprpo_lib.paper.style import METHOD_COLORS, METHOD_MARKERS, pyplot, role
 from sprpo_lib.paper.tables import ENV_LABELS, FAMILY_LABELS, METHOD_LABELS, strength_label
+
+log = logging.getLogger(__name__)
 
 __all__ = ["COLORS", "save_figure", "plot_motivation", "plot_curves", "plot_landscape", "landscape_grid",
            "plot_ablation", "paired_comparisons", "overhead", "overhead_latex", "EXAMPLE_RULE", "pick_examples",
@@ -49,8 +52,12 @@ def _plt():
 
 
 def save_figure(fig, path: str | Path, dpi: int = 150) -> list[Path]:
-    """Save ``fig`` as PNG (at ``dpi``) and PDF beside each other (atomic renames); returns both paths."""
+    """Save ``fig`` as PNG (at ``dpi``) and PDF beside each other (atomic renames); returns both
+    paths.  The figure check (:func:`sprpo_lib.paper.figcheck.figure_problems`) runs first and
+    its problems are logged as warnings, so a notebook's output shows them."""
     plt = _plt()
+    for problem in figure_problems(fig):
+        log.warning("figure %s: %s", Path(path).name, problem)
     path = Path(path).with_suffix("")
     path.parent.mkdir(parents=True, exist_ok=True)
     out = []
