@@ -26,7 +26,7 @@ from sprpo_lib.io import read_json
 from sprpo_lib.methods import make_method, rank_correlation
 from sprpo_lib.paper import experiments as X
 from sprpo_lib.paper.results import save_figure
-from sprpo_lib.paper.style import pyplot
+from sprpo_lib.paper.style import METHOD_COLORS, pyplot
 from sprpo_lib.paths import project_path
 
 __all__ = ["layer_sigma", "final_sigma", "sigma_fisher", "plot_sigma", "noise_health", "HEALTH"]
@@ -139,13 +139,16 @@ def plot_sigma(layers: pd.DataFrame, corr: pd.DataFrame, path: str | Path, *, ti
         per = corr[corr["layer"] >= 0]
         names = list(dict.fromkeys(per["run"]))
         w = 0.8 / max(1, len(names))
-        for i, run in enumerate(names):
+        for i, run in enumerate(names):  # every run is SPrPO's: its colour, one shade per run (paper.style)
             part = per[per["run"] == run]
-            line = ax.bar(part["layer"] + (i - (len(names) - 1) / 2) * w, part["spearman"], w, label=run)
+            shade = 1.0 - 0.6 * i / max(1, len(names) - 1)
+            ax.bar(part["layer"] + (i - (len(names) - 1) / 2) * w, part["spearman"], w, label=run,
+                   color=METHOD_COLORS["sprpo"], alpha=shade)
             overall = corr[(corr["run"] == run) & (corr["layer"] == -1)]["spearman"]
             if len(overall):
-                ax.axhline(float(overall.iloc[0]), ls="--", lw=1, color=line.patches[0].get_facecolor())
-        ax.axhline(0, color="k", lw=0.6)
+                ax.axhline(float(overall.iloc[0]), ls="--", lw=1, color=METHOD_COLORS["sprpo"], alpha=shade,
+                           gid=f"reference:all-channel correlation of {run}")
+        ax.axhline(0, color="k", lw=0.6, gid="reference:zero")
         ax.set(xlabel="layer", ylabel="Spearman(sigma, Fisher importance)", ylim=(-1, 1),
                title="channels protected vs. Fisher importance\n(negative: important channels get less noise)")
         ax.title.set_fontsize(8)
