@@ -271,6 +271,7 @@ def plot_motivation(summary: pd.DataFrame, path: str | Path, *, method: str = "v
             if idx[0] > 0:
                 ax.axvline(idx[0] - 0.5, color="k", lw=0.5, alpha=0.3, gid="reference:family separator")
     ax.set(ylabel="success (%)", ylim=(0, 110))
+    ax.grid(False, axis="x")  # no grid line through the bars
     ax.set_title(title or f"{METHOD_LABELS.get(method, method)} under perturbations", fontsize=9)
     fig.tight_layout(rect=(0, 0.06, 1, 1) if main is not None else None)
     return save_figure(fig, path)
@@ -373,6 +374,7 @@ def plot_ablation(summary: pd.DataFrame, panels: Sequence[tuple[str, Sequence[tu
         ax.set(title=plain(ptitle), ylim=(0, 100))
         ax.title.set_fontsize(8)
         ax.grid(axis="y", alpha=0.3)
+        ax.grid(False, axis="x")  # no grid line through the bars
     axes[0][0].set_ylabel("success (%)")
     axes[0][0].legend(fontsize=6, loc="upper right")
     if title:
