@@ -86,15 +86,16 @@ def _family_points(summary: pd.DataFrame, family: str, method: str) -> pd.DataFr
 DODGE = 0.07
 
 
-def _design(row) -> tuple[int, int]:
-    """(test goals per split, training seeds) of a summary row: what sets its sampling error."""
-    tasks = row.get("tasks", 0)
-    return int(tasks) if pd.notna(tasks) else 0, int(row.get("n", 1) or 1)
+def _design(row) -> tuple[int | None, int]:
+    """(test goals per split, training seeds) of a summary row: what sets its sampling error
+    (goals ``None`` where the summary has no ``tasks``)."""
+    tasks = row.get("tasks")
+    return (int(tasks) if tasks is not None and pd.notna(tasks) else None), int(row.get("n", 1) or 1)
 
 
-def _design_text(d: tuple[int, int]) -> str:
+def _design_text(d: tuple[int | None, int]) -> str:
     goals, seeds = d
-    return f"{goals} goals x {seeds} training seed{'s' if seeds != 1 else ''}"
+    return (f"{goals} goals x " if goals is not None else "") + f"{seeds} training seed{'s' if seeds != 1 else ''}"
 
 
 #: The width the README shows its opening figure at (px): :func:`plot_curves` with ``readme=True``
@@ -151,7 +152,7 @@ def plot_curves(summary: pd.DataFrame, methods: Sequence[str], path: str | Path,
                 style = dict(color=COLORS.get(m), marker=MARKERS.get(m, "o"), ms=4)
                 joined = not categorical or fam == "rtn"  # two levels on a categorical axis: markers only
                 ax.plot(xs, ys, linestyle="-" if joined else "none", lw=1.4, label=METHOD_LABELS.get(m, m),
-                        gid=design_gid(*main), **style)
+                        gid=design_gid(main[0] or 0, main[1]), **style)
                 if main[1] > 1:
                     ax.errorbar(xs, ys, yerr=np.nan_to_num(err), fmt="none", ecolor=COLORS.get(m), capsize=2, lw=0.9)
                 mains.setdefault(ENV_LABELS.get(env, env) if env else env_label, set()).add(main)
@@ -208,21 +209,15 @@ def plot_motivation(summary: pd.DataFrame, path: str | Path, *, method: str = "v
     def bars_of(m: str) -> list[tuple]:
         sel = summary[summary["method"] == m]
         clean = sel[sel["family"] == "clean"]
-        def design(r) -> tuple:
-            return (int(r["tasks"]) if "tasks" in r and not pd.isna(r["tasks"]) else None, int(r["n"]))
-
         out = [("Clean", float(clean["mean"].iloc[0]) if len(clean) else math.nan,
                 float(clean["std"].fillna(0).iloc[0]) if len(clean) else 0.0, "clean", 0.0,
-                design(clean.iloc[0]) if len(clean) else None)]
+                _design(clean.iloc[0]) if len(clean) else None)]
         for fam in families:
             part = sel[sel["family"] == fam].sort_values("strength", ascending=(fam != "rtn"))
             for _, r in part.iterrows():
                 out.append((plain(strength_label(fam, r["strength"])), float(r["mean"]),
-                            float(0 if pd.isna(r["std"]) else r["std"]), fam, float(r["strength"]), design(r)))
+                            float(0 if pd.isna(r["std"]) else r["std"]), fam, float(r["strength"]), _design(r)))
         return out
-
-    def in_words(d: tuple) -> str:
-        return (f"{d[0]} goals x " if d[0] is not None else "") + f"{d[1]} training seed{'s' if d[1] != 1 else ''}"
 
     bars = bars_of(method)
     ref = {(b[3], b[4]): b for b in bars_of(reference)} if reference else {}
@@ -253,9 +248,9 @@ def plot_motivation(summary: pd.DataFrame, path: str | Path, *, method: str = "v
     main = bars[0][5]
     off = sorted({b[5] for b in bars if b[5] is not None and b[5] != main}, key=str)
     ax.set_xticks(x, [b[0] + ("\u2020" if off and b[5] != main else "") for b in bars], fontsize=7)
-    note = f"{METHOD_LABELS.get(method, method)}: {in_words(main)} per bar" if main is not None else ""
+    note = f"{METHOD_LABELS.get(method, method)}: {_design_text(main)} per bar" if main is not None else ""
     if off:  # bars measured on another design than the clean bar's
-        note += "; \u2020 " + "; ".join(in_words(d) for d in off)
+        note += "; \u2020 " + "; ".join(_design_text(d) for d in off)
     if ref and {b[5][1] for b in ref.values() if b[5]} == {1}:
         note += f". {METHOD_LABELS.get(reference, reference)} (hatched): one policy on the same goals"
     if main is not None:
