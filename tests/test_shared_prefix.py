@@ -320,3 +320,44 @@ def test_bench_train_reports_each_phase_against_its_floor():
         assert 1 < res[path]["sam_over_vanilla_bound"]
     assert tok["trie_limit"] <= tok["shared_computed"] - tok["shared_padding"]
     assert res["rollout"]["floor_s"] > 0 and set(res["whole_over_shared"]) == {"vanilla", "sprpo", "sprpo_one_pass", "sam"}
+    # the generation floor covers every episode the rollout played, refill rounds included
+    assert res["rollout"]["rounds"] >= 1 and res["rollout"]["episodes_played"] >= res["episodes"]
+    assert res["shared"]["sprpo_one_pass"]["ppo_steps"] == 1 and res["shared"]["vanilla"]["ppo_steps"] >= 1
+
+
+def test_bench_prices_the_old_log_prob_pass_that_mini_batches_add(tiny_spec):
+    """An update in several mini-batches does exactly one forward pass more than the same
+    update in one step (Actor.ppo_update's old log-probs, torch's FLOP counter on the
+    linears: equal-length rows, no padding), and the bench's pass plan adds exactly that
+    forward to every method that steps more than once, never to the one-pass estimate."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from sprpo_lib import hardware as hw
+    from sprpo_lib.bench.suite import _pass_groups, method_passes
+
+    pol = load_policy(tiny_spec, seed=0, dtype="float32")
+    model = pol.model  # every weight trainable: the backward's FLOPs are the same in both updates
+    for p in model.parameters():
+        p.requires_grad_(True)
+    rng = random.Random(1)
+    batch = Batch([Sample([rng.randrange(3, 250) for _ in range(14)], 5, a) for a in (1.0, -0.5, 0.7, -1.2)])
+
+    def counted(mini_batch) -> float:
+        params = [p for p in model.parameters() if p.requires_grad]
+        actor = Actor(model, 0, torch.optim.SGD(params, lr=0.0), micro_batch=2, prefix_min=0, mini_batch=mini_batch)
+        with FlopCounterMode(display=False) as fc:
+            st = actor.ppo_update(batch.without_old(), None)
+        c = fc.get_flop_counts()["Global"]
+        return sum(v for k, v in c.items() if str(k).split(".")[-1] in ("mm", "addmm")), st["ppo_steps"]
+
+    (one, s1), (two, s2) = counted(None), counted(2)
+    assert (s1, s2) == (1.0, 2.0)
+    forward = hw.train_pass_flops(pol.model.config, _pass_groups(batch.samples, 0), 0)
+    assert two - one == forward["linear"] + forward["head"]  # the LM head too (2-D here: no prefix pass)
+
+    L = pol.model.config.num_hidden_layers
+    plan1, plan2 = (method_passes(batch, 1, L, False, steps=k) for k in (1, 2))
+    for m in ("vanilla", "sprpo", "sam"):
+        extra = [p for p in plan2[m] if p not in plan1[m]]
+        assert [(t, len(r), d) for t, r, d in extra] == [("update_s", len(batch.samples), 0)]
+    assert plan1["sprpo_one_pass"] == plan2["sprpo_one_pass"]

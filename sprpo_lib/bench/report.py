@@ -93,9 +93,12 @@ def _train_rows(res: dict) -> list[str]:
              f"{tok.get('whole_computed')} (padding {tok.get('whole_padding')}), by a shared-prefix pass "
              f"{tok.get('shared_computed')} (padding {tok.get('shared_padding')}, {tok.get('prefix_groups')} prefixes), "
              f"by any prefix sharing at least {tok.get('trie_limit')}; "
-             f"{res.get('dtype')} matmul {res.get('matmul_gflops')} GFLOP/s. Rollout {ro.get('rollout_s')} s, "
-             f"generation {ro.get('generate_s')} s = {ro.get('generate_over_floor')}x its floor "
-             f"({ro.get('prefill_floor_s')} s prefill + {ro.get('decode_floor_s')} s decode).\n",
+             f"{res.get('dtype')} matmul {res.get('matmul_gflops')} GFLOP/s. Rollout {ro.get('rollout_s')} s"
+             + (f" ({ro['episodes_played']} episodes in {ro.get('rounds')} rounds)" if "episodes_played" in ro else "")
+             + f", generation {ro.get('generate_s')} s = {ro.get('generate_over_floor')}x its floor "
+             f"({ro.get('prefill_floor_s')} s prefill + {ro.get('decode_floor_s')} s decode"
+             + ("" if "episodes_played" in ro else "; older record: the floor counts the batch's episodes only, "
+                "not those of refill rounds") + ").\n",
              "| passes | method | update s (x floor) | s / row | extra pass s (x floor) | iteration s | x Vanilla |",
              "|---|---|---|---|---|---|---|"]
     for path in ("whole", "shared"):
@@ -110,6 +113,10 @@ def _train_rows(res: dict) -> list[str]:
             ratio = rows.get(f"{m}_over_vanilla", 1.0)
             lines.append(f"| {path} | {m} | {r['update_s']} ({r.get('update_over_floor')}x) | "
                          f"{r['update_s_per_sample']} | {extra} | {r['iteration_s']} | {ratio} |")
+    first = next((r for r in (res.get("shared") or {}).values() if isinstance(r, dict)), {})
+    if (res.get("ppo_mini_batch_size") or 0) and "ppo_steps" not in first:
+        lines.append("\nOlder record: its update floors leave out the forward pass that fills the old log-probs "
+                     "before mini-batched steps, so these update / floor ratios are overstated.")
     bounds = res.get("shared") or {}
     if bounds.get("sprpo_over_vanilla_bound"):
         lines.append(f"\nWith the extra pass at its floor (shared passes): SPrPO (replay) at least "

@@ -353,6 +353,27 @@ def _phase_rows(times: dict, passes: dict, config, prefix_min: int, gflops: floa
     return out
 
 
+def method_passes(batch, depth: int, layers: int, regularised: bool, skip_zero_adv: bool = True,
+                  steps: int = 1) -> dict[str, list]:
+    """The passes each method's iteration runs over ``batch``: ``(timer, rows, layers the
+    backward reaches)``, 0 for a forward only.  The update runs every row when a regulariser
+    is on, else the rows with a non-zero advantage (``Actor.rows_with_gradient``), backward
+    to the lowest LoRA layer (``depth``); the replay and SAM's channel gradient run the rows
+    with a non-zero advantage through all ``layers``.  With several optimizer ``steps``
+    (mini-batches, epochs), ``Actor.ppo_update`` first fills the old log-probs of every row
+    with a forward-only pass (verl's ``compute_log_prob``); the one-pass estimate takes one
+    step on its own forward, so it has none."""
+    nonzero = [s for s in batch.samples if s.adv != 0.0]
+    update_rows = batch.samples if regularised or not skip_zero_adv else nonzero
+    probe_rows = nonzero if skip_zero_adv else batch.samples
+    old = [("update_s", batch.samples, 0)] if steps > 1 else []
+    return {"vanilla": old + [("update_s", update_rows, depth)],
+            "sprpo": old + [("update_s", update_rows, depth), ("sensitivity_s", probe_rows, layers)],
+            "sprpo_one_pass": [("update_s", probe_rows, layers)]
+            + ([("update_s", batch.samples, depth)] if regularised else []),
+            "sam": [("sensitivity_s", probe_rows, layers)] + old + [("update_s", update_rows, depth)]}
+
+
 def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, overrides: list[str] | None = None,
                 paths: tuple[str, ...] = ("shared", "whole")) -> dict:
     """Seconds per iteration by phase for Vanilla, SPrPO (Alg. 1 line 7's replay, and the
@@ -366,10 +387,13 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     rollout plus its update and extra pass.  Floors: :func:`hardware.train_pass_flops` of
     the rows each pass runs (the update: every row when a regulariser is on; the replay and
     SAM's channel gradient: the rows with a non-zero advantage, backward through every
-    layer; the update's backward stops at the lowest LoRA layer) at the matmul rate
+    layer; the update's backward stops at the lowest LoRA layer; with several optimizer
+    steps, the forward-only pass that fills the old log-probs first) at the matmul rate
     measured here for the model's dtype and shapes; generation against
-    :func:`generation_floor`.  ``tokens`` says what the passes compute against what the
-    batch holds: padding, and prefixes computed once per row instead of once."""
+    :func:`generation_floor` of every episode played, refill rounds included.  Each
+    method's ``ppo_steps`` says how many optimizer steps it took (the one-pass estimate:
+    one).  ``tokens`` says what the passes compute against what the batch holds: padding,
+    and prefixes computed once per row instead of once."""
     import copy
     import dataclasses
 
@@ -394,13 +418,8 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     a = tr.actor
     regularised = bool(a.loss_cfg.entropy_coeff or a.kl_coef)
     nonzero = [s for s in batch.samples if s.adv != 0.0]
-    update_rows = batch.samples if regularised or not a.skip_zero_adv else nonzero
-    probe_rows = nonzero if a.skip_zero_adv else batch.samples
-    # the passes of each method: (timer, rows, layers the backward reaches)
-    passes = {"vanilla": [("update_s", update_rows, depth)],
-              "sprpo": [("update_s", update_rows, depth), ("sensitivity_s", probe_rows, L)],
-              "sprpo_one_pass": [("update_s", probe_rows, L)] + ([("update_s", batch.samples, depth)] if regularised else []),
-              "sam": [("sensitivity_s", probe_rows, L), ("update_s", update_rows, depth)]}
+    passes = method_passes(batch, depth, L, regularised, a.skip_zero_adv,
+                           len(batch.mini_batches(a.mini_batch)) * a.epochs)
     variants = {"vanilla": MethodConfig(name="vanilla"),
                 "sprpo": dataclasses.replace(cfg.method, name="sprpo", sensitivity="replay"),
                 "sprpo_one_pass": dataclasses.replace(cfg.method, name="sprpo", sensitivity="one_pass"),
@@ -408,7 +427,7 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     prefix_min = {"shared": cfg.update.prefix_min or 16, "whole": 0}
     params0 = [p.detach().clone() for p in a.params]
     opt0 = copy.deepcopy(a.opt.state_dict())
-    times = {(path, v): {"update_s": [], "sensitivity_s": []} for path in paths for v in variants}
+    times = {(path, v): {"update_s": [], "sensitivity_s": [], "ppo_steps": []} for path in paths for v in variants}
     states: dict[tuple[str, str], tuple] = {}
     for path in paths:  # untimed warm-up of both layouts (first-call allocations), on a few rows
         a.prefix_min = prefix_min[path]
@@ -428,7 +447,9 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
                     states[(path, name)] = (tr.method.S_hat.clone(), tr.method.m_hat)
                 for k in ("update_s", "sensitivity_s"):
                     times[(path, name)][k].append(st[k])
-    gen = generation_floor(config, eps, gflops, bandwidth, weight_bytes)
+                times[(path, name)]["ppo_steps"].append(st.get("ppo_steps", 1.0))
+    played = eps + list(rst.get("dropped", []))  # generate_s covers every refill round's episodes
+    gen = generation_floor(config, played, gflops, bandwidth, weight_bytes)
     t_roll = rst["rollout_s"]
     res: dict = {"profile": profile, "env": env, "overrides": list(overrides or []), "dtype": tr.dtype,
                  "matmul_gflops": gflops, "bandwidth_gbs": round(bandwidth, 1), "layers": L, "lora_layers": depth,
@@ -436,7 +457,8 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
                  "response_tokens": batch.n_tokens, "micro_batch": a.micro_batch, "prefix_min": prefix_min["shared"],
                  "ppo_mini_batch_size": cfg.update.ppo_mini_batch_size,
                  "rollout": {"rollout_s": round(t_roll, 2), "generate_s": round(rst["generate_s"], 2),
-                             "env_s": round(rst["env_s"], 3), **gen,
+                             "env_s": round(rst["env_s"], 3), "rounds": int(rst.get("rounds", 1)),
+                             "episodes_played": len(played), **gen,
                              "generate_over_floor": round(rst["generate_s"] / gen["floor_s"], 2)}}
     whole = batch.computed_tokens(a.micro_batch)
     shared = batch.computed_tokens(a.micro_batch, prefix_min["shared"])
