@@ -16,14 +16,14 @@ negative of the paper's objective, so ``dL/dv = -dloss/dv``.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Iterator
 
 import torch
 
 from sprpo_lib.batch import Batch, MicroBatch
 from sprpo_lib.losses import PPOLossConfig, agg_loss, get_policy_loss, kl_penalty, token_entropy, token_logprobs
-from sprpo_lib.models import checkpointed_layers, lowest_trainable_layer
+from sprpo_lib.models import checkpointed_layers, decoder_layers, from_layer, lowest_trainable_layer
 from sprpo_lib.perturb import FFNChannels, below_resolution, float32_compute
 
 SURROGATE = frozenset({"surrogate"})
@@ -78,13 +78,20 @@ class Actor:
             (:func:`sprpo_lib.models.checkpointed_layers`): activation memory per token falls
             from every intermediate of every layer to one hidden state per layer, for about
             one more forward of compute.  Same gradients.
+        reuse_frozen: an update of several optimizer steps keeps, from the pass that fills
+            the old log-probs, every row's hidden states at the input of the lowest
+            trainable layer, and its steps run the layers from there on only: the layers
+            below hold no trainable parameter and see the same xi, so their output does
+            not change within the update (up to float rounding).  A pass that
+            differentiates xi or the channel gain runs every layer.  ``False``: every
+            step runs every layer (the reference path).
     """
 
     def __init__(self, model, pad_id: int, opt: torch.optim.Optimizer, *, grad_clip: float = 1.0,
                  loss_name: str = "ppo_dual_clip", loss_cfg: PPOLossConfig | None = None, micro_batch: int = 8,
                  kl_coef: float = 0.0, kl_type: str = "low_var_kl", mini_batch: int | None = None, epochs: int = 1,
                  skip_zero_adv: bool = True, prefix_min: int = 16, micro_batch_tokens: int | None = None,
-                 grad_checkpointing: bool = False):
+                 grad_checkpointing: bool = False, reuse_frozen: bool = True):
         self.model, self.pad_id, self.opt = model, pad_id, opt
         self.params = [p for g in opt.param_groups for p in g["params"]]
         self.grad_clip = grad_clip
@@ -98,6 +105,9 @@ class Actor:
         self.prefix_min = prefix_min
         self.micro_batch_tokens = micro_batch_tokens
         self.grad_checkpointing = grad_checkpointing
+        self.reuse_frozen = reuse_frozen
+        self._frozen: dict[int, torch.Tensor] | None = None  # per sample: hidden states below the trainable layers
+        self._first_layer = 0  # the layer the current pass starts at (from kept hidden states: > 0)
         self.fc = FFNChannels(model)
         self.shape = self.fc.shape
         self.device = next(model.parameters()).device
@@ -121,21 +131,44 @@ class Actor:
         self.timers[self._timer] = self.timers.get(self._timer, 0.0) + time.perf_counter() - t0
 
     # ------------------------------------------------------------------ forward
-    def _logits(self, mb: MicroBatch, past: list[torch.Tensor] | None = None) -> torch.Tensor:
+    def _logits(self, mb: MicroBatch, past: list[torch.Tensor] | None = None,
+                embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Logits predicting each response token of ``mb`` (``[B, R, V]``); after a shared
-        prefix, ``past`` holds its keys and values per layer (``[1, heads, P, d]``)."""
+        prefix, ``past`` holds its keys and values per layer (``[1, heads, P, d]``).
+        ``embeds``: the rows' hidden states at the first layer run (:func:`from_layer`)."""
         R = mb.tgt.shape[1]
+        inputs = {"input_ids": mb.ids} if embeds is None else {"inputs_embeds": embeds}
         if not mb.prefix_len:
-            return self.model(input_ids=mb.ids, attention_mask=mb.att, use_cache=False,
-                              logits_to_keep=R + 1).logits[:, :-1]
+            return self.model(**inputs, attention_mask=mb.att, use_cache=False, logits_to_keep=R + 1).logits[:, :-1]
         cache, B = prefix_cache(), mb.ids.shape[0]
         for i in range(0, len(past), 2):
             cache.store(past[i].expand(B, -1, -1, -1), past[i + 1].expand(B, -1, -1, -1), i // 2)
-        return self.model(input_ids=mb.ids, attention_mask=mb.att, position_ids=mb.pos, past_key_values=cache,
+        return self.model(**inputs, attention_mask=mb.att, position_ids=mb.pos, past_key_values=cache,
                           use_cache=True, logits_to_keep=R + 1).logits[:, :-1]
 
-    def passes(self, batch: Batch, sort: bool = True,
-               on_prefix=None) -> Iterator[tuple[MicroBatch, torch.Tensor]]:
+    def _row_states(self, mb: MicroBatch) -> torch.Tensor:
+        """``[B, T, H]``: each row's kept hidden states (:attr:`_frozen`) laid out as ``mb``'s
+        left-padded tokens (after its shared prefix); padding positions are zeros, which the
+        attention mask hides."""
+        B, T = mb.ids.shape
+        out = None
+        for j, s in enumerate(mb.samples):
+            h = self._frozen[id(s)]
+            if out is None:
+                out = h.new_zeros(B, T, h.shape[-1])
+            n = len(s.ids) - mb.prefix_len
+            out[j, T - n:] = h[mb.prefix_len:]
+        return out
+
+    def _keep_states(self, mb: MicroBatch, hidden: torch.Tensor, prefix: torch.Tensor | None) -> None:
+        """Store each row's hidden states (prefix part, then its own) from a pass's capture."""
+        T = hidden.shape[1]
+        for j, s in enumerate(mb.samples):
+            own = hidden[j, T - (len(s.ids) - mb.prefix_len):]
+            self._frozen[id(s)] = own if prefix is None else torch.cat([prefix, own])
+
+    def passes(self, batch: Batch, sort: bool = True, on_prefix=None,
+               frozen: str | None = None) -> Iterator[tuple[MicroBatch, torch.Tensor]]:
         """``(micro-batch, logits)`` over ``batch``, each prefix shared by a run of rows
         computed once (``prefix_min > 0``; :func:`sprpo_lib.batch.prefix_groups`).
 
@@ -145,22 +178,60 @@ class Actor:
         gain receive both parts).  So a caller runs each micro-batch's backward before it asks
         for the next one, as a gradient-accumulation loop does.  The same function of the
         tokens as the whole rows (a causal model), up to float rounding.  ``on_prefix(roots,
-        leaves)`` runs first at a group's end (a second gradient through the same prefix)."""
+        leaves)`` runs first at a group's end (a second gradient through the same prefix).
+
+        ``frozen="keep"``: store every row's hidden states at the lowest trainable layer in
+        :attr:`_frozen`; ``"use"``: start from them there (:func:`from_layer`)."""
+        start = lowest_trainable_layer(self.model) if frozen else 0
+        keep: list[torch.Tensor] = []
+        handle = None
+        if frozen == "keep":
+            def grab(module, args, kwargs):
+                keep.append((args[0] if args else kwargs["hidden_states"]).detach())
+
+            handle = decoder_layers(self.model)[start].register_forward_pre_hook(grab, with_kwargs=True)
+        try:
+            with from_layer(self.model, start) if frozen == "use" else nullcontext():
+                self._first_layer = start if frozen == "use" else 0
+                yield from self._passes(batch, sort, on_prefix, frozen, keep)
+        finally:
+            self._first_layer = 0
+            if handle is not None:
+                handle.remove()
+
+    def _passes(self, batch, sort, on_prefix, frozen, keep):
+        use = frozen == "use"
         if not self.prefix_min:
             for mb in batch.micro_batches(self.micro_batch, self.pad_id, self.device, sort, self.micro_batch_tokens):
-                yield mb, self._logits(mb)
+                logits = self._logits(mb, embeds=self._row_states(mb) if use else None)
+                if frozen == "keep":
+                    self._keep_states(mb, keep.pop(), None)
+                yield mb, logits
             return
+        from transformers import DynamicCache
+
         for prefix, mbs in batch.shared_micro_batches(self.micro_batch, self.pad_id, self.device, self.prefix_min,
                                                       self.micro_batch_tokens):
             roots: list[torch.Tensor] = []
             leaves: list[torch.Tensor] | None = None
+            kept_prefix = None
             if prefix is not None:
-                cache = self.model(input_ids=prefix, use_cache=True, logits_to_keep=1).past_key_values
+                if use:  # the rows of a group share the prefix's tokens, so any row's states serve
+                    h = self._frozen[id(mbs[0].samples[0])][: prefix.shape[1]]
+                    cache = self.model(inputs_embeds=h[None], past_key_values=DynamicCache(), use_cache=True,
+                                       logits_to_keep=1).past_key_values
+                else:
+                    cache = self.model(input_ids=prefix, use_cache=True, logits_to_keep=1).past_key_values
+                    if frozen == "keep":
+                        kept_prefix = keep.pop()[0]
                 roots = [t for layer in cache.layers for t in (layer.keys, layer.values)]
                 leaves = [t.detach().requires_grad_(t.requires_grad) for t in roots]
             self._group_leaves = leaves or []
             for mb in mbs:
-                yield mb, self._logits(mb, leaves)
+                logits = self._logits(mb, leaves, self._row_states(mb) if use else None)
+                if frozen == "keep":
+                    self._keep_states(mb, keep.pop(), kept_prefix)
+                yield mb, logits
             if roots and on_prefix is not None:
                 on_prefix(roots, leaves)
             self._group_leaves = []
@@ -169,23 +240,24 @@ class Actor:
                 torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
 
     @torch.no_grad()
-    def log_probs(self, batch: Batch, xi: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """Per-sample response-token log-probs under ``xi`` (no gradient)."""
+    def log_probs(self, batch: Batch, xi: torch.Tensor | None = None, frozen: str | None = None) -> list[torch.Tensor]:
+        """Per-sample response-token log-probs under ``xi`` (no gradient); ``frozen``: as
+        in :meth:`passes`."""
         t0 = time.perf_counter()
         by_sample: dict[int, torch.Tensor] = {}
         self.model.eval()
         self.fc.set(xi=xi)
         with self.fc, float32_compute(self.model, below_resolution(xi, self.dtype)):
-            for mb, logits in self.passes(batch, self.sort_micro_batches):
+            for mb, logits in self.passes(batch, self.sort_micro_batches, frozen=frozen):
                 lp = token_logprobs(logits, mb.tgt)
                 by_sample.update((id(s), lp[j, lp.shape[1] - s.n_resp:].float().cpu()) for j, s in enumerate(mb.samples))
         self.fc.clear()
         self._tick(t0)
         return [by_sample[id(s)] for s in batch.samples]  # micro-batches are length-sorted: back to batch order
 
-    def fill_old_log_probs(self, batch: Batch, xi: torch.Tensor | None) -> None:
+    def fill_old_log_probs(self, batch: Batch, xi: torch.Tensor | None, frozen: str | None = None) -> None:
         """``old_logp`` of every sample at the current parameters (theta_k) under ``xi``."""
-        for s, lp in zip(batch.samples, self.log_probs(batch, xi)):
+        for s, lp in zip(batch.samples, self.log_probs(batch, xi, frozen)):
             s.old_logp = lp
 
     def fill_ref_log_probs(self, batch: Batch) -> None:
@@ -243,6 +315,9 @@ class Actor:
         self.side_grads = [None] * len(self.params) if split else None
         side_leaves: dict[int, torch.Tensor] = {}
         low = 2 * lowest_trainable_layer(self.model)  # keys/values below it lead to no parameter
+        # the kept states below the trainable layers serve a pass that differentiates the parameters alone
+        use_frozen = (self._frozen is not None and gain is None and not (xi is not None and xi.requires_grad)
+                      and all(id(s) in self._frozen for s in rows.samples))
 
         def side(loss, extra=(), grads=None) -> None:  # a regulariser's gradient into side_grads
             ins = self.params + list(extra)
@@ -264,7 +339,8 @@ class Actor:
 
         with (torch.enable_grad(), self.fc, float32_compute(self.model, below_resolution(xi, self.dtype)),
               checkpointed_layers(self.model, self.grad_checkpointing)):
-            for mb, logits in self.passes(rows, self.sort_micro_batches, prefix_side if split else None):
+            for mb, logits in self.passes(rows, self.sort_micro_batches, prefix_side if split else None,
+                                          frozen="use" if use_frozen else None):
                 logp = token_logprobs(logits, mb.tgt)
                 old = mb.field("old_logp")
                 if old is None:
@@ -287,7 +363,8 @@ class Actor:
                 w = n_mb / n_total
                 if split:
                     if reg.requires_grad:
-                        side(reg * w, [lf for lf in self._group_leaves[low:] if lf.requires_grad])
+                        first = low - 2 * self._first_layer  # leaves of the layers this pass ran
+                        side(reg * w, [lf for lf in self._group_leaves[first:] if lf.requires_grad])
                     if loss.requires_grad and bool((mb.adv != 0).any()):  # a zero surrogate has zero gradient
                         (loss * w).backward()
                 elif (loss + reg).requires_grad:
@@ -338,15 +415,22 @@ class Actor:
         the number of steps."""
         minis = batch.mini_batches(self.mini_batch)
         if len(minis) * self.epochs > 1:
-            self.fill_old_log_probs(Batch([s for s in batch.samples if s.old_logp is None]), xi)
+            start = lowest_trainable_layer(self.model)
+            keep = self.reuse_frozen and 0 < start < len(decoder_layers(self.model))
+            self._frozen = {} if keep else None
+            self.fill_old_log_probs(Batch([s for s in batch.samples if s.old_logp is None]), xi,
+                                    "keep" if keep else None)
         first: dict[str, float] = {}
         last: dict[str, float] = {}
-        for _ in range(self.epochs):
-            for mb in minis:
-                self.zero_grad()
-                last = self.backward(mb, xi)
-                first = first or last
-                self.step()
+        try:
+            for _ in range(self.epochs):
+                for mb in minis:
+                    self.zero_grad()
+                    last = self.backward(mb, xi)
+                    first = first or last
+                    self.step()
+        finally:
+            self._frozen = None
         first.update(ppo_steps=float(len(minis) * self.epochs),
                      **{f"last_{k}": v for k, v in last.items() if k in ("clipfrac", "approx_kl", "ratio_max")})
         return first

@@ -125,7 +125,11 @@ class UpdateConfig:
     activation memory follows tokens rather than rows (verl's ``ppo_max_token_len_per_gpu``);
     ``null``: rows alone decide.  ``grad_checkpointing``: each decoder layer keeps only its
     input for the backward and is recomputed there (verl's ``enable_gradient_checkpointing``):
-    far less activation memory for about one more forward."""
+    far less activation memory for about one more forward.  ``reuse_frozen``: with several
+    optimizer steps, each step runs the layers from the lowest trainable one on, from the
+    hidden states the old-log-prob pass kept there (the layers below hold no trainable
+    weight and see the same xi: same steps up to rounding); ``false`` runs every layer at
+    every step, as verl does."""
 
     lr: float = 3e-6
     betas: tuple[float, float] = (0.9, 0.999)
@@ -144,6 +148,7 @@ class UpdateConfig:
     prefix_min: int = field(default=16, metadata=OMIT_AT_DEFAULT)
     micro_batch_tokens: int | None = field(default=None, metadata=OMIT_AT_DEFAULT)
     grad_checkpointing: bool = field(default=False, metadata=OMIT_AT_DEFAULT)
+    reuse_frozen: bool = field(default=True, metadata=OMIT_AT_DEFAULT)
 
     def __post_init__(self):
         if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:

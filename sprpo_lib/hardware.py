@@ -184,9 +184,11 @@ def prefill_flops(config, prompt_lengths: Sequence[int], lm_head: bool = True) -
     return float(sum(2 * P * L * n + 2 * q * L * n * (n + 1) + head for n in prompt_lengths))
 
 
-def train_pass_flops(config, groups: Sequence[tuple[int, Sequence[int], Sequence[int]]], grad_layers: int) -> dict:
-    """FLOPs of one training pass (forward, then backward through the top ``grad_layers``
-    decoder layers; 0: a forward only) over rows sharing prefixes, padding left out.
+def train_pass_flops(config, groups: Sequence[tuple[int, Sequence[int], Sequence[int]]], grad_layers: int,
+                     forward_layers: int | None = None) -> dict:
+    """FLOPs of one training pass (forward through the top ``forward_layers`` decoder layers,
+    all by default, then backward through the top ``grad_layers``; 0: a forward only) over
+    rows sharing prefixes, padding left out.
 
     ``groups``: ``(P, row_lengths, response_lengths)`` per prefix group, each row of n
     tokens computing its tokens ``P:n`` against the group's P prefix tokens (computed
@@ -207,10 +209,11 @@ def train_pass_flops(config, groups: Sequence[tuple[int, Sequence[int], Sequence
         logits += sum(r + 1 for r in responses)
     lin = 2 * P_layer * L * tokens
     frac = min(max(int(grad_layers), 0), L) / L
-    fwd = lin + attn + head * logits
+    run = (L if forward_layers is None else min(max(int(forward_layers), 0), L)) / L
+    fwd = run * (lin + attn) + head * logits  # the layers below a pass's first one are not run
     bwd = frac * (lin + 2 * attn) + (head * logits if grad_layers else 0.0)
     return {"forward": fwd, "backward": bwd, "total": fwd + bwd, "computed_tokens": int(tokens),
-            "linear": lin, "attention": attn, "head": head * logits}
+            "linear": run * lin, "attention": run * attn, "head": head * logits}
 
 
 def decode_flops(config, context: int) -> float:

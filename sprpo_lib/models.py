@@ -461,6 +461,36 @@ def checkpointed_layers(model: nn.Module, on: bool = True) -> Iterator[None]:
             del layer.forward  # back to the class's forward
 
 
+@contextmanager
+def from_layer(model: nn.Module, start: int) -> Iterator[None]:
+    """Inside the block the model's forward starts at decoder layer ``start``: its
+    ``inputs_embeds`` are that layer's input hidden states (kept from an earlier pass over
+    the same tokens), the layers below are not run, and the layers from ``start`` on read and
+    write a KV cache at indices ``0 .. L - start - 1`` (pass a cache without a config).
+    What the actor uses to run the layers below the lowest trainable one once per update
+    rather than once per optimizer step.  Llama/Qwen2 layout; the layers kept must have the
+    attention types of the first ones (all full attention in both)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = base.model
+    layers = inner.layers
+    if not 0 <= start < len(layers):
+        raise ValueError(f"start must be in [0, {len(layers)}), got {start}")
+    types = list(getattr(inner.config, "layer_types", None) or [])
+    if types and types[: len(layers) - start] != types[start:]:
+        raise ValueError(f"from_layer({start}): layer types {types[start:]} differ from the first ones")
+    top = list(layers)[start:]
+    idx = [layer.self_attn.layer_idx for layer in top]
+    inner.layers = nn.ModuleList(top)
+    for i, layer in enumerate(top):
+        layer.self_attn.layer_idx = i
+    try:
+        yield
+    finally:
+        inner.layers = layers
+        for i, layer in zip(idx, top):
+            layer.self_attn.layer_idx = i
+
+
 def lowest_trainable_layer(model: nn.Module) -> int:
     """Index of the lowest decoder layer holding a trainable parameter (the layer count
     when none does): a backward for the parameters alone stops there."""

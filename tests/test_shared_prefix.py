@@ -14,7 +14,8 @@ from sprpo_lib.actor import SURROGATE, TRAIN, Actor
 from sprpo_lib.batch import Batch, PrefixGroup, Sample, prefix_groups, shareable
 from sprpo_lib.losses import PPOLossConfig
 from sprpo_lib.methods import grad_leaf
-from sprpo_lib.models import LoraSettings, add_lora, load_policy, lora_on_last_layers
+from sprpo_lib.models import LoraSettings, add_lora, decoder_layers, load_policy, lora_on_last_layers
+from sprpo_lib.perturb import FFNChannels
 
 
 def _grouped_batch(seed: int = 0) -> Batch:
@@ -333,7 +334,7 @@ def test_bench_prices_the_old_log_prob_pass_that_mini_batches_add(tiny_spec):
     from torch.utils.flop_counter import FlopCounterMode
 
     from sprpo_lib import hardware as hw
-    from sprpo_lib.bench.suite import _pass_groups, method_passes
+    from sprpo_lib.bench.suite import method_passes, pass_groups
 
     pol = load_policy(tiny_spec, seed=0, dtype="float32")
     model = pol.model  # every weight trainable: the backward's FLOPs are the same in both updates
@@ -352,12 +353,68 @@ def test_bench_prices_the_old_log_prob_pass_that_mini_batches_add(tiny_spec):
 
     (one, s1), (two, s2) = counted(None), counted(2)
     assert (s1, s2) == (1.0, 2.0)
-    forward = hw.train_pass_flops(pol.model.config, _pass_groups(batch.samples, 0), 0)
+    forward = hw.train_pass_flops(pol.model.config, pass_groups(batch.samples, 0), 0)
     assert two - one == forward["linear"] + forward["head"]  # the LM head too (2-D here: no prefix pass)
 
     L = pol.model.config.num_hidden_layers
     plan1, plan2 = (method_passes(batch, 1, L, False, steps=k) for k in (1, 2))
     for m in ("vanilla", "sprpo", "sam"):
         extra = [p for p in plan2[m] if p not in plan1[m]]
-        assert [(t, len(r), d) for t, r, d in extra] == [("update_s", len(batch.samples), 0)]
+        assert [(t, len(r), d, f) for t, r, d, f in extra] == [("update_s", len(batch.samples), 0, L)]
     assert plan1["sprpo_one_pass"] == plan2["sprpo_one_pass"]
+    # kept states (update.reuse_frozen): the steps' forward runs the top layer only, the rest is as before
+    kept = method_passes(batch, 1, L, False, steps=2, reuse_frozen=True)
+    for m in ("vanilla", "sprpo", "sam"):
+        assert [(t, d, f) for t, _, d, f in kept[m] if (t, d) == ("update_s", 1)] == [("update_s", 1, 1)]
+        assert [p for p in kept[m] if p[2:] != (1, 1)] == [p for p in plan2[m] if p[2:] != (1, L)]
+    assert method_passes(batch, 1, L, False, steps=1, reuse_frozen=True) == plan1  # one step keeps nothing
+
+
+@pytest.mark.parametrize("prefix_min,with_xi,entropy,ck", [(0, False, 0.0, False), (4, False, 0.0, False),
+                                                           (4, True, 0.01, False), (4, True, 0.0, True)])
+def test_kept_states_below_the_trainable_layers_give_the_reference_steps(tiny_spec, prefix_min, with_xi, entropy, ck):
+    """An update of several mini-batches that runs each step from the hidden states kept at
+    the lowest LoRA layer (Actor.reuse_frozen) takes the same steps as the reference path that
+    runs every layer each time: every step's LoRA gradient within 1e-5 relative (float32), the
+    old log-probs and the returned statistics equal, both paths in one run."""
+    pol = load_policy(tiny_spec, seed=0, dtype="float32")
+    add_lora(pol, lora_on_last_layers(pol.model, LoraSettings(rank=4, alpha=8), 1), seed=0)
+    with torch.no_grad():  # non-zero B so that the adapters act from the first step
+        for n, p in pol.model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(n)))
+    params = [p for p in pol.model.parameters() if p.requires_grad]
+    start = [p.detach().clone() for p in params]
+    L, C = FFNChannels(pol.model).shape
+    xi = 0.1 * torch.randn(L, C, generator=torch.Generator().manual_seed(3)) if with_xi else None
+    runs = {}
+    for reuse in (False, True):
+        with torch.no_grad():
+            for p, v in zip(params, start):
+                p.copy_(v)
+        actor = Actor(pol.model, 0, torch.optim.SGD(params, lr=0.5), micro_batch=2, prefix_min=prefix_min,
+                      loss_cfg=PPOLossConfig(entropy_coeff=entropy), mini_batch=5, epochs=2,
+                      grad_checkpointing=ck, reuse_frozen=reuse)
+        grads = []
+        step = actor.step
+
+        def recording_step(step=step, actor=actor, grads=grads):
+            grads.append([p.grad.detach().clone() for p in actor.params])
+            step()
+
+        actor.step = recording_step
+        batch = _grouped_batch(2).without_old()
+        calls = []
+        hook = decoder_layers(pol.model)[0].register_forward_hook(lambda *a: calls.append(1))
+        st = actor.ppo_update(batch, xi)
+        hook.remove()
+        runs[reuse] = (grads, st, [s.old_logp for s in batch.samples], len(calls))
+    (g_ref, st_ref, old_ref, n_ref), (g_new, st_new, old_new, n_new) = runs[False], runs[True]
+    assert 0 < n_new and n_ref - n_new >= 6  # the bottom layer ran in the old-log-prob pass only, not in the 6 steps
+    assert len(g_ref) == len(g_new) == 6  # 14 rows in mini-batches of 5, two epochs
+    for a, b in zip(g_new, g_ref):
+        for x, y in zip(a, b):
+            assert _rel(x, y) < 1e-5
+    for a, b in zip(old_new, old_ref):
+        assert torch.equal(a, b)
+    assert st_new["pg_loss"] == pytest.approx(st_ref["pg_loss"], rel=1e-5, abs=1e-7)

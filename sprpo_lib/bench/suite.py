@@ -292,7 +292,7 @@ def bench_envs(n_episodes: int = 200, model: str | None = "smollm2-135m", n_task
     return res
 
 
-def _pass_groups(rows, prefix_min: int) -> list[tuple[int, list[int], list[int]]]:
+def pass_groups(rows, prefix_min: int) -> list[tuple[int, list[int], list[int]]]:
     """``(P, row lengths, response lengths)`` per prefix group of the rows a pass runs."""
     from sprpo_lib.batch import Batch, PrefixGroup
 
@@ -335,8 +335,8 @@ def _phase_rows(times: dict, passes: dict, config, prefix_min: int, gflops: floa
     for name, t in times.items():
         row = {k: round(statistics.median(v), 2) for k, v in t.items()}
         for timer in ("update_s", "sensitivity_s"):
-            work = [hw.train_pass_flops(config, _pass_groups(rows, prefix_min), d)["total"]
-                    for tm, rows, d in passes[name] if tm == timer]
+            work = [hw.train_pass_flops(config, pass_groups(rows, prefix_min), d, f)["total"]
+                    for tm, rows, d, f in passes[name] if tm == timer]
             if work:
                 floor = sum(work) / (gflops * 1e9)
                 row[timer.replace("_s", "_floor_s")] = round(floor, 2)
@@ -354,32 +354,36 @@ def _phase_rows(times: dict, passes: dict, config, prefix_min: int, gflops: floa
 
 
 def method_passes(batch, depth: int, layers: int, regularised: bool, skip_zero_adv: bool = True,
-                  steps: int = 1) -> dict[str, list]:
+                  steps: int = 1, reuse_frozen: bool = False) -> dict[str, list]:
     """The passes each method's iteration runs over ``batch``: ``(timer, rows, layers the
-    backward reaches)``, 0 for a forward only.  The update runs every row when a regulariser
-    is on, else the rows with a non-zero advantage (``Actor.rows_with_gradient``), backward
-    to the lowest LoRA layer (``depth``); the replay and SAM's channel gradient run the rows
-    with a non-zero advantage through all ``layers``.  With several optimizer ``steps``
-    (mini-batches, epochs), ``Actor.ppo_update`` first fills the old log-probs of every row
-    with a forward-only pass (verl's ``compute_log_prob``); the one-pass estimate takes one
-    step on its own forward, so it has none."""
+    backward reaches, layers the forward runs)``, 0 backward layers for a forward only.  The
+    update runs every row when a regulariser is on, else the rows with a non-zero advantage
+    (``Actor.rows_with_gradient``), backward to the lowest LoRA layer (``depth``); the replay
+    and SAM's channel gradient run the rows with a non-zero advantage through all ``layers``.
+    With several optimizer ``steps`` (mini-batches, epochs), ``Actor.ppo_update`` first fills
+    the old log-probs of every row with a forward-only pass (verl's ``compute_log_prob``),
+    and with ``reuse_frozen`` its steps run only the top ``depth`` layers (from the states
+    that pass kept); the one-pass estimate takes one step on its own forward, so neither."""
     nonzero = [s for s in batch.samples if s.adv != 0.0]
     update_rows = batch.samples if regularised or not skip_zero_adv else nonzero
     probe_rows = nonzero if skip_zero_adv else batch.samples
-    old = [("update_s", batch.samples, 0)] if steps > 1 else []
-    return {"vanilla": old + [("update_s", update_rows, depth)],
-            "sprpo": old + [("update_s", update_rows, depth), ("sensitivity_s", probe_rows, layers)],
-            "sprpo_one_pass": [("update_s", probe_rows, layers)]
-            + ([("update_s", batch.samples, depth)] if regularised else []),
-            "sam": [("sensitivity_s", probe_rows, layers)] + old + [("update_s", update_rows, depth)]}
+    old = [("update_s", batch.samples, 0, layers)] if steps > 1 else []
+    run = depth if steps > 1 and reuse_frozen and 0 < depth < layers else layers
+    step = ("update_s", update_rows, depth, run)
+    return {"vanilla": old + [step],
+            "sprpo": old + [step, ("sensitivity_s", probe_rows, layers, layers)],
+            "sprpo_one_pass": [("update_s", probe_rows, layers, layers)]
+            + ([("update_s", batch.samples, depth, layers)] if regularised else []),
+            "sam": [("sensitivity_s", probe_rows, layers, layers)] + old + [step]}
 
 
 def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, overrides: list[str] | None = None,
                 paths: tuple[str, ...] = ("shared", "whole")) -> dict:
     """Seconds per iteration by phase for Vanilla, SPrPO (Alg. 1 line 7's replay, and the
     one-pass estimate) and SAM on one rollout batch, each phase against its FLOP floor, for
-    the shared-prefix passes (``shared``: ``update.prefix_min`` of the profile) and the
-    whole-row reference (``whole``: ``prefix_min=0``), side by side.
+    the profile's passes (``shared``: shared prefixes of ``update.prefix_min``, and with
+    ``update.reuse_frozen`` steps that start at the lowest LoRA layer) and the reference
+    (``whole``: every row whole, every layer at every step), side by side.
 
     One rollout batch is collected with :meth:`Trainer.collect` (timed, under SPrPO's
     initial xi); each method's :meth:`Trainer.update` then runs from the same adapter and
@@ -418,8 +422,11 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     a = tr.actor
     regularised = bool(a.loss_cfg.entropy_coeff or a.kl_coef)
     nonzero = [s for s in batch.samples if s.adv != 0.0]
-    passes = method_passes(batch, depth, L, regularised, a.skip_zero_adv,
-                           len(batch.mini_batches(a.mini_batch)) * a.epochs)
+    steps = len(batch.mini_batches(a.mini_batch)) * a.epochs
+    # the shared path is the profile's own (shared prefixes, kept states below the LoRA layers);
+    # the whole path is the reference: every row whole, every layer at every step
+    reuse = {"shared": a.reuse_frozen, "whole": False}
+    passes = {path: method_passes(batch, depth, L, regularised, a.skip_zero_adv, steps, reuse[path]) for path in paths}
     variants = {"vanilla": MethodConfig(name="vanilla"),
                 "sprpo": dataclasses.replace(cfg.method, name="sprpo", sensitivity="replay"),
                 "sprpo_one_pass": dataclasses.replace(cfg.method, name="sprpo", sensitivity="one_pass"),
@@ -430,12 +437,12 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     times = {(path, v): {"update_s": [], "sensitivity_s": [], "ppo_steps": []} for path in paths for v in variants}
     states: dict[tuple[str, str], tuple] = {}
     for path in paths:  # untimed warm-up of both layouts (first-call allocations), on a few rows
-        a.prefix_min = prefix_min[path]
+        a.prefix_min, a.reuse_frozen = prefix_min[path], reuse[path]
         tr.method = make_method(variants["sprpo"], tr.shape, cfg.seed)
         tr.update(Batch(batch.without_old().samples[:2 * a.micro_batch]), xi, 0)
     for _ in range(repeats):
         for path in paths:
-            a.prefix_min = prefix_min[path]
+            a.prefix_min, a.reuse_frozen = prefix_min[path], reuse[path]
             for name, mcfg in variants.items():
                 with torch.no_grad():
                     for p, v in zip(a.params, params0):
@@ -468,7 +475,7 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
                      "trie_limit": batch.trie_tokens(),
                      "shared_over_batch": round(shared["computed"] / whole["tokens"], 3)}
     for path in paths:
-        res[path] = _phase_rows({n: times[(path, n)] for n in variants}, passes, config, prefix_min[path], gflops,
+        res[path] = _phase_rows({n: times[(path, n)] for n in variants}, passes[path], config, prefix_min[path], gflops,
                                 t_roll, len(batch.samples))
     if set(paths) == {"shared", "whole"}:
         res["whole_over_shared"] = {n: round(res["whole"][n]["update_s"] / res["shared"][n]["update_s"], 2)
