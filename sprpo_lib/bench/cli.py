@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--env", default="webshop")
     t.add_argument("--repeats", type=int, default=1)
     t.add_argument("--paths", default="shared,whole",
-                   help="shared (prefix-shared passes) and/or whole (every row whole: the reference path)")
+                   help="shared (the profile's passes: shared prefixes, kept states below the LoRA layers) and/or whole (the reference: every row whole, every layer at every step)")
     t.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. rollout.tasks_per_step=4")
     m = sub.add_parser("machine", help="matmul GFLOP/s per dtype at a model's shapes, bandwidth, prefill floor")
     m.add_argument("--model", default="smollm2-135m", help="shapes from this model's config (weights not loaded)")
