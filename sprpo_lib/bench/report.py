@@ -166,7 +166,9 @@ def headline(record: dict) -> str | None:
         sh, wh = res["shared"], res.get("whole") or {}
         van = sh["vanilla"]
         out = (f"{res.get('env')} update {van['update_s']} s ({van.get('update_over_floor')}x its floor)"
-               + (f" against {wh['vanilla']['update_s']} s computing every row whole" if "vanilla" in wh else ""))
+               + (f" against {wh['vanilla']['update_s']} s on the reference path ("
+                  + ("every row whole, every layer at every step" if "ppo_steps" in van else "every row whole") + ")"
+                  if "vanilla" in wh else ""))
         return out + (f"; iteration x Vanilla: SPrPO {sh.get('sprpo_over_vanilla')} (replay), "
                       f"{sh.get('sprpo_one_pass_over_vanilla')} (one pass), SAM {sh.get('sam_over_vanilla')}")
     if name == "gpu":
