@@ -111,7 +111,9 @@ def _train_rows(res: dict) -> list[str]:
                 continue
             extra = f"{r['sensitivity_s']} ({r.get('sensitivity_over_floor')}x)" if r.get("sensitivity_s") else "-"
             ratio = rows.get(f"{m}_over_vanilla", 1.0)
-            lines.append(f"| {path} | {m} | {r['update_s']} ({r.get('update_over_floor')}x) | "
+            steps = r.get("ppo_steps")
+            label = m if steps is None or steps == rows["vanilla"].get("ppo_steps") else f"{m} ({steps:g} step)"
+            lines.append(f"| {path} | {label} | {r['update_s']} ({r.get('update_over_floor')}x) | "
                          f"{r['update_s_per_sample']} | {extra} | {r['iteration_s']} | {ratio} |")
     first = next((r for r in (res.get("shared") or {}).values() if isinstance(r, dict)), {})
     if (res.get("ppo_mini_batch_size") or 0) and "ppo_steps" not in first:
