@@ -6,9 +6,9 @@
 
 (``python -m sprpo_lib.reproduce`` is the same command.)  Each notebook runs with its own
 folder as the working directory, as JupyterLab runs it; every path it writes is resolved
-against the project root (:mod:`sprpo_lib.paths`).  Long cells stream their progress to
+against the project root (:mod:`sprpo_lib.infra.paths`).  Long cells stream their progress to
 this terminal: training iterations with their seconds and an ETA, evaluation cells done /
-total (:mod:`sprpo_lib.progress`).
+total (:mod:`sprpo_lib.infra.progress`).
 
 Each notebook has exactly one ``parameters`` cell; a profile is a set of parameter
 overrides per notebook.  Executed notebooks land in ``runs/<profile>/notebooks/``; the
@@ -25,18 +25,26 @@ and ``paper`` profiles, copies the headline numbers into the README's generated 
 from __future__ import annotations
 
 import argparse
-import json
+import atexit
 import os
 import sys
 import time
 from pathlib import Path
 
-from sprpo_lib.executor import EXECUTORS, executor_environment, make_executor
-from sprpo_lib.io import CorruptFileError, atomic_write_json, atomic_write_text, read_cached
-from sprpo_lib.manifest import check_artifact, git_commit, write_manifest
-from sprpo_lib.paths import ProjectRootError, notebooks_dir, package_checkout, project_path, project_root
-from sprpo_lib.paths import runs_dir as project_runs
-from sprpo_lib.progress import PROGRESS_ENV
+import pandas as pd
+
+from sprpo_lib.core import metrics as MK
+from sprpo_lib.infra.executor import EXECUTORS, executor_environment, make_executor
+from sprpo_lib.infra.io import CorruptFileError, JsonLines, atomic_write_json, atomic_write_text, read_cached
+from sprpo_lib.infra.manifest import check_artifact, git_commit, write_manifest
+from sprpo_lib.infra.paths import ProjectRootError, notebooks_dir, package_checkout, project_path, project_root
+from sprpo_lib.infra.paths import runs_dir as project_runs
+from sprpo_lib.infra.progress import PROGRESS_ENV
+from sprpo_lib.paper import budget
+from sprpo_lib.paper.claims import claims_grid, verdict_sentence
+from sprpo_lib.paper.results import doc_pages, replace_block, without_paired
+from sprpo_lib.train.config import config_from_dict
+from sprpo_lib.warmstart.cache import warm_start_dir
 
 #: Notebooks of the robustness experiments (plans in :data:`sprpo_lib.paper.experiments.PLANS`).
 RESULT_NOTEBOOKS = ("03_motivation", "04_robustness", "05_landscape", "06_overhead", "07_examples", "08_ablations")
@@ -66,7 +74,7 @@ NOTEBOOK_INFO: dict[str, tuple[str, str]] = {
 PROFILES: dict[str, dict] = {
     "smoke": {
         "out_dir": "runs/smoke/figures",
-        # Ray requests per task (sprpo_lib.executor.Resources): two tiny-model tasks at once on 2 cores
+        # Ray requests per task (sprpo_lib.infra.executor.Resources): two tiny-model tasks at once on 2 cores
         "resources": {"run_cpus": 1, "cell_cpus": 1},
         "notebooks": {
             "00_quickstart": {"model": "tiny-qwen2", "n_calib": 4, "max_new_tokens": 6},
@@ -140,7 +148,7 @@ def plan(profile: str, only: list[str] | None = None, model: str | None = None,
 
 def notebook_parameters(path: Path) -> set[str]:
     """Names defined in a notebook's ``parameters`` cell."""
-    import papermill as pm
+    import papermill as pm  # heavy (Jupyter machinery): loaded on use
 
     return set(pm.inspect_notebook(str(path)))
 
@@ -156,7 +164,7 @@ def _artifacts(out_dir: Path, since: float) -> list[str]:
 def kernel_environment(stream: bool, executor: dict[str, str] | None = None) -> dict[str, str]:
     """What the notebook kernels inherit: this checkout importable (also without ``pip
     install -e .``), when streaming, progress bars as text lines, and the executor
-    (:func:`sprpo_lib.executor.executor_environment`)."""
+    (:func:`sprpo_lib.infra.executor.executor_environment`)."""
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(package_checkout()), os.environ.get("PYTHONPATH")) if p)}
     if stream:
         env[PROGRESS_ENV] = "lines"
@@ -167,8 +175,6 @@ def start_executor(profile: str, executor: str, address: str | None) -> dict[str
     """The executor's variables for the kernels.  ``ray`` without an address starts one
     local Ray instance here, which every notebook's kernel joins (shut down at exit)."""
     if executor == "ray" and not address:
-        import atexit
-
         ray = make_executor("ray", None, PROFILES[profile].get("resources")).connect()
         address = ray.get_runtime_context().gcs_address
         atexit.register(ray.shutdown)
@@ -187,9 +193,9 @@ def run(profile: str, only: list[str] | None = None, force: bool = False, model:
     (which compute in the notebook) are skipped and say so.  ``stream``: the kernels'
     output (progress bars as lines) goes to this process's stdout/stderr as it comes.
     ``executor``/``address``: where training runs and evaluation cells execute
-    (:mod:`sprpo_lib.executor`); the outputs are the same either way.  ``envs``: only
+    (:mod:`sprpo_lib.infra.executor`); the outputs are the same either way.  ``envs``: only
     these environments (:func:`plan`)."""
-    import papermill as pm
+    import papermill as pm  # heavy (Jupyter machinery): loaded on use
 
     runs_dir = (project_path(runs_dir) if runs_dir else project_runs()) / profile
     commit = git_commit()
@@ -256,7 +262,7 @@ def run(profile: str, only: list[str] | None = None, force: bool = False, model:
 
 def damaged_artifact(artifacts) -> str | None:
     """What is wrong with the first of a notebook's recorded artifacts that is missing or
-    does not match its manifest (:func:`~sprpo_lib.manifest.check_artifact`), else None."""
+    does not match its manifest (:func:`~sprpo_lib.infra.manifest.check_artifact`), else None."""
     for a in artifacts:
         try:
             check_artifact(a)
@@ -274,9 +280,7 @@ def notebooks_table() -> str:
 
 def _run_seconds(run: Path) -> float:
     """A training run's recorded compute: the sum of its iterations' ``wall_s``."""
-    from sprpo_lib.io import JsonLines
-
-    return float(sum(r.get("wall_s") or 0.0 for r in JsonLines(run / "metrics.jsonl").read()))
+    return float(sum(r.get(MK.WALL_S) or 0.0 for r in JsonLines(run / "metrics.jsonl").read()))
 
 
 def recorded_seconds(profile: str, out_dir: str | Path | None = None, runs_dir: Path | None = None) -> dict[str, float]:
@@ -286,11 +290,6 @@ def recorded_seconds(profile: str, out_dir: str | Path | None = None, runs_dir: 
     evaluation cell their ``*_rows.csv`` came from (a cell shared by several notebooks
     counts for the first) and 08's ablation training runs.  A staged reproduction's wall
     times cover its last pass only; these add up every pass."""
-    import pandas as pd
-
-    from sprpo_lib.config import config_from_dict
-    from sprpo_lib.train import warm_start_dir
-
     out = project_path(out_dir or PROFILES[profile]["out_dir"])
     runs = (project_path(runs_dir) if runs_dir else project_runs()) / profile
     cell_seconds = {}
@@ -374,24 +373,29 @@ def stage_table(profile: str, out_dir: str | Path | None = None, runs_dir: Path 
 
 
 def update_readme(profile: str, out_dir: str, readme: Path | None = None) -> bool:
-    """Refresh the README's generated blocks from ``out_dir``: the headline numbers
+    """Refresh the generated blocks of the README and the library's page (or of ``readme``
+    alone) from ``out_dir``: the headline numbers
     (``headline-<profile>``, from ``headline_<profile>.md`` less its paired tables, which
     the README links), one sentence of what the claims' verdicts say (``verdict-<profile>``), the
     paper's claims against them (``claims-<profile>``: a grid per environment from ``claims_<profile>.csv``, which
     links the full ``.md``), the stage times
     (``stages-<profile>``, from the manifests), what the profiles run (``plans``, from the
-    plans) and the notebook table (``notebooks``).
-    No number in the README is typed by hand."""
-    import pandas as pd
-
-    from sprpo_lib.paper.claims import claims_grid, verdict_sentence
-    from sprpo_lib.paper.results import replace_block, without_paired
-
+    plans), the paper profile's cost (``paper-cost``) and the notebook table (``notebooks``).
+    No number in either page is typed by hand.  True when a page changed."""
     root = project_root()
-    readme = readme or root / "README.md"
-    if not readme.is_file():
-        return False
-    text = readme.read_text()
+    pages = [(readme, "")] if readme else doc_pages(root)
+    plans = atomic_write_text(project_path(out_dir) / budget.PLANS_FILE, budget.plans_markdown())  # full tables
+    write_manifest(plans, {"profiles": ["cpu", "paper"], "source": "sprpo_lib.paper.budget.plans_markdown"}, None, 0.0)
+    changed = False
+    for page, prefix in pages:
+        if page.is_file():
+            changed |= refresh_page(page, prefix, profile, out_dir, root)
+    return changed
+
+
+def refresh_page(page: Path, prefix: str, profile: str, out_dir: str, root: Path) -> bool:
+    """:func:`update_readme` on one page whose links are rebased by ``prefix``."""
+    text = page.read_text()
     for block in ("headline", "claims"):  # written by notebooks 04 and 08
         src = project_path(out_dir) / f"{block}_{profile}.md"
         if src.is_file() and f"<!-- {block}-{profile}:begin -->" in text:
@@ -400,36 +404,35 @@ def update_readme(profile: str, out_dir: str, readme: Path | None = None) -> boo
                 body = without_paired(src.read_text())
             else:  # the full table stays in its file; the README has one grid per environment
                 body = claims_grid(pd.read_csv(src.with_suffix(".csv")), profile=profile, full=str(where))
-            text = replace_block(text, f"{block}-{profile}", f"<!-- generated from {where}; do not edit -->\n" + body)
+            text = replace_block(text, f"{block}-{profile}", f"<!-- generated from {where}; do not edit -->\n" + body,
+                                 prefix=prefix)
     claims = project_path(out_dir) / f"claims_{profile}.csv"  # the first screen's sentence, from the verdicts
     if claims.is_file() and f"<!-- verdict-{profile}:begin -->" in text:
         where = claims.relative_to(root) if claims.is_relative_to(root) else claims
         text = replace_block(text, f"verdict-{profile}", f"<!-- generated from {where}; do not edit -->\n"
-                             + verdict_sentence(pd.read_csv(claims), profile=profile))
+                             + verdict_sentence(pd.read_csv(claims), profile=profile), prefix=prefix)
     power = project_path(out_dir) / f"claims_power_{profile}.md"  # notebook 08: its summary paragraph
     if power.is_file() and f"<!-- power-{profile}:begin -->" in text:
         where = power.relative_to(root) if power.is_relative_to(root) else power
         summary = power.read_text().split("\n\n")[1].strip()
         text = replace_block(text, f"power-{profile}", f"<!-- generated from {where}; do not edit -->\n{summary} "
-                             f"Every claim, its MDE and the goals a design would need: [{where}]({where}).")
+                             f"Every claim, its MDE and the goals a design would need: [{where}]({where}).",
+                             prefix=prefix)
     if f"<!-- stages-{profile}:begin -->" in text:
         old = text.split(f"<!-- stages-{profile}:begin -->", 1)[1].split(f"<!-- stages-{profile}:end -->", 1)[0]
         text = replace_block(text, f"stages-{profile}", "<!-- generated from the manifests by sprpo-reproduce; "
-                             "do not edit -->\n" + stage_table(profile, out_dir, previous=old))
-    from sprpo_lib.paper import budget
+                             "do not edit -->\n" + stage_table(profile, out_dir, previous=old), prefix=prefix)
 
-    plans = atomic_write_text(project_path(out_dir) / budget.PLANS_FILE, budget.plans_markdown())  # full tables
-    write_manifest(plans, {"profiles": ["cpu", "paper"], "source": "sprpo_lib.paper.budget.plans_markdown"}, None, 0.0)
     for block, make in (("plans", budget.plans_summary), ("paper-cost", budget.cost_summary)):
         if f"<!-- {block}:begin -->" in text:
             text = replace_block(text, block, f"<!-- generated from sprpo_lib.paper.budget.{make.__name__}; "
-                                 "do not edit -->\n" + make())
+                                 "do not edit -->\n" + make(), prefix=prefix)
     if "<!-- notebooks:begin -->" in text:
         text = replace_block(text, "notebooks", "<!-- generated from sprpo_lib.reproduce.NOTEBOOK_INFO; do not edit -->\n"
-                             + notebooks_table())
-    if text == readme.read_text():
+                             + notebooks_table(), prefix=prefix)
+    if text == page.read_text():
         return False
-    atomic_write_text(readme, text)
+    atomic_write_text(page, text)
     return True
 
 

@@ -8,8 +8,9 @@ import types
 import pytest
 import torch
 
-from sprpo_lib.engines import GenerationConfig
-from sprpo_lib.models import LoraSettings, add_lora, load_policy
+from sprpo_lib.agent.engines import GenerationConfig
+from sprpo_lib.model.load import load_policy
+from sprpo_lib.model.lora import LoraSettings, add_lora
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
@@ -25,7 +26,7 @@ def tiny_spec(request):
 
 @pytest.fixture
 def tiny(tiny_spec):
-    from sprpo_lib.models import load_policy
+    from sprpo_lib.model.load import load_policy
 
     return load_policy(tiny_spec, seed=0)
 
@@ -39,7 +40,7 @@ def tiny64():
     """A float64 tiny Qwen2 for finite-difference references.  transformers' RMSNorm
     computes in float32 whatever the input dtype, which would put float32 noise into
     every difference quotient; the fixture swaps in the same formula in float64."""
-    from sprpo_lib.models import load_policy
+    from sprpo_lib.model.load import load_policy
 
     pol = load_policy("tiny-qwen2", seed=0, dtype="float64")
     for mod in pol.model.modules():

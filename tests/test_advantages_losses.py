@@ -12,7 +12,7 @@ import statistics
 import pytest
 import torch
 
-from sprpo_lib.advantages import (
+from sprpo_lib.core.advantages import (
     ADVANTAGE_ESTIMATORS,
     AdvantageConfig,
     AdvantageOutput,
@@ -25,7 +25,7 @@ from sprpo_lib.advantages import (
     step_relative_advantages,
     to_token_advantages,
 )
-from sprpo_lib.losses import (
+from sprpo_lib.core.losses import (
     POLICY_LOSSES,
     PPOLossConfig,
     agg_loss,

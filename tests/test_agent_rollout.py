@@ -5,10 +5,10 @@ from functools import partial
 
 import pytest
 
-from sprpo_lib.agent import AgentConfig, HistoryStep, build_prompt, chat_text, extract_action
-from sprpo_lib.engines import Generation, GenerationConfig, HFGenerator
-from sprpo_lib.envs.webshop import make_webshop_pool
-from sprpo_lib.rollout import EpisodeLog, ProcessEnvs, RandomAdmissibleGenerator, SerialEnvs, run_groups
+from sprpo_lib.agent.engines import Generation, GenerationConfig, HFGenerator
+from sprpo_lib.agent.envs.webshop import make_webshop_pool
+from sprpo_lib.agent.prompt import AgentConfig, HistoryStep, build_prompt, chat_text, extract_action
+from sprpo_lib.agent.rollout import EpisodeLog, ProcessEnvs, RandomAdmissibleGenerator, SerialEnvs, run_groups
 
 
 def test_prompt_matches_paper_structure():
@@ -147,7 +147,7 @@ def test_runner_with_tiny_model_end_to_end(tiny):
 
 
 def test_prompt_sections_partition_the_prompt():
-    from sprpo_lib.agent import prompt_sections
+    from sprpo_lib.agent.prompt import prompt_sections
 
     hist = [HistoryStep("page one", "click[a]"), HistoryStep("page two", "click[b]")]
     p = build_prompt("buy a mug", "the page\nwith lines", ["click[x]", "click[y]"], hist)
@@ -162,7 +162,7 @@ def test_prompt_sections_partition_the_prompt():
 def test_compact_action_list_lists_every_admissible_action_once():
     import random
 
-    from sprpo_lib.agent import format_actions, parse_actions
+    from sprpo_lib.agent.prompt import format_actions, parse_actions
 
     rng = random.Random(0)
     names = ["cabinet", "drawer", "countertop", "fridge", "sinkbasin", "shelf"]
@@ -183,9 +183,9 @@ def test_compact_action_list_lists_every_admissible_action_once():
 def test_an_option_added_later_leaves_existing_keys_and_configs_unchanged():
     import dataclasses
 
-    from sprpo_lib.agent import AgentConfig
-    from sprpo_lib.config import config_dict, config_from_dict, load_config
-    from sprpo_lib.io import key_fields
+    from sprpo_lib.agent.prompt import AgentConfig
+    from sprpo_lib.infra.io import key_fields
+    from sprpo_lib.train.config import config_dict, config_from_dict, load_config
 
     plain = dataclasses.asdict(AgentConfig())
     assert key_fields(AgentConfig()) == {k: v for k, v in plain.items() if k != "compact_actions"}

@@ -17,9 +17,9 @@ textworld = pytest.importorskip("textworld")
 
 from textworld.envs import PddlEnv  # noqa: E402
 
-from sprpo_lib.envs import alfworld_gen as gen  # noqa: E402
-from sprpo_lib.envs.alfworld import AlfworldDataError, AlfworldTask, make_alfworld_pool
-from sprpo_lib.envs.base import Episode, TaskHandle, TaskPool  # noqa: E402
+from sprpo_lib.agent.envs import alfworld_gen as gen  # noqa: E402
+from sprpo_lib.agent.envs.alfworld import AlfworldDataError, AlfworldTask, make_alfworld_pool
+from sprpo_lib.agent.envs.base import Episode, TaskHandle, TaskPool  # noqa: E402
 
 SEED = 0
 KITCHEN_ONLY = {"pick_heat_then_place_in_recep", "pick_cool_then_place_in_recep"}
@@ -314,7 +314,7 @@ def test_random_play_matches_alfworld_engine(pool, split, task_type):
 
     from alfworld.agents.environment.alfred_tw_env import AlfredDemangler
 
-    from sprpo_lib.envs.alfworld import translations_cached
+    from sprpo_lib.agent.envs.alfworld import translations_cached
 
     index = _small_game(split, task_type)
     pool.open(split, index).close()
@@ -345,7 +345,7 @@ def test_random_play_matches_alfworld_engine(pool, split, task_type):
 
 
 # --------------------------------------------------------------------------- visible explorer
-from sprpo_lib.envs.alfworld_explorer import MEMORY, parse_goal, receptacle_prior, visible_explorer_action  # noqa: E402
+from sprpo_lib.agent.envs.alfworld_explorer import MEMORY, parse_goal, receptacle_prior, visible_explorer_action  # noqa: E402
 
 
 @pytest.mark.parametrize("text,want", [
@@ -452,7 +452,7 @@ def test_explorer_solves_each_task_type_from_what_it_sees(one_of_each, task_type
 def test_pool_prior_and_episode_explorer_action(cache, small, monkeypatch):
     """The pool's prior counts its first PRIOR_GAMES training games; an episode's explorer
     action is admissible and is what the pure function returns on the same inputs."""
-    from sprpo_lib.envs import alfworld
+    from sprpo_lib.agent.envs import alfworld
 
     monkeypatch.setattr(alfworld, "PRIOR_GAMES", 2)
     fresh = make_alfworld_pool(seed=SEED, cache_dir=cache)

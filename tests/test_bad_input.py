@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sprpo_lib.config import load_config
-from sprpo_lib.train import main as train_main
+from sprpo_lib.train.config import load_config
+from sprpo_lib.train.trainer import main as train_main
 
 #: (override, key named, what the message must say)
 OVERRIDES = [
@@ -76,7 +76,7 @@ def test_every_parameters_cell_parses_without_a_papermill_warning(caplog):
 
     import papermill as pm
 
-    from sprpo_lib.paths import notebooks_dir
+    from sprpo_lib.infra.paths import notebooks_dir
 
     with caplog.at_level(logging.WARNING):
         for nb in sorted(notebooks_dir().glob("[0-9][0-9]_*.ipynb")):
@@ -107,7 +107,7 @@ def test_missing_sprpo_home_is_one_line_and_creates_nothing(argv, tmp_path):
 def test_webshop_data_errors_name_the_variable_and_the_file(layout, names, tmp_path, monkeypatch, capsys):
     """Data checks run before the model loads; the message names the variable, the file and the
     expected layout, without a traceback."""
-    import sprpo_lib.train as T
+    import sprpo_lib.train.trainer as T
 
     root = tmp_path / "data"
     if layout != "missing":
@@ -127,7 +127,7 @@ def test_webshop_data_errors_name_the_variable_and_the_file(layout, names, tmp_p
 def test_a_damaged_figure_or_manifest_is_not_up_to_date(damage, tmp_path):
     """What ``sprpo-reproduce`` checks before it skips a notebook as up to date: every
     artifact it wrote, against the SHA-256 its manifest records."""
-    from sprpo_lib.manifest import check_artifact, manifest_path, write_manifest
+    from sprpo_lib.infra.manifest import check_artifact, manifest_path, write_manifest
     from sprpo_lib.reproduce import damaged_artifact
 
     art = tmp_path / "04_robustness_webshop_rows.csv"
@@ -149,8 +149,8 @@ def test_a_damaged_figure_or_manifest_is_not_up_to_date(damage, tmp_path):
 
 @pytest.mark.parametrize("damage", ["truncated", "edited", "not a table"])
 def test_render_only_rows_are_verified_or_one_error_naming_the_file(damage, tmp_path):
-    from sprpo_lib.io import CorruptFileError
-    from sprpo_lib.manifest import manifest_path, write_manifest
+    from sprpo_lib.infra.io import CorruptFileError
+    from sprpo_lib.infra.manifest import manifest_path, write_manifest
     from sprpo_lib.paper.experiments import load_rows
 
     art = tmp_path / "04_robustness_webshop_rows.csv"

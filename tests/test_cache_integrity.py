@@ -17,14 +17,14 @@ import pytest
 import torch
 
 import sprpo_lib.evaluate as E
-import sprpo_lib.heldout as H
-import sprpo_lib.train as T
-from sprpo_lib.agent import AgentConfig
-from sprpo_lib.engines import ENGINES, HFEngine
-from sprpo_lib.envs import make_pool
-from sprpo_lib.io import CorruptFileError, file_record, read_json_lines, read_safetensors, verify_file
+import sprpo_lib.train.trainer as T
+import sprpo_lib.warmstart.heldout as H
+from sprpo_lib.agent.engines import ENGINES, HFEngine
+from sprpo_lib.agent.envs import make_pool
+from sprpo_lib.agent.prompt import AgentConfig
+from sprpo_lib.infra.io import CorruptFileError, file_record, read_json_lines, read_safetensors, verify_file
 from sprpo_lib.paper.experiments import calibration_pool, plan
-from sprpo_lib.train import Trainer, load_config, train
+from sprpo_lib.train.trainer import Trainer, load_config, train
 
 AGENT = AgentConfig(max_obs_chars=100, history_len=1)  # short prompts for the byte-level tiny model
 
@@ -210,6 +210,20 @@ def run(tmp_path_factory):
                  progress=False)
 
 
+def test_the_metrics_row_has_every_named_column(run):
+    """Each per-iteration column that readers name (:mod:`sprpo_lib.core.metrics`) is in the
+    trainer's rows; the noise's columns carry their prefixes."""
+    from sprpo_lib.core import metrics as MK
+
+    rows = read_json_lines(run / "metrics.jsonl")
+    per_iteration = [MK.ITERATION, MK.SUCCESS, MK.SCORE, MK.VALID_RATE, MK.ROLLOUT_ROUNDS, MK.EPISODES_DROPPED,
+                     MK.UPDATED, MK.SAMPLES, MK.ROLLOUT_S, MK.GENERATE_S, MK.ENV_S, MK.UPDATE_S, MK.SENSITIVITY_S,
+                     MK.WALL_S]
+    assert [k for k in per_iteration if any(k not in r for r in rows)] == []
+    assert [r[MK.ITERATION] for r in rows] == [0, 1]
+    assert any(k.startswith(MK.XI_REAL) for k in rows[0])
+
+
 def _adapter(ck: Path) -> dict:
     return read_safetensors(ck / "adapter" / "adapter_model.safetensors")
 
@@ -316,8 +330,8 @@ def _episodes(path: Path) -> list[dict]:
 def test_e_corrupt_warm_start_adapter_is_trained_again(warm, tmp_path, monkeypatch, file, damage, caplog):
     """The warm start is a cache: a damaged adapter file is never loaded; the warm start is
     trained again (with a warning naming the file) and gives the same policy."""
-    from sprpo_lib.models import load_policy
-    from sprpo_lib.sft import check_adapter, load_adapter
+    from sprpo_lib.model.load import load_policy
+    from sprpo_lib.warmstart.sft import check_adapter, load_adapter
 
     shutil.copytree(warm["root"] / "runs", tmp_path / "runs")
     adapter = tmp_path / warm["dir"] / "adapter"

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from sprpo_lib.compress import (
+from sprpo_lib.core.compress import (
     PERTURBATIONS,
     apply_perturbation,
     fisher_prune_mask,
@@ -19,8 +19,9 @@ from sprpo_lib.compress import (
     sparsegpt_prune,
     transformer_linears,
 )
-from sprpo_lib.models import add_lora, decoder_layers, ffn_modules
-from sprpo_lib.perturb import FFNChannels, perturbed
+from sprpo_lib.core.perturb import FFNChannels, perturbed
+from sprpo_lib.model.layers import decoder_layers, ffn_modules
+from sprpo_lib.model.lora import add_lora
 
 
 def _state(m):
@@ -280,8 +281,8 @@ def test_landscape_plane_is_the_fixed_two_direction_combination(tiny):
     """Fig. 4: point (w1, w2) multiplies h by 1 + w1 xi_1 + w2 xi_2 with directions fixed by
     direction_seed only: (0, 0) is the clean model, the eval seed changes nothing, and the
     down-projection input is scaled by exactly that factor (a float64 re-computation)."""
-    from sprpo_lib.compress import plane_directions
-    from sprpo_lib.perturb import FFNChannels
+    from sprpo_lib.core.compress import plane_directions
+    from sprpo_lib.core.perturb import FFNChannels
 
     m = tiny.model
     ids = torch.tensor([[1, 5, 9, 3, 7, 2]])

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available
 
 @pytest.mark.parametrize("method", ["vanilla", "gaussian", "sam", "sprpo"])
 def test_a_training_iteration_of_every_method_on_the_device(tmp_path, method):
-    from sprpo_lib.train import Trainer, load_config
+    from sprpo_lib.train.trainer import Trainer, load_config
 
     cfg = load_config("smoke", [f"method.name={method}", f"model.device={DEVICE}", "rollout.tasks_per_step=1"])
     tr = Trainer(cfg, tmp_path / method, progress=False)
@@ -39,7 +39,7 @@ def test_a_training_iteration_of_every_method_on_the_device(tmp_path, method):
 
 def test_held_out_evaluation_on_the_device_matches_the_cpu_in_shape(tmp_path):
     import sprpo_lib.evaluate as E
-    from sprpo_lib.agent import AgentConfig
+    from sprpo_lib.agent.prompt import AgentConfig
 
     base = dict(model="tiny-qwen2", env="webshop", tasks=2, max_steps=2, max_new_tokens=8, batch_size=8,
                 agent=AgentConfig(max_obs_chars=100, history_len=1))
@@ -52,9 +52,9 @@ def test_held_out_evaluation_on_the_device_matches_the_cpu_in_shape(tmp_path):
 @pytest.mark.parametrize("family,strength", [("gaussian", 0.1), ("dropout", 0.2), ("fisher", 0.3),
                                              ("sparsegpt", 0.5), ("rtn", 4), ("plane", 0.2)])
 def test_every_deployment_perturbation_on_the_device_matches_the_cpu(family, strength, calib):
-    from sprpo_lib.compress import fisher_scores, perturbation
-    from sprpo_lib.models import load_policy
-    from sprpo_lib.perturb import FFNChannels
+    from sprpo_lib.core.compress import fisher_scores, perturbation
+    from sprpo_lib.core.perturb import FFNChannels
+    from sprpo_lib.model.load import load_policy
 
     ids = torch.randint(3, 250, (2, 16), generator=torch.Generator().manual_seed(0))
     outs, restored = {}, {}
@@ -75,8 +75,8 @@ def test_every_deployment_perturbation_on_the_device_matches_the_cpu(family, str
 
 
 def test_bfloat16_on_the_device_keeps_sub_resolution_noise(calib):
-    from sprpo_lib.models import load_policy
-    from sprpo_lib.perturb import FFNChannels, below_resolution, float32_compute
+    from sprpo_lib.core.perturb import FFNChannels, below_resolution, float32_compute
+    from sprpo_lib.model.load import load_policy
 
     pol = load_policy("tiny-qwen2", seed=0, dtype="bfloat16", device=DEVICE)
     fc = FFNChannels(pol.model)

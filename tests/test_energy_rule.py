@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from sprpo_lib.methods import MethodConfig, energy_sigma, make_method, rank_correlation
-from sprpo_lib.perturb import xi_stats
+from sprpo_lib.core.methods import MethodConfig, energy_sigma, make_method, rank_correlation
+from sprpo_lib.core.perturb import xi_stats
 
 SHAPE = (3, 40)
 

@@ -11,15 +11,15 @@ import torch
 
 pytest.importorskip("openvino")
 
-from sprpo_lib.engines import (  # noqa: E402
+from sprpo_lib.agent.engines import (  # noqa: E402
     Engine,
     GenerationConfig,  # noqa: E402
     HFEngine,
     bake_weights,
     make_engine,
 )
-from sprpo_lib.models import load_policy  # noqa: E402
-from sprpo_lib.perturb import FFNChannels, dropout_mask, sample_xi  # noqa: E402
+from sprpo_lib.core.perturb import FFNChannels, dropout_mask, sample_xi  # noqa: E402
+from sprpo_lib.model.load import load_policy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,7 +45,7 @@ def ov_cache(tmp_path_factory):
 
 
 def _ov(pol, cfg, **kw):
-    from sprpo_lib.engines.openvino import OpenVINOEngine
+    from sprpo_lib.agent.engines.openvino import OpenVINOEngine
 
     return OpenVINOEngine(pol, cfg, **kw)
 
@@ -71,7 +71,7 @@ SERVED_BF16 = {"other": "float32", "avx2": "float32", "avx512": "float32", "avx5
 
 @pytest.mark.parametrize("cls", sorted(SERVED_BF16))
 def test_serving_precision_per_cpu_class(cls):
-    from sprpo_lib.engines.openvino import serving_precision
+    from sprpo_lib.agent.engines.openvino import serving_precision
 
     got, notice = serving_precision("bfloat16", cls)
     assert got == SERVED_BF16[cls]
@@ -99,7 +99,7 @@ def test_one_thread_bfloat16_on_amx_avoids_the_plugin_crash(cls, threads):
     genai worker's oneDNN is capped at AVX512-BF16 (bfloat16 kept), the in-process loop backend
     serves float32 with a notice, and a forced bfloat16 loop is one clear error; every other
     class, thread count and precision is left alone, as is a cap the user set."""
-    from sprpo_lib.engines.openvino import ONE_THREAD_AMX_CAP, one_thread_amx
+    from sprpo_lib.agent.engines.openvino import ONE_THREAD_AMX_CAP, one_thread_amx
 
     hit = cls == "amx" and threads == 1
     assert one_thread_amx("float32", cls, threads, "genai", env={}) == ("float32", {}, None)
@@ -119,11 +119,11 @@ def test_one_thread_bfloat16_on_amx_avoids_the_plugin_crash(cls, threads):
 def test_precision_follows_the_policy_dtype_where_the_cpu_runs_it(tiny_spec, backend, caplog):
     """On this machine's CPU class a bfloat16 policy is served as the table above says (with a
     one-line notice where it falls back); ``precision`` overrides; anything else is one error."""
-    from sprpo_lib.engines.openvino import one_thread_amx, serving_precision
-    from sprpo_lib.hardware import cpu_class
+    from sprpo_lib.agent.engines.openvino import one_thread_amx, serving_precision
+    from sprpo_lib.infra.hardware import cpu_class
 
     pol = load_policy(tiny_spec, dtype="bfloat16")
-    with caplog.at_level("WARNING", logger="sprpo_lib.engines.openvino"):
+    with caplog.at_level("WARNING", logger="sprpo_lib.agent.engines.openvino"):
         eng = _ov(pol, greedy(), backend=backend)
     plugin_bf16 = "BF16" in eng.core.get_property("CPU", "OPTIMIZATION_CAPABILITIES")
     want = serving_precision("bfloat16", cpu_class(), None, plugin_bf16)[0]
@@ -146,12 +146,12 @@ def test_bfloat16_policy_on_an_emulated_lower_cpu_class(monkeypatch, caplog, cap
     """oneDNN capped at AVX2 / AVX512 without BF16 (the worker process inherits the cap)
     stands in for those CPU classes: a bfloat16 policy is served in float32 with an f32 KV
     cache and a notice, and decodes; forcing bfloat16 there is one clear error."""
-    from sprpo_lib.hardware import CPU_CLASSES, cpu_class
+    from sprpo_lib.infra.hardware import CPU_CLASSES, cpu_class
 
     want = min(cpu_class(), emulated, key=CPU_CLASSES.index)  # a cap never raises the class
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
     pol = load_policy("tiny-llama", dtype="bfloat16")
-    with caplog.at_level("WARNING", logger="sprpo_lib.engines.openvino"):
+    with caplog.at_level("WARNING", logger="sprpo_lib.agent.engines.openvino"):
         eng = _ov(pol, greedy())
     assert eng.cpu_class == want and eng.compute_dtype == SERVED_BF16[want] == "float32"
     assert [r.message for r in caplog.records if "served in float32" in r.message]
@@ -214,8 +214,8 @@ def test_a_dead_worker_is_replaced(tmp_path):
 ORPHAN = """
 import os, sys
 import torch
-from sprpo_lib.engines import GenerationConfig, make_engine
-from sprpo_lib.models import load_policy
+from sprpo_lib.agent.engines import GenerationConfig, make_engine
+from sprpo_lib.model.load import load_policy
 torch.set_num_threads(1)
 eng = make_engine("openvino", load_policy("tiny-llama"), GenerationConfig(temperature=0, max_new_tokens=4))
 eng.stall_next(600)  # the worker sleeps as a hung call would, then its driver dies
@@ -309,7 +309,7 @@ def test_baked_lora_and_perturbation_load_into_the_engine(tiny_spec):
 def test_engine_built_under_attached_hooks_serves_the_perturbed_policy(tiny_spec):
     """evaluate() and calibration build an engine inside a perturbation context: the
     attached FFNChannels factor (xi and mask, two instances multiplied) must be folded in."""
-    from sprpo_lib.compress import perturbation
+    from sprpo_lib.core.compress import perturbation
 
     pol = lora_policy(tiny_spec)
     hf = HFEngine(pol, greedy())
@@ -441,8 +441,8 @@ def test_training_rollouts_on_openvino_follow_the_updated_policy(tmp_path):
     """``rollout.engine=openvino`` in training: each iteration's rollouts come from theta_k
     with xi_k baked in (weights reloaded after every update), the same greedy episodes as
     the HF engine's on the same trainer state."""
-    from sprpo_lib.batch import build_batch
-    from sprpo_lib.train import Trainer, load_config
+    from sprpo_lib.core.batch import build_batch
+    from sprpo_lib.train.trainer import Trainer, load_config
 
     ov = ["method.name=sprpo", "rollout.generation.temperature=0", "update.lr=0.05"]
     trs = {e: Trainer(load_config("smoke", ov + [f"rollout.engine={e}"]), tmp_path / e, progress=False)
@@ -472,7 +472,7 @@ def test_ir_emits_every_positions_logits_from_the_lm_head(tiny_spec):
     import numpy as np
     import openvino as ov
 
-    from sprpo_lib.engines.openvino import lm_head_matmul, slice_last_logits
+    from sprpo_lib.agent.engines.openvino import lm_head_matmul, slice_last_logits
 
     pol = load_policy(tiny_spec)
     eng = _ov(pol, greedy(), backend="genai")

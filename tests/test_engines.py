@@ -5,7 +5,7 @@ import pytest
 import torch
 from conftest import NEVER, PROMPTS, greedy, lora_policy, same_tokens, scripted, stop_that_splits
 
-from sprpo_lib.engines import (
+from sprpo_lib.agent.engines import (
     ENGINES,
     Engine,
     GenerationConfig,
@@ -16,9 +16,10 @@ from sprpo_lib.engines import (
     make_engine,
     plain_copy,
 )
-from sprpo_lib.engines.base import select_tokens
-from sprpo_lib.models import ffn_modules, load_policy
-from sprpo_lib.perturb import FFNChannels, dropout_mask, sample_xi
+from sprpo_lib.agent.engines.base import select_tokens
+from sprpo_lib.core.perturb import FFNChannels, dropout_mask, sample_xi
+from sprpo_lib.model.layers import ffn_modules
+from sprpo_lib.model.load import load_policy
 
 
 # ----------------------------------------------------------------------------- bake_weights
@@ -220,12 +221,12 @@ def test_bench_generate_compares_engines_on_webshop_prompts(tmp_path):
 def test_bench_prompts_splits_the_token_budget_by_section(tmp_path):
     import json
 
-    from sprpo_lib.agent import PROMPT_SECTIONS, token_counter
+    from sprpo_lib.agent.envs import make_pool
+    from sprpo_lib.agent.prompt import PROMPT_SECTIONS, token_counter
     from sprpo_lib.bench import cli as bench_cli
-    from sprpo_lib.config import load_config
-    from sprpo_lib.envs import make_pool
-    from sprpo_lib.models import load_policy
-    from sprpo_lib.sft import collect_demonstrations
+    from sprpo_lib.model.load import load_policy
+    from sprpo_lib.train.config import load_config
+    from sprpo_lib.warmstart.sft import collect_demonstrations
 
     out = tmp_path / "prompts.json"
     assert bench_cli.main(["prompts", "--model", "tiny-llama", "--episodes", "3", "--out", str(out)]) == 0

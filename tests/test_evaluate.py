@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import sprpo_lib.evaluate as E
-from sprpo_lib.agent import AgentConfig
-from sprpo_lib.compress import perturbation
-from sprpo_lib.engines import ENGINES, HFEngine
-from sprpo_lib.envs import make_pool
+from sprpo_lib.agent.engines import ENGINES, HFEngine
+from sprpo_lib.agent.envs import make_pool
+from sprpo_lib.agent.prompt import AgentConfig
+from sprpo_lib.core.compress import perturbation
 
 AGENT = AgentConfig(max_obs_chars=100, history_len=1)  # short prompts for the byte-level tiny model
 EPISODE = ["env", "split", "task_index", "task_id", "seed", "success", "score", "length", "valid_rate", "trace"]
@@ -34,7 +34,7 @@ def sharp(tmp_path_factory):
     """A tiny Qwen2 saved as a HF folder (safetensors) with a dominant FFN and peaked
     next-token distributions, so that FFN perturbations visibly change its episodes
     (the plain random tiny model samples from nearly flat distributions)."""
-    from sprpo_lib.models import load_policy
+    from sprpo_lib.model.load import load_policy
 
     pol = load_policy("tiny-qwen2")
     with torch.no_grad():
@@ -172,7 +172,8 @@ def test_killed_sweep_resumes_to_the_same_table(tmp_path, pool, monkeypatch):
 
 
 def _save_tiny(tmp_path):
-    from sprpo_lib.models import LoraSettings, add_lora, load_policy
+    from sprpo_lib.model.load import load_policy
+    from sprpo_lib.model.lora import LoraSettings, add_lora
 
     base = tmp_path / "base"
     pol = load_policy("tiny-qwen2")
@@ -328,9 +329,10 @@ def test_cli_writes_rows(tmp_path, capsys):
 def test_config_from_a_training_run(tmp_path, pool, counter):
     """A run folder gives the base model (tiny models: the run's seed), the RL adapter,
     the profile's prompt settings and step limit, and the method / seed tags."""
-    from sprpo_lib.config import config_dict, load_config
-    from sprpo_lib.io import atomic_write_json
-    from sprpo_lib.models import LoraSettings, add_lora, load_policy
+    from sprpo_lib.infra.io import atomic_write_json
+    from sprpo_lib.model.load import load_policy
+    from sprpo_lib.model.lora import LoraSettings, add_lora
+    from sprpo_lib.train.config import config_dict, load_config
 
     tc = load_config("smoke", **{"method.name": "sprpo", "seed": 1})
     run = tmp_path / "webshop-sprpo-smoke-seed1"

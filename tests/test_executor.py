@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 
 import sprpo_lib.evaluate as E
-from sprpo_lib.executor import LocalExecutor, RayExecutor, Resources, current, executor_environment, make_executor
+from sprpo_lib.infra.executor import LocalExecutor, RayExecutor, Resources, current, executor_environment, make_executor
 
 TASK = "ray::compute_cell"  # the process title of a Ray worker while it runs a cell
 

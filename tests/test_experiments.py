@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from sprpo_lib.config import config_dict, load_config
 from sprpo_lib.paper import experiments as X
 from sprpo_lib.paper import results as R
+from sprpo_lib.train.config import config_dict, load_config
 
 
 def test_plan_lookup_and_validation():
@@ -33,6 +34,37 @@ def test_plan_lookup_and_validation():
         X.Plan("x", "webshop", methods=("vanilla",), seeds={"vanilla": (0,)})
     assert set(X.PLANS["paper"]) == {"alfworld", "webshop"}
     assert dict(X.PLANS["paper"]["alfworld"].table)["sparsegpt"] == 0.70  # Table 1's ALFWorld column
+
+
+def test_plans_and_studies_are_read_from_the_profile_yaml(tmp_path, monkeypatch):
+    """A profile's ``plan`` and ``ablation`` sections: per-env keys override, dotted keys reach
+    into ``curves``, a seed list applies to every method, ``app_c`` is App. C's levels; an
+    unknown key is one clear error; the training config ignores both sections."""
+    import sprpo_lib.train.config as C
+    from sprpo_lib.core.compress import FAMILIES
+    from sprpo_lib.paper import ablations as A
+
+    (tmp_path / "t.yaml").write_text(
+        "iterations: 1\nplan:\n  seeds: [3]\n  tasks: 4\n  curves: {gaussian: [0.1], rtn: [8, 4]}\n"
+        "  per_env:\n    webshop: {tasks: 2, curves.rtn: [6]}\n    alfworld: {methods: [vanilla, sprpo], curves: app_c}\n"
+        "ablation:\n  webshop: {rho: 0.2, rhos: [0.0, 0.2], only: [full, alpha0]}\n")
+    (tmp_path / "bad.yaml").write_text("plan:\n  taks: 4\n  per_env: {webshop: {}}\nablation:\n  webshop: {rho: 0.1, rhos: [0.1], lr: 1}\n")
+    monkeypatch.setattr(C, "PROFILES_DIR", tmp_path)
+    ws = X.plan_from_profile("t", "webshop")
+    assert ws.tasks == 2 and ws.curves == {"gaussian": (0.1,), "rtn": (6,)} and ws.table == X.TABLE1["webshop"]
+    assert ws.seeds == {m: (3,) for m in X.METHOD_ORDER}
+    alf = X.plan_from_profile("t", "alfworld")
+    assert alf.methods == ("vanilla", "sprpo") and alf.seeds == {"vanilla": (3,), "sprpo": (3,)} and alf.tasks == 4
+    assert alf.curves == {f: FAMILIES[f].levels["alfworld"] for f in X.APP_C_CURVES}
+    assert [v.key for v in A.study_from_profile("t", "webshop").variants] == ["full", "alpha0"]
+    assert A.study_from_profile("t", "alfworld") is None
+    assert C.load_config("t").iterations == 1  # the plan sections are no training config
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['taks'\]"):
+        X.plan_from_profile("bad", "webshop")
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['lr'\]"):
+        A.study_from_profile("bad", "webshop")
+    with pytest.raises(ValueError, match="no plan for 'alfworld'"):
+        X.plan_from_profile("bad", "alfworld")
 
 
 def test_load_rows_missing_is_one_clear_error(tmp_path):
@@ -245,12 +277,45 @@ def test_readme_claims_block_is_the_grid_and_links_the_full_table(tmp_path, monk
     assert "| Claim |" not in text and "STALE" not in text and text.endswith("rest\n")
 
 
+def test_blocks_go_to_the_page_with_their_markers_and_links_resolve_from_it(tmp_path, monkeypatch):
+    """update_readme writes each block into whichever page (README or the library's page) has its
+    markers; on the page below the root, the block's relative links are rebased so they resolve."""
+    from sprpo_lib.reproduce import update_readme
+
+    monkeypatch.setenv("SPRPO_HOME", str(tmp_path))
+    (tmp_path / "figures").mkdir()
+    (tmp_path / "sprpo_lib").mkdir()
+    front, lib = tmp_path / "README.md", tmp_path / "sprpo_lib" / "README.md"
+    front.write_text("a\n<!-- notebooks:begin -->\n<!-- notebooks:end -->\n")
+    lib.write_text("b\n<!-- plans:begin -->\n<!-- plans:end -->\n<!-- paper-cost:begin -->\n<!-- paper-cost:end -->\n")
+    assert update_readme("cpu", "figures")
+    assert "| `01_training` |" in front.read_text()
+    text = lib.read_text()
+    links = re.findall(r"\]\(([^)]+)\)", text)
+    assert links and all(link.startswith("../figures/") for link in links)
+    assert all((lib.parent / link).is_file() for link in links)  # plans.md, written by the same call
+
+
+def test_every_relative_link_of_the_two_pages_resolves():
+    """The README and the library's page: each relative link names a file or folder of the checkout."""
+    from sprpo_lib.infra.paths import package_checkout
+    from sprpo_lib.paper.results import DOC_PAGES
+
+    root = package_checkout()
+    bad = []
+    for rel in DOC_PAGES:
+        page = root / rel
+        for link in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", page.read_text()):
+            if not re.match(r"[a-z]+:", link) and not (page.parent / link).exists():
+                bad.append(f"{rel}: {link}")
+    assert bad == []
+
+
 def test_recorded_compute_adds_every_pass_and_counts_a_shared_cell_once(tmp_path, monkeypatch):
     """The stage table's recorded compute, against sums by hand: 01 = its runs' iteration
     wall_s + their warm start's seconds (collection, cloning, held-out score); a cell in 03's and 04's rows counts for 03 only."""
-    import sprpo_lib.train as train_mod
     from sprpo_lib import reproduce as R
-    from sprpo_lib.config import config_dict, load_config
+    from sprpo_lib.train.config import config_dict, load_config
 
     out, runs = tmp_path / "figs", tmp_path / "runs"
     run = runs / "cpu" / "train" / "webshop-vanilla-cpu-seed0"
@@ -262,7 +327,7 @@ def test_recorded_compute_adds_every_pass_and_counts_a_shared_cell_once(tmp_path
     warm.mkdir()
     (warm / "sft_summary.json").write_text(json.dumps({"result": {"seconds": 10.0, "collect": {"seconds": 0.5}}}))
     (warm / "eval.json").write_text(json.dumps({"seconds": 2.0}))
-    monkeypatch.setattr(train_mod, "warm_start_dir", lambda cfg, agent=None: warm)
+    monkeypatch.setattr(R, "warm_start_dir", lambda cfg, agent=None: warm)  # where reproduce looks it up
     (out / "01_training_webshop.png.manifest.json").write_text(json.dumps({"config": {"runs": [str(run)]}}))
     for key, secs in (("a" * 64, 3.0), ("b" * 64, 4.0)):
         f = runs / "cpu" / "eval_cache" / "cells" / "webshop-clean" / f"{key}.json"

@@ -11,10 +11,10 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 
+from sprpo_lib.infra.paths import figures_dir  # noqa: E402
 from sprpo_lib.paper import experiments as X  # noqa: E402
 from sprpo_lib.paper import figcheck as F  # noqa: E402
 from sprpo_lib.paper import results as R  # noqa: E402
-from sprpo_lib.paths import figures_dir  # noqa: E402
 
 
 def test_text_rule_finds_overlaps_and_texts_off_the_canvas():

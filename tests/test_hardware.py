@@ -8,8 +8,8 @@ import types
 import pytest
 import torch
 
-from sprpo_lib import hardware
-from sprpo_lib.models import load_policy, resolve_dtype
+from sprpo_lib.infra import hardware
+from sprpo_lib.model.load import load_policy, resolve_dtype
 
 SHAPES = [(64, 128), (128, 64), (64, 64)]
 
@@ -152,7 +152,7 @@ def test_cpu_class_from_flags_and_caps(flags, cls):
 
 
 def test_machine_info_and_manifests_record_the_cpu_class(tmp_path, monkeypatch):
-    from sprpo_lib.manifest import write_manifest
+    from sprpo_lib.infra.manifest import write_manifest
 
     assert hardware.machine_info()["cpu_class"] == hardware.cpu_class() in hardware.CPU_CLASSES
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
@@ -178,7 +178,7 @@ def test_peak_memory_per_phase_sees_an_allocation_and_resets():
     """A 300 MB buffer touched inside a phase raises that phase's peak RSS by about its
     size; the next phase, started after it is freed, does not see it (Linux resets the
     peak through /proc/self/clear_refs)."""
-    from sprpo_lib.hardware import peak_memory, reset_peak_memory
+    from sprpo_lib.infra.hardware import peak_memory, reset_peak_memory
 
     reset_peak_memory()
     base = peak_memory()["peak_rss_gib"]

@@ -13,16 +13,15 @@ import sprpo_lib
 PKG = Path(sprpo_lib.__file__).parent
 TESTS = Path(__file__).parent
 
-#: The layers, bottom first; a module may import its own layer or lower ones (the
-#: package's docstring draws the same picture).
+#: The layers, bottom first, read from the package's folders: a module may import its own
+#: layer or lower ones (the package's docstring draws the same picture).
 LAYERS: list[tuple[str, ...]] = [
-    # files, places, machine, where work runs and where metrics go
-    ("io", "paths", "registry", "progress", "hardware", "manifest", "executor", "tracking"),
-    ("models", "perturb", "compress", "agent", "envs"),  # policies, perturbations, environments
-    ("engines",),  # generation back ends behind one interface
-    ("rollout",),  # episodes played in groups
-    ("advantages", "losses", "batch", "actor", "methods"),  # the algorithm (Alg. 1-4)
-    ("config", "checkpoint", "sft", "heldout", "train"),  # training runs
+    ("infra",),  # files, places, machine, where work runs and where metrics go
+    ("model",),  # the policy model: loading, layers, LoRA
+    ("core",),  # the algorithm on explicit tensors (Algs. 1-4) and the perturbations
+    ("agent",),  # prompts, engines, environments, episodes
+    ("warmstart",),  # demonstrations, behaviour cloning, DAgger, held-out evaluation
+    ("train",),  # training runs
     ("evaluate",),  # robustness evaluation (App. C)
     ("paper",),  # the paper's experiments, figures and tables
     ("reproduce",),  # the notebooks, run headlessly
@@ -182,19 +181,21 @@ def test_the_checks_catch_what_they_guard_against(tmp_path):
     """The checker itself on a planted package: a cycle, an upward import, a private import
     and a library -> bench import are each reported."""
     pkg = tmp_path / "sprpo_lib"
-    (pkg / "bench").mkdir(parents=True)
-    for f in ("__init__.py", "bench/__init__.py"):
+    for d in ("bench", "infra", "train"):
+        (pkg / d).mkdir(parents=True)
+    for f in ("__init__.py", "bench/__init__.py", "infra/__init__.py", "train/__init__.py"):
         (pkg / f).write_text("")
-    (pkg / "io.py").write_text("from sprpo_lib.train import _helper\n")  # up, private, and with train: a cycle
-    (pkg / "train.py").write_text("from sprpo_lib import io\nimport sprpo_lib.io as alias\n\n"
-                                  "def f():\n    from sprpo_lib.bench import x\n    from sprpo_lib.gone import y\n")
+    (pkg / "infra/io.py").write_text("from sprpo_lib.train.trainer import _helper\n")  # up, private, and a cycle
+    (pkg / "train/trainer.py").write_text("from sprpo_lib.infra import io\nimport sprpo_lib.infra.io as alias\n\n"
+                                          "def f():\n    from sprpo_lib.bench import x\n    from sprpo_lib.gone import y\n")
     edges, private = graph(pkg)
-    assert cycles(edges) == [["sprpo_lib.io", "sprpo_lib.train"]]
-    assert layer("sprpo_lib.train") > layer("sprpo_lib.io")  # io -> train goes up
-    assert private == ["sprpo_lib/io.py:1 imports _helper from sprpo_lib.train"]
-    assert "sprpo_lib.bench" in edges["sprpo_lib.train"]
-    assert sorted(unresolved(pkg)) == ["io.py:1: sprpo_lib.train defines no _helper",
-                                       "train.py:5: sprpo_lib.bench defines no x", "train.py:6: no module sprpo_lib.gone"]
+    assert cycles(edges) == [["sprpo_lib.infra.io", "sprpo_lib.train.trainer"]]
+    assert layer("sprpo_lib.train.trainer") > layer("sprpo_lib.infra.io")  # io -> train goes up
+    assert private == ["sprpo_lib/infra/io.py:1 imports _helper from sprpo_lib.train.trainer"]
+    assert "sprpo_lib.bench" in edges["sprpo_lib.train.trainer"]
+    assert sorted(unresolved(pkg)) == ["io.py:1: sprpo_lib.train.trainer defines no _helper",
+                                       "trainer.py:5: sprpo_lib.bench defines no x",
+                                       "trainer.py:6: no module sprpo_lib.gone"]
 
 
 @pytest.mark.parametrize("name", ["sprpo_lib.bench", "sprpo_lib.evaluate", "sprpo_lib.reproduce", "sprpo_lib.train"])
@@ -214,13 +215,13 @@ def test_every_import_of_the_package_resolves():
 
 def test_engine_registry_paths_resolve():
     """The registry names its plug-ins by import path: each path is a module defining the class."""
-    from sprpo_lib.engines import ENGINES
+    from sprpo_lib.agent.engines import ENGINES
 
     mods = {module_name(p): p for p in PKG.rglob("*.py")}
     for name, entry in ENGINES.items():
         module, _, attr = entry.partition(":")
         assert module in mods and attr in defined_names(mods[module]), (name, entry)
-        assert layer(module) == layer("sprpo_lib.engines")
+        assert layer(module) == layer("sprpo_lib.agent.engines")
 
 
 def test_tests_touch_no_private_attribute_of_the_package():
@@ -245,9 +246,51 @@ def test_tests_touch_no_private_attribute_of_the_package():
     assert bad == []
 
 
-def test_the_layers_here_are_the_packages_docstring():
-    """The package docstring draws the same layers, in the same order."""
+def test_the_layers_are_the_folders_and_the_packages_docstring():
+    """Each layer is one folder (or one top-level module) of the package and each folder is a
+    layer; the package docstring lists them in the same order."""
+    tops = {p.stem if p.is_file() else p.name for p in PKG.iterdir()
+            if (p.suffix == ".py" and p.name != "__init__.py") or (p / "__init__.py").is_file()}
+    assert tops == {n for names in LAYERS for n in names}
     doc = sprpo_lib.__doc__
-    pos = [doc.index(f"``{n}``") if f"``{n}``" in doc else doc.index(f"``{n}/``") for names in LAYERS for n in names]
-    firsts = [pos[sum(len(x) for x in LAYERS[:i])] for i in range(len(LAYERS))]
-    assert firsts == sorted(firsts)
+    pos = [doc.index(f"``{n}/``") if (PKG / n).is_dir() else doc.index(f"``{n}``") for names in LAYERS for n in names]
+    assert pos == sorted(pos)
+
+
+def code_lines(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """A function's lines without its docstring."""
+    n = fn.end_lineno - fn.lineno + 1
+    first = fn.body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        n -= first.end_lineno - first.lineno + 1
+    return n
+
+
+def test_a_function_over_80_lines_says_why_in_its_docstring():
+    long = []
+    for p in PKG.rglob("*.py"):
+        for fn in ast.walk(ast.parse(p.read_text())):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and code_lines(fn) > 80 \
+                    and "Long on purpose:" not in (ast.get_docstring(fn) or ""):
+                long.append(f"{p.relative_to(PKG)}:{fn.lineno} {fn.name} ({code_lines(fn)} lines)")
+    assert long == []
+
+
+def test_imports_sit_at_the_top_but_for_heavy_optional_packages_with_a_reason():
+    """An import inside a function is a heavy or optional package (transformers, peft, ray,
+    openvino, vllm, ...) and says why on its line or the line above."""
+    bad = []
+    for p in PKG.rglob("*.py"):
+        src = p.read_text()
+        lines = src.splitlines()
+        for fn in ast.walk(ast.parse(src)):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    mod = node.module if isinstance(node, ast.ImportFrom) else node.names[0].name
+                    said = "#" in lines[node.lineno - 1] or lines[node.lineno - 2].strip().startswith("#") \
+                        or lines[node.lineno - 2].strip() == "try:"
+                    if mod.startswith("sprpo_lib") and "alfworld" not in mod or not said:
+                        bad.append(f"{p.relative_to(PKG)}:{node.lineno} {mod}")
+    assert bad == []

@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from sprpo_lib.manifest import NOT_A_CHECKOUT, git_commit
+from sprpo_lib.infra.manifest import NOT_A_CHECKOUT, git_commit
 
 
 def test_git_commit_dirty_flag_ignores_figure_outputs(tmp_path):
@@ -42,7 +42,7 @@ def test_atomic_writes_get_the_permissions_open_and_mkdir_would(tmp_path):
     """mkstemp/mkdtemp alone create 0600/0700: results would be unreadable to a group."""
     import stat
 
-    from sprpo_lib.io import atomic_dir, atomic_write_text
+    from sprpo_lib.infra.io import atomic_dir, atomic_write_text
 
     (tmp_path / "plain.txt").write_text("x")
     (tmp_path / "plain_dir").mkdir()

@@ -4,16 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sprpo_lib.models import (
-    LoraSettings,
-    add_lora,
-    build_tiny,
-    decoder_layers,
-    ffn_modules,
-    load_policy,
-    merge_lora,
-    smollm2_gguf_path,
-)
+from sprpo_lib.model.layers import decoder_layers, ffn_modules
+from sprpo_lib.model.load import build_tiny, load_policy, smollm2_gguf_path
+from sprpo_lib.model.lora import LoraSettings, add_lora, merge_lora
 
 
 def test_tiny_models_are_seeded_and_have_gated_ffn(tiny_spec):
@@ -59,7 +52,8 @@ def test_lora_wraps_all_projections_and_starts_at_identity(tiny):
 
 
 def test_lora_on_last_layers_stops_backprop_there(tiny):
-    from sprpo_lib.models import decoder_layers, lora_on_last_layers
+    from sprpo_lib.model.layers import decoder_layers
+    from sprpo_lib.model.lora import lora_on_last_layers
 
     settings = lora_on_last_layers(tiny.model, LoraSettings(rank=4, alpha=8), 1)
     assert all(n.startswith("model.layers.1.") for n in settings.targets) and len(settings.targets) == 7
@@ -97,6 +91,27 @@ def test_local_directory_roundtrip(tmp_path):
     assert again.tokenizer.padding_side == "left"
 
 
+def test_training_and_evaluation_resolve_a_model_the_same_way(tmp_path):
+    """resolve_model is the one place a spec becomes weights folder, dtype and device: the
+    tiny models have no folder and load in float32; a local directory is its own folder;
+    the evaluation's cache key names the dtype load_policy then uses."""
+    from sprpo_lib.evaluate import EvalConfig
+    from sprpo_lib.evaluate.sweep import ModelSource
+    from sprpo_lib.model.load import resolve_model
+
+    tiny = resolve_model("tiny-qwen2", device="cpu")
+    assert (tiny.path, tiny.dtype, tiny.device.type) == (None, torch.float32, "cpu")
+    pol = load_policy("tiny-qwen2", seed=1)
+    pol.model.save_pretrained(tmp_path, safe_serialization=True)
+    pol.tokenizer.save_pretrained(tmp_path)
+    local = resolve_model(str(tmp_path), "bfloat16", "cpu")
+    assert local.path == tmp_path and local.dtype == torch.bfloat16
+    src = ModelSource(EvalConfig(model=str(tmp_path), dtype="bfloat16", device="cpu"))
+    assert src.identity()["dtype"] == "bfloat16" == load_policy(str(tmp_path), dtype="bfloat16").meta["dtype"]
+    with pytest.raises(ValueError, match="neither a known name"):
+        resolve_model("not a model")
+
+
 @pytest.mark.slow
 def test_embedded_default_model_loads_from_cache():
     pytest.importorskip("gguf")
@@ -120,7 +135,7 @@ def test_embedded_default_model_loads_from_cache():
 
 
 def test_device_resolution_and_errors():
-    from sprpo_lib.models import resolve_device
+    from sprpo_lib.model.load import resolve_device
 
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
     assert resolve_device("cpu") == torch.device("cpu")
@@ -138,7 +153,8 @@ def test_saved_adapters_are_the_same_bytes_in_every_process(tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys; from sprpo_lib.models import load_policy, add_lora, save_peft; "
+    code = ("import sys; from sprpo_lib.model.load import load_policy; "
+            "from sprpo_lib.model.lora import add_lora, save_peft; "
             "p = add_lora(load_policy('tiny-qwen2', seed=0)); save_peft(p.model, sys.argv[1])")
     digests = set()
     for seed in ("1", "2", "3"):
@@ -154,8 +170,8 @@ def test_the_paper_shape_stand_in_follows_the_hardware_dtype_rule(monkeypatch):
     machine (bfloat16 where it is faster, e.g. on CUDA) like a real model, with the probe in
     meta; the tiny test models stay float32 (exact tests).  The probe is stubbed to answer
     bfloat16 and record the shapes it was asked about."""
-    import sprpo_lib.hardware as hw
-    from sprpo_lib.models import TinyConfig
+    import sprpo_lib.model.load as load_mod
+    from sprpo_lib.model.load import TinyConfig
 
     asked = []
 
@@ -163,7 +179,7 @@ def test_the_paper_shape_stand_in_follows_the_hardware_dtype_rule(monkeypatch):
         asked.append(list(shapes))
         return torch.bfloat16, {"chosen": "bfloat16"}
 
-    monkeypatch.setattr(hw, "fast_dtype", fake_fast_dtype)
+    monkeypatch.setattr(load_mod, "fast_dtype", fake_fast_dtype)  # where load_policy looks it up
     small = TinyConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1)
     big = load_policy("random-qwen2.5-1.5b", tiny=small)
     assert big.dtype == torch.bfloat16 and big.meta["dtype_probe"] == {"chosen": "bfloat16"}

@@ -6,7 +6,7 @@ import json
 import pandas as pd
 import pytest
 
-from sprpo_lib.paths import notebooks_dir
+from sprpo_lib.infra.paths import notebooks_dir
 from sprpo_lib.reproduce import PROFILES, plan, run
 
 NOTEBOOKS = notebooks_dir()
@@ -103,7 +103,7 @@ def test_result_notebooks_smoke_and_render_only(tmp_path):
     recs = run("smoke", only=["03", "04", "05", "06", "07", "08"], force=True, runs_dir=tmp_path / "runs",
                out_dir=str(out))
     assert [r["status"] for r in recs] == ["ok"] * 6
-    from sprpo_lib.manifest import check_artifact
+    from sprpo_lib.infra.manifest import check_artifact
 
     for man in out.glob("*.manifest.json"):  # every artifact matches the SHA-256 its manifest records
         assert "file" in check_artifact(man.with_name(man.name[: -len(".manifest.json")])), man
@@ -202,9 +202,9 @@ def test_the_package_imports_from_the_notebooks_folder():
     import subprocess
     import sys
 
-    from sprpo_lib.paths import package_checkout
+    from sprpo_lib.infra.paths import package_checkout
 
-    code = "import sprpo_lib, sprpo_lib.paths as p; print(sprpo_lib.__file__); print(p.project_root())"
+    code = "import sprpo_lib, sprpo_lib.infra.paths as p; print(sprpo_lib.__file__); print(p.project_root())"
     env = {k: v for k, v in __import__("os").environ.items() if k not in ("PYTHONPATH", "SPRPO_HOME")}
     out = subprocess.run([sys.executable, "-c", code], cwd=NOTEBOOKS, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:] + "\nfix: pip install --no-deps -e . (README, first command)"
@@ -216,7 +216,7 @@ def test_jupyterlab_lists_the_numbered_notebooks():
     """What JupyterLab's file browser shows at the repository root (its contents API)."""
     from jupyter_server.services.contents.filemanager import FileContentsManager
 
-    from sprpo_lib.paths import package_checkout
+    from sprpo_lib.infra.paths import package_checkout
 
     cm = FileContentsManager(root_dir=str(package_checkout()))
     listed = {m["name"] for m in cm.get("notebooks", content=True)["content"] if m["type"] == "notebook"}
@@ -233,7 +233,7 @@ def test_committed_results_render_byte_identical_from_the_notebooks_folder(tmp_p
 
     import papermill as pm
 
-    from sprpo_lib.paths import figures_dir
+    from sprpo_lib.infra.paths import figures_dir
 
     committed = figures_dir()
     out = shutil.copytree(committed, tmp_path / "figures")

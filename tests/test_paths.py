@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from sprpo_lib import paths
-from sprpo_lib.progress import PROGRESS_ENV, progress_bar
+from sprpo_lib.infra import paths
+from sprpo_lib.infra.progress import PROGRESS_ENV, progress_bar
 
 
 def test_project_root_is_the_checkout_or_sprpo_home(monkeypatch, tmp_path):

@@ -6,8 +6,9 @@ import copy
 import pytest
 import torch
 
-from sprpo_lib.models import add_lora, ffn_modules
-from sprpo_lib.perturb import FFNChannels, dropout_mask, perturbed, sample_xi
+from sprpo_lib.core.perturb import FFNChannels, dropout_mask, perturbed, sample_xi
+from sprpo_lib.model.layers import ffn_modules
+from sprpo_lib.model.lora import add_lora
 
 
 def _ids(n=2, t=17, seed=0):
@@ -160,7 +161,7 @@ def test_bfloat16_noise_is_not_quantised_away():
     """In bf16 models a noise of 3e-3 (below bf16's resolution near 1) still changes h:
     inference computes h + h*xi (error within one bf16 ulp of the exact product), the
     differentiable path multiplies in float32 and rounds once."""
-    from sprpo_lib.models import load_policy
+    from sprpo_lib.model.load import load_policy
 
     pol = load_policy("tiny-qwen2", dtype="bfloat16")
     fc = FFNChannels(pol.model)
@@ -219,8 +220,8 @@ def test_bad_shapes_give_clear_errors(tiny):
 def test_active_factor_is_the_product_of_attached_hooks():
     """What an engine with its own weights must fold in: every attached instance's
     (1 + xi) * mask, multiplied; nothing once detached; per-sequence factors refused."""
-    from sprpo_lib.models import load_policy
-    from sprpo_lib.perturb import active_factor, dropout_mask, sample_xi
+    from sprpo_lib.core.perturb import active_factor, dropout_mask, sample_xi
+    from sprpo_lib.model.load import load_policy
 
     m = load_policy("tiny-qwen2").model
     a, b = FFNChannels(m), FFNChannels(m)

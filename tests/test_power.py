@@ -73,7 +73,7 @@ def test_best_design_is_the_brute_force_optimum():
         P.best_design(claims, cost, 10.0, **grid)
 
 
-def _rows(cells: dict, goals: int = 6, seeds=(0, 1)) -> "pd.DataFrame":
+def _rows(cells: dict, goals: int = 6, seeds=(0, 1)):
     """Episode rows: ``cells[(method, family, strength)][seed][goal]`` success (0/1)."""
     import pandas as pd
 

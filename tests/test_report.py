@@ -91,7 +91,7 @@ def test_heldout_rows_follow_a_run_from_its_warm_start(tmp_path, monkeypatch):
     """A warm-started smoke run with ``eval_every=1``: the warm start (iteration 0) and each
     iteration's policy on the same held-out tasks, read back from their own episode logs."""
     from sprpo_lib.paper.report import heldout_curve, heldout_rows
-    from sprpo_lib.train import load_config, train
+    from sprpo_lib.train.trainer import load_config, train
 
     monkeypatch.setenv("SPRPO_HOME", str(tmp_path))
     ov = ["warm_start=true", "sft.n_tasks=2", "sft.epochs=1", "sft.lora.rank=4", "sft.eval_tasks=3",

@@ -10,12 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sprpo_lib.agent import AgentConfig
-from sprpo_lib.engines import Generation, GenerationConfig, HFGenerator
-from sprpo_lib.envs.webshop import make_webshop_pool
-from sprpo_lib.models import LORA_TARGETS, LoraSettings, load_policy
-from sprpo_lib.rollout import SerialEnvs, run_groups
-from sprpo_lib.sft import (
+from sprpo_lib.agent.engines import Generation, GenerationConfig, HFGenerator
+from sprpo_lib.agent.envs.webshop import make_webshop_pool
+from sprpo_lib.agent.prompt import AgentConfig
+from sprpo_lib.agent.rollout import SerialEnvs, run_groups
+from sprpo_lib.model.load import load_policy
+from sprpo_lib.model.lora import LORA_TARGETS, LoraSettings
+from sprpo_lib.warmstart.sft import (
     IGNORE_INDEX,
     Demo,
     SFTConfig,
@@ -196,7 +197,7 @@ def test_balanced_loss_equals_the_unweighted_loss_of_the_balanced_set(demos):
 
 
 def test_shopper_demonstrator_labels_its_own_actions(pool):
-    from sprpo_lib.envs.webshop import visible_shopper_action
+    from sprpo_lib.agent.envs.webshop import visible_shopper_action
 
     demos = collect_demonstrations(pool, "train", range(4), AGENT, demonstrator="shopper")
     assert demos and demos[0].response.startswith("<action>search[")
@@ -398,7 +399,7 @@ def test_admissible_parsing_and_demo_io(demos, tmp_path):
     acts = admissible_from_prompt(demos[1].prompt)
     assert acts[0] == "click[back to search]" and all(a.startswith("click[") for a in acts)
     assert admissible_from_prompt(demos[0].prompt) == ["search[<your query>]"]
-    from sprpo_lib.sft import is_admissible
+    from sprpo_lib.warmstart.sft import is_admissible
 
     assert is_admissible("search[red shoes]", ["search[<your query>]"])
     assert not is_admissible("search[]", ["search[<your query>]"])
@@ -412,7 +413,7 @@ def test_a_killed_warm_start_resumes_to_the_same_adapter(demos, tmp_path, monkey
     """Killed mid-epoch (an exception in the 5th micro-batch), rerun: it continues from its
     last resume point and ends bit-identical to an uninterrupted run (adapter, losses,
     logged rows); a damaged resume point is ignored and training starts over."""
-    import sprpo_lib.sft as sft_mod
+    import sprpo_lib.warmstart.sft as sft_mod
 
     cfg = SFTConfig(epochs=2, lr=1e-3, batch_size=2, grad_accum=1, lora=SMALL_LORA, log_every=1)
     ref = load_policy("tiny-qwen2")
@@ -460,7 +461,7 @@ def test_a_killed_warm_start_resumes_to_the_same_adapter(demos, tmp_path, monkey
 def test_dagger_relabelling_of_the_experts_own_play_is_its_demonstrations(pool, demos):
     """DAgger on the expert's own episodes is the identity: same prompts, same labels, no
     disagreement; on another policy's episodes it labels the states that policy reached."""
-    from sprpo_lib.rollout import RandomAdmissibleGenerator
+    from sprpo_lib.agent.rollout import RandomAdmissibleGenerator
 
     tasks = [("train", i) for i in range(3)]
     eps, _ = run_groups(SerialEnvs(lambda: pool), tasks, 1, ReplayGenerator(demos), AGENT, progress=False)
@@ -491,8 +492,8 @@ def _adapter_tensors(folder):
 
 
 def test_dagger_rounds_train_on_the_clones_states_and_resume(pool, tmp_path, monkeypatch):
-    import sprpo_lib.sft as sft_mod
-    from sprpo_lib.sft import dagger, dagger_indices, without_dagger
+    import sprpo_lib.warmstart.sft as sft_mod
+    from sprpo_lib.warmstart.sft import dagger, dagger_indices, without_dagger
 
     cfg = SFTConfig(n_tasks=3, epochs=1, batch_size=4, lora=SMALL_LORA, episode_steps=3, dagger_rounds=2,
                     dagger_tasks=2, dagger_temperature=1.0)
@@ -542,7 +543,7 @@ def test_resumed_warm_start_reuses_its_demonstrations_unless_damaged(pool, tmp_p
     """A killed warm start's rerun trains on the demonstrations it had saved (no second
     collection: 200 ALFWorld games take minutes), the same ones a fresh collection gives;
     a damaged ``demos.jsonl`` (a line dropped) is collected again, never served."""
-    import sprpo_lib.sft as S
+    import sprpo_lib.warmstart.sft as S
 
     cfg = SFTConfig(n_tasks=2, expert_prob=0.5)
     trained: list[list[Demo]] = []

@@ -10,12 +10,14 @@ import random
 import pytest
 import torch
 
-from sprpo_lib.actor import SURROGATE, TRAIN, Actor
-from sprpo_lib.batch import Batch, PrefixGroup, Sample, prefix_groups, shareable
-from sprpo_lib.losses import PPOLossConfig
-from sprpo_lib.methods import grad_leaf
-from sprpo_lib.models import LoraSettings, add_lora, decoder_layers, load_policy, lora_on_last_layers
-from sprpo_lib.perturb import FFNChannels
+from sprpo_lib.core.actor import SURROGATE, TRAIN, Actor
+from sprpo_lib.core.batch import Batch, PrefixGroup, Sample, prefix_groups, shareable
+from sprpo_lib.core.losses import PPOLossConfig
+from sprpo_lib.core.methods import grad_leaf
+from sprpo_lib.core.perturb import FFNChannels
+from sprpo_lib.model.layers import decoder_layers
+from sprpo_lib.model.load import load_policy
+from sprpo_lib.model.lora import LoraSettings, add_lora, lora_on_last_layers
 
 
 def _grouped_batch(seed: int = 0) -> Batch:
@@ -174,7 +176,7 @@ def test_pass_flop_model_counts_what_a_shared_pass_multiplies(tiny_spec):
     is not checked here."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from sprpo_lib import hardware as hw
+    from sprpo_lib.infra import hardware as hw
 
     pol = load_policy(tiny_spec, seed=0, dtype="float32")
     rng = random.Random(0)
@@ -235,7 +237,7 @@ def test_one_forward_split_equals_two_passes(prefix_min, lora_layers, ck):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_padded_chunks_are_the_cheapest_cut_of_the_sorted_rows(seed):
-    from sprpo_lib.batch import padded_chunks
+    from sprpo_lib.core.batch import padded_chunks
 
     rng = random.Random(seed)
     samples = [Sample(list(range(rng.choice([12, 15, 300, 310, 700]))), 2, 1.0) for _ in range(7)]
@@ -255,7 +257,8 @@ def test_checkpointed_layers_keep_far_less_for_the_backward(tiny_spec, prefix_mi
     """What autograd saves for the backward, summed over every saved tensor (a deterministic
     count, no timer or RSS): with every decoder layer checkpointed it is a fraction of the
     plain pass's, and the layers are back to their own forward afterwards."""
-    from sprpo_lib.models import TinyConfig, decoder_layers
+    from sprpo_lib.model.layers import decoder_layers
+    from sprpo_lib.model.load import TinyConfig
 
     pol = load_policy(tiny_spec, seed=0, dtype="float32", tiny=TinyConfig(hidden_size=64, intermediate_size=256,
                                                                            num_hidden_layers=4))
@@ -283,7 +286,7 @@ def test_a_token_budget_bounds_every_micro_batch_of_several_rows(seed):
     """update.micro_batch_tokens: the DP's runs (shared layout) are the cheapest cut under the
     budget (brute force), the greedy chunks (whole rows) partition the rows in order; no
     micro-batch of two or more rows pads past the budget."""
-    from sprpo_lib.batch import padded_chunks
+    from sprpo_lib.core.batch import padded_chunks
 
     rng = random.Random(seed)
     samples = [Sample(list(range(rng.choice([12, 15, 300, 310, 700]))), 2, 1.0) for _ in range(7)]
@@ -333,8 +336,8 @@ def test_bench_prices_the_old_log_prob_pass_that_mini_batches_add(tiny_spec):
     forward to every method that steps more than once, never to the one-pass estimate."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from sprpo_lib import hardware as hw
     from sprpo_lib.bench.suite import method_passes, pass_groups
+    from sprpo_lib.infra import hardware as hw
 
     pol = load_policy(tiny_spec, seed=0, dtype="float32")
     model = pol.model  # every weight trainable: the backward's FLOPs are the same in both updates

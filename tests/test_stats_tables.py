@@ -255,8 +255,8 @@ def test_strength_labels():
 def test_hyperparameter_tables_read_the_profiles_and_mark_every_difference():
     """App. B's Tables 2-3: the paper profile equals the paper on every row but its documented
     response budget (64 new tokens: single actions); each cpu value is the profile's own."""
-    from sprpo_lib.config import load_config
     from sprpo_lib.paper import hparams as H
+    from sprpo_lib.train.config import load_config
 
     shared = H.hparam_frame(H.SHARED).set_index("hyperparameter")
     differs = set(shared.index[shared["differs"].str.contains("paper")])

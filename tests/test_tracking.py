@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from sprpo_lib.config import load_config
-from sprpo_lib.io import JsonLines
-from sprpo_lib.tracking import Tracking, check_loggers
+from sprpo_lib.infra.io import JsonLines
+from sprpo_lib.infra.tracking import Tracking, check_loggers
+from sprpo_lib.train.config import load_config
 
 
 def scalars(logdir) -> dict[str, list[tuple[int, float]]]:
@@ -84,7 +84,7 @@ def test_logger_option_errors_and_identity():
     a = load_config("smoke")
     b = load_config("smoke", ["logger=[console,jsonl,tensorboard]"])
     assert b.logger == ("console", "jsonl", "tensorboard")
-    from sprpo_lib.config import config_dict
+    from sprpo_lib.train.config import config_dict
 
     assert config_dict(a) == config_dict(b)  # where metrics go is not what the run computes: it resumes
     assert "logger" not in json.dumps(config_dict(b))

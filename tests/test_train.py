@@ -15,10 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sprpo_lib.actor import SURROGATE
-from sprpo_lib.batch import build_batch
-from sprpo_lib.methods import grad_leaf
-from sprpo_lib.train import Trainer, load_config, train
+from sprpo_lib.core.actor import SURROGATE
+from sprpo_lib.core.batch import build_batch
+from sprpo_lib.core.methods import grad_leaf
+from sprpo_lib.train.trainer import Trainer, load_config, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -199,9 +199,9 @@ def test_dagger_warm_start_builds_on_the_cached_base(tmp_path, monkeypatch):
     the rounds go to a folder of their own, and RL starts from the last round merged."""
     import dataclasses
 
-    from sprpo_lib import train as train_mod
-    from sprpo_lib.models import load_policy
-    from sprpo_lib.sft import load_adapter, without_dagger
+    from sprpo_lib.model.load import load_policy
+    from sprpo_lib.train import trainer as train_mod
+    from sprpo_lib.warmstart.sft import load_adapter, without_dagger
 
     monkeypatch.setenv("SPRPO_HOME", str(tmp_path))
     ov = ["warm_start=true", "sft.n_tasks=2", "sft.epochs=1", "sft.lora.rank=4", "iterations=1", "sft.episode_steps=2"]
@@ -217,7 +217,7 @@ def test_dagger_warm_start_builds_on_the_cached_base(tmp_path, monkeypatch):
     torch.testing.assert_close(a.model(ids).logits, ref.model(ids).logits)  # RL's fresh LoRA starts at zero
     b = Trainer(load_config("smoke", ov), tmp_path / "b", progress=False)  # the base is served from its cache
     assert b.warm_start_dir == base
-    import sprpo_lib.sft as sft_mod
+    import sprpo_lib.warmstart.sft as sft_mod
 
     calls = []
     real = sft_mod.train_sft
@@ -230,7 +230,8 @@ def test_dagger_warm_start_builds_on_the_cached_base(tmp_path, monkeypatch):
 
 def test_warm_start_key_follows_the_demonstrators_label_version(monkeypatch):
     """A demonstrator whose labels changed gets a new cache folder; the others keep theirs."""
-    from sprpo_lib import sft, train as train_mod
+    from sprpo_lib.train import trainer as train_mod
+    from sprpo_lib.warmstart import sft
 
     alf = load_config("cpu", **{"env.name": "alfworld"})
     web = load_config("cpu")
@@ -283,7 +284,7 @@ def test_warm_start_and_final_eval_on_same_held_out_tasks(tmp_path, monkeypatch)
     assert sorted(e["task_index"] for e in eps) == [2, 3, 4]
     assert start["temperature"] == final["temperature"] == 0.4  # Table 3 validation temperature
     cfg = load_config("smoke", ov)
-    import sprpo_lib.heldout as E
+    import sprpo_lib.warmstart.heldout as E
 
     assert E.eval_is_current(out / "final" / "eval.json", cfg, 3)
     assert not E.eval_is_current(out / "final" / "eval.json", cfg, 4)  # other task count: redo
@@ -292,9 +293,9 @@ def test_warm_start_and_final_eval_on_same_held_out_tasks(tmp_path, monkeypatch)
     longer = load_config("smoke", ov + ["rollout.generation.max_new_tokens=9"])
     assert not E.eval_is_current(out / "final" / "eval.json", longer, 3)  # generation settings changed: redo
     # sft.agreement: the clone against its demonstrator on the demonstrator's states of the same held-out tasks
-    from sprpo_lib.envs import make_pool
-    from sprpo_lib.sft import collect_demonstrations
-    from sprpo_lib.train import warm_start_dir
+    from sprpo_lib.agent.envs import make_pool
+    from sprpo_lib.warmstart.cache import warm_start_dir
+    from sprpo_lib.warmstart.sft import collect_demonstrations
 
     ws = warm_start_dir(cfg)
     agree = json.loads((ws / "agreement.json").read_text())
@@ -309,7 +310,7 @@ def test_warm_start_and_final_eval_on_same_held_out_tasks(tmp_path, monkeypatch)
 
 
 def test_sprpo_sigma_scales_closed_form():
-    from sprpo_lib.methods import MethodConfig, make_method
+    from sprpo_lib.core.methods import MethodConfig, make_method
 
     S = torch.tensor([[1e-8, 4e-8], [16e-8, 64e-8]], dtype=torch.float64)
     for scale in ("raw", "relative"):
@@ -332,8 +333,8 @@ def test_dynamic_sampling_refills_groups_without_a_score_spread(tmp_path, monkey
     are dropped and new tasks are played, under the same xi, until tasks_per_step groups have a
     spread; the batch's groups are renumbered, the rest reported as dropped.  Scripted scores:
     round 0 has no spread, round 1 one group with it, round 2 two."""
-    import sprpo_lib.train as T
-    from sprpo_lib.rollout import EpisodeRecord
+    import sprpo_lib.train.trainer as T
+    from sprpo_lib.agent.rollout import EpisodeRecord
 
     played = []
 
@@ -370,8 +371,8 @@ def test_eval_every_draws_the_curve_without_changing_the_training(tmp_path):
     in the metrics and in heldout/iter_<k>/, and the same adapter as a run without it."""
     import json
 
-    from sprpo_lib.heldout import load_eval
-    from sprpo_lib.train import heldout_dir, is_complete
+    from sprpo_lib.train.trainer import heldout_dir, is_complete
+    from sprpo_lib.warmstart.heldout import load_eval
 
     ov = ["rollout.tasks_per_step=1", "method.name=vanilla", "iterations=2", "eval_tasks=2"]
     plain = _adapter(train(load_config("smoke", ov), tmp_path / "plain", progress=False))

@@ -11,17 +11,18 @@ import math
 import pytest
 import torch
 
-from sprpo_lib.actor import SURROGATE, Actor
-from sprpo_lib.advantages import StepSample, compute_advantages
-from sprpo_lib.agent import AgentConfig, HistoryStep, build_prompt, fit_prompt
-from sprpo_lib.batch import Batch, Sample, build_batch
-from sprpo_lib.engines import Generation
-from sprpo_lib.envs.base import Observation
-from sprpo_lib.losses import PPOLossConfig, kl_penalty, ppo_dual_clip_loss, token_logprobs
-from sprpo_lib.methods import grad_leaf
-from sprpo_lib.models import LoraSettings, add_lora, load_policy
-from sprpo_lib.rollout import SerialEnvs, run_groups
-from sprpo_lib.train import Trainer, load_config
+from sprpo_lib.agent.engines import Generation
+from sprpo_lib.agent.envs.base import Observation
+from sprpo_lib.agent.prompt import AgentConfig, HistoryStep, build_prompt, fit_prompt
+from sprpo_lib.agent.rollout import SerialEnvs, run_groups
+from sprpo_lib.core.actor import SURROGATE, Actor
+from sprpo_lib.core.advantages import StepSample, compute_advantages
+from sprpo_lib.core.batch import Batch, Sample, build_batch
+from sprpo_lib.core.losses import PPOLossConfig, kl_penalty, ppo_dual_clip_loss, token_logprobs
+from sprpo_lib.core.methods import grad_leaf
+from sprpo_lib.model.load import load_policy
+from sprpo_lib.model.lora import LoraSettings, add_lora
+from sprpo_lib.train.trainer import Trainer, load_config
 
 
 # ============================================================================ penalty placement
@@ -167,7 +168,7 @@ def test_sam_sized_xi_survives_bf16_and_matches_float32():
     lp16 = torch.cat(a16.log_probs(batch, xi))
     assert (lp16 - lp32).norm() <= 0.05 * effect  # the bf16 model's perturbed policy is the reference's
     # without carrying the perturbation in float32, bf16 rounding swamps it (what the fix is for)
-    import sprpo_lib.actor as A
+    import sprpo_lib.core.actor as A
 
     orig = A.below_resolution
     A.below_resolution = lambda xi, dtype: False
@@ -251,7 +252,7 @@ def test_statistics_exclude_the_entropy_bonus(tmp_path):
         out[coef] = (st["sam_g_norm"], tr.method.last_xi.clone())
     assert out[0.0][0] == pytest.approx(out[0.05][0], rel=1e-6)
     torch.testing.assert_close(out[0.0][1], out[0.05][1])
-    from sprpo_lib.methods import MethodConfig, make_method
+    from sprpo_lib.core.methods import MethodConfig, make_method
 
     xi = 0.1 * torch.randn(tr.shape, generator=torch.Generator().manual_seed(0))
     stats = {}
@@ -394,7 +395,7 @@ def test_config_errors_and_paper_defaults():
 
 
 def test_perturbation_keywords_are_checked():
-    from sprpo_lib.compress import apply_perturbation
+    from sprpo_lib.core.compress import apply_perturbation
 
     pol = load_policy("tiny-qwen2", seed=0)
     with pytest.raises(ValueError, match=r"takes no keyword\(s\) \['group_sise'\]; valid: .*group_size"):

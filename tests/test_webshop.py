@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from sprpo_lib.envs.base import Episode, TaskHandle, TaskPool
-from sprpo_lib.envs.webshop import (
+from sprpo_lib.agent.envs.base import Episode, TaskHandle, TaskPool
+from sprpo_lib.agent.envs.webshop import (
     MAX_STEPS,
     SEARCH_PLACEHOLDER,
     WebShopDataError,
@@ -25,8 +25,7 @@ from sprpo_lib.envs.webshop import (
     title_nouns,
     visible_shopper_action,
 )
-from sprpo_lib.envs.webshop_catalog import generate_catalogue
-
+from sprpo_lib.agent.envs.webshop_catalog import generate_catalogue
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -467,7 +466,7 @@ def test_matching_helpers_follow_the_original():
 
 
 def test_title_nouns_heuristic_without_spacy_model():
-    from sprpo_lib.envs.webshop import spacy_pipeline
+    from sprpo_lib.agent.envs.webshop import spacy_pipeline
 
     if spacy_pipeline() is not None:
         pytest.skip("spaCy's en_core_web_sm is installed; the heuristic is not used")
@@ -476,7 +475,7 @@ def test_title_nouns_heuristic_without_spacy_model():
 
 
 def test_random_and_expert_agents(pool):
-    from sprpo_lib.envs.baselines import play, random_action
+    from sprpo_lib.agent.envs.baselines import play, random_action
 
     rnd = play(pool, "test", range(10), "random", progress=False)
     assert rnd["episodes"] == 10 and 0.0 <= rnd["mean_score"] <= 1.0 and rnd["success_rate"] < 0.5
@@ -587,7 +586,7 @@ def test_the_search_never_initialises_jax(tmp_path):
     (fake / "__init__.py").write_text(f"open({str(marker)!r}, 'w').write('imported')\n")
     (fake / "lax.py").write_text("def top_k(x, k):\n    return x, x\n")
     code = ("import sys\n"
-            "from sprpo_lib.envs.webshop import make_webshop_pool\n"
+            "from sprpo_lib.agent.envs.webshop import make_webshop_pool\n"
             "pool = make_webshop_pool(n_products=200)\n"
             "ep = pool.open('test', 0).spawn()\n"
             "ep.reset()\n"

@@ -25,12 +25,22 @@ import torch
 
 from sprpo_lib.bench.gpu import METHODS, bench_gpu
 from sprpo_lib.bench.report import report
-from sprpo_lib.bench.suite import (GENERATE_ENGINES, bench_churn, bench_envs, bench_eval, bench_generate,
-                                   bench_machine, bench_perturb, bench_prompts, bench_train, bench_update)
-from sprpo_lib.hardware import machine_info
-from sprpo_lib.io import atomic_write_json
-from sprpo_lib.manifest import git_commit
-from sprpo_lib.paths import project_path, runs_dir
+from sprpo_lib.bench.suite import (
+    GENERATE_ENGINES,
+    bench_churn,
+    bench_envs,
+    bench_eval,
+    bench_generate,
+    bench_machine,
+    bench_perturb,
+    bench_prompts,
+    bench_train,
+    bench_update,
+)
+from sprpo_lib.infra.hardware import machine_info
+from sprpo_lib.infra.io import atomic_write_json
+from sprpo_lib.infra.manifest import git_commit
+from sprpo_lib.infra.paths import project_path, runs_dir
 
 
 def _print_table(res: dict, prefix: str = "") -> None:
@@ -42,6 +52,11 @@ def _print_table(res: dict, prefix: str = "") -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``sprpo-bench <what>``: run one benchmark, print its table and write its JSON under
+    ``runs/bench/`` (``report``: the per-machine tables and the page's summary).
+
+    Long on purpose: one argument parser with a subcommand per benchmark, each a flat list of
+    options beside the call it feeds, so ``--help`` and the code read the same."""
     ap = argparse.ArgumentParser(prog="sprpo-bench", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="what", required=True)
     p = sub.add_parser("perturb", help="hook overhead, RTN, Fisher and SparseGPT timings")

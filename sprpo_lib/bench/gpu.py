@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.util
 import os
 import re
 import subprocess
@@ -26,13 +27,13 @@ from pathlib import Path
 
 import torch
 
-from sprpo_lib import hardware as hw
+from sprpo_lib.agent.engines import ENGINES, GenerationConfig, close_engine, make_engine
 from sprpo_lib.bench.suite import sync_device, webshop_prompts
-from sprpo_lib.config import load_config
-from sprpo_lib.engines import ENGINES, GenerationConfig, close_engine, make_engine
-from sprpo_lib.methods import make_method
-from sprpo_lib.paths import package_checkout
-from sprpo_lib.train import Trainer
+from sprpo_lib.core.methods import make_method
+from sprpo_lib.infra import hardware as hw
+from sprpo_lib.infra.paths import package_checkout
+from sprpo_lib.train.config import load_config
+from sprpo_lib.train.trainer import Trainer
 
 METHODS = ("vanilla", "gaussian", "sam", "sprpo")
 PHASE_KEYS = ("rollout_s", "update_s", "sensitivity_s", "wall_s", "samples", "response_tokens",
@@ -146,6 +147,4 @@ def bench_gpu(profile: str = "paper", envs: tuple[str, ...] = ("webshop", "alfwo
 
 
 def _has(module: str) -> bool:
-    import importlib.util
-
     return importlib.util.find_spec(module) is not None

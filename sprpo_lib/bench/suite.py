@@ -4,12 +4,52 @@ and without the perturbation hook, interleaved, median of repeats).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
+import gc
+import random
 import statistics
+import tempfile
 import time
+from functools import partial
 from typing import Sequence
 
+import numpy as np
 import torch
+import yaml
+
+from sprpo_lib.agent.engines import GenerationConfig, HFGenerator, bake_weights, close_engine, make_engine
+from sprpo_lib.agent.engines.openvino import OpenVINOEngine
+from sprpo_lib.agent.envs import alfworld_gen, make_pool
+from sprpo_lib.agent.envs.alfworld import make_alfworld_pool
+from sprpo_lib.agent.envs.webshop import DEFAULT_N_PRODUCTS, WebShopPool, make_webshop_pool, visible_shopper_action
+from sprpo_lib.agent.envs.webshop_catalog import generate_catalogue
+from sprpo_lib.agent.prompt import (
+    PROMPT_SECTIONS,
+    AgentConfig,
+    HistoryStep,
+    build_prompt,
+    parse_actions,
+    prompt_sections,
+    token_counter,
+)
+from sprpo_lib.agent.rollout import SerialEnvs, run_groups
+from sprpo_lib.core.actor import Actor
+from sprpo_lib.core.batch import Batch, PrefixGroup, Sample, build_batch
+from sprpo_lib.core.compress import fisher_scores, rtn_quantize, sparsegpt_prune
+from sprpo_lib.core.methods import MethodConfig, make_method, rank_correlation
+from sprpo_lib.core.perturb import FFNChannels, sample_xi
+from sprpo_lib.infra import hardware as hw
+from sprpo_lib.infra.paths import cache_dir
+from sprpo_lib.model.layers import lowest_trainable_layer
+from sprpo_lib.model.load import DEFAULT_MODEL, QWEN25_15B_SHAPE, TINY_SPECS, TinyConfig, load_policy
+from sprpo_lib.model.lora import LoraSettings, add_lora, lora_on_last_layers
+from sprpo_lib.paper.quickstart import DEMO_OBJECTS, DEMO_PLACES, DEMO_PROMPT
+from sprpo_lib.train.config import load_config
+from sprpo_lib.train.trainer import Trainer
+from sprpo_lib.warmstart.cache import warm_start_policy
+from sprpo_lib.warmstart.heldout import eval_temperature, held_out_tasks
+from sprpo_lib.warmstart.sft import collect_demonstrations
 
 
 def sync_device(device) -> None:
@@ -27,10 +67,6 @@ def fixed_length_calibration(tokenizer, n: int, length: int, seed: int = 0) -> l
     """``n`` sequences of exactly ``length`` tokens cut from a seeded stream of
     agent-style prompts in the chat template (the usual fixed-length calibration
     chunks; content matters little for timing)."""
-    import random
-
-    from sprpo_lib.paper.quickstart import DEMO_OBJECTS, DEMO_PLACES, DEMO_PROMPT
-
     rng = random.Random(seed)
     stream: list[int] = []
     while len(stream) < n * length:
@@ -47,11 +83,6 @@ def bench_perturb(model: str = "smollm2-135m", n_calib: int = 128, calib_len: in
                   dtype: str | None = None) -> dict:
     """Load time, generation tokens/s with and without the FFN hook, and the time of
     RTN (INT4), Fisher scoring and SparseGPT (all FFN weights, r = 0.5)."""
-    from sprpo_lib.compress import fisher_scores, rtn_quantize, sparsegpt_prune
-    from sprpo_lib.models import load_policy
-    from sprpo_lib.paper.quickstart import DEMO_PROMPT
-    from sprpo_lib.perturb import FFNChannels, sample_xi
-
     res: dict = {"model": model, "threads": torch.get_num_threads(), "device": device}
     if device.startswith("cuda"):
         res["gpu"] = torch.cuda.get_device_name(0)
@@ -110,11 +141,6 @@ def env_vs_generation(pool_factory, split: str, model: str, n_tasks: int = 4, gr
     time for the same batch: one :func:`run_groups` call with the real model, side by
     side.  Defaults mirror the ``cpu`` profile's rollout batch (4 tasks x 4 rollouts,
     24 new tokens, observations cut at 300 characters) with 10 steps."""
-    from sprpo_lib.agent import AgentConfig
-    from sprpo_lib.engines import GenerationConfig, HFGenerator
-    from sprpo_lib.models import load_policy
-    from sprpo_lib.rollout import SerialEnvs, run_groups
-
     pol = load_policy(model)
     envs = SerialEnvs(pool_factory)
     agent = AgentConfig(max_obs_chars=max_obs_chars)
@@ -138,8 +164,6 @@ def bench_webshop(n_episodes: int = 200, seed: int = 0,
     decisions), and the oracle's mean reward / success rate over the episodes.
     """
     t0 = time.perf_counter()
-    from sprpo_lib.envs.webshop import DEFAULT_N_PRODUCTS, WebShopPool
-    from sprpo_lib.envs.webshop_catalog import generate_catalogue
 
     catalogue = generate_catalogue(seed, n_products or DEFAULT_N_PRODUCTS)
     gen_s = time.perf_counter() - t0
@@ -196,13 +220,8 @@ def bench_alfworld(pool=None, split: str = "valid_seen", n_tasks: int = 3,
       expert plan, verification, atomic write) measured on ``n_materialise`` games of
       a fresh temporary cache and scaled.
     """
-    import tempfile
-
-    import textworld
-    from textworld.envs import PddlEnv
-
-    from sprpo_lib.envs import alfworld_gen
-    from sprpo_lib.envs.alfworld import make_alfworld_pool
+    import textworld  # optional (alfworld's engine): loaded on use
+    from textworld.envs import PddlEnv  # optional (alfworld's engine): loaded on use
 
     pool = pool or make_alfworld_pool()
     indices = list(range(n_tasks))
@@ -273,16 +292,12 @@ def bench_envs(n_episodes: int = 200, model: str | None = "smollm2-135m", n_task
                max_steps: int = 10) -> dict:
     """Environment throughput with scripted policies (see each environment's helper)
     and, with ``model``, environment vs. generation time for one rollout batch."""
-    from functools import partial
-
-    from sprpo_lib.envs.webshop import make_webshop_pool
-
     vs = dict(n_tasks=n_tasks, group_size=group_size, max_steps=max_steps)
     res = {"webshop": bench_webshop(n_episodes=n_episodes)}
     if model:
         res["webshop"]["vs_model"] = env_vs_generation(partial(make_webshop_pool, seed=0), "test", model, **vs)
     try:
-        from sprpo_lib.envs.alfworld import make_alfworld_pool
+        from sprpo_lib.agent.envs.alfworld import make_alfworld_pool  # the alfworld package is optional
     except ImportError as err:  # the alfworld package is optional for WebShop-only users
         res["alfworld"] = {"skipped": f"alfworld not importable: {err}"}
     else:
@@ -294,8 +309,6 @@ def bench_envs(n_episodes: int = 200, model: str | None = "smollm2-135m", n_task
 
 def pass_groups(rows, prefix_min: int) -> list[tuple[int, list[int], list[int]]]:
     """``(P, row lengths, response lengths)`` per prefix group of the rows a pass runs."""
-    from sprpo_lib.batch import Batch, PrefixGroup
-
     plan = Batch(rows).prefix_plan(prefix_min) if prefix_min else [PrefixGroup([], list(rows))]
     return [(len(g.prefix), [len(s.ids) for s in g.samples], [s.n_resp for s in g.samples]) for g in plan]
 
@@ -305,8 +318,6 @@ def generation_floor(config, episodes, gflops: float, bandwidth_gbs: float, weig
     rate, and per environment step (one generation call over the live episodes) as many
     decode steps as its longest response, each at least one read of every weight at the
     measured bandwidth or its FLOPs at the matmul rate, whichever is slower."""
-    from sprpo_lib import hardware as hw
-
     by_step: dict[int, list] = {}
     for e in episodes:
         for st in e.steps:
@@ -329,8 +340,6 @@ def _phase_rows(times: dict, passes: dict, config, prefix_min: int, gflops: floa
     (rollout + both) and its ratio to Vanilla's; ``<method>_over_vanilla_bound``: that ratio
     with the extra pass (the replay, SAM's channel gradient) at its floor and nothing else
     changed, the least any speed-up of that pass can give."""
-    from sprpo_lib import hardware as hw
-
     out, totals = {}, {}
     for name, t in times.items():
         row = {k: round(statistics.median(v), 2) for k, v in t.items()}
@@ -397,16 +406,10 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     :func:`generation_floor` of every episode played, refill rounds included.  Each
     method's ``ppo_steps`` says how many optimizer steps it took (the one-pass estimate:
     one).  ``tokens`` says what the passes compute against what the batch holds: padding,
-    and prefixes computed once per row instead of once."""
-    import copy
-    import dataclasses
+    and prefixes computed once per row instead of once.
 
-    from sprpo_lib import hardware as hw
-    from sprpo_lib.batch import Batch, build_batch
-    from sprpo_lib.methods import MethodConfig, make_method, rank_correlation
-    from sprpo_lib.models import lowest_trainable_layer
-    from sprpo_lib.train import Trainer, load_config
-
+    Long on purpose: the collection, the interleaved repeats of every method from one
+    adapter state, and the floors of each pass are one measurement and share its state."""
     cfg = load_config(profile, list(overrides or []) + [f"env.name={env}", "method.name=sprpo"])
     tr = Trainer(cfg, progress=True)
     eps, xi, rst = tr.collect(0)
@@ -500,10 +503,7 @@ def shape_config(model: str = "smollm2-135m"):
     possible: the tiny specs' configs are built, the embedded model's cached converted
     directory and local directories / hub ids are read with ``AutoConfig``; the embedded
     model is converted first (minutes, once) if it has not been yet."""
-    from transformers import AutoConfig, Qwen2Config
-
-    from sprpo_lib.models import DEFAULT_MODEL, QWEN25_15B_SHAPE, TINY_SPECS, TinyConfig, load_policy
-    from sprpo_lib.paths import cache_dir
+    from transformers import AutoConfig, Qwen2Config  # heavy (seconds to import): loaded on first use
 
     if model in TINY_SPECS:
         shape = QWEN25_15B_SHAPE if model == "random-qwen2.5-1.5b" else TinyConfig()
@@ -528,8 +528,6 @@ def bench_machine(model: str = "smollm2-135m", context: int = 500) -> dict:
     FLOPs per prompt token at a ``context``-token prompt (:func:`hardware.prefill_flops`)
     and per generated token, with the floors they imply on this machine (prefill at the
     256-row rate; a decode step reads every weight once, at the measured bandwidth)."""
-    from sprpo_lib import hardware as hw
-
     config = shape_config(model)
     matmul = hw.probe_matmul(hw.linear_shapes(config))
     bandwidth = hw.probe_bandwidth()
@@ -555,9 +553,6 @@ def webshop_prompts(n: int = 16, max_steps: int = 3, seed: int = 0) -> list[str]
     """``n`` real WebShop prompts as a rollout builds them (test tasks 0..n-1, the cpu
     profile's prompt settings); prompt i is taken after ``i % (max_steps + 1)`` steps of
     the visible-information shopper, so search, results and item pages all appear."""
-    from sprpo_lib.agent import AgentConfig, HistoryStep, build_prompt
-    from sprpo_lib.envs.webshop import make_webshop_pool, visible_shopper_action
-
     agent = AgentConfig(history_len=2, max_obs_chars=1000, history_obs_chars=120, echo_instruction=False)
     pool = make_webshop_pool(seed=seed)
     out = []
@@ -584,20 +579,12 @@ def bench_prompts(model: str = "smollm2-135m", episodes: int = 16, profile: str 
     """Token budget of a profile's prompts on ``env``: ``episodes`` demonstrator episodes
     (the profile's ``sft.demonstrator``: WebShop's shopper, ALFWorld's expert) played on
     ``split`` to the end or ``env.max_steps``, each step's prompt built as a rollout builds
-    it (:func:`sprpo_lib.sft.collect_demonstrations`, the profile's agent settings).
-    Per step: mean tokens of each section (:func:`~sprpo_lib.agent.prompt_sections`: task,
+    it (:func:`sprpo_lib.warmstart.sft.collect_demonstrations`, the profile's agent settings).
+    Per step: mean tokens of each section (:func:`~sprpo_lib.agent.prompt.prompt_sections`: task,
     interaction context, current observation, available actions, template) and its share
     of the templated prompt (``chat_and_joins``: chat template and BPE merges across
     sections), the mean number of listed actions; per episode: steps and prompt tokens
     (the prefill an episode costs).  Where the prefill FLOPs go, before any engine runs."""
-    import numpy as np
-
-    from sprpo_lib.agent import PROMPT_SECTIONS, parse_actions, prompt_sections, token_counter
-    from sprpo_lib.config import load_config
-    from sprpo_lib.envs import make_pool
-    from sprpo_lib.models import load_policy
-    from sprpo_lib.sft import collect_demonstrations
-
     cfg = load_config(profile, [f"env.name={env}", *overrides])
     pool = make_pool(env, cfg.env.data_dir, cfg.env.seed)
     agent = cfg.rollout.agent
@@ -655,14 +642,9 @@ def bench_generate(model: str = "smollm2-135m", n_prompts: int = 16, new_tokens:
     the first engine's (``greedy_equal``); ``repeat_equal`` says whether every round gave
     the same outputs (same seed, fresh generator).  ``hf_generator`` is
     engines.HFGenerator (the reference); other names come from
-    :data:`sprpo_lib.engines.ENGINES`, plus ``openvino_loop`` (the OpenVINO engine's own decode
+    :data:`sprpo_lib.agent.engines.ENGINES`, plus ``openvino_loop`` (the OpenVINO engine's own decode
     loop), computing in the policy's dtype; they are built once (conversion, load and one ``load_weights`` reload are reported
     under ``openvino``, not timed as generation) and reset to call 0 for each run."""
-    from sprpo_lib import hardware as hw
-    from sprpo_lib.agent import AgentConfig
-    from sprpo_lib.engines import GenerationConfig, HFGenerator, make_engine
-    from sprpo_lib.models import load_policy
-
     prompts = webshop_prompts(n_prompts, max_steps)
     agent = AgentConfig(history_len=2, max_obs_chars=1000, history_obs_chars=120, echo_instruction=False)
     config = shape_config(model)
@@ -681,9 +663,6 @@ def bench_generate(model: str = "smollm2-135m", n_prompts: int = 16, new_tokens:
             cfg = GenerationConfig(temperature=temp, max_new_tokens=new_tokens, batch_size=batch_size, seed=0)
             if name in OPENVINO_ENGINES:
                 if (dtype, name) not in built:
-                    from sprpo_lib.engines import bake_weights
-                    from sprpo_lib.engines.openvino import OpenVINOEngine
-
                     eng = OpenVINOEngine(pol, cfg, agent, backend=OPENVINO_ENGINES[name])
                     t0 = time.perf_counter()
                     eng.load_weights(bake_weights(pol.model))  # what one iteration's weight update costs
@@ -731,10 +710,6 @@ def bench_update(model: str = "smollm2-135m", dtypes: tuple[str, ...] = ("float3
     """One PPO forward/backward (the actor's ``backward``) per dtype on the same batch of
     random token sequences, interleaved ``repeats`` rounds (best): does training run at
     the speed of the dtype ``dtype: auto`` picks for generation?"""
-    from sprpo_lib.actor import Actor
-    from sprpo_lib.batch import Batch, Sample
-    from sprpo_lib.models import LoraSettings, add_lora, load_policy, lora_on_last_layers
-
     g = torch.Generator().manual_seed(0)
     batch = Batch([Sample(torch.randint(3, 4000, (prompt_len + response_len,), generator=g).tolist(), response_len,
                           1.0 if i % 2 else -1.0) for i in range(samples)])
@@ -766,17 +741,10 @@ EVAL_ENGINES = ("hf", "openvino")
 
 def engine_runs(spec: str) -> tuple[str, str, dict]:
     """``engine``, ``engine:dtype`` (dtype float32 | bfloat16 | auto) or
-    ``engine:dtype:field=value`` (a :class:`~sprpo_lib.engines.GenerationConfig` setting, e.g.
-    ``openvino:auto:prefix_caching=false``, or an :class:`~sprpo_lib.agent.AgentConfig` one as
+    ``engine:dtype:field=value`` (a :class:`~sprpo_lib.agent.engines.GenerationConfig` setting, e.g.
+    ``openvino:auto:prefix_caching=false``, or an :class:`~sprpo_lib.agent.prompt.AgentConfig` one as
     ``agent.field=value``, e.g. ``openvino:auto:agent.compact_actions=false``: the same policy
     under another prompt)."""
-    import dataclasses
-
-    import yaml
-
-    from sprpo_lib.agent import AgentConfig
-    from sprpo_lib.engines import GenerationConfig
-
     name, _, rest = spec.partition(":")
     dtype, _, opts = rest.partition(":")
     fields = {f.name for f in dataclasses.fields(GenerationConfig)}
@@ -800,20 +768,6 @@ def bench_eval(profile: str = "cpu", env: str = "webshop", engines: tuple[str, .
     prefill floor (unpadded prompt FLOPs at this machine's measured 256-row matmul rate
     for the dtype), success; and, against the first engine, the paired difference in
     held-out success with a 95% bootstrap interval over tasks (same tasks, same seed)."""
-    import dataclasses
-
-    import numpy as np
-
-    from sprpo_lib import hardware as hw
-    from sprpo_lib.agent import token_counter
-    from sprpo_lib.config import load_config
-    from sprpo_lib.engines import close_engine, make_engine
-    from sprpo_lib.envs import make_pool
-    from sprpo_lib.heldout import eval_temperature, held_out_tasks
-    from sprpo_lib.models import load_policy
-    from sprpo_lib.rollout import SerialEnvs, run_groups
-    from sprpo_lib.train import warm_start_policy
-
     overrides = {"env.name": env, **({"model.spec": model} if model else {})}
     cfg = load_config(profile, **overrides)
     agent = cfg.rollout.agent
@@ -899,15 +853,8 @@ def bench_churn(model: str = "tiny-llama", rounds: int = 500, deadline_s: float 
     drops both.  Reports builds, calls, ``hangs`` (calls past their deadline, caught and
     repeated), ``unrecovered`` (calls that failed every attempt), token mismatches and
     wall time.  ``stall_every``: inject a stall of ``stall_s`` seconds (fault injection,
-    :meth:`~sprpo_lib.engines.openvino.OpenVINOEngine.stall_next`) into one call every that
+    :meth:`~sprpo_lib.agent.engines.openvino.OpenVINOEngine.stall_next`) into one call every that
     many rounds, to show recovery under churn (``injected``, not counted as hangs)."""
-    import gc
-
-    from sprpo_lib import hardware as hw
-    from sprpo_lib.engines import GenerationConfig, make_engine
-    from sprpo_lib.engines.openvino import OpenVINOEngine
-    from sprpo_lib.models import load_policy
-
     gen = {"temperature": 0.0, "max_new_tokens": new_tokens, "batch_size": 4}
     pol = load_policy(model)
     history = [f"task {i}: " + "you see a mug on the table and a coffeemachine. " * (6 + i) for i in range(4)]

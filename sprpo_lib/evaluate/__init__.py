@@ -3,11 +3,11 @@
 :func:`evaluate` plays any Hugging Face causal LM agent (a local directory, a hub id
   in the local cache, the embedded default or a tiny test model, plus peft adapters
   merged in order) on the held-out tasks of App. C under one perturbation family
-  (:data:`sprpo_lib.compress.PERTURBATIONS`) at several strengths and evaluation seeds,
+  (:data:`sprpo_lib.core.compress.PERTURBATIONS`) at several strengths and evaluation seeds,
   and returns tidy rows, one per episode.  Every cell (model x env x family x strength
   x seed) is stored atomically in a content-keyed cache, so a sweep computes only
   missing cells and a killed sweep resumes.  ``sprpo-eval`` (``python -m sprpo_lib.evaluate``) is
-  its command line.  The held-out evaluation during training is :mod:`sprpo_lib.heldout`.
+  its command line.  The held-out evaluation during training is :mod:`sprpo_lib.warmstart.heldout`.
 
 App. C protocol, as implemented here:
 
@@ -51,7 +51,7 @@ the evaluation seed.  Tags (method, training seed) are not part of it.
 
 Nothing in the cache is served unverified.  A cell's JSON must parse, carry its key and
 one row per task of the cell, in order; its ``log`` entry records the episode log's
-SHA-256, size and line count (:func:`sprpo_lib.io.file_record`), which the log
+SHA-256, size and line count (:func:`sprpo_lib.infra.io.file_record`), which the log
 must match (cells stored before that record must have a log that parses whole, one
 episode per row, or none).  A cell that fails either check is recomputed (with a
 warning), log and all; :func:`load_episode_log` refuses a log that fails them with one
@@ -110,7 +110,7 @@ from sprpo_lib.evaluate.sweep import (
            play_cell,
            sweep,
 )
-from sprpo_lib.io import canonical_hash
+from sprpo_lib.infra.io import canonical_hash
 
 __all__ = ["CALIBRATED_FAMILIES", "CALIBRATION_FORMAT", "CalibrationPool", "Cell", "CellCache", "DEFAULT_CACHE",
            "EVALUATOR_VERSION", "EVAL_SPLITS", "EvalConfig", "ModelSource", "RANDOM_FAMILIES", "ROW_COLUMNS",

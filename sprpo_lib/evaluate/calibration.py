@@ -3,15 +3,16 @@ agent-interaction token sequences from one policy's rollouts on training tasks),
 stored as JSON with its hash."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from sprpo_lib.agent import AgentConfig
-from sprpo_lib.io import CorruptFileError, atomic_write_json, canonical_hash, key_fields, read_json
+from sprpo_lib.agent.engines import GenerationConfig, close_engine, make_engine
+from sprpo_lib.agent.prompt import AgentConfig, token_counter
+from sprpo_lib.agent.rollout import SerialEnvs, run_groups
+from sprpo_lib.infra.io import CorruptFileError, atomic_write_json, canonical_hash, key_fields, read_json
 
 logger = logging.getLogger(__name__)
 
@@ -53,10 +54,6 @@ def build_calibration_pool(policy, pool, agent: AgentConfig | None = None, *, n:
     kept step gives ``prompt_ids + response_ids``, the templated prompt and the
     response exactly as generated.  Stops as soon as ``n`` sequences are collected.
     """
-    from sprpo_lib.agent import token_counter
-    from sprpo_lib.engines import GenerationConfig, close_engine, make_engine
-    from sprpo_lib.rollout import SerialEnvs, run_groups
-
     if n < 1 or per_episode < 1:
         raise ValueError(f"calibration pool: n and per_episode must be >= 1, got {n}, {per_episode}")
     agent = agent or AgentConfig()
@@ -118,7 +115,7 @@ def _calibration_problem(data) -> str | None:
 def load_calibration(path: str | Path) -> CalibrationPool:
     """Read a calibration pool written by :func:`save_calibration`; its content must
     match its recorded hash (a hand-edited, truncated or garbage file is refused with
-    :class:`~sprpo_lib.io.CorruptFileError`)."""
+    :class:`~sprpo_lib.infra.io.CorruptFileError`)."""
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"--calibration: {p} does not exist; build it with --build-calibration {p}")

@@ -14,8 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from sprpo_lib.compress import FAMILIES, PERTURBATIONS
-from sprpo_lib.io import (
+import torch
+
+from sprpo_lib.core.compress import FAMILIES, PERTURBATIONS
+from sprpo_lib.infra.io import (
     CorruptFileError,
     atomic_write_json,
     atomic_write_text,
@@ -27,8 +29,8 @@ from sprpo_lib.io import (
     sha256_file,
     verify_file,
 )
-from sprpo_lib.manifest import git_commit
-from sprpo_lib.paths import project_path
+from sprpo_lib.infra.manifest import git_commit
+from sprpo_lib.infra.paths import project_path
 
 logger = logging.getLogger(__name__)
 
@@ -42,13 +44,13 @@ EVALUATOR_VERSION = 1
 EVAL_SPLITS: dict[str, tuple[str, ...]] = {"webshop": ("test",), "alfworld": ("valid_seen", "valid_unseen")}
 #: How the appendix tables name the ALFWorld splits.
 SPLIT_LABELS: dict[str, str] = {"test": "all", "valid_seen": "ID", "valid_unseen": "OOD"}
-#: The cell cache, under the project root (:func:`sprpo_lib.paths.project_path`).
+#: The cell cache, under the project root (:func:`sprpo_lib.infra.paths.project_path`).
 DEFAULT_CACHE = Path("runs") / "eval_cache"
 #: Columns of :func:`evaluate`'s rows (then the config's tags).
 ROW_COLUMNS = ("env", "split", "split_label", "task_index", "task_id", "family", "strength", "seed", "success",
                "score", "length", "valid_rate", "trace", "model", "adapters", "model_hash", "adapter_hash", "cell")
 
-#: Families by kind, read from :data:`sprpo_lib.compress.FAMILIES`: the random ones draw per
+#: Families by kind, read from :data:`sprpo_lib.core.compress.FAMILIES`: the random ones draw per
 #: evaluation seed; the calibrated ones need the shared pool; zero strength is the identity.
 RANDOM_FAMILIES = tuple(f for f, spec in FAMILIES.items() if spec.random)
 CALIBRATED_FAMILIES = tuple(f for f, spec in FAMILIES.items() if spec.calibrated)
@@ -150,8 +152,6 @@ def dir_digest(path: str | Path, memo_path: str | Path | None = None) -> str:
 def state_dict_digest(model) -> str:
     """SHA-256 of a model's tensors in memory (names, dtypes, shapes, bytes): the
     identity of a model without files (the tiny random models)."""
-    import torch
-
     h = hashlib.sha256()
     for name, t in sorted(model.state_dict().items()):
         t = t.detach().contiguous().cpu()
@@ -329,7 +329,7 @@ def load_episode_log(cache_dir: str | Path, cell: str) -> list[dict] | None:
     """The episode log of the cell whose key starts with ``cell`` (the rows' ``cell``
     column), or None when that cell was stored without one.  The log is checked against
     its cell (:class:`CellCache`); one that does not verify is an error naming it
-    (:class:`~sprpo_lib.io.CorruptFileError`), never returned."""
+    (:class:`~sprpo_lib.infra.io.CorruptFileError`), never returned."""
     hits = sorted(project_path(cache_dir).glob(f"cells/*/{cell}*{_LOG_SUFFIX}"))
     if not hits:
         return None

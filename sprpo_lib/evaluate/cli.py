@@ -6,13 +6,16 @@ import argparse
 import logging
 import sys
 
-from sprpo_lib.envs.base import DataError
+import yaml
+
+from sprpo_lib.agent.envs import make_pool
+from sprpo_lib.agent.envs.base import DataError
 from sprpo_lib.evaluate.calibration import build_calibration_pool, save_calibration
 from sprpo_lib.evaluate.cells import DEFAULT_CACHE
 from sprpo_lib.evaluate.sweep import EvalConfig, ModelSource, config_from_profile, config_from_run, sweep
-from sprpo_lib.executor import EXECUTORS, make_executor
-from sprpo_lib.io import atomic_write_text
-from sprpo_lib.paths import project_path
+from sprpo_lib.infra.executor import EXECUTORS, make_executor
+from sprpo_lib.infra.io import atomic_write_text
+from sprpo_lib.infra.paths import project_path
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +68,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def config_from_args(args) -> EvalConfig:
     """The :class:`EvalConfig` a command line describes (ValueError on bad input)."""
-    import yaml
-
     tags = {}
     for t in args.tag:
         if "=" not in t:
@@ -116,8 +117,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     progress = not args.no_progress
     if args.build_calibration:
-        from sprpo_lib.envs import make_pool
-
         if args.calibration_size < 1:
             ap.error("--calibration-size: expected a positive number of sequences (App. C: 128)")
         source = ModelSource(cfg, project_path(cfg.cache_dir) / "file_hashes.json")

@@ -4,13 +4,21 @@ several configurations, including those read off training runs and profiles."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from sprpo_lib.agent import AgentConfig
+import pandas as pd
+import safetensors.torch as st
+
+from sprpo_lib.agent.engines import ENGINES, GenerationConfig, close_engine, make_engine
+from sprpo_lib.agent.envs import ENVIRONMENTS, make_pool
+from sprpo_lib.agent.prompt import AgentConfig, token_counter
+from sprpo_lib.agent.rollout import SerialEnvs, run_groups
+from sprpo_lib.core.compress import PAPER_LEVELS, PERTURBATIONS, fisher_scores, perturbation
 from sprpo_lib.evaluate.calibration import CalibrationPool, load_calibration
 from sprpo_lib.evaluate.cells import (
     CALIBRATED_FAMILIES,
@@ -33,9 +41,32 @@ from sprpo_lib.evaluate.cells import (
     state_dict_digest,
     tasks_digest,
 )
-from sprpo_lib.io import (CorruptFileError, atomic_write_bytes, canonical_hash, file_lock, key_fields, read_cached,
-                          read_json, read_safetensors)
-from sprpo_lib.paths import project_path
+from sprpo_lib.infra.executor import current
+from sprpo_lib.infra.io import (
+    CorruptFileError,
+    atomic_write_bytes,
+    canonical_hash,
+    file_lock,
+    key_fields,
+    read_cached,
+    read_json,
+    read_safetensors,
+)
+from sprpo_lib.infra.paths import project_path
+from sprpo_lib.infra.progress import progress_bar
+from sprpo_lib.model.load import (
+    DEFAULT_MODEL,
+    TINY_SPECS,
+    hub_snapshot,
+    load_policy,
+    looks_like_hub_id,
+    model_path,
+    resolve_device,
+    resolve_model,
+)
+from sprpo_lib.train.config import config_from_dict, load_config
+from sprpo_lib.warmstart.cache import warm_start_dir
+from sprpo_lib.warmstart.sft import load_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -52,15 +83,15 @@ class EvalConfig:
         adapters: peft adapter directories (``save_pretrained``, safetensors), merged
             into the weights in this order before any perturbation (a ``cpu``-profile
             agent is the warm-start adapter, then the RL adapter).
-        env, data_dir, env_seed: the task pool (:func:`sprpo_lib.envs.make_pool`).
+        env, data_dir, env_seed: the task pool (:func:`sprpo_lib.agent.envs.make_pool`).
         splits: held-out splits; ``None``: App. C's (:data:`EVAL_SPLITS`).
         tasks: keep the first N tasks of each split (``None``: all of them).
         family, strengths: the perturbation and its strengths (``()``: App. C's levels,
-            :data:`sprpo_lib.compress.PAPER_LEVELS`; ``clean`` has the single strength 0).
+            :data:`sprpo_lib.core.compress.PAPER_LEVELS`; ``clean`` has the single strength 0).
         seeds: evaluation seeds; each seeds generation and the random families' draw.
         temperature, top_p, max_new_tokens, batch_size: sampling (App. C: T = 0.4).
         max_steps: episode step limit (``None``: the environment's, 15 / 50).
-        engine: generation engine (:func:`sprpo_lib.engines.make_engine`).
+        engine: generation engine (:func:`sprpo_lib.agent.engines.make_engine`).
         prefix_caching: engines with a paged KV cache reuse computed prompt prefixes
             (``GenerationConfig.prefix_caching``); part of the cache key.
         max_batched_tokens: the ``openvino`` scheduler's tokens per step
@@ -117,9 +148,6 @@ class EvalConfig:
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:
         """One clear ValueError per bad option: which option, what was expected, how to fix."""
-        from sprpo_lib.engines import ENGINES, GenerationConfig
-        from sprpo_lib.envs import ENVIRONMENTS
-
         if self.env not in ENVIRONMENTS:
             raise ValueError(f"--env / EvalConfig.env: unknown environment {self.env!r}; expected one of "
                              f"{ENVIRONMENTS.names()}")
@@ -170,8 +198,6 @@ class EvalConfig:
     # ------------------------------------------------------------------ derived
     def resolved_strengths(self) -> tuple[float, ...]:
         """The strengths to evaluate: as given, else App. C's levels for the env."""
-        from sprpo_lib.compress import PAPER_LEVELS
-
         if self.strengths:
             return tuple(self.strengths)
         if self.family == "clean":
@@ -189,16 +215,12 @@ class EvalConfig:
 
     def generation(self, seed: int):
         """The sampling settings of evaluation seed ``seed``."""
-        from sprpo_lib.engines import GenerationConfig
-
         return GenerationConfig(temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens,
                                 batch_size=self.batch_size, seed=int(seed), prefix_caching=self.prefix_caching,
                                 max_batched_tokens=self.max_batched_tokens)
 
 
 def _check_model_spec(spec: str) -> None:
-    from sprpo_lib.models import DEFAULT_MODEL, TINY_SPECS, hub_snapshot, looks_like_hub_id
-
     if spec in TINY_SPECS or spec == DEFAULT_MODEL:
         return
     p = Path(spec).expanduser()
@@ -219,10 +241,6 @@ def _check_model_spec(spec: str) -> None:
 def _check_options(family: str, options: Mapping) -> None:
     """Extra perturbation keywords must be ones the family takes (``calib``/``scores``
     are the evaluator's business)."""
-    import inspect
-
-    from sprpo_lib.compress import PERTURBATIONS
-
     if not options:
         return
     if family == "clean":
@@ -268,47 +286,25 @@ class ModelSource:
     @property
     def device(self):
         """The torch device the model runs on (``auto``: CUDA when there is one)."""
-        from sprpo_lib.models import resolve_device
-
         return resolve_device(self.cfg.device)
 
     def _dir(self) -> Path | None:
-        from sprpo_lib.models import DEFAULT_MODEL, TINY_SPECS, convert_smollm2, hub_snapshot
-
-        spec = self.cfg.model
-        if spec in TINY_SPECS:
-            return None
-        if spec == DEFAULT_MODEL:
-            return convert_smollm2()
-        p = Path(spec).expanduser()
-        if p.is_dir():
-            return p
-        try:  # a hub id: its snapshot in the local cache, if there is one
-            return hub_snapshot(spec)
+        try:  # a hub id outside the local cache: identified by loading, which says why not
+            return model_path(self.cfg.model)
         except ValueError:
             return None
 
-    def dtype(self, model_dir: Path | None) -> str:
-        """The dtype the model is (or will be) loaded in: part of the key."""
-        from sprpo_lib.hardware import linear_shapes
-        from sprpo_lib.models import TINY_SPECS, resolve_dtype
-
+    def dtype(self) -> str:
+        """The dtype the model is (or will be) loaded in (:func:`resolve_model`): part of the key."""
         cfg = self.cfg
-        if cfg.dtype != "auto":
-            return str(resolve_dtype(cfg.dtype)).replace("torch.", "")
-        if cfg.model in TINY_SPECS:
-            return "float32"
-        from transformers import AutoConfig
-
-        conf = AutoConfig.from_pretrained(str(model_dir or cfg.model), trust_remote_code=cfg.trust_remote_code)
-        conf = getattr(conf, "text_config", None) or conf
-        return str(resolve_dtype("auto", linear_shapes(conf), self.device)).replace("torch.", "")
+        res = resolve_model(cfg.model, cfg.dtype, self.device, trust_remote_code=cfg.trust_remote_code)
+        return str(res.dtype).replace("torch.", "")
 
     def identity(self) -> dict:
         """Content hashes of the base weights and of each adapter, plus dtype and device."""
         if self._identity is None:
             d = self._dir()
-            dtype = self.dtype(d)
+            dtype = self.dtype()
             if d is not None:
                 base = dir_digest(d, self.memo_path)
             else:
@@ -319,8 +315,6 @@ class ModelSource:
         return self._identity
 
     def _load_base(self, dtype: str):
-        from sprpo_lib.models import load_policy
-
         if self._policy is None:
             self._policy = load_policy(self.cfg.model, dtype=dtype, device=self.device, seed=self.cfg.model_seed,
                                        trust_remote_code=self.cfg.trust_remote_code)
@@ -328,8 +322,6 @@ class ModelSource:
 
     def policy(self):
         """The deployed policy: base weights with every adapter merged, in order."""
-        from sprpo_lib.sft import load_adapter
-
         pol = self._load_base(self.identity()["dtype"])
         if not self._merged:
             for a in self.cfg.adapters:
@@ -369,10 +361,6 @@ def play_cell(policy, pool, tasks: Sequence[tuple[str, int]], cfg: EvalConfig, s
     """Play one episode per task with evaluation seed ``seed`` under whatever
     perturbation is in force on ``policy.model``; a fresh engine, so generation
     depends only on the seed.  Returns the rows, or ``(rows, episode_log)``."""
-    from sprpo_lib.agent import token_counter
-    from sprpo_lib.engines import close_engine, make_engine
-    from sprpo_lib.rollout import SerialEnvs, run_groups
-
     eng = make_engine(cfg.engine, policy, cfg.generation(seed), cfg.agent)
     envs = SerialEnvs(lambda: pool)
     try:
@@ -388,10 +376,6 @@ def fisher_scores_cached(policy, calib: CalibrationPool, store: Path, identity: 
                          progress: bool):
     """Fisher channel scores of this model on the shared pool (App. C), cached as
     safetensors under ``<cache>/fisher/``."""
-    import safetensors.torch as st
-
-    from sprpo_lib.compress import fisher_scores
-
     bs = int(options.get("batch_size", 8))
     key = canonical_hash({"evaluator": EVALUATOR_VERSION, "model": dict(identity), "calibration": calib.hash,
                           "batch_size": bs})
@@ -424,8 +408,6 @@ class _CellPlan:
     ``(key, fields)``."""
 
     def __init__(self, cfg: EvalConfig, pool=None):
-        from sprpo_lib.envs import make_pool
-
         cfg.validate()
         self.store = project_path(cfg.cache_dir)
         self.cache = CellCache(self.store)
@@ -468,11 +450,6 @@ def evaluate(cfg: EvalConfig, *, progress: bool = True, pool=None) -> "pd.DataFr
     task_id, family, strength, seed, success, score, length, valid_rate, trace, model,
     adapters, model_hash, adapter_hash, cell`` plus ``cfg.tags``.  Rows are ordered by
     strength, seed, then task."""
-    import pandas as pd
-
-    from sprpo_lib.compress import perturbation
-    from sprpo_lib.progress import progress_bar
-
     plan = _CellPlan(cfg, pool)
     cache, pool, tasks, calib, source, ident, keyed = (plan.cache, plan.pool, plan.tasks, plan.calib, plan.source,
                                                        plan.ident, plan.keyed)
@@ -523,14 +500,10 @@ def sweep(cfgs: Iterable[EvalConfig], *, progress: bool = True, executor=None) -
     """:func:`evaluate` for several configurations (families, models), rows concatenated
     in the order given.  Each cell is cached as soon as it is computed.
 
-    ``executor`` (default: :func:`sprpo_lib.executor.current`, local unless the
+    ``executor`` (default: :func:`sprpo_lib.infra.executor.current`, local unless the
     environment says otherwise): a non-local one first computes every missing cell as
     its own task (each cell once, however many configurations ask for it), then the
     rows are read back from the cache exactly as the local executor reads them."""
-    import pandas as pd
-
-    from sprpo_lib.executor import current
-
     cfgs = list(cfgs)
     executor = executor or current()
     if executor.name != "local":
@@ -553,9 +526,6 @@ def config_from_run(run_dir: str | Path, **overrides) -> EvalConfig:
     the profile has one, then the run's ``final/adapter``; its prompt settings, step
     limit, engine and response length; tags ``method``, ``train_seed``, ``profile``.
     ``overrides`` replace any field (e.g. ``family="rtn"``, ``tasks=64``)."""
-    from sprpo_lib.config import config_from_dict
-    from sprpo_lib.train import warm_start_dir
-
     run = project_path(run_dir)
     meta_path = run / "config.json"
     if not meta_path.is_file():
@@ -585,8 +555,6 @@ def config_from_profile(profile: str, env: str, **overrides) -> EvalConfig:
     """An :class:`EvalConfig` with a training profile's prompt settings, step limit,
     engine and response length for ``env`` (so a policy is evaluated with the prompts
     it was trained on); ``overrides`` set the model and anything else."""
-    from sprpo_lib.config import load_config
-
     tc = load_config(profile, **{"env.name": env})
     g = tc.rollout.generation
     base = dict(model=tc.model.spec, env=env, data_dir=tc.env.data_dir, env_seed=tc.env.seed, top_p=g.top_p,

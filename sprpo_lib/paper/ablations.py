@@ -27,11 +27,12 @@ from typing import Mapping, Sequence
 
 import pandas as pd
 
-from sprpo_lib.config import config_dict, load_config
+from sprpo_lib.core import metrics as MK
 from sprpo_lib.evaluate import DEFAULT_CACHE, sweep
+from sprpo_lib.infra.paths import project_path, runs_dir
 from sprpo_lib.paper import experiments as X
-from sprpo_lib.paper.report import run_grid
-from sprpo_lib.paths import project_path, runs_dir
+from sprpo_lib.paper.report import load_metrics, run_grid
+from sprpo_lib.train.config import config_dict, load_config, profile_names, profile_section
 
 __all__ = ["Variant", "Ablation", "ABLATIONS", "ablation", "is_main_config", "trained_variants", "variant_runs", "ablation_rows", "noise_rules", "GROUP_TITLES",
            "REFERENCE"]
@@ -136,25 +137,33 @@ def _study(profile: str, env: str, rho: float, rhos: Sequence[float], *, seeds=(
     return Ablation(profile, env, tuple(v), tuple(seeds), tasks)
 
 
-#: The study per profile and env.  ``cpu``: the variants the paper's claims compare (one
-#: training seed each, the main plan's test goals, so that the starred rows are Table 1's
-#: numbers as in the paper), within the plan's 8-hour budget
-#: (:func:`sprpo_lib.paper.budget.design_seconds` prices them): the strategies at the same
-#: magnitude (C6: SAM at 0.1 trained; Gaussian at sigma = rho and SAM at 5e-3 are the main
-#: runs), and C5's components (alpha = 0, scheduling off; rho = 0 is Vanilla).  The alpha
-#: and rho sweeps, the raw rule and Vanilla's lr sweep (which chose ``update.lr``) are no
-#: claim; they stay in :func:`_study` for ``only=None`` and the ``paper`` study.
-#: ``paper``: App. tables' grid and three seeds.
+def study_from_profile(profile: str, env: str) -> Ablation | None:
+    """The ``ablation`` section of ``sprpo_lib/configs/<profile>.yaml`` for ``env``: the
+    arguments of :func:`_study` (``rho``, ``rhos``, ``seeds``, ``tasks``, ``lrs``, ``only``).
+    ``cpu``: the variants the paper's claims compare (C5, C6), one training seed each on the
+    main plan's goals, within the plan's 8-hour budget (:func:`sprpo_lib.paper.budget.design_seconds`
+    prices them); the sweeps and the raw rule are no claim and stay for ``only=None`` and the
+    ``paper`` study (the appendix tables' grid, three seeds)."""
+    section = profile_section(profile, "ablation").get(env)
+    if section is None:
+        return None
+    args = dict(section)
+    allowed = {"rho", "rhos", "seeds", "tasks", "lrs", "only"}
+    unknown = sorted(set(args) - allowed)
+    if unknown:
+        raise ValueError(f"ablation of profile {profile!r} on {env!r}: unknown key(s) {unknown}; "
+                         f"expected {sorted(allowed)}")
+    rho, rhos = args.pop("rho"), tuple(args.pop("rhos"))
+    for k in ("seeds", "lrs", "only"):
+        if k in args:
+            args[k] = tuple(args[k])
+    return _study(profile, env, rho, rhos, **args)
+
+
+#: The study per profile and env, read from each profile's YAML (``ablation``).
 ABLATIONS: dict[str, dict[str, Ablation]] = {
-    # smoke: one variant of each kind (a reused run, a main run found by its config, a trained
-    # variant, a clean-only one) on the tiny model, seconds
-    "smoke": {"webshop": _study("smoke", "webshop", 0.2, (0.0, 0.1, 0.2), tasks=2, lrs=(3e-4,),
-                                only=("full", "rho0", "alpha0", "sam_5e-3", "lr_profile", "lr0.0003", "scale_relative"))},
-    # tasks=None: the main plan's test goals, so the starred rows are Table 1's own cells
-    "cpu": {"webshop": _study("cpu", "webshop", 0.1, (0.0, 0.1),
-                              only=("full", "rho0", "alpha0", "no_schedule", "gaussian_rho", "sam_0.1", "sam_5e-3"))},
-    "paper": {env: _study("paper", env, 0.2, (0.0, 0.1, 0.2, 0.3), seeds=(0, 1, 2)) for env in ("webshop",)},
-}
+    prof: {env: study_from_profile(prof, env) for env in profile_section(prof, "ablation")}
+    for prof in profile_names()}
 
 
 def ablation(profile: str, env: str) -> Ablation:
@@ -233,8 +242,6 @@ def noise_rules(ab: Ablation, runs: Mapping[tuple[str, int], Path]) -> pd.DataFr
     per (rule, seed, iteration): RMS / mean / max sigma, clamped fraction, schedule, realised
     sign flips, valid-action rate, rollout success and entropy (the evidence for the
     default rule)."""
-    from sprpo_lib.paper.report import load_metrics
-
     keys = [k for k, _ in ab.group("scale")]
     dirs = [(k, s, d) for (k, s), d in runs.items() if k in keys]
     if not dirs:
@@ -242,6 +249,6 @@ def noise_rules(ab: Ablation, runs: Mapping[tuple[str, int], Path]) -> pd.DataFr
     # one frame per run: a variant's run folder has the main run's name under another root
     m = pd.concat([load_metrics([d]).assign(rule=ab.variant(k).groups["scale"][1], variant=k) for k, _, d in dirs],
                   ignore_index=True)
-    cols = ["rule", "variant", "run", "seed", "iteration", "xi_rho", "xi_sigma_rms", "xi_sigma_mean", "xi_sigma_max",
-            "xi_sigma_clamped_frac", "xi_s_k", "xi_real_flip_frac", "valid_rate", "success", "entropy"]
+    cols = ["rule", "variant", "run", "seed", MK.ITERATION, MK.XI_RHO, MK.XI_SIGMA_RMS, MK.XI_SIGMA_MEAN, "xi_sigma_max",
+            MK.XI_SIGMA_CLAMPED_FRAC, MK.XI_S_K, MK.XI_REAL_FLIP_FRAC, MK.VALID_RATE, MK.SUCCESS, "entropy"]
     return m[[c for c in cols if c in m]]

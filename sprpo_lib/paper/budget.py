@@ -5,23 +5,27 @@ README's table of the ``cpu`` profile against the ``paper`` profile is generated
 so no size in it is typed by hand."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Mapping, Sequence
 
 import pandas as pd
 
-from sprpo_lib.config import load_config
-from sprpo_lib.envs.alfworld import MAX_STEPS as ALFWORLD_MAX_STEPS
-from sprpo_lib.envs.alfworld_gen import DEFAULT_SIZES
-from sprpo_lib.envs.webshop import MAX_STEPS as WEBSHOP_MAX_STEPS
-from sprpo_lib.envs.webshop import N_TEST_GOALS
+from sprpo_lib.agent.envs.alfworld import MAX_STEPS as ALFWORLD_MAX_STEPS
+from sprpo_lib.agent.envs.alfworld_gen import DEFAULT_SIZES
+from sprpo_lib.agent.envs.webshop import MAX_STEPS as WEBSHOP_MAX_STEPS
+from sprpo_lib.agent.envs.webshop import N_TEST_GOALS
+from sprpo_lib.core import metrics as MK
 from sprpo_lib.evaluate import EVAL_SPLITS
-from sprpo_lib.methods import METHOD_DISPLAY
+from sprpo_lib.infra.manifest import manifest_path
 from sprpo_lib.paper import ablations as A
 from sprpo_lib.paper import experiments as X
 from sprpo_lib.paper import power as P
 from sprpo_lib.paper.results import setting_label
+from sprpo_lib.paper.style import METHOD_DISPLAY
 from sprpo_lib.paper.tables import ENV_LABELS
+from sprpo_lib.train.config import load_config
 
 __all__ = ["APP_C_TASKS", "PAPER_STEP_SECONDS", "split_tasks", "planned_episodes", "plan_table", "paper_cost_table",
            "paper_gpu_hours", "plans_markdown", "plans_summary", "cost_summary", "Rates", "DESIGN_METHODS",
@@ -310,7 +314,7 @@ def training_rates(metrics: Mapping[str, pd.DataFrame], ratios: Mapping[str, flo
     ``update_factor`` scales each iteration's ``update_s`` (runs made with one optimizer step
     per iteration priced at mini-batches: :data:`MINIBATCH_UPDATE_FACTOR`)."""
     def wall(m: pd.DataFrame) -> pd.Series:
-        return m["wall_s"] + (update_factor - 1.0) * m["update_s"] if "update_s" in m else m["wall_s"]
+        return m[MK.WALL_S] + (update_factor - 1.0) * m[MK.UPDATE_S] if MK.UPDATE_S in m else m[MK.WALL_S]
 
     vanilla = {env: float(wall(m.loc[m["method"] == "vanilla"]).mean()) for env, m in metrics.items()}
     if ratios is None:
@@ -321,7 +325,7 @@ def training_rates(metrics: Mapping[str, pd.DataFrame], ratios: Mapping[str, flo
 
 def uses_minibatches(metrics: pd.DataFrame) -> bool:
     """Whether the runs of ``metrics`` took several optimizer steps per iteration (``ppo_steps``)."""
-    return "ppo_steps" in metrics and bool((metrics["ppo_steps"].dropna() > 1).any())
+    return MK.PPO_STEPS in metrics and bool((metrics[MK.PPO_STEPS].dropna() > 1).any())
 
 
 def bench_machine(bench: Mapping) -> dict:
@@ -398,11 +402,6 @@ def design_from_figures(out_dir, power: pd.DataFrame, budget_h: float = 8.0,
     rates of notebook 01's ``_metrics.csv`` on the machine its manifest names, with that
     machine's ``bench_<machine>.json`` for the evaluation episode, and every other
     benchmarked machine's hours (:func:`bench_rates`).  Empty when a piece is missing."""
-    import json
-    from pathlib import Path
-
-    from sprpo_lib.manifest import manifest_path
-
     out = Path(out_dir)
     paths = {e: out / f"01_training_{e}_metrics.csv" for e in ("alfworld", "webshop")}
     benches = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("bench_*.json"))

@@ -204,11 +204,11 @@ def claims_grid(rows: pd.DataFrame, *, profile: str, full: str = "") -> str:
     the paper's difference), the readings as marks; ``full`` links the full table."""
     if rows.empty:
         return f"No claim of the paper can be read from the {profile} profile's results.\n"
-    lines = [f"SPrPO minus each policy, success in percentage points: this run's paired difference [95% CI] "
-             f"/ the smallest difference its design detects (80% power) / the paper's difference. "
-             f"**Bold**: the interval excludes 0 on the paper's side and the exact sign test on the goals whose "
-             f"outcomes differ gives p < 0.05; (!): the same on the other side; \u2020: the interval straddles 0 and "
-             f"leaves out the paper's difference"
+    lines = ["SPrPO minus each policy, success in percentage points: this run's paired difference [95% CI] "
+             "/ the smallest difference its design detects (80% power) / the paper's difference. "
+             "**Bold**: the interval excludes 0 on the paper's side and the exact sign test on the goals whose "
+             "outcomes differ gives p < 0.05; (!): the same on the other side; \u2020: the interval straddles 0 and "
+             "leaves out the paper's difference"
              + (f"; readings in words: [{full}]({full})." if full else ".")]
     for env, part in rows.groupby("env", sort=False):
         settings = list(dict.fromkeys(part["setting"]))

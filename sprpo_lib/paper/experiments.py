@@ -16,7 +16,7 @@ evaluated on them (App. C):
 Every evaluation goes through :func:`sprpo_lib.evaluate.sweep`: one content-keyed
 cell per (policy, family, strength, evaluation seed), so a rerun computes only missing
 cells and a killed sweep resumes; under ``--executor ray`` each missing cell is a Ray
-task (:mod:`sprpo_lib.executor`).  Every policy is evaluated on the same tasks with the
+task (:mod:`sprpo_lib.infra.executor`).  Every policy is evaluated on the same tasks with the
 same evaluation seeds (the paired design of :func:`sprpo_lib.paper.stats.paired_bootstrap`).
 The calibration pool of App. C (Fisher, SparseGPT) is collected once from the first
 Vanilla policy's rollouts on training tasks and shared by every method.
@@ -31,7 +31,9 @@ from typing import Mapping, Sequence
 
 import pandas as pd
 
-from sprpo_lib.compress import FAMILIES
+from sprpo_lib.agent.envs import make_pool
+from sprpo_lib.core.compress import FAMILIES
+from sprpo_lib.core.methods import METHODS
 from sprpo_lib.evaluate import (
     CALIBRATED_FAMILIES,
     DEFAULT_CACHE,
@@ -44,10 +46,12 @@ from sprpo_lib.evaluate import (
     save_calibration,
     sweep,
 )
-from sprpo_lib.io import CorruptFileError, atomic_write_text, key_fields, read_cached
-from sprpo_lib.manifest import check_artifact, manifest_path
-from sprpo_lib.methods import METHOD_DISPLAY, METHODS
-from sprpo_lib.paths import project_path
+from sprpo_lib.infra.io import CorruptFileError, atomic_write_text, key_fields, read_cached
+from sprpo_lib.infra.manifest import check_artifact, manifest_path
+from sprpo_lib.infra.paths import project_path
+from sprpo_lib.paper.report import run_grid
+from sprpo_lib.paper.style import METHOD_DISPLAY
+from sprpo_lib.train.config import profile_names, profile_section
 
 __all__ = ["Plan", "PLANS", "plan", "policies", "curve_rows", "calibration_pool", "robustness_rows", "landscape_rows",
            "save_rows", "load_rows", "ROW_KEEP", "METHOD_ORDER", "eval_config", "TABLE1",
@@ -150,55 +154,55 @@ class Plan:
         return cls(**kw)
 
 
-#: Fig. 3's curves: App. C's levels of the families whose levels are the same in both
-#: environments (SparseGPT's differ, so it appears in the tables only).
-_PAPER_CURVES = {f: FAMILIES[f].levels["webshop"] for f in ("gaussian", "dropout", "fisher", "rtn")}
+#: Fig. 3's curves in full (a plan's ``curves: app_c``): App. C's levels of every family for
+#: the environment, in the paper's panel order.
+APP_C_CURVES = ("gaussian", "dropout", "fisher", "rtn", "sparsegpt")
 
-#: Plans per profile and env.  ``smoke``: the tiny random model on both environments,
-#: seconds (tests).
-#: ``cpu``: the embedded SmolLM2 on both offline environments, the design notebook 08's power
-#: analysis chose (``figures/claims_power_cpu.md``, :func:`sprpo_lib.paper.budget.design_table`):
-#: the most claims resolved within 8 hours on 2 cores of the AMX class, at least 3 training
-#: seeds for the compared methods, ties to the most power margin.  At 5 RL iterations that is
-#: 3 training seeds of Vanilla and SPrPO (one of Gaussian and SAM) x 20 test goals per split
-#: with the ablation study and the landscape (the hours per machine class are in that file);
-#: 10 iterations fit no design with 3 seeds.  The episodes go where the paper's claims are: every policy on the same goals and
-#: evaluation seed (paired design), clean and at Table 1's five settings; the curves' other
-#: strengths on a few goals for Vanilla, SPrPO (seed 0) and the warm start.
-#: ``paper``: App. C in full.
-_CPU_CURVES = {"gaussian": (0.10, 0.20), "dropout": (0.05,), "fisher": (0.10, 0.20), "sparsegpt": (0.40,),
-               "rtn": (8, 6, 4)}
-_CPU_SEEDS = {"vanilla": (0, 1, 2), "gaussian": (0,), "sam": (0,), "sprpo": (0, 1, 2)}
-_CPU_GOALS = 20  # test goals per split (ALFWorld: 20 ID + 20 OOD games)
+
+def _tuples(v):
+    return tuple(_tuples(x) for x in v) if isinstance(v, list) else v
+
+
+def plan_from_profile(profile: str, env: str) -> Plan:
+    """The ``plan`` section of ``sprpo_lib/configs/<profile>.yaml`` for ``env``: its keys are
+    :class:`Plan`'s fields, ``per_env.<env>`` overrides them (dotted keys reach into
+    ``curves``); ``table`` defaults to Table 1's settings, ``seeds`` given as a list applies to
+    every method, and ``curves: app_c`` is App. C's levels of every family."""
+    section = dict(profile_section(profile, "plan"))
+    per_env = section.pop("per_env", None) or {}
+    if env not in per_env:
+        raise ValueError(f"env: profile {profile!r} has no plan for {env!r} (it runs {sorted(per_env)}); "
+                         f"run the paper profile for the other environment")
+    for key, value in (per_env[env] or {}).items():
+        head, _, sub = key.partition(".")
+        if sub:
+            section[head] = {**section.get(head, {}), sub: value}
+        else:
+            section[key] = value
+    names = {f.name for f in dataclasses.fields(Plan)} - {"profile", "env"}
+    unknown = sorted(set(section) - names)
+    if unknown:
+        raise ValueError(f"plan of profile {profile!r}: unknown key(s) {unknown}; expected Plan fields {sorted(names)}")
+    kw = {k: _tuples(v) for k, v in section.items()}
+    if kw.get("curves") == "app_c":
+        kw["curves"] = {f: FAMILIES[f].levels[env] for f in APP_C_CURVES}
+    elif "curves" in kw:
+        kw["curves"] = {f: _tuples(v) for f, v in kw["curves"].items()}
+    methods = kw.setdefault("methods", METHOD_ORDER)
+    if isinstance(kw.get("seeds"), tuple):
+        kw["seeds"] = {m: kw["seeds"] for m in methods}
+    elif "seeds" in kw:
+        kw["seeds"] = {m: _tuples(v) for m, v in kw["seeds"].items()}
+    kw.setdefault("table", TABLE1[env])
+    return Plan(profile, env, **kw)
+
+
+#: Plans per profile and env, read from each profile's YAML (``plan``): ``smoke``, the tiny
+#: random model, seconds (tests); ``cpu``, the embedded SmolLM2 on both offline environments,
+#: the design notebook 08's power analysis chose; ``paper``, App. C in full.
 PLANS: dict[str, dict[str, Plan]] = {
-    "smoke": {env: Plan(
-        "smoke", env, methods=methods, seeds={m: (0,) for m in methods},
-        tasks=2, eval_seeds=(0,), table=TABLE1[env], curves={"gaussian": (0.1, 0.2)},
-        landscape_grid=(-0.2, 0.0, 0.2), landscape_tasks=1, calibration_size=6)
-        for env, methods in (("webshop", METHOD_ORDER), ("alfworld", ("vanilla", "sprpo")))},
-    "cpu": {
-        # 9 policies x 6 settings x 20 goals = 1,080 episodes; curves 3 x 4 x 10 = 120; landscape 9 x 2 x 20 = 360
-        # (its centre is the clean policy on Table 1's goals)
-        "webshop": Plan(
-            "cpu", "webshop", seeds=_CPU_SEEDS, tasks=_CPU_GOALS, curve_tasks=10, eval_seeds=(0,), table=TABLE1["webshop"],
-            curves=_CPU_CURVES, curve_seeds=(0,), curve_methods=("vanilla", "sprpo"),
-            landscape_grid=(-0.2, 0.0, 0.2), landscape_tasks=None, calibration_size=32,
-            # OpenVINO in the policy's dtype: 1.7x HF's episodes/min on AVX2 in float32 (wall 1.02x the
-            # prefill floor against HF's 1.8x), success within the paired interval (sprpo-bench eval)
-            engine="openvino"),
-        # 9 policies x 6 settings x 2 splits (ID valid_seen, OOD valid_unseen) x 20 games = 2,160 episodes;
-        # curves 3 x 4 x 2 x 3 = 72; no landscape (App. C draws it for WebShop too)
-        "alfworld": Plan(
-            "cpu", "alfworld", seeds=_CPU_SEEDS, tasks=_CPU_GOALS, curve_tasks=3, eval_seeds=(0,), table=TABLE1["alfworld"],
-            curves={**_CPU_CURVES, "sparsegpt": (0.70,)}, curve_seeds=(0,), curve_methods=("vanilla", "sprpo"),
-            landscape_grid=(), calibration_size=32, engine="openvino"),
-    },
-    "paper": {env: Plan(
-        "paper", env, tasks=None, eval_seeds=(0,), table=TABLE1[env],
-        curves={**_PAPER_CURVES, "sparsegpt": (0.10, 0.20, 0.30, 0.40) if env == "webshop" else (0.10, 0.30, 0.50, 0.70)},
-        landscape_grid=tuple(round(-0.3 + 0.05 * i, 2) for i in range(13)), landscape_tasks=None)
-        for env in ("alfworld", "webshop")},
-}
+    prof: {env: plan_from_profile(prof, env) for env in (profile_section(prof, "plan").get("per_env") or {})}
+    for prof in profile_names()}
 
 
 def plan(profile: str, env: str, **changes) -> Plan:
@@ -217,8 +221,6 @@ def plan(profile: str, env: str, **changes) -> Plan:
 # ----------------------------------------------------------------------------- policies
 def policies(p: Plan, runs_root: str | Path | None = None, progress: bool = True) -> dict[tuple[str, int], Path]:
     """Train, resume or find every policy of the plan; ``{(method, seed): run folder}``."""
-    from sprpo_lib.paper.report import run_grid
-
     dirs = run_grid(p.profile, p.env, p.methods, {m: list(p.seeds[m]) for m in p.methods}, list(p.overrides),
                     out_root=runs_root, progress=progress)
     return dict(zip(p.runs(), dirs))
@@ -238,8 +240,6 @@ def calibration_pool(p: Plan, runs: Mapping[tuple[str, int], Path], cache_dir: s
     ``<cache_dir>/calibration/`` (named by that policy's content hash), shared by every
     method's Fisher scores and SparseGPT.  A stored pool that does not verify (truncated,
     garbage, or not matching its recorded hash) is rebuilt, with a warning."""
-    from sprpo_lib.envs import make_pool
-
     vanilla = sorted(k for k in runs if k[0] == "vanilla")
     if not vanilla:
         raise ValueError("calibration pool: the plan trains no Vanilla policy (App. C collects the pool from one)")

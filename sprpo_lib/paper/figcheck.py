@@ -17,6 +17,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.text import Text
+
 __all__ = ["DESIGN", "REFERENCE", "design_gid", "drawn_tick_labels", "data_lines", "text_problems", "line_problems",
            "figure_problems"]
 
@@ -34,8 +38,6 @@ def design_gid(goals: int, seeds: int) -> str:
 
 def _renderer(fig):
     """The figure drawn by an Agg canvas (a closed figure gets a new one), and its renderer."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
     canvas = fig.canvas if hasattr(fig.canvas, "get_renderer") else FigureCanvasAgg(fig)
     canvas.draw()
     return canvas.get_renderer()
@@ -52,8 +54,6 @@ def _texts(fig) -> list:
     """Every visible, non-empty text the figure draws: its own texts and titles, its
     legends, and per axes the titles, axis labels, texts, legend and the tick labels of
     the ticks inside the view (matplotlib keeps labels of off-view ticks, never drawn)."""
-    from matplotlib.text import Text
-
     found = [*fig.texts, *(t for lg in fig.legends for t in lg.get_texts())]  # fig.texts holds the suptitle
     for ax in fig.get_axes():
         found += [c for c in ax.get_children() if isinstance(c, Text)]  # titles (centre, left, right), texts
@@ -97,8 +97,6 @@ def text_problems(fig, tolerance: float = OVERLAP_TOLERANCE_PX) -> list[str]:
 
 def data_lines(ax) -> list:
     """The axes' lines that join points: two or more points drawn with a visible line style."""
-    import numpy as np
-
     out = []
     for line in ax.get_lines():
         if not line.get_visible() or line.get_linestyle() in ("None", "none", "", " "):

@@ -3,7 +3,7 @@ specific training hyperparameters", Table 3) generated from the training profile
 profile's value beside the paper's, so that every difference of a profile is in view.
 
 Each row is a label, the paper's value as App. B prints it, and a function of the
-profile's resolved :class:`~sprpo_lib.config.TrainConfig` for an environment.  Rows whose
+profile's resolved :class:`~sprpo_lib.train.config.TrainConfig` for an environment.  Rows whose
 value depends on the environment (prompt and response lengths) read that environment's
 config; the others read WebShop's, where the profiles name both."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 
 import pandas as pd
 
-from sprpo_lib.config import TrainConfig, load_config
+from sprpo_lib.train.config import TrainConfig, load_config
 
 __all__ = ["SHARED", "PERTURBATION", "hparam_frame", "hparam_latex", "hparam_markdown"]
 

@@ -13,10 +13,10 @@ from typing import Callable, Mapping, Sequence
 import pandas as pd
 
 from sprpo_lib.evaluate import DEFAULT_CACHE
-from sprpo_lib.io import read_cached
+from sprpo_lib.infra.io import read_cached
+from sprpo_lib.infra.paths import project_path
 from sprpo_lib.paper import experiments as X
 from sprpo_lib.paper import results as R
-from sprpo_lib.paths import project_path
 
 ALL_ENVS = ("alfworld", "webshop")
 #: What a render-only manifest keeps of the manifest of the run that computed the artifact.

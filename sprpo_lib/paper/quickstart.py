@@ -18,10 +18,11 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+import pandas as pd
 import torch
 
-from sprpo_lib.compress import perturbation
-from sprpo_lib.models import Policy
+from sprpo_lib.core.compress import perturbation
+from sprpo_lib.model.load import Policy
 from sprpo_lib.paper.style import NEUTRAL, pyplot
 
 # App. C families at one representative (strong) level each.
@@ -97,13 +98,9 @@ class DemoResult:
     topk: list[dict] = field(default_factory=list)
 
     def table(self):
-        import pandas as pd
-
         return pd.DataFrame(self.rows)
 
     def topk_table(self):
-        import pandas as pd
-
         return pd.DataFrame(self.topk)
 
 

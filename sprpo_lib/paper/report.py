@@ -7,26 +7,29 @@ the held-out training tasks where the warm start was scored (``runs/sft/<key>/ev
 same tasks, same generation seed).  This module reads them; it trains nothing itself
 except through :func:`run_grid`, which calls :func:`train.train` (resuming finished or
 killed runs from their checkpoints), one run after another or, under ``--executor ray``,
-each run a Ray task (:mod:`sprpo_lib.executor`).
+each run a Ray task (:mod:`sprpo_lib.infra.executor`).
 """
 from __future__ import annotations
 
 import json
+from math import comb
 from pathlib import Path
 from typing import Mapping, Sequence
 
 import numpy as np
 import pandas as pd
+from matplotlib.ticker import MaxNLocator
 
-from sprpo_lib.config import TrainConfig, config_from_dict
-from sprpo_lib.executor import current
-from sprpo_lib.heldout import load_eval
-from sprpo_lib.io import read_json_lines
-from sprpo_lib.methods import METHOD_DISPLAY
+from sprpo_lib.core import metrics as MK
+from sprpo_lib.infra.executor import current
+from sprpo_lib.infra.io import read_json_lines
+from sprpo_lib.infra.paths import project_path
 from sprpo_lib.paper.stats import N_RESAMPLES, paired_bootstrap
-from sprpo_lib.paper.style import pyplot
-from sprpo_lib.paths import project_path
-from sprpo_lib.train import default_out_dir, heldout_dir, heldout_due, load_config, train, warm_start_dir
+from sprpo_lib.paper.style import METHOD_DISPLAY, pyplot
+from sprpo_lib.train.config import TrainConfig, config_from_dict, load_config
+from sprpo_lib.train.trainer import default_out_dir, heldout_dir, heldout_due, train
+from sprpo_lib.warmstart.cache import warm_start_dir
+from sprpo_lib.warmstart.heldout import load_eval
 
 __all__ = ["run_grid", "find_runs", "load_metrics", "before_after", "paired_outcomes", "mcnemar_exact_p", "plot_training",
            "heldout_rows", "heldout_curve"]
@@ -38,7 +41,7 @@ def run_grid(profile: str, env: str, methods: Sequence[str], seeds: Sequence[int
     """Train (or resume, or just find) one run per (method, seed), seed-major; returns the folders.
     ``seeds`` is one list for every method or a ``{method: seeds}`` mapping (the ``cpu``
     profile trains more seeds of Vanilla and SPrPO than of the other baselines).
-    ``executor``: where the runs execute (default :func:`sprpo_lib.executor.current`)."""
+    ``executor``: where the runs execute (default :func:`sprpo_lib.infra.executor.current`)."""
     if isinstance(seeds, Mapping):
         missing = [m for m in methods if m not in seeds]
         if missing:
@@ -99,8 +102,6 @@ def mcnemar_exact_p(gained: int, lost: int) -> float:
     """Two-sided exact McNemar test (binomial sign test on the discordant pairs):
     the probability, if neither policy is better, of a split at least as uneven as
     ``gained`` vs ``lost`` among the ``gained + lost`` tasks where they differ."""
-    from math import comb
-
     n = gained + lost
     if n == 0:
         return 1.0
@@ -113,8 +114,6 @@ def paired_outcomes(start_episodes: str | Path, final_episodes: str | Path) -> d
     (``eval_episodes.jsonl`` files): tasks solved only after RL (``gained``), only
     before (``lost``), the exact McNemar p-value, the mean score change and a sign test
     on the scores (tasks whose score rose / fell, exact two-sided p)."""
-    from sprpo_lib.io import read_json_lines
-
     def by_task(path):  # every line whole, or one error naming the file
         return {e["task_id"]: e for e in read_json_lines(path)}
 
@@ -142,12 +141,12 @@ def before_after(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
         cfg = _config(d)
         m = load_metrics([d])
         row = {"run": d.name, "env": cfg.env.name, "method": cfg.method.name, "seed": cfg.seed,
-               "iterations": len(m), "rollout_success_first": m["success"].iloc[0],
-               "rollout_success_last": m["success"].iloc[-1],
-               "rollout_success_first_half": m["success"].iloc[: max(1, len(m) // 2)].mean(),
-               "rollout_success_second_half": m["success"].iloc[len(m) // 2:].mean(),
+               "iterations": len(m), "rollout_success_first": m[MK.SUCCESS].iloc[0],
+               "rollout_success_last": m[MK.SUCCESS].iloc[-1],
+               "rollout_success_first_half": m[MK.SUCCESS].iloc[: max(1, len(m) // 2)].mean(),
+               "rollout_success_second_half": m[MK.SUCCESS].iloc[len(m) // 2:].mean(),
                # iterations whose batch had a non-zero advantage, so that the policy moved (Alg. 1 line 6)
-               "updated_fraction": float(m["updated"].mean()) if "updated" in m else float("nan")}
+               "updated_fraction": float(m[MK.UPDATED].mean()) if MK.UPDATED in m else float("nan")}
         start = warm_start_dir(cfg) / "eval.json"
         final = d / "final" / "eval.json"
         for name, path in (("start", start), ("final", final)):
@@ -233,13 +232,12 @@ def plot_training(metrics: pd.DataFrame, summary: pd.DataFrame | None, path: str
     has_curve = heldout is not None and not heldout.empty and heldout["iteration"].nunique() > 2
     has_eval = has_curve or (summary is not None and "final_success" in summary and "start_success" in summary)
     fig, axes = plt.subplots(1, 3 if has_eval else 2, figsize=(13 if has_eval else 9, 3.4))
-    from matplotlib.ticker import MaxNLocator
 
     styles = ("-", ":", "-.", (0, (5, 2)))
     # the score panel only where the score says more than success (WebShop's partial matches; ALFWorld's
     # score is 10 x success): then the valid-action rate sits on a right axis, else on the panel's own
-    ratio = float(metrics["score"].abs().max()) / max(float(metrics["success"].max()), 1e-12)
-    score_shown = not np.allclose(metrics["score"], ratio * metrics["success"], atol=1e-9)
+    ratio = float(metrics[MK.SCORE].abs().max()) / max(float(metrics[MK.SUCCESS].max()), 1e-12)
+    score_shown = not np.allclose(metrics[MK.SCORE], ratio * metrics[MK.SUCCESS], atol=1e-9)
     valid_ax = axes[1].twinx() if score_shown else axes[1]
     runs = list(metrics.groupby("run"))
     for k, (run, df) in enumerate(runs):
@@ -248,11 +246,11 @@ def plot_training(metrics: pd.DataFrame, summary: pd.DataFrame | None, path: str
         label = f"{disp.label if disp else method} s{seed}"
         kw = {"color": disp.color if disp else None, "ls": styles[seed % len(styles)],
               "marker": disp.marker if disp else "o", "ms": 3}
-        x = df["iteration"] + (k - (len(runs) - 1) / 2) * TRAINING_DODGE  # equal runs stay visible side by side
-        axes[0].plot(x, df["success"], label=label, **kw)
+        x = df[MK.ITERATION] + (k - (len(runs) - 1) / 2) * TRAINING_DODGE  # equal runs stay visible side by side
+        axes[0].plot(x, df[MK.SUCCESS], label=label, **kw)
         if score_shown:
-            axes[1].plot(x, df["score"], label=f"{label} score", **kw)
-        valid_ax.plot(x, df["valid_rate"], color=kw["color"], ls=kw["ls"], marker="x", ms=4,
+            axes[1].plot(x, df[MK.SCORE], label=f"{label} score", **kw)
+        valid_ax.plot(x, df[MK.VALID_RATE], color=kw["color"], ls=kw["ls"], marker="x", ms=4,
                       alpha=0.6 if score_shown else 1.0, label=f"{label} valid")
     for ax in axes[:2]:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -261,7 +259,7 @@ def plot_training(metrics: pd.DataFrame, summary: pd.DataFrame | None, path: str
     axes[0].set(xlabel="iteration (runs offset sideways)", ylabel="rollout success",
                 title=f"success (rollouts on training tasks{t})", ylim=(-0.02, 1.02))
     if score_shown:
-        lo, hi = min(0.0, float(metrics["score"].min())), max(1.0, float(metrics["score"].max()))
+        lo, hi = min(0.0, float(metrics[MK.SCORE].min())), max(1.0, float(metrics[MK.SCORE].max()))
         pad = 0.02 * (hi - lo)
         axes[1].set(xlabel="iteration", ylabel="mean score (lines)", title="score (lines), valid-action rate (x, faint)",
                     ylim=(lo - pad, hi + pad))

@@ -17,15 +17,19 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from pathlib import Path
 from typing import Mapping, Sequence
 
 import numpy as np
 import pandas as pd
 
-from sprpo_lib.compress import FAMILIES
-from sprpo_lib.io import atomic_write_text
+from sprpo_lib.core.compress import FAMILIES
+from sprpo_lib.infra.io import atomic_write_text
+from sprpo_lib.infra.manifest import write_manifest
+from sprpo_lib.paper.experiments import PLANS
 from sprpo_lib.paper.figcheck import design_gid, figure_problems
+from sprpo_lib.paper.report import load_metrics
 from sprpo_lib.paper.stats import paired_bootstrap, summarize
 from sprpo_lib.paper.style import METHOD_COLORS, METHOD_MARKERS, pyplot, role
 from sprpo_lib.paper.tables import ENV_LABELS, FAMILY_LABELS, METHOD_LABELS, strength_label
@@ -437,8 +441,6 @@ def overhead(run_dirs: Sequence[str | Path], quiet: float | None = 0.9) -> pd.Da
     thread count); ``excluded`` counts the others (shared or paused machine); a method with
     no such iteration keeps all of its own, marked ``all_contended``.  ``None`` keeps every
     iteration."""
-    from sprpo_lib.paper.report import load_metrics
-
     m = load_metrics(run_dirs)
     if m.empty:
         return pd.DataFrame()
@@ -696,14 +698,34 @@ def without_paired(md: str) -> str:
     return "".join(out)
 
 
-def replace_block(text: str, name: str, body: str) -> str:
+def replace_block(text: str, name: str, body: str, prefix: str = "") -> str:
     """Replace what lies between ``<!-- name:begin -->`` and ``<!-- name:end -->`` in
-    ``text`` (the README's generated sections); a missing marker is an error."""
+    ``text`` (the README's generated sections); a missing marker is an error.  ``prefix``
+    rebases the body's relative links for a page below the project root (``"../"``)."""
     begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
     i, j = text.find(begin), text.find(end)
     if i < 0 or j < i:
         raise ValueError(f"replace_block: markers {begin} ... {end} not found")
+    if prefix:
+        body = re.sub(r"\]\((?![a-z]+:|#|/)([^)]+)\)", lambda m: f"]({prefix}{m.group(1)})", body)
     return text[: i + len(begin)] + "\n" + body.rstrip("\n") + "\n" + text[j:]
+
+
+#: The pages with generated blocks, relative to the project root: the front page and the
+#: library's page beside the code; a block is written wherever its markers are.
+DOC_PAGES = ("README.md", "sprpo_lib/README.md")
+
+
+def doc_pages(root: Path) -> list[tuple[Path, str]]:
+    """Each page of :data:`DOC_PAGES` under ``root`` that exists, with the prefix that
+    rebases root-relative links for it."""
+    out = []
+    for rel in DOC_PAGES:
+        page = root / rel
+        if page.is_file():
+            depth = len(Path(rel).parts) - 1
+            out.append((page, "../" * depth))
+    return out
 
 
 def write_json(path: str | Path, obj) -> Path:
@@ -717,16 +739,12 @@ def summary_of(rows: pd.DataFrame, by: Sequence[str] = ("env",)) -> pd.DataFrame
 
 def manifests(paths: Sequence[str | Path], config: Mapping, wall_seconds: float, *, seed: int | None = None,
               extra: Mapping | None = None) -> list[Path]:
-    """A manifest beside every artifact (:func:`sprpo_lib.manifest.write_manifest`)."""
-    from sprpo_lib.manifest import write_manifest
-
+    """A manifest beside every artifact (:func:`sprpo_lib.infra.manifest.write_manifest`)."""
     return [write_manifest(p, dict(config), seed, wall_seconds, dict(extra or {})) for p in paths]
 
 
 def absent_envs(profile: str, envs: Sequence[str]) -> list[str]:
     """Sentences for the environments a profile has no runs of (stated, not drawn)."""
-    from sprpo_lib.paper.experiments import PLANS
-
     have = PLANS.get(profile, {})
     return [f"{e}: profile {profile!r} trains no {e} policies, so its panels and tables are absent here "
             f"(the paper profile has them)." for e in envs if e not in have]

@@ -19,15 +19,16 @@ from typing import Mapping, Sequence
 import pandas as pd
 import torch
 
-from sprpo_lib.checkpoint import final_method_state
-from sprpo_lib.config import config_from_dict
+from sprpo_lib.core import metrics as MK
+from sprpo_lib.core.methods import make_method, rank_correlation
 from sprpo_lib.evaluate import ModelSource, fisher_scores_cached, load_calibration
-from sprpo_lib.io import read_json
-from sprpo_lib.methods import make_method, rank_correlation
+from sprpo_lib.infra.io import read_json
+from sprpo_lib.infra.paths import project_path
 from sprpo_lib.paper import experiments as X
 from sprpo_lib.paper.results import save_figure
 from sprpo_lib.paper.style import METHOD_COLORS, pyplot
-from sprpo_lib.paths import project_path
+from sprpo_lib.train.checkpoint import final_method_state
+from sprpo_lib.train.config import config_from_dict
 
 __all__ = ["layer_sigma", "final_sigma", "sigma_fisher", "plot_sigma", "noise_health", "HEALTH"]
 
@@ -43,18 +44,18 @@ def noise_health(metrics: pd.DataFrame, by: str = "run") -> pd.DataFrame:
     sign-flip fraction of the realised xi, and whether every iteration kept to
     :data:`HEALTH` (``healthy``).  ``by``: the column that names a run (``variant`` for
     ablation runs, whose folders repeat the main runs' names)."""
-    need = {"xi_sigma_rms", "xi_rho"}
+    need = {MK.XI_SIGMA_RMS, MK.XI_RHO}
     if not need <= set(metrics.columns):
         return pd.DataFrame()
     out = []
-    for run, m in metrics[metrics["xi_sigma_rms"].notna()].groupby(by, sort=False):
-        ratio = m["xi_sigma_rms"] / m["xi_rho"]
-        later = m[m["iteration"] > m["iteration"].min()]
+    for run, m in metrics[metrics[MK.XI_SIGMA_RMS].notna()].groupby(by, sort=False):
+        ratio = m[MK.XI_SIGMA_RMS] / m[MK.XI_RHO]
+        later = m[m[MK.ITERATION] > m[MK.ITERATION].min()]
         row = {by: run, "method": m["method"].iloc[0], "seed": m["seed"].iloc[0], "iterations": len(m),
-               "rho": float(m["xi_rho"].iloc[0]), "rms_over_rho_min": float(ratio.min()),
-               "rms_over_rho_max": float(ratio.max()), "clamped_max": float(m["xi_sigma_clamped_frac"].max()),
-               "valid_min_after_0": float(later["valid_rate"].min()) if len(later) else float("nan"),
-               "flip_max": float(m["xi_real_flip_frac"].max()) if "xi_real_flip_frac" in m else float("nan")}
+               "rho": float(m[MK.XI_RHO].iloc[0]), "rms_over_rho_min": float(ratio.min()),
+               "rms_over_rho_max": float(ratio.max()), "clamped_max": float(m[MK.XI_SIGMA_CLAMPED_FRAC].max()),
+               "valid_min_after_0": float(later[MK.VALID_RATE].min()) if len(later) else float("nan"),
+               "flip_max": float(m[MK.XI_REAL_FLIP_FRAC].max()) if MK.XI_REAL_FLIP_FRAC in m else float("nan")}
         lo, hi = HEALTH["rms_over_rho"]
         tol = 1e-6  # sigma is float32: RMS at the schedule's clip lands within rounding of it
         row["healthy"] = bool(row["rms_over_rho_min"] >= lo * (1 - tol) and row["rms_over_rho_max"] <= hi * (1 + tol)
@@ -67,14 +68,14 @@ def noise_health(metrics: pd.DataFrame, by: str = "run") -> pd.DataFrame:
 def layer_sigma(metrics: pd.DataFrame) -> pd.DataFrame:
     """Long rows ``run, method, seed, iteration, layer, sigma_rms`` of the runs that logged
     per-layer sigma (SPrPO)."""
-    col = "xi_sigma_layer_rms"
+    col = MK.XI_SIGMA_LAYER_RMS
     out = []
     if col in metrics:
         for r in metrics[metrics[col].notna()].itertuples(index=False):
             r = r._asdict()
-            out += [{"run": r["run"], "method": r["method"], "seed": r["seed"], "iteration": r["iteration"],
+            out += [{"run": r["run"], "method": r["method"], "seed": r["seed"], MK.ITERATION: r[MK.ITERATION],
                      "layer": i, "sigma_rms": float(v)} for i, v in enumerate(r[col])]
-    return pd.DataFrame(out, columns=["run", "method", "seed", "iteration", "layer", "sigma_rms"])
+    return pd.DataFrame(out, columns=["run", "method", "seed", MK.ITERATION, "layer", "sigma_rms"])
 
 
 def final_sigma(run_dir: str | Path) -> torch.Tensor | None:
@@ -127,7 +128,7 @@ def plot_sigma(layers: pd.DataFrame, corr: pd.DataFrame, path: str | Path, *, ti
     vmax = float(layers["sigma_rms"].max()) if len(layers) else 1.0
     im = None
     for ax, run in zip(axes[0], runs):
-        g = layers[layers["run"] == run].pivot_table(index="layer", columns="iteration", values="sigma_rms")
+        g = layers[layers["run"] == run].pivot_table(index="layer", columns=MK.ITERATION, values="sigma_rms")
         im = ax.imshow(g.to_numpy(), aspect="auto", origin="lower", cmap="magma", vmin=0, vmax=vmax,
                        extent=(g.columns.min() - 0.5, g.columns.max() + 0.5, -0.5, len(g) - 0.5))
         ax.set(xlabel="iteration", ylabel="layer", title=f"RMS sigma per layer\n{run}")

@@ -1,20 +1,47 @@
 """The figures' one visual language: a seaborn theme, one colour per method (from
-:data:`sprpo_lib.methods.METHOD_DISPLAY`), and colours for everything that is not a method
+:data:`METHOD_DISPLAY`), and colours for everything that is not a method
 drawn from a palette that shares none of them, so that a method's colour means that
 method in every figure.
 
 * :func:`apply`: the theme (seaborn's ``paper`` context, white grid, font sizes readable at
   the README's width); :func:`pyplot` (the Agg backend with the theme) is how every
   plotting function of :mod:`sprpo_lib.paper` gets matplotlib.
-* :data:`METHOD_COLORS`, :data:`METHOD_MARKERS`: the methods' colours and markers.
+* :data:`METHOD_DISPLAY`: every method's label, colour and marker (the one place they live);
+  :data:`METHOD_COLORS`, :data:`METHOD_MARKERS` read it.
 * :data:`ROLE_COLORS`: named roles that are not methods (clean vs perturbed bars, the
   theory figures' runs and bounds); :func:`role` looks one up.
 """
 from __future__ import annotations
 
-from sprpo_lib.methods import METHOD_DISPLAY
+from dataclasses import dataclass
 
-__all__ = ["METHOD_COLORS", "METHOD_MARKERS", "ROLE_COLORS", "NEUTRAL", "apply", "pyplot", "role"]
+import matplotlib
+import matplotlib.pyplot as plt
+import seaborn as sns
+
+__all__ = ["METHOD_DISPLAY", "METHOD_COLORS", "METHOD_MARKERS", "ROLE_COLORS", "NEUTRAL", "apply", "pyplot", "role"]
+
+
+@dataclass(frozen=True)
+class MethodDisplay:
+    """How figures and tables show a method: its name, its one colour and its one marker
+    everywhere."""
+
+    label: str
+    color: str
+    marker: str = "o"
+
+
+#: Every method's label and colour, in the paper's order (the baselines, then SPrPO), and
+#: the warm-start reference; the plans, figures and tables read it.
+METHOD_DISPLAY: dict[str, MethodDisplay] = {
+    "vanilla": MethodDisplay("Vanilla", "#7f7f7f", "o"),
+    "gaussian": MethodDisplay("Gaussian", "#1f77b4", "s"),
+    "sam": MethodDisplay("SAM", "#ff7f0e", "^"),
+    "sprpo": MethodDisplay("SPrPO", "#d62728", "D"),
+    # not a training method: the supervised warm start every cpu run starts from (a reference row)
+    "warm_start": MethodDisplay("Warm start", "#2ca02c", "v"),
+}
 
 METHOD_COLORS = {m: d.color for m, d in METHOD_DISPLAY.items()}
 METHOD_MARKERS = {m: d.marker for m, d in METHOD_DISPLAY.items()}
@@ -39,17 +66,12 @@ _THEME = {"axes.titlesize": 9, "axes.labelsize": 8, "xtick.labelsize": 7, "ytick
 def apply() -> None:
     """The shared theme: seaborn ``whitegrid`` at the ``paper`` context, with the sizes
     above (idempotent; cheap enough to call at the top of every plotting function)."""
-    import seaborn as sns
-
     sns.set_theme(context="paper", style="whitegrid", rc=_THEME)
 
 
 def pyplot():
     """matplotlib's pyplot on the Agg backend (headless: papermill, CI) with the theme applied."""
-    import matplotlib
-
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     apply()
     return plt

@@ -20,9 +20,9 @@ from typing import Mapping, Sequence
 
 import pandas as pd
 
-from sprpo_lib.compress import FAMILIES
-from sprpo_lib.io import atomic_write_text
-from sprpo_lib.methods import METHOD_DISPLAY
+from sprpo_lib.core.compress import FAMILIES
+from sprpo_lib.infra.io import atomic_write_text
+from sprpo_lib.paper.style import METHOD_DISPLAY
 
 __all__ = ["FAMILY_LABELS", "METHOD_LABELS", "ENV_LABELS", "strength_label", "meanstd", "best_flags", "main_frame",
            "main_table", "appendix_frame", "appendix_table", "default_levels", "ablation_frame", "ablation_table", "to_csv",

@@ -27,11 +27,14 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from statistics import NormalDist
 
+import matplotlib
 import numpy as np
 import pandas as pd
 
+from sprpo_lib.infra.io import atomic_write_bytes, atomic_write_text
+from sprpo_lib.infra.manifest import write_manifest
+from sprpo_lib.infra.paths import project_path
 from sprpo_lib.paper.style import pyplot, role
-from sprpo_lib.paths import project_path
 
 # --------------------------------------------------------------------------------------
 # sizes
@@ -1023,8 +1026,6 @@ def _yerr(mid, lo, hi) -> list:
 
 def _colors(n: int) -> np.ndarray:
     """n colours along viridis, one line per update (no method's colour: paper.style)."""
-    import matplotlib
-
     return matplotlib.colormaps["viridis"](np.linspace(0.0, 0.9, max(n, 1)))
 
 
@@ -1213,9 +1214,6 @@ def plot_fig2(trajs: dict, finals: pd.DataFrame, toy: ToyLandscape | None = None
 def save_figure(fig, out_dir: str | Path, stem: str, config: dict, seed: int | None, wall_seconds: float,
                 extra: dict | None = None) -> list[Path]:
     """Render ``fig`` to PNG and PDF in memory and write each atomically with its manifest."""
-    from sprpo_lib.io import atomic_write_bytes
-    from sprpo_lib.manifest import write_manifest
-
     plt = _plt()
     paths = []
     for ext, kw in (("png", {"dpi": 130, "metadata": {"Software": None}}),
@@ -1262,9 +1260,6 @@ def save_table(df: pd.DataFrame, out_dir: str | Path, stem: str, config: dict, s
                caption: str = "") -> list[Path]:
     """Write ``df`` as CSV (and, with ``latex_columns``, as a booktabs .tex) atomically, each
     with its manifest."""
-    from sprpo_lib.io import atomic_write_text
-    from sprpo_lib.manifest import write_manifest
-
     paths = [atomic_write_text(project_path(out_dir) / f"{stem}.csv", df.to_csv(index=False))]
     if latex_columns:
         paths.append(atomic_write_text(project_path(out_dir) / f"{stem}.tex",

@@ -1,0 +1,2 @@
+"""The agent in its environments: prompts and actions, generation engines, environments, and
+episodes played in groups."""

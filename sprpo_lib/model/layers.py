@@ -1,0 +1,104 @@
+"""Where a Llama/Qwen2 model keeps its parts: the gated FFN blocks perturbed in Sec. 5, the
+decoder layers, and two context managers over them (activation checkpointing, running from
+one layer up)."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+def ffn_modules(model: nn.Module) -> list[nn.Module]:
+    """The gated FFN blocks (``gate_proj``/``up_proj``/``down_proj``) in layer order.
+
+    Works on plain and peft-wrapped models (peft keeps the module tree, wrapping the
+    projections).  Raises a clear error for architectures without such blocks.
+    """
+    mlps = [
+        m
+        for _, m in model.named_modules()
+        if all(hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj"))
+    ]
+    if not mlps:
+        raise TypeError(
+            f"{type(model).__name__} has no gated FFN blocks with gate_proj/up_proj/down_proj; "
+            "sprpo perturbs the FFN channels of Llama/Qwen2-style models (paper Sec. 5)"
+        )
+    return mlps
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The list of transformer blocks (``model.model.layers``), through peft wrappers."""
+    base = model
+    if hasattr(base, "get_base_model"):
+        base = base.get_base_model()
+    inner = getattr(base, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise TypeError(f"{type(base).__name__}: expected `.model.layers` (Llama/Qwen2 layout)")
+    return layers
+
+
+@contextmanager
+def checkpointed_layers(model: nn.Module, on: bool = True) -> Iterator[None]:
+    """Activation checkpointing of every decoder layer inside the block: a layer keeps only
+    its input for the backward and runs its forward again there (``torch.utils.checkpoint``,
+    non-reentrant, so the FFN-channel hooks and leaves outside the layer's inputs still
+    receive gradients).  The layers are wrapped here rather than through transformers'
+    ``gradient_checkpointing_enable``, which drops ``past_key_values`` inside checkpointed
+    layers (a shared prefix's keys and values would silently vanish); the caches the actor
+    passes are read-only, so a recomputed layer reads the same states."""
+    if not on:
+        yield
+        return
+    layers = list(decoder_layers(model))
+    for layer in layers:
+        def forward(hidden_states, *args, _forward=layer.forward, **kwargs):
+            return checkpoint(lambda h: _forward(h, *args, **kwargs), hidden_states, use_reentrant=False)
+
+        layer.forward = forward
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward  # back to the class's forward
+
+
+@contextmanager
+def from_layer(model: nn.Module, start: int) -> Iterator[None]:
+    """Inside the block the model's forward starts at decoder layer ``start``: its
+    ``inputs_embeds`` are that layer's input hidden states (kept from an earlier pass over
+    the same tokens), the layers below are not run, and the layers from ``start`` on read and
+    write a KV cache at indices ``0 .. L - start - 1`` (pass a cache without a config).
+    What the actor uses to run the layers below the lowest trainable one once per update
+    rather than once per optimizer step.  Llama/Qwen2 layout; the layers kept must have the
+    attention types of the first ones (all full attention in both)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = base.model
+    layers = inner.layers
+    if not 0 <= start < len(layers):
+        raise ValueError(f"start must be in [0, {len(layers)}), got {start}")
+    types = list(getattr(inner.config, "layer_types", None) or [])
+    if types and types[: len(layers) - start] != types[start:]:
+        raise ValueError(f"from_layer({start}): layer types {types[start:]} differ from the first ones")
+    top = list(layers)[start:]
+    idx = [layer.self_attn.layer_idx for layer in top]
+    inner.layers = nn.ModuleList(top)
+    for i, layer in enumerate(top):
+        layer.self_attn.layer_idx = i
+    try:
+        yield
+    finally:
+        inner.layers = layers
+        for i, layer in zip(idx, top):
+            layer.self_attn.layer_idx = i
+
+
+def lowest_trainable_layer(model: nn.Module) -> int:
+    """Index of the lowest decoder layer holding a trainable parameter (the layer count
+    when none does): a backward for the parameters alone stops there."""
+    layers = list(decoder_layers(model))
+    return next((i for i, layer in enumerate(layers) if any(p.requires_grad for p in layer.parameters())),
+                len(layers))

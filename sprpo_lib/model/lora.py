@@ -1,0 +1,95 @@
+"""LoRA adapters with peft (App. B "Base model and optimization": all attention and FFN
+projections, rank/alpha 64/64), on every layer or only the last ones."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sprpo_lib.model.layers import decoder_layers
+from sprpo_lib.model.load import Policy
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class LoraSettings:
+    """LoRA adapters on all attention and FFN projections (App. B, Table 3: 64/64)."""
+
+    rank: int = 64
+    alpha: float = 64.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = LORA_TARGETS
+
+
+def lora_on_last_layers(model, settings: LoraSettings, n_layers: int | None) -> LoraSettings:
+    """``settings`` restricted to the last ``n_layers`` decoder layers (by full module
+    name, which peft matches exactly); ``None`` keeps all layers (the paper).
+
+    Backpropagation then stops at the lowest adapted layer, which is what makes LoRA
+    training affordable on a CPU; a gradient with respect to the FFN channel noise of
+    *every* layer (SAM, SPrPO's sensitivity) still flows through all layers."""
+    if n_layers is None:
+        return settings
+    layers = list(decoder_layers(model))
+    if not 1 <= n_layers <= len(layers):
+        raise ValueError(f"lora_layers={n_layers}: expected 1..{len(layers)} (the model's decoder layers) or None")
+    keep = {id(m) for layer in layers[-n_layers:] for m in layer.modules()}
+    names = tuple(n for n, m in model.named_modules() if id(m) in keep and n.split(".")[-1] in settings.targets)
+    if not names:
+        raise ValueError(f"no modules named {settings.targets} in the last {n_layers} layers")
+    return dataclasses.replace(settings, targets=names)
+
+
+def is_peft(model) -> bool:
+    """Whether ``model`` is wrapped by peft (carries adapters)."""
+    return hasattr(model, "peft_config")
+
+
+def save_peft(model, folder: str | Path) -> None:
+    """``save_pretrained`` of a peft model (safetensors) with a deterministic
+    ``adapter_config.json``: peft holds ``target_modules`` as a set and writes it in the
+    process's hash order, so two identical runs in two processes would write different
+    files (and their adapters different content hashes, hence different cache keys)."""
+    for cfg in getattr(model, "peft_config", {}).values():
+        for name, value in list(vars(cfg).items()):
+            if isinstance(value, (set, frozenset)):
+                setattr(cfg, name, sorted(value))
+    model.save_pretrained(str(folder), safe_serialization=True)
+
+
+def add_lora(policy: Policy, settings: LoraSettings | None = None, seed: int = 0) -> Policy:
+    """Wrap ``policy.model`` with peft LoRA adapters (base weights frozen).
+
+    LoRA's B matrices start at zero, so the wrapped model computes exactly the base
+    model's function until the first update.
+    """
+    from peft import LoraConfig, get_peft_model  # heavy: loaded on first use
+
+    s = settings or LoraSettings()
+    if s.rank < 1:
+        raise ValueError(f"LoRA rank must be >= 1, got {s.rank}")
+    cfg = LoraConfig(
+        r=s.rank,
+        lora_alpha=s.alpha,
+        lora_dropout=s.dropout,
+        target_modules=list(s.targets),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        policy.model = get_peft_model(policy.model, cfg)
+    # peft creates adapters in float32 for stability; keep them so on CPU too.
+    policy.meta["lora"] = {"rank": s.rank, "alpha": s.alpha, "targets": list(s.targets)}
+    return policy
+
+
+def merge_lora(policy: Policy) -> Policy:
+    """Fold LoRA adapters into the base weights (deployment form: what the
+    perturbations of App. C act on)."""
+    if hasattr(policy.model, "merge_and_unload"):
+        policy.model = policy.model.merge_and_unload()
+    return policy

@@ -1,0 +1,102 @@
+"""The warm start's cache: one folder per (base model, task pool, prompt format, SFT settings),
+shared by every method and seed of a profile, built once (under a lock: runs started together
+build it once), scored on held-out tasks, and rebuilt, never loaded, when damaged.  ``cfg`` is a
+:class:`~sprpo_lib.train.config.TrainConfig` (read by attribute: this layer sits below it)."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import shutil
+from pathlib import Path
+
+from sprpo_lib.agent.prompt import AgentConfig
+from sprpo_lib.infra.io import CorruptFileError, canonical_hash, file_lock, key_fields
+from sprpo_lib.infra.paths import runs_dir
+from sprpo_lib.model.lora import is_peft, merge_lora
+from sprpo_lib.warmstart.heldout import agreement_is_current, eval_is_current, evaluate_agreement, evaluate_policy
+from sprpo_lib.warmstart.sft import LABEL_VERSIONS, check_adapter, dagger, load_adapter, warm_start, without_dagger
+
+log = logging.getLogger(__name__)
+
+
+def warm_start_key(cfg, agent: AgentConfig) -> str:
+    """Hash of what the warm start depends on: base model, task pool and step limit
+    (demonstrations and the evaluation), prompt format and SFT settings; not the RL
+    settings, so every method and seed of a profile starts from the same cached policy;
+    and the demonstrator's label version where it has one (``sft.LABEL_VERSIONS``)."""
+    m, e = cfg.model, cfg.env
+    key = {"model": {"spec": m.spec, "dtype": m.dtype},
+           "env": {"name": e.name, "seed": e.seed, "data_dir": e.data_dir, "max_steps": e.max_steps},
+           "agent": key_fields(agent), "sft": key_fields(cfg.sft)}
+    if cfg.sft.demonstrator in LABEL_VERSIONS:
+        key["labels"] = LABEL_VERSIONS[cfg.sft.demonstrator]
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=list).encode()).hexdigest()[:12]
+
+
+def warm_start_dir(cfg, agent: AgentConfig | None = None) -> Path:
+    """The one folder of a warm start: ``runs/sft/<env>-<key>`` under the project root
+    (adapter, ``eval.json``, ``eval_episodes.jsonl``); ``agent`` defaults to the run's."""
+    return runs_dir("sft", f"{cfg.env.name}-{warm_start_key(cfg, agent or cfg.rollout.agent)}")
+
+
+def warm_start_policy(policy, pool, cfg, agent: AgentConfig, progress: bool = True) -> Path:
+    """Supervised warm start: behaviour cloning on demonstrations in the exact RL prompt
+    format, cached under ``runs/sft/<env>-<key>/``, then merged into the base weights,
+    so RL adds its own fresh LoRA on top, as it would on an instruct model.  With
+    ``sft.dagger_rounds`` the rounds start from the warm start without them (its own
+    cached folder, built first if missing: :func:`sprpo_lib.warmstart.sft.dagger`)."""
+
+    out = build_warm_start(policy, pool, cfg, agent, progress)
+    if not is_peft(policy.model):
+        load_adapter(policy, out / "adapter")
+    merge_lora(policy)
+    for p in policy.model.parameters():
+        p.requires_grad_(False)
+    with file_lock(out.parent / f".{out.name}.lock"):
+        if cfg.sft.eval_tasks and not eval_is_current(out / "eval.json", cfg, cfg.sft.eval_tasks):
+            evaluate_policy(policy, pool, cfg, agent, out, cfg.sft.eval_tasks, progress)
+        if cfg.sft.eval_tasks and cfg.sft.agreement and not agreement_is_current(out / "agreement.json", cfg,
+                                                                                 cfg.sft.eval_tasks):
+            evaluate_agreement(policy, pool, cfg, agent, out, cfg.sft.eval_tasks)
+    return out
+
+
+def build_warm_start(policy, pool, cfg, agent: AgentConfig, progress: bool) -> Path:
+    """The warm start's folder with a whole adapter, trained on ``policy`` when missing (the
+    policy then carries it, unmerged); a cached one leaves ``policy`` as it was."""
+    out = warm_start_dir(cfg, agent)
+    with file_lock(out.parent / f".{out.name}.lock"):  # runs started together (Ray tasks) build it once
+        if (out / "adapter").is_dir() and not adapter_is_whole(out / "adapter"):  # a cache: rebuilt, never loaded
+            shutil.rmtree(out / "adapter")
+            for name in ("eval.json", "eval_episodes.jsonl", "agreement.json"):  # they described the old adapter
+                (out / name).unlink(missing_ok=True)
+        if (out / "adapter").is_dir():
+            return out
+        if not cfg.sft.dagger_rounds:
+            warm_start(policy, pool, cfg.sft, agent, out, progress)
+            return out
+        base = build_warm_start(policy, pool, dataclasses.replace(cfg, sft=without_dagger(cfg.sft)), agent, progress)
+        if is_peft(policy.model):  # the base was trained just now: DAgger loads it onto the plain model
+            policy.model = policy.model.unload()
+        # the rounds live beside the base, keyed by the DAgger settings but their count: more rounds extend fewer
+        d = {k: v for k, v in dataclasses.asdict(cfg.sft).items() if k.startswith("dagger_") and k != "dagger_rounds"}
+        d |= {"max_new_tokens": cfg.rollout.generation.max_new_tokens, "top_p": cfg.rollout.generation.top_p,
+              "engine": cfg.rollout.engine}
+        rounds = base / f"dagger-{canonical_hash(d)[:12]}"
+        dagger(policy, pool, base, cfg.sft, agent, out, cfg.rollout.generation, cfg.rollout.engine, progress, rounds)
+    return out
+
+
+def adapter_is_whole(path: Path) -> bool:
+    """Whether ``path`` is a whole saved adapter (missing or damaged: False, with a warning
+    for damage, so that it is written again)."""
+    if not path.is_dir():
+        return False
+    try:
+        check_adapter(path)
+    except CorruptFileError as err:
+        log.warning("%s", err.with_fix("writing it again"))
+        return False
+    return True

@@ -1,0 +1,1152 @@
+"""Supervised warm start (behaviour cloning) on expert demonstrations.
+
+The RL stage needs a starting policy that already answers in the agent format
+(``<action>...</action>``) and sometimes finishes a task: with a policy that never
+emits a valid action every rollout of a group gets the same (penalised) return, all
+GiGPO advantages are zero and RL learns nothing.  In the paper that starting policy
+is Qwen2.5-1.5B-Instruct (App. B "Base model"); the offline profiles' embedded
+SmolLM2-135M-Instruct does not follow the format zero-shot, so they first clone the
+environment's scripted expert (:meth:`Episode.expert_action`).  The ``paper``
+profile skips this stage.
+
+Pipeline::
+
+    demos = collect_demonstrations(pool, "train", range(40), agent)    # expert plays
+    result = train_sft(policy, demos, SFTConfig(...), out_dir, agent=agent)  # LoRA BC
+    report = evaluate_format(policy, pool, "test", range(16), agent)   # same path as RL
+
+or :func:`warm_start` for the first two steps in one call.
+
+* **Prompts match RL token for token.**  :func:`collect_demonstrations` builds each
+  prompt with :func:`agent.build_prompt` from the same state :func:`rollout.run_groups`
+  would use (instruction, current observation, admissible actions, and the history of
+  ``(parsed action, next observation)`` pairs), and :func:`train_sft` wraps it with
+  :func:`agent.chat_text` and tokenizes it exactly as :class:`~sprpo_lib.agent.engines.HFGenerator`
+  does.  The target is ``<action>{expert action}</action>`` followed by the
+  tokenizer's end-of-turn token (``<|im_end|>`` for ChatML models).
+* **DAgger-lite.**  With ``expert_prob < 1`` the *executed* action is, with
+  probability ``1 - expert_prob``, a uniformly random admissible action (a template
+  such as WebShop's ``search[<your query>]`` is filled with the task instruction),
+  while the state is still labelled with the expert's action.  The demonstrations then
+  also cover off-expert states (a wrong product page, a later results page) and how
+  the expert recovers from them, which a pure expert trajectory never shows; the
+  policy's own mistakes at test time land in such states.  With ``repeat_prob > 0``
+  the executed action is, with that probability, the previous one again: the loop a
+  small clone falls into (on ALFWorld a repeated ``go to`` or ``take`` is rejected with
+  "Nothing happens."), so the demonstrations hold the state after a rejected action with
+  the label that leaves it.
+* **Loss.**  Mean token negative log-likelihood of the response tokens only (prompt
+  and padding are masked with ``-100``), averaged over all response tokens of an
+  optimizer step (``batch_size * grad_accum`` demonstrations).  Log-probabilities are
+  computed in float32 with :func:`losses.token_logprobs` from the LM head applied to
+  the hidden states *at response positions only*, so no full-vocabulary logits are
+  materialised for the prompt (bf16 models are fine).  With ``balance > 0`` a
+  demonstration's tokens weigh ``(share of its action's verb)^-balance`` (mean 1 over
+  the demonstrations; :func:`label_weights`): ALFWorld's rare decisions (``take``,
+  ``move``, ``heat``: a few percent of the labels) then count for more against the many
+  ``go to`` steps of the search (a class-balanced loss).
+* **Outputs** (``out_dir``): ``metrics.jsonl`` (one flushed JSON line per logged
+  step), ``sft_summary.json`` (config and results, atomic), ``adapter/`` (peft
+  ``save_pretrained``, safetensors; reload with :func:`load_adapter`), and for
+  :func:`warm_start` ``demos.jsonl``.
+* **Resume.**  Every :data:`RESUME_EVERY_S` seconds the trainable weights, the
+  optimizer, the data order, the random states and the running sums go to
+  ``resume/`` (an atomically replaced folder whose files are checked against the
+  SHA-256 recorded beside them); a rerun on the same demonstrations and settings
+  continues from there and ends with the same adapter and losses as an uninterrupted
+  run.  A damaged or foreign ``resume/`` is ignored (warning) and training starts over;
+  the folder is removed when training ends.
+
+After the warm start, :func:`models.merge_lora` folds the adapter into the base
+weights, so the warm-started model plays the role of the paper's instruct base model
+and RL adds its own fresh LoRA on top.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import re
+import shutil
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+import torch
+from safetensors.torch import save_file
+
+from sprpo_lib.agent.engines import GenerationConfig, close_engine, make_engine
+from sprpo_lib.agent.envs.alfworld_explorer import LABELS_VERSION as EXPLORER_LABELS
+from sprpo_lib.agent.envs.base import TaskPool
+from sprpo_lib.agent.envs.baselines import random_action
+from sprpo_lib.agent.prompt import (
+    AgentConfig,
+    HistoryStep,
+    build_prompt,
+    chat_text,
+    extract_action,
+    parse_actions,
+    token_counter,
+)
+from sprpo_lib.agent.rollout import EpisodeLog, SerialEnvs, run_groups
+from sprpo_lib.core.losses import token_logprobs
+from sprpo_lib.infra.io import (
+    NOT_A_KEY,
+    OMIT_AT_DEFAULT,
+    CorruptFileError,
+    JsonLines,
+    atomic_dir,
+    atomic_write_json,
+    atomic_write_text,
+    canonical_hash,
+    file_record,
+    key_fields,
+    read_cached,
+    read_json,
+    read_json_lines,
+    read_safetensors,
+    verify_file,
+)
+from sprpo_lib.infra.progress import progress_bar
+from sprpo_lib.infra.registry import Registry
+from sprpo_lib.model.load import Policy
+from sprpo_lib.model.lora import LoraSettings, add_lora, is_peft, lora_on_last_layers, merge_lora, save_peft
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "Demo",
+    "SFTConfig",
+    "collect_demonstrations",
+    "save_demos",
+    "load_demos",
+    "encode_demo",
+    "collate",
+    "response_nll",
+    "train_sft",
+    "load_adapter",
+    "check_adapter",
+    "warm_start",
+    "dagger",
+    "dagger_indices",
+    "without_dagger",
+    "play",
+    "evaluate_format",
+    "agreement",
+    "admissible_from_prompt",
+]
+
+IGNORE_INDEX = -100
+#: seconds between resume points of :func:`train_sft` (a resume point costs the LoRA
+#: weights and Adam moments: a few MB)
+RESUME_EVERY_S = 120.0
+_TEMPLATE_RE = re.compile(r"^(\w+)\[<[^\]]*>\]$")  # e.g. WebShop's "search[<your query>]"
+_SCHEDULES = ("constant", "linear", "cosine")
+
+
+# ----------------------------------------------------------------------------- demonstrations
+@dataclass
+class Demo:
+    """One behaviour-cloning example.
+
+    Attributes:
+        prompt: the agent prompt (:func:`agent.build_prompt`, before the chat
+            template), exactly what :func:`rollout.run_groups` would show in that state.
+        response: the target, ``<action>{expert action}</action>``.
+        task_id: the task's id (``TaskHandle.task_id``).
+        step: step index within the episode (0-based, as ``StepRecord.step``).
+    """
+
+    prompt: str
+    response: str
+    task_id: str
+    step: int
+
+
+#: who labels demonstrations: ``fn(episode, history) -> next action or None``.
+DEMONSTRATORS: Registry = Registry("demonstrator", "sft.demonstrator")
+#: demonstrators whose labels changed after a warm start was first cached: the version
+#: joins that warm start's cache key, so stale demonstrations are never served
+LABEL_VERSIONS = {"explorer": EXPLORER_LABELS}
+
+
+@DEMONSTRATORS.register("expert")
+def _expert(ep, history: Sequence[HistoryStep]) -> str | None:
+    """The environment's expert / oracle (ALFWorld's planner, WebShop's goal oracle)."""
+    return ep.expert_action()
+
+
+@DEMONSTRATORS.register("shopper")
+def _shopper(ep, history: Sequence[HistoryStep]) -> str | None:
+    """WebShop's visible-information shopper (a function of what the agent sees)."""
+    if not hasattr(ep, "shopper_action"):
+        raise ValueError(f"sft.demonstrator='shopper': {type(ep).__name__} has no shopper_action() "
+                         f"(only WebShop has one); use sft.demonstrator=expert")
+    return ep.shopper_action([h.action for h in history])
+
+
+@DEMONSTRATORS.register("explorer")
+def _explorer(ep, history: Sequence[HistoryStep]) -> str | None:
+    """ALFWorld's visible-information explorer (a function of what the agent sees and of
+    where objects lie in the training games)."""
+    if not hasattr(ep, "explorer_action"):
+        raise ValueError(f"sft.demonstrator='explorer': {type(ep).__name__} has no explorer_action() "
+                         f"(only ALFWorld has one); use sft.demonstrator=expert or shopper")
+    return ep.explorer_action([h.action for h in history])
+
+
+def collect_demonstrations(
+    pool: TaskPool,
+    split: str,
+    indices: Iterable[int],
+    agent: AgentConfig | None = None,
+    expert_prob: float = 1.0,
+    seed: int = 0,
+    max_steps: int | None = None,
+    stats: dict | None = None,
+    demonstrator: str = "expert",
+    repeat_prob: float = 0.0,
+    scripts: Mapping[int, Sequence[tuple[str, str]]] | None = None,
+    progress: bool = False,
+) -> list[Demo]:
+    """Play each task with the expert and record (prompt, expert response) per step.
+
+    Args:
+        pool: any :class:`~sprpo_lib.agent.envs.base.TaskPool` whose episodes implement
+            ``expert_action()``.
+        split, indices: the tasks (``pool.open(split, i)`` for each index, in order).
+        agent: prompt settings (history length, observation cut); must be the ones the
+            RL agent uses, or the prompts will not match.
+        expert_prob: probability of *executing* the expert's action at a step; otherwise
+            a uniformly random admissible action is executed (DAgger-lite, see the
+            module docstring).  The label is always the expert's action.  1.0 = pure
+            expert trajectories.
+        seed: seed of the random actions; each task draws from its own stream
+            (seeded by ``seed``, split and index), so a task's demonstrations do not
+            depend on which other tasks are collected.
+        max_steps: step limit per episode (default ``pool.max_steps``, as ``run_groups``).
+        demonstrator: ``"expert"`` (``Episode.expert_action()``: the environment's
+            oracle, which may use hidden state) or ``"shopper"`` (``shopper_action(actions)``:
+            a scripted policy that reads only the prompt's information; WebShop's
+            :func:`~sprpo_lib.agent.envs.webshop.visible_shopper_action`) or ``"explorer"``
+            (ALFWorld's :func:`~sprpo_lib.agent.envs.alfworld_explorer.visible_explorer_action`).
+        stats: if a dict is given, it is filled with ``episodes``, ``successes``,
+            ``success_rate``, ``mean_score`` (of the played, possibly perturbed,
+            episodes), ``demos`` and ``expert_none`` (episodes cut because the expert
+            had no action).
+        repeat_prob: probability of executing the previous executed action again at
+            a step where the expert's action would be executed (not at the first step;
+            see the module docstring).  The label is still the expert's.
+        scripts: DAgger's relabelling (:func:`dagger`): per task index, the
+            ``(prompt, action)`` steps another policy played.  The task is replayed with
+            those actions (no expert, random or repeated action is executed; the episode
+            ends with its script) and every state it passes is labelled by the
+            demonstrator.  Each replayed prompt must equal the recorded one (the
+            environments are deterministic): a mismatch raises.  ``stats`` then also
+            counts ``disagree``, the steps whose played action differs from the label.
+        progress: show a bar over the tasks (200 ALFWorld games take minutes).
+
+    Returns:
+        The demonstrations, ordered by task and step.
+    """
+    if not 0.0 <= expert_prob <= 1.0:
+        raise ValueError(f"expert_prob must be in [0, 1], got {expert_prob}")
+    if not 0.0 <= repeat_prob < 1.0:
+        raise ValueError(f"sft.repeat_prob must be in [0, 1), got {repeat_prob}")
+    label = DEMONSTRATORS.get(demonstrator)
+    agent = agent or AgentConfig()
+    limit = max_steps or pool.max_steps
+    demos: list[Demo] = []
+    n_ep = n_succ = n_none = n_disagree = 0
+    score_sum = 0.0
+    indices = list(indices)
+    bar = progress_bar(indices, desc=f"demonstrations ({demonstrator}, {split})", unit="task", disable=not progress)
+    for idx in bar:
+        handle = pool.open(split, idx)
+        ep = handle.spawn()
+        rng = random.Random(f"{seed}:{split}:{idx}")
+        script = None if scripts is None else scripts[idx]
+        try:
+            obs = ep.reset()
+            history: list[HistoryStep] = []
+            score, success = 0.0, False
+            for step in range(limit if script is None else min(limit, len(script))):
+                expert = label(ep, history)
+                if expert is None:
+                    n_none += 1
+                    break
+                response = f"<action>{expert}</action>"
+                prompt = build_prompt(ep.instruction, obs.text, obs.admissible, history, agent)
+                demos.append(Demo(prompt, response, handle.task_id, step))
+                executed = response
+                if script is not None:  # DAgger: the state another policy reached, with the demonstrator's label
+                    played_prompt, action = script[step]
+                    if played_prompt != prompt:
+                        raise RuntimeError(f"DAgger relabelling: replaying task {handle.task_id} gave another prompt "
+                                           f"at step {step} than the one played (the environment did not replay the "
+                                           f"same states; it must be deterministic given the task and the actions)")
+                    n_disagree += action != expert
+                    executed = None
+                elif expert_prob < 1.0 and obs.admissible and rng.random() >= expert_prob:
+                    executed = f"<action>{random_action(obs.admissible, ep.instruction.strip(), rng)}</action>"
+                elif repeat_prob > 0.0 and history and rng.random() < repeat_prob:  # no draw at 0: same streams
+                    executed = f"<action>{history[-1].action}</action>"
+                # run_groups steps the env with the *parsed* action and keeps it in the history
+                if executed is not None:
+                    action = extract_action(executed).action
+                nxt = ep.step(action)
+                history.append(HistoryStep(obs.text, action, bool(nxt.info.get("invalid"))))
+                score += nxt.reward
+                success = success or nxt.success
+                obs = nxt
+                if obs.done:
+                    break
+        finally:
+            ep.close()
+        n_ep += 1
+        n_succ += success
+        score_sum += score
+    if stats is not None:
+        stats.update(episodes=n_ep, successes=n_succ, success_rate=n_succ / max(1, n_ep),
+                     mean_score=score_sum / max(1, n_ep), demos=len(demos), expert_none=n_none)
+        if scripts is not None:
+            stats["disagree"] = n_disagree
+    log.info("collected %d demos from %d episodes (%d successful)", len(demos), n_ep, n_succ)
+    return demos
+
+
+def save_demos(path: str | Path, demos: Sequence[Demo]) -> Path:
+    """Write demonstrations as JSON lines (atomically)."""
+    return atomic_write_text(path, "".join(json.dumps(asdict(d)) + "\n" for d in demos))
+
+
+def load_demos(path: str | Path) -> list[Demo]:
+    with open(path) as f:
+        return [Demo(**json.loads(line)) for line in f if line.strip()]
+
+
+# ----------------------------------------------------------------------------- config
+@dataclass
+class SFTConfig:
+    """Behaviour-cloning settings.
+
+    Attributes:
+        epochs: passes over the demonstrations (ignored once ``max_steps`` is hit).
+        lr: Adam learning rate of the LoRA parameters (1e-4 .. 5e-4 suits LoRA).
+        batch_size: demonstrations per micro-batch (padded together).
+        grad_accum: micro-batches per optimizer step; the loss is the token mean over
+            all response tokens of the step.
+        max_steps: optional cap on optimizer steps (overrides ``epochs``).
+        max_seconds: optional wall-clock budget; training stops after the step that
+            crosses it.  Makes the number of steps machine-dependent, so a run with a
+            time budget is deterministic only given its step count (recorded).
+        warmup_steps: linear learning-rate warm-up from 0.
+        schedule: ``"constant"``, ``"linear"`` (decay to 0) or ``"cosine"`` after warm-up;
+            the decay horizon is the planned number of steps (``max_steps`` or epochs).
+        max_grad_norm: gradient-norm clip (``None``/0 disables).
+        weight_decay: decoupled weight decay (AdamW); 0 = plain Adam.
+        max_prompt_tokens: demonstrations whose chat-formatted prompt is longer are
+            **skipped** (counted in the result as ``skipped_long``).  Left-truncating
+            them would train on inputs the RL agent never sees (it loses the task
+            line); bound prompt length with ``AgentConfig.max_obs_chars`` instead.
+            ``None`` keeps all.
+        lora: LoRA adapters added if the model is not peft-wrapped yet (paper: 64/64).
+        lora_layers: put the adapters only on the last ``lora_layers`` decoder layers
+            (``None``: all layers, as the paper).  Backpropagation then stops at the
+            lowest adapted layer: on CPU, LoRA on the last 8 of SmolLM2's 30 layers
+            halves the cost of a step.  The adapter is merged into the base weights
+            before RL anyway, so this only trades warm-start quality for speed.
+        seed: LoRA initialisation, shuffling and DAgger-lite actions.
+        n_tasks, split, expert_prob: demonstration collection for :func:`warm_start`
+            (the first ``n_tasks`` tasks of ``split``).
+        demonstrator: who labels the demonstrations: ``"expert"`` (the environment's
+            oracle; default) or ``"shopper"`` (WebShop only: a scripted shopper that uses
+            only the information in the prompt (``python -m sprpo_lib.agent.envs`` scores it);
+            the oracle clicks the goal's hidden product id, a choice a cloned policy
+            cannot infer from the page) or ``"explorer"`` (ALFWorld only: searches the
+            receptacles in the order where the training games keep the object; the
+            planner goes straight to the hidden object, which a cloned policy cannot
+            infer).  See :func:`collect_demonstrations`.
+        episode_steps: step limit of a demonstration episode (None: the pool's own, 15 on
+            WebShop and 50 on ALFWorld).  Set to RL's ``env.max_steps``, the demonstrations
+            cover the states and the ``[Step k]`` numbers RL's prompts show, and no longer
+            the long wanders that random actions cause after that limit (on ALFWorld they
+            were 31% of the labels, two thirds of them ``go to``).
+        repeat_prob: probability of executing the previous action again during the
+            collection (the state after a rejected repeat, labelled with the way out; see
+            the module docstring).  0 (default): never.
+        balance: weight a demonstration's loss by ``(share of its action's verb)^-balance``
+            (:func:`label_weights`; 0: every response token weighs the same, 1: every verb
+            weighs the same in all).  On ALFWorld the search's ``go to`` is most labels and
+            the decision to ``take`` the object in sight a few percent.
+        dagger_rounds: rounds of DAgger (Ross et al., 2011) after the first cloning
+            (:func:`dagger`): the clone plays ``dagger_tasks`` demonstration tasks at
+            ``dagger_temperature``, the demonstrator labels every state it reached, and the
+            clone trains ``epochs`` more on those labels plus earlier demonstrations.  A
+            clone's mistakes lead it to states no demonstration shows (on ALFWorld a
+            rejected ``go to`` repeated until the step limit); DAgger labels exactly those.
+            0 (default): none.
+        dagger_tasks: tasks a round plays, from the demonstration tasks (indices
+            ``0 .. n_tasks-1``, a round's window following the previous one's), so the
+            held-out tasks of ``eval_tasks`` stay unseen.
+        dagger_temperature: sampling temperature of the clone's rollouts (0.4: the paper's
+            validation temperature, the states an evaluation reaches).
+        dagger_replay: earlier demonstrations drawn (seeded, without replacement) per new
+            label into a round's training set.  Classic DAgger retrains on everything
+            collected; on 2 CPU cores a round then costs as much as the first cloning, so
+            a round trains on its new labels and ``dagger_replay`` times as many old ones
+            (1: half new, half old), continuing from the previous round's adapter.
+        log_every: optimizer steps between lines of ``metrics.jsonl`` (and the progress
+            bar's loss); the first and last step are always logged.
+        shuffle: reshuffle the demonstrations every epoch (seeded).
+        eval_tasks: after the warm start of a training run, play this many tasks of
+            ``split`` that were *not* demonstrated (indices ``n_tasks ..``), once each,
+            at the RL rollout temperature, and store the success rate with the cached
+            adapter (``eval.json``): the starting success the RL stage improves on.
+            0 skips it.
+        agreement: with ``eval_tasks``, also the clone's greedy agreement with the
+            demonstrator on the demonstrator's states of those tasks, per verb
+            (:func:`agreement`, ``agreement.json``): which decisions the clone has not
+            learned.  Not part of the cache key (it measures the adapter, never changes it).
+    """
+
+    epochs: int = 3
+    lr: float = 1e-4
+    batch_size: int = 4
+    grad_accum: int = 1
+    max_steps: int | None = None
+    max_seconds: float | None = None
+    warmup_steps: int = 0
+    schedule: str = "constant"
+    max_grad_norm: float | None = 1.0
+    weight_decay: float = 0.0
+    max_prompt_tokens: int | None = 2048
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    lora_layers: int | None = None
+    seed: int = 0
+    n_tasks: int = 40
+    split: str = "train"
+    expert_prob: float = 1.0
+    demonstrator: str = "expert"
+    episode_steps: int | None = field(default=None, metadata=OMIT_AT_DEFAULT)
+    repeat_prob: float = field(default=0.0, metadata=OMIT_AT_DEFAULT)
+    balance: float = field(default=0.0, metadata=OMIT_AT_DEFAULT)
+    dagger_rounds: int = field(default=0, metadata=OMIT_AT_DEFAULT)
+    dagger_tasks: int = field(default=50, metadata=OMIT_AT_DEFAULT)
+    dagger_temperature: float = field(default=0.4, metadata=OMIT_AT_DEFAULT)
+    dagger_replay: float = field(default=1.0, metadata=OMIT_AT_DEFAULT)
+    log_every: int = 10
+    shuffle: bool = True
+    eval_tasks: int = 0
+    agreement: bool = field(default=False, metadata=NOT_A_KEY)
+
+    def __post_init__(self):
+        if isinstance(self.lora, dict):
+            self.lora = LoraSettings(**self.lora)
+        if self.epochs < 1 or self.batch_size < 1 or self.grad_accum < 1 or self.log_every < 1:
+            raise ValueError("epochs, batch_size, grad_accum and log_every must be >= 1")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1 or None, got {self.max_steps}")
+        if not 0.0 <= self.repeat_prob < 1.0:
+            raise ValueError(f"sft.repeat_prob must be in [0, 1), got {self.repeat_prob}")
+        if not 0.0 <= self.balance <= 2.0:
+            raise ValueError(f"sft.balance must be in [0, 2] (0: no weighting, 1: every verb weighs the same), "
+                             f"got {self.balance}")
+        if self.dagger_rounds < 0 or self.dagger_tasks < 1:
+            raise ValueError(f"sft.dagger_rounds must be >= 0 and sft.dagger_tasks >= 1, got {self.dagger_rounds} and "
+                             f"{self.dagger_tasks}")
+        if self.dagger_temperature < 0 or self.dagger_replay < 0:
+            raise ValueError(f"sft.dagger_temperature and sft.dagger_replay must be >= 0, got "
+                             f"{self.dagger_temperature} and {self.dagger_replay}")
+        if self.episode_steps is not None and self.episode_steps < 1:
+            raise ValueError(f"sft.episode_steps must be >= 1 or null (the environment's limit), got {self.episode_steps}")
+        if self.schedule not in _SCHEDULES:
+            raise ValueError(f"schedule must be one of {_SCHEDULES}, got {self.schedule!r}")
+        if not 0.0 <= self.expert_prob <= 1.0:
+            raise ValueError(f"expert_prob must be in [0, 1], got {self.expert_prob}")
+        DEMONSTRATORS.get(self.demonstrator)  # an unknown name lists the valid ones
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ValueError("max_prompt_tokens must be >= 1 or None")
+        if self.lora_layers is not None and self.lora_layers < 1:
+            raise ValueError(f"lora_layers must be >= 1 or None, got {self.lora_layers}")
+
+
+# ----------------------------------------------------------------------------- tokenization
+def encode_demo(tokenizer, demo: Demo, agent: AgentConfig | None = None) -> tuple[list[int], list[int]]:
+    """``(prompt_ids, response_ids)`` of a demonstration.
+
+    The prompt is tokenized exactly as :class:`~sprpo_lib.agent.engines.HFGenerator` tokenizes it (chat
+    template with the generation prompt, no extra special tokens), so ``prompt_ids``
+    equals the ``Generation.prompt_ids`` RL records for the same state.  The response is
+    the target text followed by the end-of-turn (eos) token.
+    """
+    text = chat_text(tokenizer, demo.prompt, agent)
+    p_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    r_ids = tokenizer(demo.response, add_special_tokens=False)["input_ids"]
+    if tokenizer.eos_token_id is not None:
+        r_ids = r_ids + [tokenizer.eos_token_id]
+    return list(p_ids), list(r_ids)
+
+
+def collate(examples: Sequence[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad ``(prompt_ids, response_ids)`` pairs into a batch.
+
+    Returns ``input_ids``, ``attention_mask``, ``position_ids`` and ``labels``: the
+    input ids where a token is a training target (response tokens, eos included) and
+    ``-100`` on prompt tokens and padding.
+    """
+    width = max(len(p) + len(r) for p, r in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
+    att = torch.zeros((len(examples), width), dtype=torch.long)
+    for i, (p, r) in enumerate(examples):
+        n = len(p) + len(r)
+        ids[i, :n] = torch.tensor(p + r, dtype=torch.long)
+        labels[i, len(p):n] = torch.tensor(r, dtype=torch.long)
+        att[i, :n] = 1
+    pos = (att.cumsum(-1) - 1).clamp(min=0)
+    return {"input_ids": ids, "attention_mask": att, "position_ids": pos, "labels": labels}
+
+
+def _base_and_head(model):
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    body = getattr(base, getattr(base, "base_model_prefix", "model"), None)
+    head = base.get_output_embeddings()
+    if body is None or head is None:
+        raise TypeError(f"{type(base).__name__}: expected a causal LM with a decoder body and an LM head")
+    return body, head
+
+
+def response_nll(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per-token negative log-likelihood (float32) of the positions with a label.
+
+    Runs the decoder body once, then applies the LM head only to the hidden states
+    that predict a labelled token (position ``t-1`` for label ``t``), so the
+    full-vocabulary logits exist only for response tokens.  Returns a 1-D tensor in
+    row-major order of the labelled positions.
+    """
+    body, head = _base_and_head(model)
+    dev = next(model.parameters()).device
+    out = body(input_ids=batch["input_ids"].to(dev), attention_mask=batch["attention_mask"].to(dev),
+               position_ids=batch["position_ids"].to(dev), use_cache=False)
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    targets = batch["labels"][:, 1:].to(dev)
+    sel = targets != IGNORE_INDEX
+    logits = head(hidden[:, :-1][sel])
+    return -token_logprobs(logits, targets[sel])
+
+
+# ----------------------------------------------------------------------------- training
+def label_verb(response: str) -> str:
+    """The verb of a response's action (``go`` for ``go to cabinet 1``, ``click`` for
+    ``click[buy now]``): the class :func:`label_weights` balances."""
+    m = re.match(r"[a-z_]+", extract_action(response).action.strip().lower())
+    return m.group(0) if m else ""
+
+
+def label_weights(responses: Sequence[str], balance: float) -> list[float]:
+    """Per-demonstration loss weights ``(n_verb / n)^-balance``, scaled to mean 1, where
+    ``n_verb`` counts the demonstrations whose action has the same verb
+    (:func:`label_verb`).  ``balance=1``: every verb's demonstrations weigh the same in
+    all; 0: all 1."""
+    verbs = [label_verb(r) for r in responses]
+    counts, n = Counter(verbs), len(verbs)
+    raw = [(counts[v] / n) ** -balance for v in verbs]
+    mean = sum(raw) / max(1, n)
+    return [x / mean for x in raw]
+
+
+def _lora_settings(model, cfg: SFTConfig) -> LoraSettings:
+    """``cfg.lora``, restricted to the last ``cfg.lora_layers`` decoder layers."""
+    return lora_on_last_layers(model, cfg.lora, cfg.lora_layers)
+
+
+def lr_at(step: int, total: int, cfg: SFTConfig) -> float:
+    """Learning rate of optimizer step ``step`` (0-based)."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    span = max(1, total - cfg.warmup_steps)
+    frac = min(1.0, (step - cfg.warmup_steps) / span)
+    if cfg.schedule == "linear":
+        return cfg.lr * (1.0 - frac)
+    return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+
+def save_adapter(policy: Policy, path: str | Path) -> Path:
+    """Save the peft adapter (safetensors) to ``path``, replacing it atomically."""
+    with atomic_dir(path) as tmp:
+        save_peft(policy.model, tmp)
+    return path
+
+
+def check_adapter(path: str | Path) -> Path:
+    """A whole peft adapter folder (``save_pretrained``, safetensors): ``adapter_config.json``
+    a JSON object, every tensor of ``adapter_model.safetensors`` readable (a truncated or
+    garbage file is refused).  Raises :class:`~sprpo_lib.infra.io.CorruptFileError` naming
+    the bad file, ``FileNotFoundError`` when the folder is missing."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"no adapter folder {path}")
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        if not (path / name).is_file():
+            raise CorruptFileError(path / name, "missing from the adapter folder")
+    read_json(path / "adapter_config.json", lambda c: None if isinstance(c, dict) and c.get("peft_type") else
+              "not a peft adapter config (no peft_type)")
+    if not read_safetensors(path / "adapter_model.safetensors"):
+        raise CorruptFileError(path / "adapter_model.safetensors", "holds no tensor")
+    return path
+
+
+def load_adapter(policy: Policy, path: str | Path, trainable: bool = False, merge: bool = False) -> Policy:
+    """Load an adapter saved by :func:`train_sft` onto ``policy`` (a fresh
+    :func:`models.load_policy` of the same base model).  ``merge=True`` folds it into
+    the base weights (the warm-started model as a new base for RL's own LoRA).  The
+    folder is checked first (:func:`check_adapter`): a truncated or garbage file is one
+    error naming it and saying how to rebuild it, never loaded."""
+    from peft import PeftModel  # heavy: loaded on first use
+
+    if is_peft(policy.model):
+        raise ValueError("policy is already peft-wrapped; load the adapter onto a fresh base model")
+    if Path(path).is_dir():
+        try:
+            check_adapter(path)
+        except CorruptFileError as err:
+            raise err.with_fix(
+                f"delete {path} and rerun to rebuild it (a warm start under runs/sft/ is trained again by the next "
+                "training run; a run's final/adapter is republished from its last checkpoint by rerunning the same "
+                "train command)") from None
+    policy.model = PeftModel.from_pretrained(policy.model, str(path), is_trainable=trainable)
+    policy.model.eval()
+    policy.meta["sft_adapter"] = str(path)
+    if merge:
+        merge_lora(policy)
+    return policy
+
+
+def _save_resume(path: Path, key: str, model, opt, rng: random.Random, run: dict) -> None:
+    """A resume point of :func:`train_sft` (see the module doc), written atomically."""
+    with atomic_dir(path) as tmp:
+        tensors = {f"param.{n}": p.detach().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+        tensors["torch_rng"] = torch.get_rng_state()
+        save_file(tensors, str(tmp / "state.safetensors"))
+        torch.save(opt.state_dict(), tmp / "optimizer.pt")  # tensors and numbers only: read back with weights_only
+        version, internal, gauss = rng.getstate()
+        files = {f.name: file_record(f) for f in sorted(tmp.iterdir())}
+        atomic_write_json(tmp / "state.json", {"key": key, "run": run, "rng": [version, list(internal), gauss],
+                                               "files": files})
+
+
+def _load_resume(path: Path, key: str, model, opt, rng: random.Random) -> dict | None:
+    """The run state of a verified resume point for ``key``, with the weights, optimizer
+    and random states put back; ``None`` (nothing changed) when there is none, it is for
+    other demonstrations or settings, or it does not verify."""
+    if not (path / "state.json").is_file():
+        return None
+    try:
+        state = read_json(path / "state.json")
+        if not isinstance(state, dict) or state.get("key") != key:
+            log.warning("sft: %s is from other demonstrations or settings; starting over", path)
+            return None
+        for name, rec in state["files"].items():
+            verify_file(path / name, rec)
+        tensors = read_safetensors(path / "state.safetensors")
+        opt_state = torch.load(path / "optimizer.pt", weights_only=True)
+    except (CorruptFileError, FileNotFoundError, KeyError, TypeError, ValueError, RuntimeError) as err:
+        log.warning("sft: resume point %s is damaged (%s); starting over", path, err)
+        return None
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if set(params) != {k[len("param."):] for k in tensors if k.startswith("param.")}:
+        log.warning("sft: resume point %s has other trainable parameters; starting over", path)
+        return None
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(tensors[f"param.{n}"])
+    opt.load_state_dict(opt_state)
+    torch.set_rng_state(tensors["torch_rng"])
+    version, internal, gauss = state["rng"]
+    rng.setstate((version, tuple(internal), gauss))
+    return state["run"]
+
+
+def train_sft(
+    policy: Policy,
+    demos: Sequence[Demo],
+    cfg: SFTConfig | None = None,
+    out_dir: str | Path | None = None,
+    progress: bool = True,
+    agent: AgentConfig | None = None,
+) -> dict:
+    """Behaviour cloning with LoRA: minimise the response-token NLL of ``demos``.
+
+    Args:
+        policy: the policy; LoRA (``cfg.lora``) is added with :func:`models.add_lora`
+            unless the model is already peft-wrapped (then its trainable parameters are
+            trained).  ``policy.model`` is modified in place and left in eval mode.
+        demos: demonstrations from :func:`collect_demonstrations`.
+        cfg: :class:`SFTConfig`.
+        out_dir: where ``metrics.jsonl``, ``sft_summary.json`` and ``adapter/`` go
+            (nothing is written if ``None``).
+        progress: tqdm bar over optimizer steps.
+        agent: the agent settings whose chat template wrapping (system prompt) the RL
+            agent uses; default :class:`AgentConfig`.
+
+    Returns:
+        Summary dict: ``steps``, ``epochs_done``, ``demos``, ``skipped_long``,
+        ``response_tokens`` (trained on, all steps), ``first_loss``, ``final_loss``
+        (token mean over the last logged window), ``seconds``, ``stopped`` (why it
+        ended), ``adapter`` (path or ``None``), ``trainable_params``.
+
+    Long on purpose: the resume point (optimizer, step, data order) is the loop's own state;
+    split across functions, what a killed run must restore would no longer be in one place."""
+    cfg = cfg or SFTConfig()
+    agent = agent or AgentConfig()
+    t_start = time.perf_counter()
+    tok = policy.tokenizer
+    out = Path(out_dir) if out_dir is not None else None
+
+    encoded, kept, skipped = [], [], 0
+    for d in demos:
+        p, r = encode_demo(tok, d, agent)
+        if cfg.max_prompt_tokens is not None and len(p) > cfg.max_prompt_tokens:
+            skipped += 1
+            continue
+        encoded.append((p, r))
+        kept.append(d)
+    weights = label_weights([d.response for d in kept], cfg.balance) if cfg.balance else None
+    if skipped:
+        log.warning("skipped %d of %d demonstrations with prompts over %d tokens", skipped, len(demos),
+                    cfg.max_prompt_tokens)
+    if not encoded:
+        raise ValueError(f"no demonstrations to train on ({len(demos)} given, {skipped} over max_prompt_tokens)")
+
+    if not is_peft(policy.model):
+        add_lora(policy, _lora_settings(policy.model, cfg), seed=cfg.seed)
+    model = policy.model
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the model has no trainable parameters")
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+    per_step = cfg.batch_size * cfg.grad_accum
+    steps_per_epoch = math.ceil(len(encoded) / per_step)
+    planned = steps_per_epoch * cfg.epochs
+    total = min(planned, cfg.max_steps) if cfg.max_steps else planned
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    rng = random.Random(cfg.seed)
+    metrics = JsonLines(out / "metrics.jsonl") if out else None
+    key = canonical_hash({"cfg": key_fields(cfg), "agent": key_fields(agent), "demos": encoded,
+                          "params": [n for n, p in model.named_parameters() if p.requires_grad]})
+    run = {"step": 0, "n_tok_all": 0, "first_loss": None, "final_loss": None, "win_nll": 0.0, "win_tok": 0,
+           "elapsed_s": 0.0, "epoch": 0, "s0": 0, "order": None}
+    resumed = _load_resume(out / "resume", key, model, opt, rng) if out else None
+    if resumed:
+        run.update(resumed)
+        log.info("sft: resuming at step %d of %d", run["step"], total)
+    if metrics is not None:  # a fresh run starts a fresh file; a resumed one keeps the steps it has done
+        metrics.truncate(lambda row: row.get("step", 0) <= run["step"] if resumed else False)
+    t_start -= run["elapsed_s"]
+    t_saved = time.perf_counter()
+
+    step, n_tok_all, stopped = run["step"], run["n_tok_all"], "done"
+    first_loss, final_loss = run["first_loss"], run["final_loss"]
+    win_nll, win_tok = run["win_nll"], run["win_tok"]
+    bar = progress_bar(total=total, desc="warm start (sft)", disable=not progress,  # minutes: shown in line mode too
+                       initial=step)
+    model.train()
+    try:
+        for epoch in range(run["epoch"], cfg.epochs):
+            order = run["order"] if resumed and epoch == run["epoch"] else list(range(len(encoded)))
+            if cfg.shuffle and not (resumed and epoch == run["epoch"]):
+                rng.shuffle(order)
+            first_s0 = run["s0"] if resumed and epoch == run["epoch"] else 0
+            for s0 in range(first_s0, len(order), per_step):
+                if step >= total:
+                    break
+                if out is not None and time.perf_counter() - t_saved >= RESUME_EVERY_S:
+                    _save_resume(out / "resume", key, model, opt, rng, {
+                        "step": step, "n_tok_all": n_tok_all, "first_loss": first_loss, "final_loss": final_loss,
+                        "win_nll": win_nll, "win_tok": win_tok, "elapsed_s": time.perf_counter() - t_start,
+                        "epoch": epoch, "s0": s0, "order": order})
+                    t_saved = time.perf_counter()
+                ids = order[s0 : s0 + per_step]
+                chunk = [encoded[i] for i in ids]
+                n_tok = sum(len(r) for _, r in chunk)
+                w_tok = None if weights is None else sum(weights[i] * len(encoded[i][1]) for i in ids)
+                lr = lr_at(step, total, cfg)
+                for g in opt.param_groups:
+                    g["lr"] = lr
+                opt.zero_grad(set_to_none=True)
+                nll_sum = 0.0
+                for m0 in range(0, len(chunk), cfg.batch_size):
+                    nll = response_nll(model, collate(chunk[m0 : m0 + cfg.batch_size], pad_id))
+                    if weights is None:
+                        (nll.sum() / n_tok).backward()
+                    else:  # each response token weighs its demonstration's weight
+                        sub = ids[m0 : m0 + cfg.batch_size]
+                        w = torch.repeat_interleave(torch.tensor([weights[i] for i in sub], dtype=nll.dtype),
+                                                    torch.tensor([len(encoded[i][1]) for i in sub]))
+                        ((nll * w.to(nll.device)).sum() / w_tok).backward()
+                    nll_sum += float(nll.detach().sum())
+                grad_norm = None
+                if cfg.max_grad_norm:
+                    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
+                opt.step()
+                step += 1
+                n_tok_all += n_tok
+                win_nll, win_tok = win_nll + nll_sum, win_tok + n_tok
+                if first_loss is None:
+                    first_loss = nll_sum / n_tok
+                elapsed = time.perf_counter() - t_start
+                over_time = cfg.max_seconds is not None and elapsed >= cfg.max_seconds
+                if step % cfg.log_every == 0 or step == 1 or step >= total or over_time:
+                    final_loss = win_nll / win_tok
+                    row = {"step": step, "epoch": epoch, "loss": round(final_loss, 6), "tokens": win_tok,
+                           "lr": lr, "grad_norm": None if grad_norm is None else round(grad_norm, 6),
+                           "elapsed_s": round(elapsed, 2)}
+                    if metrics is not None:
+                        metrics.append(row)
+                    bar.set_postfix(loss=f"{final_loss:.4f}")
+                    win_nll, win_tok = 0.0, 0
+                bar.update(1)
+                if over_time:
+                    stopped = "max_seconds"
+                    break
+            if stopped != "done" or step >= total:
+                break
+        if stopped == "done" and step < planned:
+            stopped = "max_steps"
+    finally:
+        bar.close()
+        model.eval()
+        for p in params:  # leave the policy as inference code expects it
+            p.grad = None
+    if win_tok:
+        final_loss = win_nll / win_tok
+    result = {
+        "steps": step,
+        "epochs_done": round(step / steps_per_epoch, 3),
+        "demos": len(encoded),
+        "skipped_long": skipped,
+        "response_tokens": n_tok_all,
+        "first_loss": first_loss,
+        "final_loss": final_loss,
+        "seconds": round(time.perf_counter() - t_start, 2),
+        "stopped": stopped,
+        "trainable_params": sum(p.numel() for p in params),
+        "adapter": None,
+    }
+    if out is not None:
+        result["adapter"] = str(save_adapter(policy, out / "adapter"))
+        atomic_write_json(out / "sft_summary.json", {"config": asdict(cfg), "agent": asdict(agent), "result": result,
+                                                     "model": policy.spec})
+        shutil.rmtree(out / "resume", ignore_errors=True)
+    policy.meta["sft"] = {k: result[k] for k in ("steps", "demos", "final_loss")}
+    return result
+
+
+def warm_start(
+    policy: Policy,
+    pool: TaskPool,
+    cfg: SFTConfig | None = None,
+    agent: AgentConfig | None = None,
+    out_dir: str | Path | None = None,
+    progress: bool = True,
+) -> dict:
+    """Collect demonstrations on the first ``cfg.n_tasks`` tasks of ``cfg.split`` and
+    run :func:`train_sft`; returns its summary plus the collection stats
+    (``collect``).  Writes ``demos.jsonl`` to ``out_dir`` too, with ``demos.json`` (its
+    record, settings key and stats): a rerun into the same folder trains on them again."""
+    cfg = cfg or SFTConfig()
+    agent = agent or AgentConfig()
+    n = min(cfg.n_tasks, pool.splits()[cfg.split])
+    key = canonical_hash({"split": cfg.split, "tasks": n, "expert_prob": cfg.expert_prob, "seed": cfg.seed,
+                          "demonstrator": cfg.demonstrator, "episode_steps": cfg.episode_steps,
+                          "repeat_prob": cfg.repeat_prob, "agent": asdict(agent),
+                          "labels": LABEL_VERSIONS.get(cfg.demonstrator)})
+    cached = None if out_dir is None else _saved_demos(Path(out_dir), key)
+    if cached is not None:  # a resumed warm start (a killed one collects minutes of demonstrations again)
+        demos, stats = cached
+        log.info("reusing %d demonstrations from %s", len(demos), Path(out_dir) / "demos.jsonl")
+    else:
+        stats: dict = {}
+        t0 = time.perf_counter()
+        demos = collect_demonstrations(pool, cfg.split, range(n), agent, cfg.expert_prob, cfg.seed, stats=stats,
+                                       demonstrator=cfg.demonstrator, max_steps=cfg.episode_steps,
+                                       repeat_prob=cfg.repeat_prob, progress=progress)
+        stats["seconds"] = round(time.perf_counter() - t0, 2)
+        if out_dir is not None:
+            path = save_demos(Path(out_dir) / "demos.jsonl", demos)
+            atomic_write_json(Path(out_dir) / "demos.json", {"key": key, "file": file_record(path), "collect": stats})
+    result = train_sft(policy, demos, cfg, out_dir, progress, agent)
+    result["collect"] = stats
+    if out_dir is not None:  # the summary records the collection too (its seconds join the stage table)
+        summary = read_json(Path(out_dir) / "sft_summary.json")
+        atomic_write_json(Path(out_dir) / "sft_summary.json", {**summary, "result": result})
+    return result
+
+
+def _saved_demos(out: Path, key: str) -> tuple[list[Demo], dict] | None:
+    """The demonstrations a killed :func:`warm_start` already collected in ``out`` with the
+    same collection settings (``key``) and their stats, when ``demos.jsonl`` matches the
+    record ``demos.json`` keeps of it; ``None`` (collect again) otherwise.  The settings
+    do not name the task pool: a folder holds one pool's warm start (the Trainer keys it)."""
+    meta = read_cached(out / "demos.json")
+    if not isinstance(meta, dict) or meta.get("key") != key or not isinstance(meta.get("file"), dict):
+        return None
+    rows = read_cached(out / "demos.jsonl", read_json_lines, meta["file"])
+    if rows is None:
+        return None
+    return [Demo(**r) for r in rows], dict(meta.get("collect") or {})
+
+
+def without_dagger(cfg: SFTConfig) -> SFTConfig:
+    """``cfg`` with every DAgger field at its default: the warm start DAgger starts from."""
+    dflt = {f.name: f.default for f in fields(SFTConfig) if f.name.startswith("dagger_")}
+    return replace(cfg, **dflt)
+
+
+def dagger_indices(cfg: SFTConfig, r: int, n: int) -> list[int]:
+    """The demonstration tasks round ``r`` (1-based) plays: ``dagger_tasks`` of ``0 .. n-1``,
+    starting where round ``r - 1`` stopped (wrapping around)."""
+    start = (r - 1) * cfg.dagger_tasks
+    return [(start + i) % n for i in range(min(cfg.dagger_tasks, n))]
+
+
+def _round_done(rd: Path) -> dict | None:
+    """The record of a finished DAgger round (``round.json``, written last), or None when the
+    round is missing, unfinished or damaged (its adapter or labels do not verify)."""
+    rec = read_cached(rd / "round.json")
+    if not isinstance(rec, dict) or not (rd / "adapter").is_dir():
+        return None
+    try:
+        check_adapter(rd / "adapter")
+        verify_file(rd / "demos.jsonl", rec.get("labels") or {})
+    except (CorruptFileError, OSError, TypeError, KeyError) as err:
+        log.warning("dagger: %s is damaged (%s); the round runs again", rd, err)
+        return None
+    return rec
+
+
+def dagger(
+    policy: Policy,
+    pool: TaskPool,
+    base: str | Path,
+    cfg: SFTConfig,
+    agent: AgentConfig | None = None,
+    out_dir: str | Path = "dagger",
+    gen=None,
+    engine: str = "hf",
+    progress: bool = True,
+    rounds_dir: str | Path | None = None,
+) -> dict:
+    """DAgger (Ross et al., 2011) from a finished warm start ``base`` (its ``adapter/`` and
+    ``demos.jsonl``), ``cfg.dagger_rounds`` rounds; each round:
+
+    1. the current clone plays :func:`dagger_indices` at ``cfg.dagger_temperature``
+       (:func:`play`, RL's rollout path and ``engine``; ``gen`` gives the other
+       generation settings; the step limit is ``cfg.episode_steps`` or the pool's);
+    2. :func:`collect_demonstrations` replays each episode and the demonstrator labels
+       every state the clone reached (``scripts``);
+    3. :func:`train_sft` continues the clone's adapter on those labels plus
+       ``cfg.dagger_replay`` times as many earlier demonstrations.
+
+    ``policy`` is a fresh base model (the adapter of ``base``, or of the last finished
+    round, is loaded onto it).  Round ``r`` lives in ``rounds_dir/round-<r>/`` (default
+    ``out_dir``; the clone's episodes, the labels, the adapter, ``round.json`` last): a
+    killed run resumes after its last finished round, and within a round from
+    :func:`train_sft`'s resume point; a run with more rounds in the same ``rounds_dir``
+    continues where one with fewer stopped (round ``r`` does not depend on the count).
+    The final adapter goes to ``out_dir/adapter``; returns the summary also written to
+    ``out_dir/sft_summary.json``, whose ``seconds`` include the base warm start's."""
+    if cfg.dagger_rounds < 1:
+        raise ValueError("sft.dagger_rounds: dagger() needs at least one round; without, the base warm start is the "
+                         "result")
+    agent = agent or AgentConfig()
+    if agent.max_prompt_tokens:
+        raise ValueError("sft.dagger_rounds: DAgger relabels the prompts the clone was shown, which needs "
+                         "rollout.agent.max_prompt_tokens: null (demonstrations are built without a prompt budget)")
+    base, out = Path(base), Path(out_dir)
+    rdir = Path(rounds_dir) if rounds_dir is not None else out
+    n = min(cfg.n_tasks, pool.splits()[cfg.split])
+    gen = gen or GenerationConfig()
+    base_summary = read_json(base / "sft_summary.json")
+    seen = load_demos(base / "demos.jsonl")
+    rounds, last = [], 0
+    for r in range(1, cfg.dagger_rounds + 1):
+        rec = _round_done(rdir / f"round-{r}")
+        if rec is None:
+            break
+        rounds.append(rec)
+        seen += load_demos(rdir / f"round-{r}" / "demos.jsonl")
+        last = r
+    load_adapter(policy, (rdir / f"round-{last}" if last else base) / "adapter", trainable=True)
+    for r in range(last + 1, cfg.dagger_rounds + 1):
+        rd = rdir / f"round-{r}"
+        t0 = time.perf_counter()
+        tasks = dagger_indices(cfg, r, n)
+        g = replace(gen, temperature=cfg.dagger_temperature, seed=cfg.seed + r)
+        (rd / "episodes.jsonl").unlink(missing_ok=True)
+        episodes, _ = play(policy, pool, cfg.split, tasks, agent, g, max_steps=cfg.episode_steps,
+                           log_path=rd / "episodes.jsonl", progress=progress, engine=engine)
+        played = time.perf_counter() - t0
+        scripts = {e.task_index: [(s.prompt, s.action) for s in e.steps] for e in episodes}
+        stats: dict = {}
+        new = collect_demonstrations(pool, cfg.split, tasks, agent, demonstrator=cfg.demonstrator,
+                                     max_steps=cfg.episode_steps, stats=stats, scripts=scripts)
+        rng = random.Random(f"dagger:{cfg.seed}:{r}")
+        replay = rng.sample(seen, min(len(seen), round(cfg.dagger_replay * len(new))))
+        res = train_sft(policy, new + replay, cfg, rd, progress, agent)
+        save_demos(rd / "demos.jsonl", new)
+        rec = {"round": r, "tasks": [tasks[0], tasks[-1]], "temperature": cfg.dagger_temperature,
+               "clone_success_rate": sum(e.success for e in episodes) / max(1, len(episodes)),
+               "labels": file_record(rd / "demos.jsonl"), "new": len(new), "replay": len(replay),
+               "disagree_rate": stats["disagree"] / max(1, len(new)), "expert_none": stats["expert_none"],
+               "play_s": round(played, 2), "sft": {k: res[k] for k in ("steps", "first_loss", "final_loss", "seconds")},
+               "seconds": round(time.perf_counter() - t0, 2)}
+        atomic_write_json(rd / "round.json", rec)
+        log.info("dagger round %d: clone success %.3f, %d labels (%.0f%% differ from the clone's action)", r,
+                 rec["clone_success_rate"], len(new), 100 * rec["disagree_rate"])
+        rounds.append(rec)
+        seen += new
+    b = base_summary.get("result") or {}
+    result = {"adapter": str(save_adapter(policy, out / "adapter")), "base": str(base), "rounds": rounds,
+              "demos": len(seen), "final_loss": rounds[-1]["sft"]["final_loss"],
+              "steps": (b.get("steps") or 0) + sum(x["sft"]["steps"] for x in rounds),
+              "seconds": round(float(b.get("seconds") or 0.0) + float((b.get("collect") or {}).get("seconds") or 0.0)
+                               + sum(x["seconds"] for x in rounds), 2)}
+    atomic_write_json(out / "sft_summary.json", {"config": asdict(cfg), "agent": asdict(agent), "result": result,
+                                                  "model": policy.spec})
+    policy.meta["sft"] = {k: result[k] for k in ("steps", "demos", "final_loss")}
+    return result
+
+
+# ----------------------------------------------------------------------------- evaluation
+def play(policy: Policy, pool: TaskPool, split: str, indices: Iterable[int], agent: AgentConfig | None = None,
+         gen=None, group_size: int = 1, max_steps: int | None = None, log_path: str | Path | None = None,
+         progress: bool = True, engine: str = "hf") -> tuple[list, dict]:
+    """``policy`` plays the tasks through :func:`rollout.run_groups` with the generation
+    ``engine`` (the code path of RL rollouts; ``gen`` defaults to temperature 0.4, the
+    paper's validation temperature); returns the episode records and timing stats."""
+    agent = agent or AgentConfig()
+    gen = gen or GenerationConfig(temperature=0.4)
+    tasks = [(split, i) for i in indices]
+    envs = SerialEnvs(lambda: pool)
+    eng = make_engine(engine, policy, gen, agent)
+    try:
+        policy.model.eval()
+        return run_groups(envs, tasks, group_size, eng, agent, max_steps, EpisodeLog(log_path) if log_path else None,
+                          progress, count_tokens=token_counter(policy.tokenizer, agent))
+    finally:
+        envs.close()
+        close_engine(eng)
+
+
+def admissible_from_prompt(prompt: str) -> list[str]:
+    """The "Available actions" list of an agent prompt."""
+    try:
+        block = prompt.split("Available actions:\n", 1)[1].split("\n\nResponse:", 1)[0]
+    except IndexError:
+        return []
+    return parse_actions(block)
+
+
+def is_admissible(action: str, admissible: Sequence[str]) -> bool:
+    if action in admissible:
+        return True
+    for a in admissible:  # a template "name[<...>]" admits any "name[...]"
+        m = _TEMPLATE_RE.match(a)
+        if m and action.startswith(m.group(1) + "[") and action.endswith("]") and len(action) > len(m.group(1)) + 2:
+            return True
+    return False
+
+
+def evaluate_format(
+    policy: Policy,
+    pool: TaskPool,
+    split: str,
+    indices: Iterable[int],
+    agent: AgentConfig | None = None,
+    gen=None,
+    group_size: int = 1,
+    max_steps: int | None = None,
+    log_path: str | Path | None = None,
+    progress: bool = True,
+    engine: str = "hf",
+) -> dict:
+    """Success, score and response-format statistics of ``policy`` on tasks.
+
+    Plays the tasks with :func:`play` (:func:`rollout.run_groups` and the generation
+    ``engine``, :func:`sprpo_lib.agent.engines.make_engine`), the code path of RL rollouts.
+
+    Args:
+        gen: a :class:`~sprpo_lib.agent.engines.GenerationConfig` (default: temperature 0.4, the paper's
+            validation temperature).
+        log_path: optional :class:`rollout.EpisodeLog` JSONL of the episodes.
+
+    Returns:
+        ``episodes``, ``success_rate``, ``mean_score``, ``valid_rate`` (share of steps
+        whose response has a valid ``<action>`` block), ``admissible_rate`` (share of
+        steps whose action is one of the listed admissible actions, a template such as
+        ``search[<your query>]`` admitting any argument), ``all_valid_rate`` (share of
+        episodes with every response valid), ``first_valid_rate`` (first step valid),
+        ``mean_length``, ``steps``, ``generate_s``, ``env_s``, ``seconds``.
+    """
+    t0 = time.perf_counter()
+    episodes, st = play(policy, pool, split, indices, agent, gen, group_size, max_steps, log_path, progress, engine)
+    steps = [s for e in episodes for s in e.steps]
+    n_ep, n_st = max(1, len(episodes)), max(1, len(steps))
+    return {
+        "episodes": len(episodes),
+        "success_rate": sum(e.success for e in episodes) / n_ep,
+        "mean_score": sum(e.score for e in episodes) / n_ep,
+        "valid_rate": sum(s.valid for s in steps) / n_st,
+        "admissible_rate": sum(s.valid and is_admissible(s.action, admissible_from_prompt(s.prompt))
+                               for s in steps) / n_st,
+        "all_valid_rate": sum(all(s.valid for s in e.steps) for e in episodes) / n_ep,
+        "first_valid_rate": sum(bool(e.steps) and e.steps[0].valid for e in episodes) / n_ep,
+        "mean_length": len(steps) / n_ep,
+        "steps": len(steps),
+        "generate_s": round(st["generate_s"], 2),
+        "env_s": round(st["env_s"], 2),
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+
+
+#: Prompts per generate call of :func:`agreement` (a few hundred states would otherwise be one
+#: call, longer than an OpenVINO worker's first-call deadline on 2 cores).
+AGREEMENT_CHUNK = 64
+
+
+def agreement(generate, demos: Sequence[Demo]) -> dict:
+    """How often a clone's action equals its demonstrator's on the demonstrator's own
+    states (held-out games), overall and per verb (:func:`label_verb` of the label).
+
+    ``generate`` maps prompts to :class:`~sprpo_lib.agent.engines.Generation` records (an engine,
+    greedy for a clone's preferred action).  A success rate over a few dozen games cannot
+    tell a clone that walks well but never takes the task's object from one that wanders;
+    the per-verb agreement on a few hundred states can.  Returns ``states``, ``agree``,
+    ``rate`` and ``by_verb`` ({verb: the same three})."""
+    outs = []  # in chunks: an engine's first call has a fixed deadline, later ones scale with the measured speed
+    for i in range(0, len(demos), AGREEMENT_CHUNK):
+        outs += generate([d.prompt for d in demos[i:i + AGREEMENT_CHUNK]])
+    if len(outs) != len(demos):
+        raise RuntimeError(f"agreement: the generator returned {len(outs)} responses for {len(demos)} prompts")
+    counts: dict[str, list[int]] = {}
+    for d, o in zip(demos, outs):
+        c = counts.setdefault(label_verb(d.response), [0, 0])
+        c[0] += 1
+        mine, theirs = extract_action(o.text), extract_action(d.response)
+        c[1] += int(mine.valid and mine.action == theirs.action)
+
+    def rec(n: int, k: int) -> dict:
+        return {"states": n, "agree": k, "rate": k / n if n else 0.0}
+
+    return {**rec(sum(n for n, _ in counts.values()), sum(k for _, k in counts.values())),
+            "by_verb": {v: rec(n, k) for v, (n, k) in sorted(counts.items())}}
