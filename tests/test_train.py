@@ -200,15 +200,15 @@ def test_dagger_warm_start_builds_on_the_cached_base(tmp_path, monkeypatch):
     import dataclasses
 
     from sprpo_lib.model.load import load_policy
-    from sprpo_lib.train import trainer as train_mod
+    from sprpo_lib.warmstart.cache import warm_start_dir
     from sprpo_lib.warmstart.sft import load_adapter, without_dagger
 
     monkeypatch.setenv("SPRPO_HOME", str(tmp_path))
     ov = ["warm_start=true", "sft.n_tasks=2", "sft.epochs=1", "sft.lora.rank=4", "iterations=1", "sft.episode_steps=2"]
     cfg = load_config("smoke", ov + ["sft.dagger_rounds=1", "sft.dagger_tasks=1"])
     a = Trainer(cfg, tmp_path / "a", progress=False)
-    base = train_mod.warm_start_dir(dataclasses.replace(cfg, sft=without_dagger(cfg.sft)))
-    assert a.warm_start_dir != base and base == train_mod.warm_start_dir(load_config("smoke", ov))
+    base = warm_start_dir(dataclasses.replace(cfg, sft=without_dagger(cfg.sft)))
+    assert a.warm_start_dir != base and base == warm_start_dir(load_config("smoke", ov))
     rounds = list(base.glob("dagger-*/round-1/round.json"))
     assert (base / "adapter").is_dir() and len(rounds) == 1 and (a.warm_start_dir / "adapter").is_dir()
     ref = load_policy(cfg.model.spec)
@@ -230,14 +230,14 @@ def test_dagger_warm_start_builds_on_the_cached_base(tmp_path, monkeypatch):
 
 def test_warm_start_key_follows_the_demonstrators_label_version(monkeypatch):
     """A demonstrator whose labels changed gets a new cache folder; the others keep theirs."""
-    from sprpo_lib.train import trainer as train_mod
     from sprpo_lib.warmstart import sft
+    from sprpo_lib.warmstart.cache import warm_start_key
 
     alf = load_config("cpu", **{"env.name": "alfworld"})
     web = load_config("cpu")
-    before = train_mod.warm_start_key(alf, alf.rollout.agent), train_mod.warm_start_key(web, web.rollout.agent)
+    before = warm_start_key(alf, alf.rollout.agent), warm_start_key(web, web.rollout.agent)
     monkeypatch.setitem(sft.LABEL_VERSIONS, "explorer", sft.LABEL_VERSIONS["explorer"] + 1)
-    after = train_mod.warm_start_key(alf, alf.rollout.agent), train_mod.warm_start_key(web, web.rollout.agent)
+    after = warm_start_key(alf, alf.rollout.agent), warm_start_key(web, web.rollout.agent)
     assert after[0] != before[0] and after[1] == before[1]
 
 
