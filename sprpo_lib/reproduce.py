@@ -280,7 +280,7 @@ def notebooks_table() -> str:
 
 def _run_seconds(run: Path) -> float:
     """A training run's recorded compute: the sum of its iterations' ``wall_s``."""
-    return float(sum(r.get(MK.WALL_S) or 0.0 for r in JsonLines(run / "metrics.jsonl").read()))
+    return float(sum(r.get(MK.WALL_S) or 0.0 for r in JsonLines(run / "metrics.jsonl").read_rows()))
 
 
 def recorded_seconds(profile: str, out_dir: str | Path | None = None, runs_dir: Path | None = None) -> dict[str, float]:

@@ -32,7 +32,7 @@ def test_every_metric_reaches_tensorboard_and_console(tmp_path, capsys):
     for m in rows(3):
         tr.log(m, step=m["iteration"])
     tr.close()
-    assert JsonLines(tmp_path / "metrics.jsonl").read() == rows(3)
+    assert JsonLines(tmp_path / "metrics.jsonl").read_rows() == rows(3)
     tb = scalars(tmp_path / "tensorboard")
     numeric = {k for k, v in rows(1)[0].items() if isinstance(v, (int, float))}
     assert set(tb) == numeric  # every number; text and lists are not scalars
@@ -54,7 +54,7 @@ def test_a_resumed_run_drops_what_came_after_its_checkpoint(tmp_path):
     for m in again:
         tr.log(m, step=m["iteration"])
     tr.close()
-    assert JsonLines(tmp_path / "metrics.jsonl").read() == rows(2) + again
+    assert JsonLines(tmp_path / "metrics.jsonl").read_rows() == rows(2) + again
     assert scalars(tmp_path / "tensorboard")["success"] == [(0, 0.0), (1, 0.25), (2, 9.0), (3, 9.0)]
 
 

@@ -89,11 +89,11 @@ class EpisodeLog:
         self.with_ids = with_ids
 
     def write(self, episodes: Sequence[EpisodeRecord]) -> None:
-        self.lines.append(*(ep.to_json(self.with_ids) for ep in episodes))
+        self.lines.append_rows(*(ep.to_json(self.with_ids) for ep in episodes))
 
     @staticmethod
     def read(path: str | Path) -> list[dict]:
-        return JsonLines(path).read()
+        return JsonLines(path).read_rows()
 
 
 # ----------------------------------------------------------------------------- env executors

@@ -96,21 +96,22 @@ def atomic_write_json(path: str | Path, obj: Any) -> Path:
 
 
 class JsonLines:
-    """An append-only JSON-lines file: each :meth:`append` writes whole lines and
-    fsyncs; :meth:`read` ignores a torn last line of a killed writer; :meth:`truncate`
-    atomically keeps the rows a predicate accepts (e.g. iterations before a resume)."""
+    """An append-only JSON-lines file: each :meth:`append_rows` writes whole lines and
+    fsyncs; :meth:`read_rows` ignores a torn last line of a killed writer; :meth:`truncate`
+    atomically keeps the rows a predicate accepts (e.g. iterations before a resume).
+    The method names say "rows" so that no reader takes them for ``list.append`` or a file's ``read``."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
 
-    def append(self, *rows: dict) -> None:
+    def append_rows(self, *rows: dict) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a") as f:
             f.write("".join(json.dumps(r, default=str) + "\n" for r in rows))
             f.flush()
             os.fsync(f.fileno())
 
-    def read(self) -> list[dict]:
+    def read_rows(self) -> list[dict]:
         if not self.path.is_file():
             return []
         out = []
@@ -126,7 +127,7 @@ class JsonLines:
 
     def truncate(self, keep) -> None:
         if self.path.is_file():
-            atomic_write_text(self.path, "".join(json.dumps(r, default=str) + "\n" for r in self.read() if keep(r)))
+            atomic_write_text(self.path, "".join(json.dumps(r, default=str) + "\n" for r in self.read_rows() if keep(r)))
 
 
 # ----------------------------------------------------------------------------- verified reads
@@ -209,7 +210,7 @@ def verify_file(path: str | Path, record: dict) -> None:
 
 def read_json_lines(path: str | Path, record: dict | None = None,
                     check: Callable[[list], str | None] | None = None) -> list[dict]:
-    """Every line of a JSON-lines file as a dict, strictly: unlike :meth:`JsonLines.read`
+    """Every line of a JSON-lines file as a dict, strictly: unlike :meth:`JsonLines.read_rows`
     (an append log whose torn last line is dropped) a bad line anywhere is an error.
     With ``record`` (:func:`file_record` at write time) the file must match it byte for
     byte, so a file truncated at a line boundary is caught too; ``check`` as in

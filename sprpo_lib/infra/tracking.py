@@ -92,7 +92,7 @@ class Tracking:
 
     def log(self, metrics: dict, step: int) -> None:
         """Send one iteration's metrics to every logger."""
-        self.jsonl.append(metrics)
+        self.jsonl.append_rows(metrics)
         if "console" in self.names:
             body = " ".join(f"{k}={v:.4g}" if _is_number(v) and isinstance(v, float) else f"{k}={v}"
                             for k, v in metrics.items() if k != "iteration")

@@ -284,7 +284,7 @@ def is_complete(cfg: TrainConfig, out: Path) -> bool:
     saved = read_cached(meta)  # a damaged config.json: not complete (train() rewrites it)
     if not isinstance(saved, dict) or saved.get("config") != config_dict(cfg):
         return False
-    done = {row.get(MK.ITERATION) for row in JsonLines(metrics).read()}
+    done = {row.get(MK.ITERATION) for row in JsonLines(metrics).read_rows()}
     if done != set(range(cfg.iterations)):
         return False
     if any(not eval_is_current(heldout_dir(out, k) / "eval.json", cfg, cfg.eval_tasks) for k in heldout_due(cfg)):

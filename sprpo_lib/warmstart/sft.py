@@ -811,7 +811,7 @@ def train_sft(
                            "lr": lr, "grad_norm": None if grad_norm is None else round(grad_norm, 6),
                            "elapsed_s": round(elapsed, 2)}
                     if metrics is not None:
-                        metrics.append(row)
+                        metrics.append_rows(row)
                     bar.set_postfix(loss=f"{final_loss:.4f}")
                     win_nll, win_tok = 0.0, 0
                 bar.update(1)
