@@ -226,7 +226,7 @@ def test_bench_prompts_splits_the_token_budget_by_section(tmp_path):
     from sprpo_lib.bench import cli as bench_cli
     from sprpo_lib.model.load import load_policy
     from sprpo_lib.train.config import load_config
-    from sprpo_lib.warmstart.sft import collect_demonstrations
+    from sprpo_lib.warmstart.demos import collect_demonstrations
 
     out = tmp_path / "prompts.json"
     assert bench_cli.main(["prompts", "--model", "tiny-llama", "--episodes", "3", "--out", str(out)]) == 0

@@ -16,23 +16,16 @@ from sprpo_lib.agent.prompt import AgentConfig
 from sprpo_lib.agent.rollout import SerialEnvs, run_groups
 from sprpo_lib.model.load import load_policy
 from sprpo_lib.model.lora import LORA_TARGETS, LoraSettings
+from sprpo_lib.warmstart.demos import Demo, collect_demonstrations, label_verb, label_weights, load_demos, save_demos
+from sprpo_lib.warmstart.heldout import admissible_from_prompt, agreement, evaluate_format
 from sprpo_lib.warmstart.sft import (
     IGNORE_INDEX,
-    Demo,
     SFTConfig,
-    admissible_from_prompt,
-    agreement,
     collate,
-    collect_demonstrations,
     encode_demo,
-    evaluate_format,
-    label_verb,
-    label_weights,
     load_adapter,
-    load_demos,
     lr_at,
     response_nll,
-    save_demos,
     train_sft,
     warm_start,
 )
@@ -399,7 +392,7 @@ def test_admissible_parsing_and_demo_io(demos, tmp_path):
     acts = admissible_from_prompt(demos[1].prompt)
     assert acts[0] == "click[back to search]" and all(a.startswith("click[") for a in acts)
     assert admissible_from_prompt(demos[0].prompt) == ["search[<your query>]"]
-    from sprpo_lib.warmstart.sft import is_admissible
+    from sprpo_lib.warmstart.heldout import is_admissible
 
     assert is_admissible("search[red shoes]", ["search[<your query>]"])
     assert not is_admissible("search[]", ["search[<your query>]"])
@@ -492,8 +485,8 @@ def _adapter_tensors(folder):
 
 
 def test_dagger_rounds_train_on_the_clones_states_and_resume(pool, tmp_path, monkeypatch):
-    import sprpo_lib.warmstart.sft as sft_mod
-    from sprpo_lib.warmstart.sft import dagger, dagger_indices, without_dagger
+    import sprpo_lib.warmstart.dagger as dagger_mod
+    from sprpo_lib.warmstart.dagger import dagger, dagger_indices, without_dagger
 
     cfg = SFTConfig(n_tasks=3, epochs=1, batch_size=4, lora=SMALL_LORA, episode_steps=3, dagger_rounds=2,
                     dagger_tasks=2, dagger_temperature=1.0)
@@ -521,8 +514,8 @@ def test_dagger_rounds_train_on_the_clones_states_and_resume(pool, tmp_path, mon
     # killed during round 2: only round 2 runs again, and ends where the uninterrupted run did
     (tmp_path / "d" / "round-2" / "round.json").unlink()
     calls = []
-    real = sft_mod.train_sft
-    monkeypatch.setattr(sft_mod, "train_sft", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = dagger_mod.train_sft
+    monkeypatch.setattr(dagger_mod, "train_sft", lambda *a, **k: calls.append(1) or real(*a, **k))
     again = dagger(load_policy("tiny-qwen2"), pool, tmp_path / "base", cfg, AGENT, tmp_path / "d", gen, progress=False)
     def untimed(r):
         return {k: v for k, v in r.items() if k not in ("seconds", "play_s", "sft")} | {"loss": r["sft"]["final_loss"]}

@@ -201,7 +201,8 @@ def test_dagger_warm_start_builds_on_the_cached_base(tmp_path, monkeypatch):
 
     from sprpo_lib.model.load import load_policy
     from sprpo_lib.warmstart.cache import warm_start_dir
-    from sprpo_lib.warmstart.sft import load_adapter, without_dagger
+    from sprpo_lib.warmstart.dagger import without_dagger
+    from sprpo_lib.warmstart.sft import load_adapter
 
     monkeypatch.setenv("SPRPO_HOME", str(tmp_path))
     ov = ["warm_start=true", "sft.n_tasks=2", "sft.epochs=1", "sft.lora.rank=4", "iterations=1", "sft.episode_steps=2"]
@@ -217,11 +218,11 @@ def test_dagger_warm_start_builds_on_the_cached_base(tmp_path, monkeypatch):
     torch.testing.assert_close(a.model(ids).logits, ref.model(ids).logits)  # RL's fresh LoRA starts at zero
     b = Trainer(load_config("smoke", ov), tmp_path / "b", progress=False)  # the base is served from its cache
     assert b.warm_start_dir == base
-    import sprpo_lib.warmstart.sft as sft_mod
+    import sprpo_lib.warmstart.dagger as dagger_mod
 
     calls = []
-    real = sft_mod.train_sft
-    monkeypatch.setattr(sft_mod, "train_sft", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = dagger_mod.train_sft
+    monkeypatch.setattr(dagger_mod, "train_sft", lambda *a, **k: calls.append(1) or real(*a, **k))
     two = Trainer(load_config("smoke", ov + ["sft.dagger_rounds=2", "sft.dagger_tasks=1"]), tmp_path / "c",
                   progress=False)  # a second round extends the first, which is not run again
     assert len(calls) == 1 and sorted(p.name for p in rounds[0].parent.parent.iterdir()) == ["round-1", "round-2"]
@@ -230,13 +231,13 @@ def test_dagger_warm_start_builds_on_the_cached_base(tmp_path, monkeypatch):
 
 def test_warm_start_key_follows_the_demonstrators_label_version(monkeypatch):
     """A demonstrator whose labels changed gets a new cache folder; the others keep theirs."""
-    from sprpo_lib.warmstart import sft
+    from sprpo_lib.warmstart import demos
     from sprpo_lib.warmstart.cache import warm_start_key
 
     alf = load_config("cpu", **{"env.name": "alfworld"})
     web = load_config("cpu")
     before = warm_start_key(alf, alf.rollout.agent), warm_start_key(web, web.rollout.agent)
-    monkeypatch.setitem(sft.LABEL_VERSIONS, "explorer", sft.LABEL_VERSIONS["explorer"] + 1)
+    monkeypatch.setitem(demos.LABEL_VERSIONS, "explorer", demos.LABEL_VERSIONS["explorer"] + 1)
     after = warm_start_key(alf, alf.rollout.agent), warm_start_key(web, web.rollout.agent)
     assert after[0] != before[0] and after[1] == before[1]
 
@@ -295,7 +296,7 @@ def test_warm_start_and_final_eval_on_same_held_out_tasks(tmp_path, monkeypatch)
     # sft.agreement: the clone against its demonstrator on the demonstrator's states of the same held-out tasks
     from sprpo_lib.agent.envs import make_pool
     from sprpo_lib.warmstart.cache import warm_start_dir
-    from sprpo_lib.warmstart.sft import collect_demonstrations
+    from sprpo_lib.warmstart.demos import collect_demonstrations
 
     ws = warm_start_dir(cfg)
     agree = json.loads((ws / "agreement.json").read_text())

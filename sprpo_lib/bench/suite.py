@@ -48,8 +48,8 @@ from sprpo_lib.paper.quickstart import DEMO_OBJECTS, DEMO_PLACES, DEMO_PROMPT
 from sprpo_lib.train.config import load_config
 from sprpo_lib.train.trainer import Trainer
 from sprpo_lib.warmstart.cache import warm_start_policy
+from sprpo_lib.warmstart.demos import collect_demonstrations
 from sprpo_lib.warmstart.heldout import eval_temperature, held_out_tasks
-from sprpo_lib.warmstart.sft import collect_demonstrations
 
 
 def sync_device(device) -> None:
@@ -579,7 +579,7 @@ def bench_prompts(model: str = "smollm2-135m", episodes: int = 16, profile: str 
     """Token budget of a profile's prompts on ``env``: ``episodes`` demonstrator episodes
     (the profile's ``sft.demonstrator``: WebShop's shopper, ALFWorld's expert) played on
     ``split`` to the end or ``env.max_steps``, each step's prompt built as a rollout builds
-    it (:func:`sprpo_lib.warmstart.sft.collect_demonstrations`, the profile's agent settings).
+    it (:func:`sprpo_lib.warmstart.demos.collect_demonstrations`, the profile's agent settings).
     Per step: mean tokens of each section (:func:`~sprpo_lib.agent.prompt.prompt_sections`: task,
     interaction context, current observation, available actions, template) and its share
     of the templated prompt (``chat_and_joins``: chat template and BPE merges across

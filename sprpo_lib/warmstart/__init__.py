@@ -1,2 +1,3 @@
-"""The warm start: expert demonstrations, behaviour cloning with DAgger, its cache, and its
-held-out evaluation."""
+"""The warm start, bottom to top: demonstrations (``demos``), behaviour cloning (``sft``),
+playing and held-out evaluation (``heldout``), DAgger rounds (``dagger``), and the cache RL
+starts from (``cache``)."""

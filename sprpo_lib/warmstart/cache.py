@@ -15,8 +15,10 @@ from sprpo_lib.agent.prompt import AgentConfig
 from sprpo_lib.infra.io import CorruptFileError, canonical_hash, file_lock, key_fields
 from sprpo_lib.infra.paths import runs_dir
 from sprpo_lib.model.lora import is_peft, merge_lora
+from sprpo_lib.warmstart.dagger import dagger, without_dagger
+from sprpo_lib.warmstart.demos import LABEL_VERSIONS
 from sprpo_lib.warmstart.heldout import agreement_is_current, eval_is_current, evaluate_agreement, evaluate_policy
-from sprpo_lib.warmstart.sft import LABEL_VERSIONS, check_adapter, dagger, load_adapter, warm_start, without_dagger
+from sprpo_lib.warmstart.sft import check_adapter, load_adapter, warm_start
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +27,7 @@ def warm_start_key(cfg, agent: AgentConfig) -> str:
     """Hash of what the warm start depends on: base model, task pool and step limit
     (demonstrations and the evaluation), prompt format and SFT settings; not the RL
     settings, so every method and seed of a profile starts from the same cached policy;
-    and the demonstrator's label version where it has one (``sft.LABEL_VERSIONS``)."""
+    and the demonstrator's label version where it has one (``demos.LABEL_VERSIONS``)."""
     m, e = cfg.model, cfg.env
     key = {"model": {"spec": m.spec, "dtype": m.dtype},
            "env": {"name": e.name, "seed": e.seed, "data_dir": e.data_dir, "max_steps": e.max_steps},
@@ -46,7 +48,7 @@ def warm_start_policy(policy, pool, cfg, agent: AgentConfig, progress: bool = Tr
     format, cached under ``runs/sft/<env>-<key>/``, then merged into the base weights,
     so RL adds its own fresh LoRA on top, as it would on an instruct model.  With
     ``sft.dagger_rounds`` the rounds start from the warm start without them (its own
-    cached folder, built first if missing: :func:`sprpo_lib.warmstart.sft.dagger`)."""
+    cached folder, built first if missing: :func:`sprpo_lib.warmstart.dagger.dagger`)."""
 
     out = build_warm_start(policy, pool, cfg, agent, progress)
     if not is_peft(policy.model):

@@ -1,4 +1,5 @@
-"""Held-out evaluation during training: the same tasks and the same generation seed for
+"""A policy plays tasks on RL's rollout path and is scored (:func:`play`, :func:`evaluate_format`,
+:func:`agreement`); held-out evaluation during training: the same tasks and the same generation seed for
 every policy compared (the warm start and the RL-trained policies), at the paper's
 validation temperature 0.4 (Table 2).  ``eval.json`` holds the numbers and the settings
 they were made with, ``eval_episodes.jsonl`` one line per episode; a warm start's
@@ -6,11 +7,16 @@ they were made with, ``eval_episodes.jsonl`` one line per episode; a warm start'
 from __future__ import annotations
 
 import logging
+import re
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Iterable, Sequence
 
-from sprpo_lib.agent.engines import close_engine, make_engine
+from sprpo_lib.agent.engines import GenerationConfig, close_engine, make_engine
+from sprpo_lib.agent.envs.base import TaskPool
+from sprpo_lib.agent.prompt import AgentConfig, extract_action, parse_actions, token_counter
+from sprpo_lib.agent.rollout import EpisodeLog, SerialEnvs, run_groups
 from sprpo_lib.infra.io import (
     CorruptFileError,
     atomic_write_json,
@@ -20,9 +26,138 @@ from sprpo_lib.infra.io import (
     read_json_lines,
     verify_file,
 )
-from sprpo_lib.warmstart.sft import LABEL_VERSIONS, agreement, collect_demonstrations, evaluate_format
+from sprpo_lib.model.load import Policy
+from sprpo_lib.warmstart.demos import LABEL_VERSIONS, Demo, collect_demonstrations, label_verb
 
 logger = logging.getLogger(__name__)
+
+# ============================================================================ playing and scoring a policy
+def play(policy: Policy, pool: TaskPool, split: str, indices: Iterable[int], agent: AgentConfig | None = None,
+         gen=None, group_size: int = 1, max_steps: int | None = None, log_path: str | Path | None = None,
+         progress: bool = True, engine: str = "hf") -> tuple[list, dict]:
+    """``policy`` plays the tasks through :func:`rollout.run_groups` with the generation
+    ``engine`` (the code path of RL rollouts; ``gen`` defaults to temperature 0.4, the
+    paper's validation temperature); returns the episode records and timing stats."""
+    agent = agent or AgentConfig()
+    gen = gen or GenerationConfig(temperature=0.4)
+    tasks = [(split, i) for i in indices]
+    envs = SerialEnvs(lambda: pool)
+    eng = make_engine(engine, policy, gen, agent)
+    try:
+        policy.model.eval()
+        return run_groups(envs, tasks, group_size, eng, agent, max_steps, EpisodeLog(log_path) if log_path else None,
+                          progress, count_tokens=token_counter(policy.tokenizer, agent))
+    finally:
+        envs.close()
+        close_engine(eng)
+
+
+def admissible_from_prompt(prompt: str) -> list[str]:
+    """The "Available actions" list of an agent prompt."""
+    try:
+        block = prompt.split("Available actions:\n", 1)[1].split("\n\nResponse:", 1)[0]
+    except IndexError:
+        return []
+    return parse_actions(block)
+
+
+_TEMPLATE_RE = re.compile(r"^(\w+)\[<[^\]]*>\]$")  # e.g. WebShop's "search[<your query>]"
+
+
+def is_admissible(action: str, admissible: Sequence[str]) -> bool:
+    if action in admissible:
+        return True
+    for a in admissible:  # a template "name[<...>]" admits any "name[...]"
+        m = _TEMPLATE_RE.match(a)
+        if m and action.startswith(m.group(1) + "[") and action.endswith("]") and len(action) > len(m.group(1)) + 2:
+            return True
+    return False
+
+
+def evaluate_format(
+    policy: Policy,
+    pool: TaskPool,
+    split: str,
+    indices: Iterable[int],
+    agent: AgentConfig | None = None,
+    gen=None,
+    group_size: int = 1,
+    max_steps: int | None = None,
+    log_path: str | Path | None = None,
+    progress: bool = True,
+    engine: str = "hf",
+) -> dict:
+    """Success, score and response-format statistics of ``policy`` on tasks.
+
+    Plays the tasks with :func:`play` (:func:`rollout.run_groups` and the generation
+    ``engine``, :func:`sprpo_lib.agent.engines.make_engine`), the code path of RL rollouts.
+
+    Args:
+        gen: a :class:`~sprpo_lib.agent.engines.GenerationConfig` (default: temperature 0.4, the paper's
+            validation temperature).
+        log_path: optional :class:`rollout.EpisodeLog` JSONL of the episodes.
+
+    Returns:
+        ``episodes``, ``success_rate``, ``mean_score``, ``valid_rate`` (share of steps
+        whose response has a valid ``<action>`` block), ``admissible_rate`` (share of
+        steps whose action is one of the listed admissible actions, a template such as
+        ``search[<your query>]`` admitting any argument), ``all_valid_rate`` (share of
+        episodes with every response valid), ``first_valid_rate`` (first step valid),
+        ``mean_length``, ``steps``, ``generate_s``, ``env_s``, ``seconds``.
+    """
+    t0 = time.perf_counter()
+    episodes, st = play(policy, pool, split, indices, agent, gen, group_size, max_steps, log_path, progress, engine)
+    steps = [s for e in episodes for s in e.steps]
+    n_ep, n_st = max(1, len(episodes)), max(1, len(steps))
+    return {
+        "episodes": len(episodes),
+        "success_rate": sum(e.success for e in episodes) / n_ep,
+        "mean_score": sum(e.score for e in episodes) / n_ep,
+        "valid_rate": sum(s.valid for s in steps) / n_st,
+        "admissible_rate": sum(s.valid and is_admissible(s.action, admissible_from_prompt(s.prompt))
+                               for s in steps) / n_st,
+        "all_valid_rate": sum(all(s.valid for s in e.steps) for e in episodes) / n_ep,
+        "first_valid_rate": sum(bool(e.steps) and e.steps[0].valid for e in episodes) / n_ep,
+        "mean_length": len(steps) / n_ep,
+        "steps": len(steps),
+        "generate_s": round(st["generate_s"], 2),
+        "env_s": round(st["env_s"], 2),
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+
+
+#: Prompts per generate call of :func:`agreement` (a few hundred states would otherwise be one
+#: call, longer than an OpenVINO worker's first-call deadline on 2 cores).
+AGREEMENT_CHUNK = 64
+
+
+def agreement(generate, demos: Sequence[Demo]) -> dict:
+    """How often a clone's action equals its demonstrator's on the demonstrator's own
+    states (held-out games), overall and per verb (:func:`~sprpo_lib.warmstart.demos.label_verb` of the label).
+
+    ``generate`` maps prompts to :class:`~sprpo_lib.agent.engines.Generation` records (an engine,
+    greedy for a clone's preferred action).  A success rate over a few dozen games cannot
+    tell a clone that walks well but never takes the task's object from one that wanders;
+    the per-verb agreement on a few hundred states can.  Returns ``states``, ``agree``,
+    ``rate`` and ``by_verb`` ({verb: the same three})."""
+    outs = []  # in chunks: an engine's first call has a fixed deadline, later ones scale with the measured speed
+    for i in range(0, len(demos), AGREEMENT_CHUNK):
+        outs += generate([d.prompt for d in demos[i:i + AGREEMENT_CHUNK]])
+    if len(outs) != len(demos):
+        raise RuntimeError(f"agreement: the generator returned {len(outs)} responses for {len(demos)} prompts")
+    counts: dict[str, list[int]] = {}
+    for d, o in zip(demos, outs):
+        c = counts.setdefault(label_verb(d.response), [0, 0])
+        c[0] += 1
+        mine, theirs = extract_action(o.text), extract_action(d.response)
+        c[1] += int(mine.valid and mine.action == theirs.action)
+
+    def rec(n: int, k: int) -> dict:
+        return {"states": n, "agree": k, "rate": k / n if n else 0.0}
+
+    return {**rec(sum(n for n, _ in counts.values()), sum(k for _, k in counts.values())),
+            "by_verb": {v: rec(n, k) for v, (n, k) in sorted(counts.items())}}
+
 
 # ============================================================================ held-out evaluation (training)
 
@@ -118,7 +253,7 @@ def agreement_is_current(path: Path, cfg, count: int) -> bool:
 
 
 def evaluate_agreement(policy, pool, cfg, agent, out: Path, count: int) -> dict:
-    """The clone's greedy agreement with its demonstrator (:func:`sprpo_lib.warmstart.sft.agreement`) on
+    """The clone's greedy agreement with its demonstrator (:func:`agreement`) on
     the demonstrator's own episodes of the held-out tasks of :func:`evaluate_policy`
     (no random actions, the demonstrations' step limit), written to ``out/agreement.json``."""
     t0 = time.perf_counter()

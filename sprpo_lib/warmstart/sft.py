@@ -1,40 +1,27 @@
-"""Supervised warm start (behaviour cloning) on expert demonstrations.
+"""Behaviour cloning: the supervised warm start on demonstrations (:mod:`.demos`).
 
 The RL stage needs a starting policy that already answers in the agent format
 (``<action>...</action>``) and sometimes finishes a task: with a policy that never
 emits a valid action every rollout of a group gets the same (penalised) return, all
 GiGPO advantages are zero and RL learns nothing.  In the paper that starting policy
 is Qwen2.5-1.5B-Instruct (App. B "Base model"); the offline profiles' embedded
-SmolLM2-135M-Instruct does not follow the format zero-shot, so they first clone the
-environment's scripted expert (:meth:`Episode.expert_action`).  The ``paper``
-profile skips this stage.
+SmolLM2-135M-Instruct does not follow the format zero-shot, so they first clone a
+scripted demonstrator.  The ``paper`` profile skips this stage.
 
-Pipeline::
+Pipeline (the warmstart package, bottom to top)::
 
-    demos = collect_demonstrations(pool, "train", range(40), agent)    # expert plays
-    result = train_sft(policy, demos, SFTConfig(...), out_dir, agent=agent)  # LoRA BC
-    report = evaluate_format(policy, pool, "test", range(16), agent)   # same path as RL
+    demos = collect_demonstrations(pool, "train", range(40), agent)          # demos.py
+    result = train_sft(policy, demos, SFTConfig(...), out_dir, agent=agent)  # here: LoRA BC
+    report = evaluate_format(policy, pool, "test", range(16), agent)         # heldout.py
 
-or :func:`warm_start` for the first two steps in one call.
+or :func:`warm_start` for the first two steps in one call; :mod:`.dagger` adds DAgger
+rounds on top, and :mod:`.cache` keys, builds and merges the result for RL.
 
-* **Prompts match RL token for token.**  :func:`collect_demonstrations` builds each
-  prompt with :func:`agent.build_prompt` from the same state :func:`rollout.run_groups`
-  would use (instruction, current observation, admissible actions, and the history of
-  ``(parsed action, next observation)`` pairs), and :func:`train_sft` wraps it with
-  :func:`agent.chat_text` and tokenizes it exactly as :class:`~sprpo_lib.agent.engines.HFGenerator`
-  does.  The target is ``<action>{expert action}</action>`` followed by the
-  tokenizer's end-of-turn token (``<|im_end|>`` for ChatML models).
-* **DAgger-lite.**  With ``expert_prob < 1`` the *executed* action is, with
-  probability ``1 - expert_prob``, a uniformly random admissible action (a template
-  such as WebShop's ``search[<your query>]`` is filled with the task instruction),
-  while the state is still labelled with the expert's action.  The demonstrations then
-  also cover off-expert states (a wrong product page, a later results page) and how
-  the expert recovers from them, which a pure expert trajectory never shows; the
-  policy's own mistakes at test time land in such states.  With ``repeat_prob > 0``
-  the executed action is, with that probability, the previous one again: the loop a
-  small clone falls into (on ALFWorld a repeated ``go to`` or ``take`` is rejected with
-  "Nothing happens."), so the demonstrations hold the state after a rejected action with
-  the label that leaves it.
+* **Prompts match RL token for token.**  :func:`train_sft` wraps each demonstration's
+  prompt (built as RL builds it: :mod:`.demos`) with :func:`agent.chat_text` and
+  tokenizes it exactly as :class:`~sprpo_lib.agent.engines.HFGenerator` does.  The target
+  is ``<action>{expert action}</action>`` followed by the tokenizer's end-of-turn token
+  (``<|im_end|>`` for ChatML models).
 * **Loss.**  Mean token negative log-likelihood of the response tokens only (prompt
   and padding are masked with ``-100``), averaged over all response tokens of an
   optimizer step (``batch_size * grad_accum`` demonstrations).  Log-probabilities are
@@ -42,9 +29,9 @@ or :func:`warm_start` for the first two steps in one call.
   the hidden states *at response positions only*, so no full-vocabulary logits are
   materialised for the prompt (bf16 models are fine).  With ``balance > 0`` a
   demonstration's tokens weigh ``(share of its action's verb)^-balance`` (mean 1 over
-  the demonstrations; :func:`label_weights`): ALFWorld's rare decisions (``take``,
-  ``move``, ``heat``: a few percent of the labels) then count for more against the many
-  ``go to`` steps of the search (a class-balanced loss).
+  the demonstrations; :func:`~sprpo_lib.warmstart.demos.label_weights`): ALFWorld's rare
+  decisions (``take``, ``move``, ``heat``: a few percent of the labels) then count for
+  more against the many ``go to`` steps of the search (a class-balanced loss).
 * **Outputs** (``out_dir``): ``metrics.jsonl`` (one flushed JSON line per logged
   step), ``sft_summary.json`` (config and results, atomic), ``adapter/`` (peft
   ``save_pretrained``, safetensors; reload with :func:`load_adapter`), and for
@@ -63,35 +50,20 @@ and RL adds its own fresh LoRA on top.
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import random
-import re
 import shutil
 import time
-from collections import Counter
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Sequence
 
 import torch
 from safetensors.torch import save_file
 
-from sprpo_lib.agent.engines import GenerationConfig, close_engine, make_engine
-from sprpo_lib.agent.envs.alfworld_explorer import LABELS_VERSION as EXPLORER_LABELS
 from sprpo_lib.agent.envs.base import TaskPool
-from sprpo_lib.agent.envs.baselines import random_action
-from sprpo_lib.agent.prompt import (
-    AgentConfig,
-    HistoryStep,
-    build_prompt,
-    chat_text,
-    extract_action,
-    parse_actions,
-    token_counter,
-)
-from sprpo_lib.agent.rollout import EpisodeLog, SerialEnvs, run_groups
+from sprpo_lib.agent.prompt import AgentConfig, chat_text
 from sprpo_lib.core.losses import token_logprobs
 from sprpo_lib.infra.io import (
     NOT_A_KEY,
@@ -100,7 +72,6 @@ from sprpo_lib.infra.io import (
     JsonLines,
     atomic_dir,
     atomic_write_json,
-    atomic_write_text,
     canonical_hash,
     file_record,
     key_fields,
@@ -111,221 +82,27 @@ from sprpo_lib.infra.io import (
     verify_file,
 )
 from sprpo_lib.infra.progress import progress_bar
-from sprpo_lib.infra.registry import Registry
 from sprpo_lib.model.load import Policy
 from sprpo_lib.model.lora import LoraSettings, add_lora, is_peft, lora_on_last_layers, merge_lora, save_peft
+from sprpo_lib.warmstart.demos import (
+    DEMONSTRATORS,
+    LABEL_VERSIONS,
+    Demo,
+    collect_demonstrations,
+    label_weights,
+    save_demos,
+)
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "Demo",
-    "SFTConfig",
-    "collect_demonstrations",
-    "save_demos",
-    "load_demos",
-    "encode_demo",
-    "collate",
-    "response_nll",
-    "train_sft",
-    "load_adapter",
-    "check_adapter",
-    "warm_start",
-    "dagger",
-    "dagger_indices",
-    "without_dagger",
-    "play",
-    "evaluate_format",
-    "agreement",
-    "admissible_from_prompt",
-]
+__all__ = ["SFTConfig", "encode_demo", "collate", "response_nll", "train_sft", "save_adapter", "load_adapter",
+           "check_adapter", "warm_start"]
 
 IGNORE_INDEX = -100
 #: seconds between resume points of :func:`train_sft` (a resume point costs the LoRA
 #: weights and Adam moments: a few MB)
 RESUME_EVERY_S = 120.0
-_TEMPLATE_RE = re.compile(r"^(\w+)\[<[^\]]*>\]$")  # e.g. WebShop's "search[<your query>]"
 _SCHEDULES = ("constant", "linear", "cosine")
-
-
-# ----------------------------------------------------------------------------- demonstrations
-@dataclass
-class Demo:
-    """One behaviour-cloning example.
-
-    Attributes:
-        prompt: the agent prompt (:func:`agent.build_prompt`, before the chat
-            template), exactly what :func:`rollout.run_groups` would show in that state.
-        response: the target, ``<action>{expert action}</action>``.
-        task_id: the task's id (``TaskHandle.task_id``).
-        step: step index within the episode (0-based, as ``StepRecord.step``).
-    """
-
-    prompt: str
-    response: str
-    task_id: str
-    step: int
-
-
-#: who labels demonstrations: ``fn(episode, history) -> next action or None``.
-DEMONSTRATORS: Registry = Registry("demonstrator", "sft.demonstrator")
-#: demonstrators whose labels changed after a warm start was first cached: the version
-#: joins that warm start's cache key, so stale demonstrations are never served
-LABEL_VERSIONS = {"explorer": EXPLORER_LABELS}
-
-
-@DEMONSTRATORS.register("expert")
-def _expert(ep, history: Sequence[HistoryStep]) -> str | None:
-    """The environment's expert / oracle (ALFWorld's planner, WebShop's goal oracle)."""
-    return ep.expert_action()
-
-
-@DEMONSTRATORS.register("shopper")
-def _shopper(ep, history: Sequence[HistoryStep]) -> str | None:
-    """WebShop's visible-information shopper (a function of what the agent sees)."""
-    if not hasattr(ep, "shopper_action"):
-        raise ValueError(f"sft.demonstrator='shopper': {type(ep).__name__} has no shopper_action() "
-                         f"(only WebShop has one); use sft.demonstrator=expert")
-    return ep.shopper_action([h.action for h in history])
-
-
-@DEMONSTRATORS.register("explorer")
-def _explorer(ep, history: Sequence[HistoryStep]) -> str | None:
-    """ALFWorld's visible-information explorer (a function of what the agent sees and of
-    where objects lie in the training games)."""
-    if not hasattr(ep, "explorer_action"):
-        raise ValueError(f"sft.demonstrator='explorer': {type(ep).__name__} has no explorer_action() "
-                         f"(only ALFWorld has one); use sft.demonstrator=expert or shopper")
-    return ep.explorer_action([h.action for h in history])
-
-
-def collect_demonstrations(
-    pool: TaskPool,
-    split: str,
-    indices: Iterable[int],
-    agent: AgentConfig | None = None,
-    expert_prob: float = 1.0,
-    seed: int = 0,
-    max_steps: int | None = None,
-    stats: dict | None = None,
-    demonstrator: str = "expert",
-    repeat_prob: float = 0.0,
-    scripts: Mapping[int, Sequence[tuple[str, str]]] | None = None,
-    progress: bool = False,
-) -> list[Demo]:
-    """Play each task with the expert and record (prompt, expert response) per step.
-
-    Args:
-        pool: any :class:`~sprpo_lib.agent.envs.base.TaskPool` whose episodes implement
-            ``expert_action()``.
-        split, indices: the tasks (``pool.open(split, i)`` for each index, in order).
-        agent: prompt settings (history length, observation cut); must be the ones the
-            RL agent uses, or the prompts will not match.
-        expert_prob: probability of *executing* the expert's action at a step; otherwise
-            a uniformly random admissible action is executed (DAgger-lite, see the
-            module docstring).  The label is always the expert's action.  1.0 = pure
-            expert trajectories.
-        seed: seed of the random actions; each task draws from its own stream
-            (seeded by ``seed``, split and index), so a task's demonstrations do not
-            depend on which other tasks are collected.
-        max_steps: step limit per episode (default ``pool.max_steps``, as ``run_groups``).
-        demonstrator: ``"expert"`` (``Episode.expert_action()``: the environment's
-            oracle, which may use hidden state) or ``"shopper"`` (``shopper_action(actions)``:
-            a scripted policy that reads only the prompt's information; WebShop's
-            :func:`~sprpo_lib.agent.envs.webshop.visible_shopper_action`) or ``"explorer"``
-            (ALFWorld's :func:`~sprpo_lib.agent.envs.alfworld_explorer.visible_explorer_action`).
-        stats: if a dict is given, it is filled with ``episodes``, ``successes``,
-            ``success_rate``, ``mean_score`` (of the played, possibly perturbed,
-            episodes), ``demos`` and ``expert_none`` (episodes cut because the expert
-            had no action).
-        repeat_prob: probability of executing the previous executed action again at
-            a step where the expert's action would be executed (not at the first step;
-            see the module docstring).  The label is still the expert's.
-        scripts: DAgger's relabelling (:func:`dagger`): per task index, the
-            ``(prompt, action)`` steps another policy played.  The task is replayed with
-            those actions (no expert, random or repeated action is executed; the episode
-            ends with its script) and every state it passes is labelled by the
-            demonstrator.  Each replayed prompt must equal the recorded one (the
-            environments are deterministic): a mismatch raises.  ``stats`` then also
-            counts ``disagree``, the steps whose played action differs from the label.
-        progress: show a bar over the tasks (200 ALFWorld games take minutes).
-
-    Returns:
-        The demonstrations, ordered by task and step.
-    """
-    if not 0.0 <= expert_prob <= 1.0:
-        raise ValueError(f"expert_prob must be in [0, 1], got {expert_prob}")
-    if not 0.0 <= repeat_prob < 1.0:
-        raise ValueError(f"sft.repeat_prob must be in [0, 1), got {repeat_prob}")
-    label = DEMONSTRATORS.get(demonstrator)
-    agent = agent or AgentConfig()
-    limit = max_steps or pool.max_steps
-    demos: list[Demo] = []
-    n_ep = n_succ = n_none = n_disagree = 0
-    score_sum = 0.0
-    indices = list(indices)
-    bar = progress_bar(indices, desc=f"demonstrations ({demonstrator}, {split})", unit="task", disable=not progress)
-    for idx in bar:
-        handle = pool.open(split, idx)
-        ep = handle.spawn()
-        rng = random.Random(f"{seed}:{split}:{idx}")
-        script = None if scripts is None else scripts[idx]
-        try:
-            obs = ep.reset()
-            history: list[HistoryStep] = []
-            score, success = 0.0, False
-            for step in range(limit if script is None else min(limit, len(script))):
-                expert = label(ep, history)
-                if expert is None:
-                    n_none += 1
-                    break
-                response = f"<action>{expert}</action>"
-                prompt = build_prompt(ep.instruction, obs.text, obs.admissible, history, agent)
-                demos.append(Demo(prompt, response, handle.task_id, step))
-                executed = response
-                if script is not None:  # DAgger: the state another policy reached, with the demonstrator's label
-                    played_prompt, action = script[step]
-                    if played_prompt != prompt:
-                        raise RuntimeError(f"DAgger relabelling: replaying task {handle.task_id} gave another prompt "
-                                           f"at step {step} than the one played (the environment did not replay the "
-                                           f"same states; it must be deterministic given the task and the actions)")
-                    n_disagree += action != expert
-                    executed = None
-                elif expert_prob < 1.0 and obs.admissible and rng.random() >= expert_prob:
-                    executed = f"<action>{random_action(obs.admissible, ep.instruction.strip(), rng)}</action>"
-                elif repeat_prob > 0.0 and history and rng.random() < repeat_prob:  # no draw at 0: same streams
-                    executed = f"<action>{history[-1].action}</action>"
-                # run_groups steps the env with the *parsed* action and keeps it in the history
-                if executed is not None:
-                    action = extract_action(executed).action
-                nxt = ep.step(action)
-                history.append(HistoryStep(obs.text, action, bool(nxt.info.get("invalid"))))
-                score += nxt.reward
-                success = success or nxt.success
-                obs = nxt
-                if obs.done:
-                    break
-        finally:
-            ep.close()
-        n_ep += 1
-        n_succ += success
-        score_sum += score
-    if stats is not None:
-        stats.update(episodes=n_ep, successes=n_succ, success_rate=n_succ / max(1, n_ep),
-                     mean_score=score_sum / max(1, n_ep), demos=len(demos), expert_none=n_none)
-        if scripts is not None:
-            stats["disagree"] = n_disagree
-    log.info("collected %d demos from %d episodes (%d successful)", len(demos), n_ep, n_succ)
-    return demos
-
-
-def save_demos(path: str | Path, demos: Sequence[Demo]) -> Path:
-    """Write demonstrations as JSON lines (atomically)."""
-    return atomic_write_text(path, "".join(json.dumps(asdict(d)) + "\n" for d in demos))
-
-
-def load_demos(path: str | Path) -> list[Demo]:
-    with open(path) as f:
-        return [Demo(**json.loads(line)) for line in f if line.strip()]
 
 
 # ----------------------------------------------------------------------------- config
@@ -369,7 +146,7 @@ class SFTConfig:
             cannot infer from the page) or ``"explorer"`` (ALFWorld only: searches the
             receptacles in the order where the training games keep the object; the
             planner goes straight to the hidden object, which a cloned policy cannot
-            infer).  See :func:`collect_demonstrations`.
+            infer).  See :func:`~sprpo_lib.warmstart.demos.collect_demonstrations`.
         episode_steps: step limit of a demonstration episode (None: the pool's own, 15 on
             WebShop and 50 on ALFWorld).  Set to RL's ``env.max_steps``, the demonstrations
             cover the states and the ``[Step k]`` numbers RL's prompts show, and no longer
@@ -379,11 +156,11 @@ class SFTConfig:
             collection (the state after a rejected repeat, labelled with the way out; see
             the module docstring).  0 (default): never.
         balance: weight a demonstration's loss by ``(share of its action's verb)^-balance``
-            (:func:`label_weights`; 0: every response token weighs the same, 1: every verb
+            (:func:`~sprpo_lib.warmstart.demos.label_weights`; 0: every response token weighs the same, 1: every verb
             weighs the same in all).  On ALFWorld the search's ``go to`` is most labels and
             the decision to ``take`` the object in sight a few percent.
         dagger_rounds: rounds of DAgger (Ross et al., 2011) after the first cloning
-            (:func:`dagger`): the clone plays ``dagger_tasks`` demonstration tasks at
+            (:func:`sprpo_lib.warmstart.dagger.dagger`): the clone plays ``dagger_tasks`` demonstration tasks at
             ``dagger_temperature``, the demonstrator labels every state it reached, and the
             clone trains ``epochs`` more on those labels plus earlier demonstrations.  A
             clone's mistakes lead it to states no demonstration shows (on ALFWorld a
@@ -409,7 +186,7 @@ class SFTConfig:
             0 skips it.
         agreement: with ``eval_tasks``, also the clone's greedy agreement with the
             demonstrator on the demonstrator's states of those tasks, per verb
-            (:func:`agreement`, ``agreement.json``): which decisions the clone has not
+            (:func:`sprpo_lib.warmstart.heldout.agreement`, ``agreement.json``): which decisions the clone has not
             learned.  Not part of the cache key (it measures the adapter, never changes it).
     """
 
@@ -542,23 +319,6 @@ def response_nll(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- training
-def label_verb(response: str) -> str:
-    """The verb of a response's action (``go`` for ``go to cabinet 1``, ``click`` for
-    ``click[buy now]``): the class :func:`label_weights` balances."""
-    m = re.match(r"[a-z_]+", extract_action(response).action.strip().lower())
-    return m.group(0) if m else ""
-
-
-def label_weights(responses: Sequence[str], balance: float) -> list[float]:
-    """Per-demonstration loss weights ``(n_verb / n)^-balance``, scaled to mean 1, where
-    ``n_verb`` counts the demonstrations whose action has the same verb
-    (:func:`label_verb`).  ``balance=1``: every verb's demonstrations weigh the same in
-    all; 0: all 1."""
-    verbs = [label_verb(r) for r in responses]
-    counts, n = Counter(verbs), len(verbs)
-    raw = [(counts[v] / n) ** -balance for v in verbs]
-    mean = sum(raw) / max(1, n)
-    return [x / mean for x in raw]
 
 
 def _lora_settings(model, cfg: SFTConfig) -> LoraSettings:
@@ -689,7 +449,7 @@ def train_sft(
         policy: the policy; LoRA (``cfg.lora``) is added with :func:`models.add_lora`
             unless the model is already peft-wrapped (then its trainable parameters are
             trained).  ``policy.model`` is modified in place and left in eval mode.
-        demos: demonstrations from :func:`collect_demonstrations`.
+        demos: demonstrations from :func:`~sprpo_lib.warmstart.demos.collect_demonstrations`.
         cfg: :class:`SFTConfig`.
         out_dir: where ``metrics.jsonl``, ``sft_summary.json`` and ``adapter/`` go
             (nothing is written if ``None``).
@@ -904,249 +664,3 @@ def _saved_demos(out: Path, key: str) -> tuple[list[Demo], dict] | None:
     if rows is None:
         return None
     return [Demo(**r) for r in rows], dict(meta.get("collect") or {})
-
-
-def without_dagger(cfg: SFTConfig) -> SFTConfig:
-    """``cfg`` with every DAgger field at its default: the warm start DAgger starts from."""
-    dflt = {f.name: f.default for f in fields(SFTConfig) if f.name.startswith("dagger_")}
-    return replace(cfg, **dflt)
-
-
-def dagger_indices(cfg: SFTConfig, r: int, n: int) -> list[int]:
-    """The demonstration tasks round ``r`` (1-based) plays: ``dagger_tasks`` of ``0 .. n-1``,
-    starting where round ``r - 1`` stopped (wrapping around)."""
-    start = (r - 1) * cfg.dagger_tasks
-    return [(start + i) % n for i in range(min(cfg.dagger_tasks, n))]
-
-
-def _round_done(rd: Path) -> dict | None:
-    """The record of a finished DAgger round (``round.json``, written last), or None when the
-    round is missing, unfinished or damaged (its adapter or labels do not verify)."""
-    rec = read_cached(rd / "round.json")
-    if not isinstance(rec, dict) or not (rd / "adapter").is_dir():
-        return None
-    try:
-        check_adapter(rd / "adapter")
-        verify_file(rd / "demos.jsonl", rec.get("labels") or {})
-    except (CorruptFileError, OSError, TypeError, KeyError) as err:
-        log.warning("dagger: %s is damaged (%s); the round runs again", rd, err)
-        return None
-    return rec
-
-
-def dagger(
-    policy: Policy,
-    pool: TaskPool,
-    base: str | Path,
-    cfg: SFTConfig,
-    agent: AgentConfig | None = None,
-    out_dir: str | Path = "dagger",
-    gen=None,
-    engine: str = "hf",
-    progress: bool = True,
-    rounds_dir: str | Path | None = None,
-) -> dict:
-    """DAgger (Ross et al., 2011) from a finished warm start ``base`` (its ``adapter/`` and
-    ``demos.jsonl``), ``cfg.dagger_rounds`` rounds; each round:
-
-    1. the current clone plays :func:`dagger_indices` at ``cfg.dagger_temperature``
-       (:func:`play`, RL's rollout path and ``engine``; ``gen`` gives the other
-       generation settings; the step limit is ``cfg.episode_steps`` or the pool's);
-    2. :func:`collect_demonstrations` replays each episode and the demonstrator labels
-       every state the clone reached (``scripts``);
-    3. :func:`train_sft` continues the clone's adapter on those labels plus
-       ``cfg.dagger_replay`` times as many earlier demonstrations.
-
-    ``policy`` is a fresh base model (the adapter of ``base``, or of the last finished
-    round, is loaded onto it).  Round ``r`` lives in ``rounds_dir/round-<r>/`` (default
-    ``out_dir``; the clone's episodes, the labels, the adapter, ``round.json`` last): a
-    killed run resumes after its last finished round, and within a round from
-    :func:`train_sft`'s resume point; a run with more rounds in the same ``rounds_dir``
-    continues where one with fewer stopped (round ``r`` does not depend on the count).
-    The final adapter goes to ``out_dir/adapter``; returns the summary also written to
-    ``out_dir/sft_summary.json``, whose ``seconds`` include the base warm start's."""
-    if cfg.dagger_rounds < 1:
-        raise ValueError("sft.dagger_rounds: dagger() needs at least one round; without, the base warm start is the "
-                         "result")
-    agent = agent or AgentConfig()
-    if agent.max_prompt_tokens:
-        raise ValueError("sft.dagger_rounds: DAgger relabels the prompts the clone was shown, which needs "
-                         "rollout.agent.max_prompt_tokens: null (demonstrations are built without a prompt budget)")
-    base, out = Path(base), Path(out_dir)
-    rdir = Path(rounds_dir) if rounds_dir is not None else out
-    n = min(cfg.n_tasks, pool.splits()[cfg.split])
-    gen = gen or GenerationConfig()
-    base_summary = read_json(base / "sft_summary.json")
-    seen = load_demos(base / "demos.jsonl")
-    rounds, last = [], 0
-    for r in range(1, cfg.dagger_rounds + 1):
-        rec = _round_done(rdir / f"round-{r}")
-        if rec is None:
-            break
-        rounds.append(rec)
-        seen += load_demos(rdir / f"round-{r}" / "demos.jsonl")
-        last = r
-    load_adapter(policy, (rdir / f"round-{last}" if last else base) / "adapter", trainable=True)
-    for r in range(last + 1, cfg.dagger_rounds + 1):
-        rd = rdir / f"round-{r}"
-        t0 = time.perf_counter()
-        tasks = dagger_indices(cfg, r, n)
-        g = replace(gen, temperature=cfg.dagger_temperature, seed=cfg.seed + r)
-        (rd / "episodes.jsonl").unlink(missing_ok=True)
-        episodes, _ = play(policy, pool, cfg.split, tasks, agent, g, max_steps=cfg.episode_steps,
-                           log_path=rd / "episodes.jsonl", progress=progress, engine=engine)
-        played = time.perf_counter() - t0
-        scripts = {e.task_index: [(s.prompt, s.action) for s in e.steps] for e in episodes}
-        stats: dict = {}
-        new = collect_demonstrations(pool, cfg.split, tasks, agent, demonstrator=cfg.demonstrator,
-                                     max_steps=cfg.episode_steps, stats=stats, scripts=scripts)
-        rng = random.Random(f"dagger:{cfg.seed}:{r}")
-        replay = rng.sample(seen, min(len(seen), round(cfg.dagger_replay * len(new))))
-        res = train_sft(policy, new + replay, cfg, rd, progress, agent)
-        save_demos(rd / "demos.jsonl", new)
-        rec = {"round": r, "tasks": [tasks[0], tasks[-1]], "temperature": cfg.dagger_temperature,
-               "clone_success_rate": sum(e.success for e in episodes) / max(1, len(episodes)),
-               "labels": file_record(rd / "demos.jsonl"), "new": len(new), "replay": len(replay),
-               "disagree_rate": stats["disagree"] / max(1, len(new)), "expert_none": stats["expert_none"],
-               "play_s": round(played, 2), "sft": {k: res[k] for k in ("steps", "first_loss", "final_loss", "seconds")},
-               "seconds": round(time.perf_counter() - t0, 2)}
-        atomic_write_json(rd / "round.json", rec)
-        log.info("dagger round %d: clone success %.3f, %d labels (%.0f%% differ from the clone's action)", r,
-                 rec["clone_success_rate"], len(new), 100 * rec["disagree_rate"])
-        rounds.append(rec)
-        seen += new
-    b = base_summary.get("result") or {}
-    result = {"adapter": str(save_adapter(policy, out / "adapter")), "base": str(base), "rounds": rounds,
-              "demos": len(seen), "final_loss": rounds[-1]["sft"]["final_loss"],
-              "steps": (b.get("steps") or 0) + sum(x["sft"]["steps"] for x in rounds),
-              "seconds": round(float(b.get("seconds") or 0.0) + float((b.get("collect") or {}).get("seconds") or 0.0)
-                               + sum(x["seconds"] for x in rounds), 2)}
-    atomic_write_json(out / "sft_summary.json", {"config": asdict(cfg), "agent": asdict(agent), "result": result,
-                                                  "model": policy.spec})
-    policy.meta["sft"] = {k: result[k] for k in ("steps", "demos", "final_loss")}
-    return result
-
-
-# ----------------------------------------------------------------------------- evaluation
-def play(policy: Policy, pool: TaskPool, split: str, indices: Iterable[int], agent: AgentConfig | None = None,
-         gen=None, group_size: int = 1, max_steps: int | None = None, log_path: str | Path | None = None,
-         progress: bool = True, engine: str = "hf") -> tuple[list, dict]:
-    """``policy`` plays the tasks through :func:`rollout.run_groups` with the generation
-    ``engine`` (the code path of RL rollouts; ``gen`` defaults to temperature 0.4, the
-    paper's validation temperature); returns the episode records and timing stats."""
-    agent = agent or AgentConfig()
-    gen = gen or GenerationConfig(temperature=0.4)
-    tasks = [(split, i) for i in indices]
-    envs = SerialEnvs(lambda: pool)
-    eng = make_engine(engine, policy, gen, agent)
-    try:
-        policy.model.eval()
-        return run_groups(envs, tasks, group_size, eng, agent, max_steps, EpisodeLog(log_path) if log_path else None,
-                          progress, count_tokens=token_counter(policy.tokenizer, agent))
-    finally:
-        envs.close()
-        close_engine(eng)
-
-
-def admissible_from_prompt(prompt: str) -> list[str]:
-    """The "Available actions" list of an agent prompt."""
-    try:
-        block = prompt.split("Available actions:\n", 1)[1].split("\n\nResponse:", 1)[0]
-    except IndexError:
-        return []
-    return parse_actions(block)
-
-
-def is_admissible(action: str, admissible: Sequence[str]) -> bool:
-    if action in admissible:
-        return True
-    for a in admissible:  # a template "name[<...>]" admits any "name[...]"
-        m = _TEMPLATE_RE.match(a)
-        if m and action.startswith(m.group(1) + "[") and action.endswith("]") and len(action) > len(m.group(1)) + 2:
-            return True
-    return False
-
-
-def evaluate_format(
-    policy: Policy,
-    pool: TaskPool,
-    split: str,
-    indices: Iterable[int],
-    agent: AgentConfig | None = None,
-    gen=None,
-    group_size: int = 1,
-    max_steps: int | None = None,
-    log_path: str | Path | None = None,
-    progress: bool = True,
-    engine: str = "hf",
-) -> dict:
-    """Success, score and response-format statistics of ``policy`` on tasks.
-
-    Plays the tasks with :func:`play` (:func:`rollout.run_groups` and the generation
-    ``engine``, :func:`sprpo_lib.agent.engines.make_engine`), the code path of RL rollouts.
-
-    Args:
-        gen: a :class:`~sprpo_lib.agent.engines.GenerationConfig` (default: temperature 0.4, the paper's
-            validation temperature).
-        log_path: optional :class:`rollout.EpisodeLog` JSONL of the episodes.
-
-    Returns:
-        ``episodes``, ``success_rate``, ``mean_score``, ``valid_rate`` (share of steps
-        whose response has a valid ``<action>`` block), ``admissible_rate`` (share of
-        steps whose action is one of the listed admissible actions, a template such as
-        ``search[<your query>]`` admitting any argument), ``all_valid_rate`` (share of
-        episodes with every response valid), ``first_valid_rate`` (first step valid),
-        ``mean_length``, ``steps``, ``generate_s``, ``env_s``, ``seconds``.
-    """
-    t0 = time.perf_counter()
-    episodes, st = play(policy, pool, split, indices, agent, gen, group_size, max_steps, log_path, progress, engine)
-    steps = [s for e in episodes for s in e.steps]
-    n_ep, n_st = max(1, len(episodes)), max(1, len(steps))
-    return {
-        "episodes": len(episodes),
-        "success_rate": sum(e.success for e in episodes) / n_ep,
-        "mean_score": sum(e.score for e in episodes) / n_ep,
-        "valid_rate": sum(s.valid for s in steps) / n_st,
-        "admissible_rate": sum(s.valid and is_admissible(s.action, admissible_from_prompt(s.prompt))
-                               for s in steps) / n_st,
-        "all_valid_rate": sum(all(s.valid for s in e.steps) for e in episodes) / n_ep,
-        "first_valid_rate": sum(bool(e.steps) and e.steps[0].valid for e in episodes) / n_ep,
-        "mean_length": len(steps) / n_ep,
-        "steps": len(steps),
-        "generate_s": round(st["generate_s"], 2),
-        "env_s": round(st["env_s"], 2),
-        "seconds": round(time.perf_counter() - t0, 2),
-    }
-
-
-#: Prompts per generate call of :func:`agreement` (a few hundred states would otherwise be one
-#: call, longer than an OpenVINO worker's first-call deadline on 2 cores).
-AGREEMENT_CHUNK = 64
-
-
-def agreement(generate, demos: Sequence[Demo]) -> dict:
-    """How often a clone's action equals its demonstrator's on the demonstrator's own
-    states (held-out games), overall and per verb (:func:`label_verb` of the label).
-
-    ``generate`` maps prompts to :class:`~sprpo_lib.agent.engines.Generation` records (an engine,
-    greedy for a clone's preferred action).  A success rate over a few dozen games cannot
-    tell a clone that walks well but never takes the task's object from one that wanders;
-    the per-verb agreement on a few hundred states can.  Returns ``states``, ``agree``,
-    ``rate`` and ``by_verb`` ({verb: the same three})."""
-    outs = []  # in chunks: an engine's first call has a fixed deadline, later ones scale with the measured speed
-    for i in range(0, len(demos), AGREEMENT_CHUNK):
-        outs += generate([d.prompt for d in demos[i:i + AGREEMENT_CHUNK]])
-    if len(outs) != len(demos):
-        raise RuntimeError(f"agreement: the generator returned {len(outs)} responses for {len(demos)} prompts")
-    counts: dict[str, list[int]] = {}
-    for d, o in zip(demos, outs):
-        c = counts.setdefault(label_verb(d.response), [0, 0])
-        c[0] += 1
-        mine, theirs = extract_action(o.text), extract_action(d.response)
-        c[1] += int(mine.valid and mine.action == theirs.action)
-
-    def rec(n: int, k: int) -> dict:
-        return {"states": n, "agree": k, "rate": k / n if n else 0.0}
-
-    return {**rec(sum(n for n, _ in counts.values()), sum(k for _, k in counts.values())),
-            "by_verb": {v: rec(n, k) for v, (n, k) in sorted(counts.items())}}
