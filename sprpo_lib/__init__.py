@@ -8,7 +8,7 @@ below it (``tests/test_layout.py`` checks this, and that no import cycle exists)
    progress, machine facts, provenance, where runs and cells execute (local or Ray), where
    training metrics go (JSON lines, console, TensorBoard, W&B);
 2. ``model/``: the policy model (embedded default, local or hub checkpoints, tiny test
-   models), its layers, LoRA;
+   models), its layers, LoRA adapters and their files;
 3. ``core/``: the algorithm on explicit tensors (Algs. 1-4: advantages, losses, batch, actor,
    methods), the FFN-channel perturbation and the deployment perturbations of App. C;
 4. ``agent/``: prompts and actions, generation engines (``hf``, ``openvino``, ``vllm``),

@@ -331,7 +331,7 @@ def test_e_corrupt_warm_start_adapter_is_trained_again(warm, tmp_path, monkeypat
     """The warm start is a cache: a damaged adapter file is never loaded; the warm start is
     trained again (with a warning naming the file) and gives the same policy."""
     from sprpo_lib.model.load import load_policy
-    from sprpo_lib.warmstart.sft import check_adapter, load_adapter
+    from sprpo_lib.model.lora import check_adapter, load_adapter
 
     shutil.copytree(warm["root"] / "runs", tmp_path / "runs")
     adapter = tmp_path / warm["dir"] / "adapter"

@@ -15,7 +15,7 @@ from sprpo_lib.agent.envs.webshop import make_webshop_pool
 from sprpo_lib.agent.prompt import AgentConfig
 from sprpo_lib.agent.rollout import SerialEnvs, run_groups
 from sprpo_lib.model.load import load_policy
-from sprpo_lib.model.lora import LORA_TARGETS, LoraSettings
+from sprpo_lib.model.lora import LORA_TARGETS, LoraSettings, load_adapter
 from sprpo_lib.warmstart.demos import Demo, collect_demonstrations, label_verb, label_weights, load_demos, save_demos
 from sprpo_lib.warmstart.heldout import admissible_from_prompt, agreement, evaluate_format
 from sprpo_lib.warmstart.sft import (
@@ -23,7 +23,6 @@ from sprpo_lib.warmstart.sft import (
     SFTConfig,
     collate,
     encode_demo,
-    load_adapter,
     lr_at,
     response_nll,
     train_sft,

@@ -200,9 +200,9 @@ def test_dagger_warm_start_builds_on_the_cached_base(tmp_path, monkeypatch):
     import dataclasses
 
     from sprpo_lib.model.load import load_policy
+    from sprpo_lib.model.lora import load_adapter
     from sprpo_lib.warmstart.cache import warm_start_dir
     from sprpo_lib.warmstart.dagger import without_dagger
-    from sprpo_lib.warmstart.sft import load_adapter
 
     monkeypatch.setenv("SPRPO_HOME", str(tmp_path))
     ov = ["warm_start=true", "sft.n_tasks=2", "sft.epochs=1", "sft.lora.rank=4", "iterations=1", "sft.episode_steps=2"]

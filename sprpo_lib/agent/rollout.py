@@ -242,6 +242,25 @@ class ProcessEnvs:
 
 
 # ----------------------------------------------------------------------------- runner
+def _open_episodes(envs: SerialEnvs | ProcessEnvs, tasks: Sequence[tuple[str, int]],
+                   group_size: int) -> tuple[dict[int, EpisodeRecord], dict[int, Observation]]:
+    """Open ``group_size`` episodes of every task, numbered by group then rollout: their
+    empty records and first observations."""
+    eids, groups = {}, []
+    for g, (split, idx) in enumerate(tasks):
+        ids = list(range(g * group_size, (g + 1) * group_size))
+        groups.append((split, idx, ids))
+        for r, e in enumerate(ids):
+            eids[e] = (g, r, split, idx)
+    records: dict[int, EpisodeRecord] = {}
+    current: dict[int, Observation] = {}
+    for eid, obs, task_id, instruction in envs.open_groups(groups):
+        g, r, split, idx = eids[eid]
+        records[eid] = EpisodeRecord(envs.pool.name, split, idx, task_id, g, r, instruction)
+        current[eid] = obs
+    return records, current
+
+
 def run_groups(
     envs: SerialEnvs | ProcessEnvs,
     tasks: Sequence[tuple[str, int]],
@@ -271,25 +290,12 @@ def run_groups(
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     pool = envs.pool
     max_steps = max_steps or pool.max_steps
-    eids = {}
-    groups = []
-    for g, (split, idx) in enumerate(tasks):
-        ids = list(range(g * group_size, (g + 1) * group_size))
-        groups.append((split, idx, ids))
-        for r, e in enumerate(ids):
-            eids[e] = (g, r, split, idx)
     stats = {"generate_s": 0.0, "env_s": 0.0, "open_s": 0.0, "steps": 0}
     t0 = time.perf_counter()
-    opened = envs.open_groups(groups)
+    records, current = _open_episodes(envs, tasks, group_size)
     stats["open_s"] = time.perf_counter() - t0  # task preparation + resets (part of env_s)
     stats["env_s"] += stats["open_s"]
-    records: dict[int, EpisodeRecord] = {}
-    current: dict[int, Observation] = {}
-    history: dict[int, list[HistoryStep]] = {}
-    for eid, obs, task_id, instruction in opened:
-        g, r, split, idx = eids[eid]
-        records[eid] = EpisodeRecord(pool.name, split, idx, task_id, g, r, instruction)
-        current[eid], history[eid] = obs, []
+    history: dict[int, list[HistoryStep]] = {e: [] for e in current}
     live = sorted(current)
     bar = progress_bar(total=max_steps, desc=f"rollout {pool.name}", disable=not progress, leave=False)
     for step in range(max_steps):

@@ -46,7 +46,7 @@ from sprpo_lib.model.load import DEFAULT_MODEL, QWEN25_15B_SHAPE, TINY_SPECS, Ti
 from sprpo_lib.model.lora import LoraSettings, add_lora, lora_on_last_layers
 from sprpo_lib.paper.quickstart import DEMO_OBJECTS, DEMO_PLACES, DEMO_PROMPT
 from sprpo_lib.train.config import load_config
-from sprpo_lib.train.trainer import Trainer
+from sprpo_lib.train.trainer import Trainer, run_folder
 from sprpo_lib.warmstart.cache import warm_start_policy
 from sprpo_lib.warmstart.demos import collect_demonstrations
 from sprpo_lib.warmstart.heldout import eval_temperature, held_out_tasks
@@ -411,7 +411,7 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     Long on purpose: the collection, the interleaved repeats of every method from one
     adapter state, and the floors of each pass are one measurement and share its state."""
     cfg = load_config(profile, list(overrides or []) + [f"env.name={env}", "method.name=sprpo"])
-    tr = Trainer(cfg, progress=True)
+    tr = Trainer(cfg, run_folder(cfg), progress=True)
     eps, xi, rst = tr.collect(0)
     batch, _ = build_batch(eps, cfg.update.adv, cfg.update.estimator)
     tr.envs.close()

@@ -64,9 +64,9 @@ from sprpo_lib.model.load import (
     resolve_device,
     resolve_model,
 )
+from sprpo_lib.model.lora import load_adapter
 from sprpo_lib.train.config import config_from_dict, load_config
 from sprpo_lib.warmstart.cache import warm_start_dir
-from sprpo_lib.warmstart.sft import load_adapter
 
 logger = logging.getLogger(__name__)
 

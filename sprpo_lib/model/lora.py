@@ -1,15 +1,20 @@
 """LoRA adapters with peft (App. B "Base model and optimization": all attention and FFN
-projections, rank/alpha 64/64), on every layer or only the last ones."""
+projections, rank/alpha 64/64), on every layer or only the last ones; and their files:
+saved atomically (safetensors), checked whole before loading, merged for deployment."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from sprpo_lib.infra.io import CorruptFileError, atomic_dir, read_json, read_safetensors
 from sprpo_lib.model.layers import decoder_layers
 from sprpo_lib.model.load import Policy
+
+log = logging.getLogger(__name__)
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -93,3 +98,70 @@ def merge_lora(policy: Policy) -> Policy:
     if hasattr(policy.model, "merge_and_unload"):
         policy.model = policy.model.merge_and_unload()
     return policy
+
+
+# ----------------------------------------------------------------------------- adapter files
+
+
+def save_adapter(policy: Policy, path: str | Path) -> Path:
+    """Save the peft adapter (safetensors) to ``path``, replacing it atomically."""
+    with atomic_dir(path) as tmp:
+        save_peft(policy.model, tmp)
+    return path
+
+
+def check_adapter(path: str | Path) -> Path:
+    """A whole peft adapter folder (``save_pretrained``, safetensors): ``adapter_config.json``
+    a JSON object, every tensor of ``adapter_model.safetensors`` readable (a truncated or
+    garbage file is refused).  Raises :class:`~sprpo_lib.infra.io.CorruptFileError` naming
+    the bad file, ``FileNotFoundError`` when the folder is missing."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"no adapter folder {path}")
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        if not (path / name).is_file():
+            raise CorruptFileError(path / name, "missing from the adapter folder")
+    read_json(path / "adapter_config.json", lambda c: None if isinstance(c, dict) and c.get("peft_type") else
+              "not a peft adapter config (no peft_type)")
+    if not read_safetensors(path / "adapter_model.safetensors"):
+        raise CorruptFileError(path / "adapter_model.safetensors", "holds no tensor")
+    return path
+
+
+def load_adapter(policy: Policy, path: str | Path, trainable: bool = False, merge: bool = False) -> Policy:
+    """Load an adapter saved by :func:`save_adapter` onto ``policy`` (a fresh
+    :func:`~sprpo_lib.model.load.load_policy` of the same base model).  ``merge=True`` folds it into
+    the base weights (the warm-started model as a new base for RL's own LoRA).  The
+    folder is checked first (:func:`check_adapter`): a truncated or garbage file is one
+    error naming it and saying how to rebuild it, never loaded."""
+    from peft import PeftModel  # heavy: loaded on first use
+
+    if is_peft(policy.model):
+        raise ValueError("policy is already peft-wrapped; load the adapter onto a fresh base model")
+    if Path(path).is_dir():
+        try:
+            check_adapter(path)
+        except CorruptFileError as err:
+            raise err.with_fix(
+                f"delete {path} and rerun to rebuild it (a warm start under runs/sft/ is trained again by the next "
+                "training run; a run's final/adapter is republished from its last checkpoint by rerunning the same "
+                "train command)") from None
+    policy.model = PeftModel.from_pretrained(policy.model, str(path), is_trainable=trainable)
+    policy.model.eval()
+    policy.meta["sft_adapter"] = str(path)
+    if merge:
+        merge_lora(policy)
+    return policy
+
+
+def adapter_is_whole(path: Path) -> bool:
+    """Whether ``path`` is a whole saved adapter (missing or damaged: False, with a warning
+    for damage, so that it is written again)."""
+    if not path.is_dir():
+        return False
+    try:
+        check_adapter(path)
+    except CorruptFileError as err:
+        log.warning("%s", err.with_fix("writing it again"))
+        return False
+    return True

@@ -171,6 +171,15 @@ def plot_curves(summary: pd.DataFrame, methods: Sequence[str], path: str | Path,
             ax.grid(alpha=0.3)
         label = ENV_LABELS.get(env, env) if env else env_label
         row[0].set_ylabel(f"success (%){' - ' + label if label else ''}")
+    top = _legend_and_notes(fig, axes, methods, mains, others, single, title)
+    fig.tight_layout(rect=(0, 0.45 / fig.get_figheight(), 1, top))
+    return save_figure(fig, path, dpi=100 if readme else 150)
+
+
+def _legend_and_notes(fig, axes, methods: Sequence[str], mains: dict[str, set], others: set, single: bool,
+                      title: str) -> float:
+    """:func:`plot_curves`'s title, one legend for all panels and the footnote on the designs;
+    returns the top of the panels' area (a fraction of the figure's height)."""
     legend: dict = {}  # every method drawn in any panel, once, in the order given
     for ax in axes.flat:
         for h, lab in zip(*ax.get_legend_handles_labels()):
@@ -194,8 +203,7 @@ def plot_curves(summary: pd.DataFrame, methods: Sequence[str], path: str | Path,
         top -= 0.35 / fig.get_figheight()
     fig.text(0.5, 0.005, ". ".join(n[0].upper() + n[1:] for n in notes) + ".", ha="center", va="bottom", fontsize=7,
              wrap=True)
-    fig.tight_layout(rect=(0, 0.45 / fig.get_figheight(), 1, top))
-    return save_figure(fig, path, dpi=100 if readme else 150)
+    return top
 
 
 def plot_motivation(summary: pd.DataFrame, path: str | Path, *, method: str = "vanilla",

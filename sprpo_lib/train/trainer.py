@@ -49,26 +49,27 @@ from sprpo_lib.infra.paths import project_path, runs_dir
 from sprpo_lib.infra.progress import progress_bar
 from sprpo_lib.infra.tracking import Tracking
 from sprpo_lib.model.load import load_policy, resolve_device
-from sprpo_lib.model.lora import add_lora, lora_on_last_layers, save_peft
+from sprpo_lib.model.lora import adapter_is_whole, add_lora, lora_on_last_layers, save_peft
 from sprpo_lib.train.checkpoint import load_checkpoint, save_checkpoint
 from sprpo_lib.train.config import TrainConfig, config_dict, load_config
-from sprpo_lib.warmstart.cache import adapter_is_whole, warm_start_policy
+from sprpo_lib.warmstart.cache import warm_start_policy
 from sprpo_lib.warmstart.heldout import eval_is_current, evaluate_policy, load_eval
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Trainer", "train", "load_config", "TrainConfig", "default_out_dir", "main"]
+__all__ = ["Trainer", "train", "load_config", "TrainConfig", "default_out_dir", "run_folder", "main"]
 
 
 class Trainer:
-    """The policy, actor, method, generator and environments of one run."""
+    """The policy, actor, method, generator and environments of one run, kept in the
+    folder ``out`` (:func:`run_folder`)."""
 
-    def __init__(self, cfg: TrainConfig, out_dir: str | Path | None = None, progress: bool = True):
+    def __init__(self, cfg: TrainConfig, out: Path, progress: bool = True):
         self.cfg = cfg
         self.progress = progress
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        self.out = project_path(out_dir or cfg.out_dir or default_out_dir(cfg))
+        self.out = Path(out)
         # the environment first: missing or damaged data is one error before the model loads
         factory = partial(make_pool, cfg.env.name, cfg.env.data_dir, cfg.env.seed)
         self.envs = ProcessEnvs(factory, cfg.env.workers) if cfg.env.workers else SerialEnvs(factory)
@@ -269,6 +270,12 @@ def default_out_dir(cfg: TrainConfig) -> Path:
     return runs_dir("train", f"{cfg.env.name}-{cfg.method.name}-{cfg.profile}-seed{cfg.seed}")
 
 
+def run_folder(cfg: TrainConfig, out_dir: str | Path | None = None) -> Path:
+    """The folder of the run of ``cfg``: ``out_dir`` (a relative one under the project
+    root), else ``cfg.out_dir``, else :func:`default_out_dir`."""
+    return project_path(out_dir or cfg.out_dir or default_out_dir(cfg))
+
+
 def _publish_adapter(model, final: Path) -> None:
     with atomic_dir(final) as tmp:
         save_peft(model, tmp / "adapter")
@@ -279,33 +286,30 @@ def is_complete(cfg: TrainConfig, out: Path) -> bool:
     logged, the final adapter published and (when asked for) its held-out evaluation
     current.  Such a run is found without loading a model."""
     meta, metrics = out / "config.json", out / "metrics.jsonl"
+    evals = [heldout_dir(out, k) / "eval.json" for k in heldout_due(cfg)]  # the held-out curve, then the final
+    evals += [out / "final" / "eval.json"] if cfg.eval_tasks else []
     if not (meta.is_file() and metrics.is_file() and adapter_is_whole(out / "final" / "adapter")):
         return False
     saved = read_cached(meta)  # a damaged config.json: not complete (train() rewrites it)
     if not isinstance(saved, dict) or saved.get("config") != config_dict(cfg):
         return False
     done = {row.get(MK.ITERATION) for row in JsonLines(metrics).read_rows()}
-    if done != set(range(cfg.iterations)):
-        return False
-    if any(not eval_is_current(heldout_dir(out, k) / "eval.json", cfg, cfg.eval_tasks) for k in heldout_due(cfg)):
-        return False
-    return not cfg.eval_tasks or eval_is_current(out / "final" / "eval.json", cfg, cfg.eval_tasks)
+    return done == set(range(cfg.iterations)) and all(eval_is_current(e, cfg, cfg.eval_tasks) for e in evals)
 
 
 def train(cfg: TrainConfig, out_dir: str | Path | None = None, fresh: bool = False, progress: bool = True) -> Path:
     """Run (or resume, or extend) training; returns the output folder."""
-    done = project_path(out_dir or cfg.out_dir or default_out_dir(cfg))
-    if not fresh and is_complete(cfg, done):  # nothing to do: found without loading the model
-        return done
-    with file_lock(done.parent / f".{done.name}.lock"):  # one process per run folder at a time
-        if not fresh and is_complete(cfg, done):  # finished by the process that held the lock
-            return done
-        return _train(cfg, out_dir, fresh, progress)
+    out = run_folder(cfg, out_dir)
+    if not fresh and is_complete(cfg, out):  # nothing to do: found without loading the model
+        return out
+    with file_lock(out.parent / f".{out.name}.lock"):  # one process per run folder at a time
+        if not fresh and is_complete(cfg, out):  # finished by the process that held the lock
+            return out
+        return _train(cfg, out, fresh, progress)
 
 
-def _train(cfg: TrainConfig, out_dir, fresh: bool, progress: bool) -> Path:
-    tr = Trainer(cfg, out_dir, progress)
-    out = tr.out
+def _train(cfg: TrainConfig, out: Path, fresh: bool, progress: bool) -> Path:
+    tr = Trainer(cfg, out, progress)
     if fresh and out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -385,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         if not cfg.warm_start:
             ap.error(f"profile {cfg.profile!r} has warm_start: false; add the override warm_start=true")
         try:
-            tr = Trainer(cfg, args.out, not args.no_progress)
+            tr = Trainer(cfg, run_folder(cfg, args.out), not args.no_progress)
         except (ValueError, DataError) as err:
             if args.debug:
                 raise

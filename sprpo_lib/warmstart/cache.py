@@ -12,13 +12,13 @@ import shutil
 from pathlib import Path
 
 from sprpo_lib.agent.prompt import AgentConfig
-from sprpo_lib.infra.io import CorruptFileError, canonical_hash, file_lock, key_fields
+from sprpo_lib.infra.io import canonical_hash, file_lock, key_fields
 from sprpo_lib.infra.paths import runs_dir
-from sprpo_lib.model.lora import is_peft, merge_lora
+from sprpo_lib.model.lora import adapter_is_whole, is_peft, load_adapter, merge_lora
 from sprpo_lib.warmstart.dagger import dagger, without_dagger
 from sprpo_lib.warmstart.demos import LABEL_VERSIONS
 from sprpo_lib.warmstart.heldout import agreement_is_current, eval_is_current, evaluate_agreement, evaluate_policy
-from sprpo_lib.warmstart.sft import check_adapter, load_adapter, warm_start
+from sprpo_lib.warmstart.sft import warm_start
 
 log = logging.getLogger(__name__)
 
@@ -89,16 +89,3 @@ def build_warm_start(policy, pool, cfg, agent: AgentConfig, progress: bool) -> P
         rounds = base / f"dagger-{canonical_hash(d)[:12]}"
         dagger(policy, pool, base, cfg.sft, agent, out, cfg.rollout.generation, cfg.rollout.engine, progress, rounds)
     return out
-
-
-def adapter_is_whole(path: Path) -> bool:
-    """Whether ``path`` is a whole saved adapter (missing or damaged: False, with a warning
-    for damage, so that it is written again)."""
-    if not path.is_dir():
-        return False
-    try:
-        check_adapter(path)
-    except CorruptFileError as err:
-        log.warning("%s", err.with_fix("writing it again"))
-        return False
-    return True

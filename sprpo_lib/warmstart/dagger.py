@@ -14,9 +14,10 @@ from sprpo_lib.agent.envs.base import TaskPool
 from sprpo_lib.agent.prompt import AgentConfig
 from sprpo_lib.infra.io import CorruptFileError, atomic_write_json, file_record, read_cached, read_json, verify_file
 from sprpo_lib.model.load import Policy
-from sprpo_lib.warmstart.demos import collect_demonstrations, load_demos, save_demos
+from sprpo_lib.model.lora import check_adapter, load_adapter, save_adapter
+from sprpo_lib.warmstart.demos import Demo, collect_demonstrations, load_demos, save_demos
 from sprpo_lib.warmstart.heldout import play
-from sprpo_lib.warmstart.sft import SFTConfig, check_adapter, load_adapter, save_adapter, train_sft
+from sprpo_lib.warmstart.sft import SFTConfig, train_sft
 
 log = logging.getLogger(__name__)
 
@@ -105,31 +106,7 @@ def dagger(
         last = r
     load_adapter(policy, (rdir / f"round-{last}" if last else base) / "adapter", trainable=True)
     for r in range(last + 1, cfg.dagger_rounds + 1):
-        rd = rdir / f"round-{r}"
-        t0 = time.perf_counter()
-        tasks = dagger_indices(cfg, r, n)
-        g = replace(gen, temperature=cfg.dagger_temperature, seed=cfg.seed + r)
-        (rd / "episodes.jsonl").unlink(missing_ok=True)
-        episodes, _ = play(policy, pool, cfg.split, tasks, agent, g, max_steps=cfg.episode_steps,
-                           log_path=rd / "episodes.jsonl", progress=progress, engine=engine)
-        played = time.perf_counter() - t0
-        scripts = {e.task_index: [(s.prompt, s.action) for s in e.steps] for e in episodes}
-        stats: dict = {}
-        new = collect_demonstrations(pool, cfg.split, tasks, agent, demonstrator=cfg.demonstrator,
-                                     max_steps=cfg.episode_steps, stats=stats, scripts=scripts)
-        rng = random.Random(f"dagger:{cfg.seed}:{r}")
-        replay = rng.sample(seen, min(len(seen), round(cfg.dagger_replay * len(new))))
-        res = train_sft(policy, new + replay, cfg, rd, progress, agent)
-        save_demos(rd / "demos.jsonl", new)
-        rec = {"round": r, "tasks": [tasks[0], tasks[-1]], "temperature": cfg.dagger_temperature,
-               "clone_success_rate": sum(e.success for e in episodes) / max(1, len(episodes)),
-               "labels": file_record(rd / "demos.jsonl"), "new": len(new), "replay": len(replay),
-               "disagree_rate": stats["disagree"] / max(1, len(new)), "expert_none": stats["expert_none"],
-               "play_s": round(played, 2), "sft": {k: res[k] for k in ("steps", "first_loss", "final_loss", "seconds")},
-               "seconds": round(time.perf_counter() - t0, 2)}
-        atomic_write_json(rd / "round.json", rec)
-        log.info("dagger round %d: clone success %.3f, %d labels (%.0f%% differ from the clone's action)", r,
-                 rec["clone_success_rate"], len(new), 100 * rec["disagree_rate"])
+        rec, new = _dagger_round(policy, pool, cfg, agent, gen, engine, progress, rdir / f"round-{r}", r, n, seen)
         rounds.append(rec)
         seen += new
     b = base_summary.get("result") or {}
@@ -142,3 +119,34 @@ def dagger(
                                                   "model": policy.spec})
     policy.meta["sft"] = {k: result[k] for k in ("steps", "demos", "final_loss")}
     return result
+
+
+def _dagger_round(policy: Policy, pool: TaskPool, cfg: SFTConfig, agent: AgentConfig, gen, engine: str,
+                  progress: bool, rd: Path, r: int, n: int, seen: list[Demo]) -> tuple[dict, list[Demo]]:
+    """Round ``r`` of :func:`dagger` in ``rd`` (steps 1-3 there): its record (``round.json``,
+    written last) and its new demonstrations."""
+    t0 = time.perf_counter()
+    tasks = dagger_indices(cfg, r, n)
+    g = replace(gen, temperature=cfg.dagger_temperature, seed=cfg.seed + r)
+    (rd / "episodes.jsonl").unlink(missing_ok=True)
+    episodes, _ = play(policy, pool, cfg.split, tasks, agent, g, max_steps=cfg.episode_steps,
+                       log_path=rd / "episodes.jsonl", progress=progress, engine=engine)
+    played = time.perf_counter() - t0
+    scripts = {e.task_index: [(s.prompt, s.action) for s in e.steps] for e in episodes}
+    stats: dict = {}
+    new = collect_demonstrations(pool, cfg.split, tasks, agent, demonstrator=cfg.demonstrator,
+                                 max_steps=cfg.episode_steps, stats=stats, scripts=scripts)
+    rng = random.Random(f"dagger:{cfg.seed}:{r}")
+    replay = rng.sample(seen, min(len(seen), round(cfg.dagger_replay * len(new))))
+    res = train_sft(policy, new + replay, cfg, rd, progress, agent)
+    save_demos(rd / "demos.jsonl", new)
+    rec = {"round": r, "tasks": [tasks[0], tasks[-1]], "temperature": cfg.dagger_temperature,
+           "clone_success_rate": sum(e.success for e in episodes) / max(1, len(episodes)),
+           "labels": file_record(rd / "demos.jsonl"), "new": len(new), "replay": len(replay),
+           "disagree_rate": stats["disagree"] / max(1, len(new)), "expert_none": stats["expert_none"],
+           "play_s": round(played, 2), "sft": {k: res[k] for k in ("steps", "first_loss", "final_loss", "seconds")},
+           "seconds": round(time.perf_counter() - t0, 2)}
+    atomic_write_json(rd / "round.json", rec)
+    log.info("dagger round %d: clone success %.3f, %d labels (%.0f%% differ from the clone's action)", r,
+             rec["clone_success_rate"], len(new), 100 * rec["disagree_rate"])
+    return rec, new

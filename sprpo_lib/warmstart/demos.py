@@ -163,50 +163,14 @@ def collect_demonstrations(
     indices = list(indices)
     bar = progress_bar(indices, desc=f"demonstrations ({demonstrator}, {split})", unit="task", disable=not progress)
     for idx in bar:
-        handle = pool.open(split, idx)
-        ep = handle.spawn()
-        rng = random.Random(f"{seed}:{split}:{idx}")
-        script = None if scripts is None else scripts[idx]
-        try:
-            obs = ep.reset()
-            history: list[HistoryStep] = []
-            score, success = 0.0, False
-            for step in range(limit if script is None else min(limit, len(script))):
-                expert = label(ep, history)
-                if expert is None:
-                    n_none += 1
-                    break
-                response = f"<action>{expert}</action>"
-                prompt = build_prompt(ep.instruction, obs.text, obs.admissible, history, agent)
-                demos.append(Demo(prompt, response, handle.task_id, step))
-                executed = response
-                if script is not None:  # DAgger: the state another policy reached, with the demonstrator's label
-                    played_prompt, action = script[step]
-                    if played_prompt != prompt:
-                        raise RuntimeError(f"DAgger relabelling: replaying task {handle.task_id} gave another prompt "
-                                           f"at step {step} than the one played (the environment did not replay the "
-                                           f"same states; it must be deterministic given the task and the actions)")
-                    n_disagree += action != expert
-                    executed = None
-                elif expert_prob < 1.0 and obs.admissible and rng.random() >= expert_prob:
-                    executed = f"<action>{random_action(obs.admissible, ep.instruction.strip(), rng)}</action>"
-                elif repeat_prob > 0.0 and history and rng.random() < repeat_prob:  # no draw at 0: same streams
-                    executed = f"<action>{history[-1].action}</action>"
-                # run_groups steps the env with the *parsed* action and keeps it in the history
-                if executed is not None:
-                    action = extract_action(executed).action
-                nxt = ep.step(action)
-                history.append(HistoryStep(obs.text, action, bool(nxt.info.get("invalid"))))
-                score += nxt.reward
-                success = success or nxt.success
-                obs = nxt
-                if obs.done:
-                    break
-        finally:
-            ep.close()
+        ep = _demonstrate(pool.open(split, idx), label, agent, limit, random.Random(f"{seed}:{split}:{idx}"),
+                          expert_prob, repeat_prob, None if scripts is None else scripts[idx])
+        demos += ep.demos
         n_ep += 1
-        n_succ += success
-        score_sum += score
+        n_succ += ep.success
+        score_sum += ep.score
+        n_none += ep.expert_none
+        n_disagree += ep.disagree
     if stats is not None:
         stats.update(episodes=n_ep, successes=n_succ, success_rate=n_succ / max(1, n_ep),
                      mean_score=score_sum / max(1, n_ep), demos=len(demos), expert_none=n_none)
@@ -214,6 +178,63 @@ def collect_demonstrations(
             stats["disagree"] = n_disagree
     log.info("collected %d demos from %d episodes (%d successful)", len(demos), n_ep, n_succ)
     return demos
+
+
+@dataclass
+class _Played:
+    """One demonstrated episode: its demonstrations and what :func:`collect_demonstrations` counts."""
+
+    demos: list[Demo]
+    success: bool = False
+    score: float = 0.0
+    expert_none: int = 0
+    disagree: int = 0
+
+
+def _demonstrate(handle, label, agent: AgentConfig, limit: int, rng: random.Random, expert_prob: float,
+                 repeat_prob: float, script: Sequence[tuple[str, str]] | None) -> _Played:
+    """Play one task (see :func:`collect_demonstrations` for the arguments): label each state,
+    then execute the label, a random admissible action, the previous action again, or the
+    script's next action."""
+    out = _Played([])
+    ep = handle.spawn()
+    try:
+        obs = ep.reset()
+        history: list[HistoryStep] = []
+        for step in range(limit if script is None else min(limit, len(script))):
+            expert = label(ep, history)
+            if expert is None:
+                out.expert_none += 1
+                break
+            response = f"<action>{expert}</action>"
+            prompt = build_prompt(ep.instruction, obs.text, obs.admissible, history, agent)
+            out.demos.append(Demo(prompt, response, handle.task_id, step))
+            executed = response
+            if script is not None:  # DAgger: the state another policy reached, with the demonstrator's label
+                played_prompt, action = script[step]
+                if played_prompt != prompt:
+                    raise RuntimeError(f"DAgger relabelling: replaying task {handle.task_id} gave another prompt "
+                                       f"at step {step} than the one played (the environment did not replay the "
+                                       f"same states; it must be deterministic given the task and the actions)")
+                out.disagree += action != expert
+                executed = None
+            elif expert_prob < 1.0 and obs.admissible and rng.random() >= expert_prob:
+                executed = f"<action>{random_action(obs.admissible, ep.instruction.strip(), rng)}</action>"
+            elif repeat_prob > 0.0 and history and rng.random() < repeat_prob:  # no draw at 0: same streams
+                executed = f"<action>{history[-1].action}</action>"
+            # run_groups steps the env with the *parsed* action and keeps it in the history
+            if executed is not None:
+                action = extract_action(executed).action
+            nxt = ep.step(action)
+            history.append(HistoryStep(obs.text, action, bool(nxt.info.get("invalid"))))
+            out.score += nxt.reward
+            out.success = out.success or nxt.success
+            obs = nxt
+            if obs.done:
+                break
+    finally:
+        ep.close()
+    return out
 
 
 def save_demos(path: str | Path, demos: Sequence[Demo]) -> Path:

@@ -216,9 +216,9 @@ def load_eval(path: str | Path) -> dict:
 def eval_is_current(path: Path, cfg, count: int) -> bool:
     """An ``eval.json`` exists, is whole (:func:`load_eval`; a corrupt one is not current, so
     it is recomputed) and was made with the current settings and task count."""
+    want = {"episodes": count, **eval_settings(cfg)}
     res = read_cached(path, load_eval)
-    return res is not None and res.get("episodes") == count and all(res.get(k) == v
-                                                                     for k, v in eval_settings(cfg).items())
+    return res is not None and all(res.get(k) == v for k, v in want.items())
 
 
 def evaluate_policy(policy, pool, cfg, agent, out: Path, count: int, progress: bool = True) -> dict:
@@ -247,9 +247,9 @@ def agreement_settings(cfg, count: int) -> dict:
 
 def agreement_is_current(path: Path, cfg, count: int) -> bool:
     """An ``agreement.json`` exists, parses, and was made with the current settings."""
+    want = agreement_settings(cfg, count)
     res = read_cached(path)
-    return isinstance(res, dict) and isinstance(res.get("rate"), float) and res.get("settings") == \
-        agreement_settings(cfg, count)
+    return isinstance(res, dict) and isinstance(res.get("rate"), float) and res.get("settings") == want
 
 
 def evaluate_agreement(policy, pool, cfg, agent, out: Path, count: int) -> dict:

@@ -34,7 +34,7 @@ rounds on top, and :mod:`.cache` keys, builds and merges the result for RL.
   more against the many ``go to`` steps of the search (a class-balanced loss).
 * **Outputs** (``out_dir``): ``metrics.jsonl`` (one flushed JSON line per logged
   step), ``sft_summary.json`` (config and results, atomic), ``adapter/`` (peft
-  ``save_pretrained``, safetensors; reload with :func:`load_adapter`), and for
+  ``save_pretrained``, safetensors; reload with :func:`~sprpo_lib.model.lora.load_adapter`), and for
   :func:`warm_start` ``demos.jsonl``.
 * **Resume.**  Every :data:`RESUME_EVERY_S` seconds the trainable weights, the
   optimizer, the data order, the random states and the running sums go to
@@ -83,7 +83,7 @@ from sprpo_lib.infra.io import (
 )
 from sprpo_lib.infra.progress import progress_bar
 from sprpo_lib.model.load import Policy
-from sprpo_lib.model.lora import LoraSettings, add_lora, is_peft, lora_on_last_layers, merge_lora, save_peft
+from sprpo_lib.model.lora import LoraSettings, add_lora, is_peft, lora_on_last_layers, save_adapter
 from sprpo_lib.warmstart.demos import (
     DEMONSTRATORS,
     LABEL_VERSIONS,
@@ -95,8 +95,7 @@ from sprpo_lib.warmstart.demos import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SFTConfig", "encode_demo", "collate", "response_nll", "train_sft", "save_adapter", "load_adapter",
-           "check_adapter", "warm_start"]
+__all__ = ["SFTConfig", "encode_demo", "collate", "response_nll", "train_sft", "warm_start"]
 
 IGNORE_INDEX = -100
 #: seconds between resume points of :func:`train_sft` (a resume point costs the LoRA
@@ -321,11 +320,6 @@ def response_nll(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 # ----------------------------------------------------------------------------- training
 
 
-def _lora_settings(model, cfg: SFTConfig) -> LoraSettings:
-    """``cfg.lora``, restricted to the last ``cfg.lora_layers`` decoder layers."""
-    return lora_on_last_layers(model, cfg.lora, cfg.lora_layers)
-
-
 def lr_at(step: int, total: int, cfg: SFTConfig) -> float:
     """Learning rate of optimizer step ``step`` (0-based)."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
@@ -337,57 +331,6 @@ def lr_at(step: int, total: int, cfg: SFTConfig) -> float:
     if cfg.schedule == "linear":
         return cfg.lr * (1.0 - frac)
     return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * frac))
-
-
-def save_adapter(policy: Policy, path: str | Path) -> Path:
-    """Save the peft adapter (safetensors) to ``path``, replacing it atomically."""
-    with atomic_dir(path) as tmp:
-        save_peft(policy.model, tmp)
-    return path
-
-
-def check_adapter(path: str | Path) -> Path:
-    """A whole peft adapter folder (``save_pretrained``, safetensors): ``adapter_config.json``
-    a JSON object, every tensor of ``adapter_model.safetensors`` readable (a truncated or
-    garbage file is refused).  Raises :class:`~sprpo_lib.infra.io.CorruptFileError` naming
-    the bad file, ``FileNotFoundError`` when the folder is missing."""
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"no adapter folder {path}")
-    for name in ("adapter_config.json", "adapter_model.safetensors"):
-        if not (path / name).is_file():
-            raise CorruptFileError(path / name, "missing from the adapter folder")
-    read_json(path / "adapter_config.json", lambda c: None if isinstance(c, dict) and c.get("peft_type") else
-              "not a peft adapter config (no peft_type)")
-    if not read_safetensors(path / "adapter_model.safetensors"):
-        raise CorruptFileError(path / "adapter_model.safetensors", "holds no tensor")
-    return path
-
-
-def load_adapter(policy: Policy, path: str | Path, trainable: bool = False, merge: bool = False) -> Policy:
-    """Load an adapter saved by :func:`train_sft` onto ``policy`` (a fresh
-    :func:`models.load_policy` of the same base model).  ``merge=True`` folds it into
-    the base weights (the warm-started model as a new base for RL's own LoRA).  The
-    folder is checked first (:func:`check_adapter`): a truncated or garbage file is one
-    error naming it and saying how to rebuild it, never loaded."""
-    from peft import PeftModel  # heavy: loaded on first use
-
-    if is_peft(policy.model):
-        raise ValueError("policy is already peft-wrapped; load the adapter onto a fresh base model")
-    if Path(path).is_dir():
-        try:
-            check_adapter(path)
-        except CorruptFileError as err:
-            raise err.with_fix(
-                f"delete {path} and rerun to rebuild it (a warm start under runs/sft/ is trained again by the next "
-                "training run; a run's final/adapter is republished from its last checkpoint by rerunning the same "
-                "train command)") from None
-    policy.model = PeftModel.from_pretrained(policy.model, str(path), is_trainable=trainable)
-    policy.model.eval()
-    policy.meta["sft_adapter"] = str(path)
-    if merge:
-        merge_lora(policy)
-    return policy
 
 
 def _save_resume(path: Path, key: str, model, opt, rng: random.Random, run: dict) -> None:
@@ -487,7 +430,7 @@ def train_sft(
         raise ValueError(f"no demonstrations to train on ({len(demos)} given, {skipped} over max_prompt_tokens)")
 
     if not is_peft(policy.model):
-        add_lora(policy, _lora_settings(policy.model, cfg), seed=cfg.seed)
+        add_lora(policy, lora_on_last_layers(policy.model, cfg.lora, cfg.lora_layers), seed=cfg.seed)
     model = policy.model
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
