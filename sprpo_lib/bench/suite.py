@@ -784,7 +784,7 @@ def bench_eval(profile: str = "cpu", env: str = "webshop", engines: tuple[str, .
         if dt not in policies:
             pol = load_policy(cfg.model.spec, dtype=dt)
             if cfg.warm_start:
-                warm_start_policy(pol, pool, cfg, agent, progress=False)
+                warm_start_policy(pol, pool, cfg, agent, progress=True)  # a first build takes minutes: show it
             pol.model.eval()
             policies[dt] = pol
     dtypes = sorted({str(p.model.dtype).replace("torch.", "") for p in policies.values()} | {"float32"})
