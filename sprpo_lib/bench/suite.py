@@ -41,6 +41,7 @@ from sprpo_lib.core.methods import MethodConfig, make_method, rank_correlation
 from sprpo_lib.core.perturb import FFNChannels, sample_xi
 from sprpo_lib.infra import hardware as hw
 from sprpo_lib.infra.paths import cache_dir
+from sprpo_lib.infra.progress import progress_bar
 from sprpo_lib.model.layers import lowest_trainable_layer
 from sprpo_lib.model.load import DEFAULT_MODEL, QWEN25_15B_SHAPE, TINY_SPECS, TinyConfig, load_policy
 from sprpo_lib.model.lora import LoraSettings, add_lora, lora_on_last_layers
@@ -443,10 +444,12 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
         a.prefix_min, a.reuse_frozen = prefix_min[path], reuse[path]
         tr.method = make_method(variants["sprpo"], tr.shape, cfg.seed)
         tr.update(Batch(batch.without_old().samples[:2 * a.micro_batch]), xi, 0)
-    for _ in range(repeats):
+    bar = progress_bar(total=repeats * len(paths) * len(variants), desc="bench train: updates", unit="update")
+    for _ in range(repeats):  # minutes each on a real batch: the bar names the one running and the last one's time
         for path in paths:
             a.prefix_min, a.reuse_frozen = prefix_min[path], reuse[path]
             for name, mcfg in variants.items():
+                bar.set_postfix_str(f"{path} {name}", refresh=True)
                 with torch.no_grad():
                     for p, v in zip(a.params, params0):
                         p.copy_(v)
@@ -458,6 +461,9 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
                 for k in ("update_s", "sensitivity_s"):
                     times[(path, name)][k].append(st[k])
                 times[(path, name)]["ppo_steps"].append(st.get("ppo_steps", 1.0))
+                bar.write(f"  {path} {name}: update {st['update_s']:.1f} s, extra pass {st['sensitivity_s']:.1f} s")
+                bar.update()
+    bar.close()
     played = eps + list(rst.get("dropped", []))  # generate_s covers every refill round's episodes
     gen = generation_floor(config, played, gflops, bandwidth, weight_bytes)
     t_roll = rst["rollout_s"]
