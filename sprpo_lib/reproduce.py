@@ -37,7 +37,14 @@ from sprpo_lib.core import metrics as MK
 from sprpo_lib.infra.executor import EXECUTORS, executor_environment, make_executor
 from sprpo_lib.infra.io import CorruptFileError, JsonLines, atomic_write_json, atomic_write_text, read_cached
 from sprpo_lib.infra.manifest import check_artifact, git_commit, write_manifest
-from sprpo_lib.infra.paths import ProjectRootError, notebooks_dir, package_checkout, project_path, project_root
+from sprpo_lib.infra.paths import (
+    ProjectRootError,
+    notebooks_dir,
+    package_checkout,
+    project_path,
+    project_relative,
+    project_root,
+)
 from sprpo_lib.infra.paths import runs_dir as project_runs
 from sprpo_lib.infra.progress import PROGRESS_ENV
 from sprpo_lib.paper import budget
@@ -206,9 +213,9 @@ def run(profile: str, only: list[str] | None = None, force: bool = False, model:
     for i, (path, params) in enumerate(jobs, 1):
         names = notebook_parameters(path)
         if "runs_root" in names:  # training runs of this profile: runs/<profile>/train/
-            params = {**params, "runs_root": str(runs_dir / "train")}
-        if "cache_dir" in names:  # evaluation cells of this profile
-            params = {**params, "cache_dir": str(runs_dir / "eval_cache")}
+            params = {**params, "runs_root": project_relative(runs_dir / "train")}
+        if "cache_dir" in names:  # evaluation cells of this profile (relative: the same stamp in every clone)
+            params = {**params, "cache_dir": project_relative(runs_dir / "eval_cache")}
         head = f"[reproduce] ({i}/{len(jobs)}, {time.time() - t_all:.0f} s so far) {path.stem}"
         if render_only:
             if "render_only" not in names:

@@ -1,6 +1,7 @@
 """Provenance: the commit recorded beside results."""
 from __future__ import annotations
 
+import json
 import subprocess
 
 import pytest
@@ -55,3 +56,27 @@ def test_atomic_writes_get_the_permissions_open_and_mkdir_would(tmp_path):
     assert mode(tmp_path / "a.txt") == mode(tmp_path / "plain.txt")
     assert mode(tmp_path / "d") == mode(tmp_path / "plain_dir")
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left behind
+
+
+def test_manifests_name_project_files_relative_to_the_project_root(tmp_path, monkeypatch):
+    """A committed manifest names the same run folders in every clone: paths under the project
+    root are recorded relative to it (also through a linked runs/ folder, as in a worktree);
+    paths outside it (a model folder) are kept as given."""
+    from sprpo_lib.infra import paths
+    from sprpo_lib.infra.manifest import write_manifest
+
+    root, elsewhere = tmp_path / "clone", tmp_path / "shared-runs"
+    (root / "figures").mkdir(parents=True)
+    (elsewhere / "cpu" / "train" / "webshop-sprpo-cpu-seed0").mkdir(parents=True)
+    (root / "runs").symlink_to(elsewhere)  # a worktree sharing another clone's runs/
+    monkeypatch.setenv(paths.HOME_ENV, str(root))
+    run = root / "runs" / "cpu" / "train" / "webshop-sprpo-cpu-seed0"
+    config = {"runs": [str(run), run], "model": str(tmp_path / "models" / "qwen"), "spec": "smollm2-135m",
+              "nested": {"cache_dir": str(root / "runs" / "cpu" / "eval_cache")}}
+    m = json.loads(write_manifest(root / "figures" / "fig.png", config, 0, 1.0,
+                                  {"run_dirs": {"a": str(run)}}).read_text())
+    assert m["config"]["runs"] == ["runs/cpu/train/webshop-sprpo-cpu-seed0"] * 2
+    assert m["config"]["nested"]["cache_dir"] == "runs/cpu/eval_cache"
+    assert m["config"]["model"] == str(tmp_path / "models" / "qwen") and m["config"]["spec"] == "smollm2-135m"
+    assert m["run_dirs"] == {"a": "runs/cpu/train/webshop-sprpo-cpu-seed0"}
+    assert str(tmp_path) not in json.dumps({k: v for k, v in m.items() if k != "config"})

@@ -11,7 +11,7 @@ import torch
 
 from sprpo_lib.infra.hardware import machine_info
 from sprpo_lib.infra.io import CorruptFileError, atomic_write_json, file_record, read_json, verify_file
-from sprpo_lib.infra.paths import package_checkout
+from sprpo_lib.infra.paths import package_checkout, project_relative
 
 NOT_A_CHECKOUT = "unknown (not a git checkout)"
 
@@ -39,6 +39,19 @@ def git_commit(repo: str | Path | None = None) -> str:
         return NOT_A_CHECKOUT
 
 
+def portable(obj):
+    """``obj`` with every absolute path string under the project root made project-relative
+    (:func:`~sprpo_lib.infra.paths.project_relative`): a committed manifest names the same
+    run folders in every clone, and no one's home directory."""
+    if isinstance(obj, dict):
+        return {k: portable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [portable(v) for v in obj]
+    if isinstance(obj, Path) or (isinstance(obj, str) and obj.startswith("/")):
+        return project_relative(obj)
+    return obj
+
+
 def write_manifest(
     artifact: str | Path, config: dict, seed: int | None, wall_seconds: float, extra: dict | None = None
 ) -> Path:
@@ -46,7 +59,7 @@ def write_manifest(
     artifact = Path(artifact)
     manifest = {
         "artifact": artifact.name,
-        "config": config,
+        "config": portable(config),
         "seed": seed,
         "commit": git_commit(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -60,7 +73,7 @@ def write_manifest(
     except Exception:  # noqa: BLE001 - a manifest is never lost for want of CPU details
         pass
     if extra:
-        manifest.update(extra)
+        manifest.update(portable(extra))
     if artifact.is_file():  # what readers verify the artifact against (check_artifact)
         manifest["file"] = file_record(artifact)
     return atomic_write_json(artifact.with_name(artifact.name + ".manifest.json"), manifest)

@@ -56,6 +56,16 @@ def project_path(path: str | os.PathLike) -> Path:
     return p if p.is_absolute() else project_root() / p
 
 
+def project_relative(path: str | os.PathLike) -> str:
+    """``path`` as recorded in manifests and notebook parameters: relative to the project root
+    when it lies under it (so a record names the same file in every clone), else as given."""
+    try:
+        # absolute but not resolved: a worktree whose runs/ is a link still records runs/...
+        return Path(os.path.abspath(Path(path).expanduser())).relative_to(project_root()).as_posix()
+    except ValueError:  # outside the project (a model folder, a data folder): kept as given
+        return str(path)
+
+
 def runs_dir(*parts: str) -> Path:
     """``<root>/runs/<parts...>``: training runs, warm starts, caches, benchmark JSON."""
     return project_root().joinpath("runs", *parts)
