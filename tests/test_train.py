@@ -305,8 +305,8 @@ def test_warm_start_and_final_eval_on_same_held_out_tasks(tmp_path, monkeypatch)
                                    demonstrator=cfg.sft.demonstrator, max_steps=cfg.sft.episode_steps)
     assert agree["states"] == len(demos) > 0 and agree["indices"] == [2, 4]
     assert sum(v["states"] for v in agree["by_verb"].values()) == len(demos) and 0 <= agree["agree"] <= len(demos)
-    assert E.agreement_is_current(ws / "agreement.json", cfg, 3) and not E.agreement_is_current(ws / "agreement.json",
-                                                                                              cfg, 4)
+    assert E.current_agreement(ws / "agreement.json", cfg, 3) == agree
+    assert E.current_agreement(ws / "agreement.json", cfg, 4) is None  # other task count: redo
     assert warm_start_dir(load_config("smoke", ov[:-1])) == ws  # not part of the warm start's key
 
 

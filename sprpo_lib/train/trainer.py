@@ -53,7 +53,7 @@ from sprpo_lib.model.lora import adapter_is_whole, add_lora, lora_on_last_layers
 from sprpo_lib.train.checkpoint import load_checkpoint, save_checkpoint
 from sprpo_lib.train.config import TrainConfig, config_dict, load_config
 from sprpo_lib.warmstart.cache import warm_start_policy
-from sprpo_lib.warmstart.heldout import eval_is_current, evaluate_policy, load_eval
+from sprpo_lib.warmstart.heldout import eval_is_current, evaluate_policy
 
 log = logging.getLogger(__name__)
 
@@ -224,14 +224,11 @@ class Trainer:
         kept in ``heldout/iter_<k>/``; the training's random streams are left as they were,
         so a run with the curve trains exactly as one without it."""
         out = heldout_dir(self.out, k)
-        if not eval_is_current(out / "eval.json", self.cfg, self.cfg.eval_tasks):
-            out.mkdir(parents=True, exist_ok=True)
-            py_state = random.getstate()
-            with torch.random.fork_rng(devices=[]):
-                self.model.eval()
-                evaluate_policy(self.policy, self.pool, self.cfg, self.agent, out, self.cfg.eval_tasks, self.progress)
-            random.setstate(py_state)
-        res = read_cached(out / "eval.json", load_eval)
+        out.mkdir(parents=True, exist_ok=True)
+        py_state = random.getstate()
+        with torch.random.fork_rng(devices=[]):
+            res = evaluate_policy(self.policy, self.pool, self.cfg, self.agent, out, self.cfg.eval_tasks, self.progress)
+        random.setstate(py_state)
         return {MK.HELDOUT_SUCCESS: res["success_rate"], "heldout_score": res["mean_score"],
                 "heldout_valid_rate": res["valid_rate"], MK.HELDOUT_S: res.get("seconds")}
 
@@ -354,7 +351,6 @@ def _train(cfg: TrainConfig, out: Path, fresh: bool, progress: bool) -> Path:
                 for name in ("eval_episodes.jsonl", "eval.json"):  # the same policy, tasks and seed: its numbers
                     atomic_write_text(final / name, (last / name).read_text())
             else:
-                tr.model.eval()
                 evaluate_policy(tr.policy, tr.pool, cfg, tr.agent, final, cfg.eval_tasks, progress)
     finally:
         if tracker is not None:

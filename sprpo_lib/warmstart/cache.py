@@ -17,7 +17,7 @@ from sprpo_lib.infra.paths import runs_dir
 from sprpo_lib.model.lora import adapter_is_whole, is_peft, load_adapter, merge_lora
 from sprpo_lib.warmstart.dagger import dagger, without_dagger
 from sprpo_lib.warmstart.demos import LABEL_VERSIONS
-from sprpo_lib.warmstart.heldout import agreement_is_current, eval_is_current, evaluate_agreement, evaluate_policy
+from sprpo_lib.warmstart.heldout import evaluate_agreement, evaluate_policy
 from sprpo_lib.warmstart.sft import warm_start
 
 log = logging.getLogger(__name__)
@@ -56,11 +56,10 @@ def warm_start_policy(policy, pool, cfg, agent: AgentConfig, progress: bool = Tr
     merge_lora(policy)
     for p in policy.model.parameters():
         p.requires_grad_(False)
-    with file_lock(out.parent / f".{out.name}.lock"):
-        if cfg.sft.eval_tasks and not eval_is_current(out / "eval.json", cfg, cfg.sft.eval_tasks):
+    with file_lock(out.parent / f".{out.name}.lock"):  # each computed once, then read back
+        if cfg.sft.eval_tasks:
             evaluate_policy(policy, pool, cfg, agent, out, cfg.sft.eval_tasks, progress)
-        if cfg.sft.eval_tasks and cfg.sft.agreement and not agreement_is_current(out / "agreement.json", cfg,
-                                                                                 cfg.sft.eval_tasks):
+        if cfg.sft.eval_tasks and cfg.sft.agreement:
             evaluate_agreement(policy, pool, cfg, agent, out, cfg.sft.eval_tasks)
     return out
 

@@ -213,19 +213,27 @@ def load_eval(path: str | Path) -> dict:
     return res
 
 
-def eval_is_current(path: Path, cfg, count: int) -> bool:
-    """An ``eval.json`` exists, is whole (:func:`load_eval`; a corrupt one is not current, so
-    it is recomputed) and was made with the current settings and task count."""
+def current_eval(path: Path, cfg, count: int) -> dict | None:
+    """The ``eval.json`` at ``path`` when it is whole (:func:`load_eval`; a corrupt one is not
+    current, so it is recomputed) and was made with the current settings and task count."""
     want = {"episodes": count, **eval_settings(cfg)}
     res = read_cached(path, load_eval)
-    return res is not None and all(res.get(k) == v for k, v in want.items())
+    return res if res is not None and all(res.get(k) == v for k, v in want.items()) else None
+
+
+def eval_is_current(path: Path, cfg, count: int) -> bool:
+    """:func:`current_eval` finds a current evaluation at ``path``."""
+    return current_eval(path, cfg, count) is not None
 
 
 def evaluate_policy(policy, pool, cfg, agent, out: Path, count: int, progress: bool = True) -> dict:
     """Success and score of ``policy`` on ``count`` held-out tasks (:func:`held_out_tasks`),
     one rollout each at :func:`eval_temperature` with the generation seed ``cfg.sft.seed``;
     written to ``out/eval.json`` and ``out/eval_episodes.jsonl`` (a killed evaluation
-    starts over)."""
+    starts over).  A current one there (:func:`current_eval`) is returned as it is."""
+    res = current_eval(out / "eval.json", cfg, count)
+    if res is not None:
+        return res
     idx = held_out_tasks(cfg, pool.splits()[cfg.sft.split], count)
     gen = replace(cfg.rollout.generation, temperature=eval_temperature(cfg), seed=cfg.sft.seed)
     (out / "eval_episodes.jsonl").unlink(missing_ok=True)
@@ -245,17 +253,22 @@ def agreement_settings(cfg, count: int) -> dict:
             "max_new_tokens": cfg.rollout.generation.max_new_tokens, "engine": cfg.rollout.engine}
 
 
-def agreement_is_current(path: Path, cfg, count: int) -> bool:
-    """An ``agreement.json`` exists, parses, and was made with the current settings."""
-    want = agreement_settings(cfg, count)
+def current_agreement(path: Path, cfg, count: int) -> dict | None:
+    """The ``agreement.json`` at ``path`` when it parses and was made with the current settings."""
     res = read_cached(path)
-    return isinstance(res, dict) and isinstance(res.get("rate"), float) and res.get("settings") == want
+    ok = isinstance(res, dict) and isinstance(res.get("rate"), float) and res.get("settings") == agreement_settings(
+        cfg, count)
+    return res if ok else None
 
 
 def evaluate_agreement(policy, pool, cfg, agent, out: Path, count: int) -> dict:
     """The clone's greedy agreement with its demonstrator (:func:`agreement`) on
     the demonstrator's own episodes of the held-out tasks of :func:`evaluate_policy`
-    (no random actions, the demonstrations' step limit), written to ``out/agreement.json``."""
+    (no random actions, the demonstrations' step limit), written to ``out/agreement.json``;
+    a current one there (:func:`current_agreement`) is returned as it is."""
+    res = current_agreement(out / "agreement.json", cfg, count)
+    if res is not None:
+        return res
     t0 = time.perf_counter()
     idx = held_out_tasks(cfg, pool.splits()[cfg.sft.split], count)
     demos = collect_demonstrations(pool, cfg.sft.split, idx, agent, 1.0, cfg.sft.seed,
