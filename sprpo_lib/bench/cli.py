@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             print(path)
         return 0
     torch.set_num_threads(args.threads)
-    t0 = time.time()
+    t0, commit = time.time(), git_commit()  # the code that runs (files edited during a long run do not count)
     if args.what == "perturb":
         res = bench_perturb(args.model, args.n_calib, args.calib_len, args.batch, args.new_tokens, args.repeats,
                             not args.no_sparsegpt, args.device, args.dtype)
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         res = bench_train(args.profile, args.env, args.repeats, args.overrides, tuple(args.paths.split(",")))
     out = project_path(args.out) if args.out else runs_dir("bench", f"{args.what}.json")
-    record = {"bench": args.what, "commit": git_commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    record = {"bench": args.what, "commit": commit, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "machine": machine_info(), "torch": torch.__version__, "wall_s": round(time.time() - t0, 1),
               "results": res}
     atomic_write_json(out, record)

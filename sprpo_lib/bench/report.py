@@ -94,7 +94,9 @@ def _train_rows(res: dict) -> list[str]:
              f"{tok.get('whole_computed')} (padding {tok.get('whole_padding')}), by a shared-prefix pass "
              f"{tok.get('shared_computed')} (padding {tok.get('shared_padding')}, {tok.get('prefix_groups')} prefixes), "
              f"by any prefix sharing at least {tok.get('trie_limit')}; "
-             f"{res.get('dtype')} matmul {res.get('matmul_gflops')} GFLOP/s. Rollout {ro.get('rollout_s')} s"
+             f"{res.get('dtype')} matmul {res.get('matmul_gflops')} GFLOP/s. "
+             + (f"Setup (model, warm start) {res['setup_s']} s, not measured. " if "setup_s" in res else "")
+             + f"Rollout {ro.get('rollout_s')} s"
              + (f" ({ro['episodes_played']} episodes in {ro.get('rounds')} rounds)" if "episodes_played" in ro else "")
              + f", generation {ro.get('generate_s')} s = {ro.get('generate_over_floor')}x its floor "
              f"({ro.get('prefill_floor_s')} s prefill + {ro.get('decode_floor_s')} s decode"

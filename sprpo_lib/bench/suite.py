@@ -407,12 +407,15 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     :func:`generation_floor` of every episode played, refill rounds included.  Each
     method's ``ppo_steps`` says how many optimizer steps it took (the one-pass estimate:
     one).  ``tokens`` says what the passes compute against what the batch holds: padding,
-    and prefixes computed once per row instead of once.
+    and prefixes computed once per row instead of once.  ``setup_s``: loading the model and
+    the warm start, apart from the measurement (it includes building a warm start not yet cached).
 
     Long on purpose: the collection, the interleaved repeats of every method from one
     adapter state, and the floors of each pass are one measurement and share its state."""
     cfg = load_config(profile, list(overrides or []) + [f"env.name={env}", "method.name=sprpo"])
-    tr = Trainer(cfg, run_folder(cfg), progress=True)
+    t_setup = time.perf_counter()
+    tr = Trainer(cfg, run_folder(cfg), progress=True)  # loads the model; builds the warm start when not cached
+    t_setup = time.perf_counter() - t_setup
     eps, xi, rst = tr.collect(0)
     batch, _ = build_batch(eps, cfg.update.adv, cfg.update.estimator)
     tr.envs.close()
@@ -468,6 +471,7 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     gen = generation_floor(config, played, gflops, bandwidth, weight_bytes)
     t_roll = rst["rollout_s"]
     res: dict = {"profile": profile, "env": env, "overrides": list(overrides or []), "dtype": tr.dtype,
+                 "setup_s": round(t_setup, 1),  # model load and warm start (minutes of SFT when not cached)
                  "matmul_gflops": gflops, "bandwidth_gbs": round(bandwidth, 1), "layers": L, "lora_layers": depth,
                  "episodes": len(eps), "samples": len(batch.samples), "samples_nonzero_adv": len(nonzero),
                  "response_tokens": batch.n_tokens, "micro_batch": a.micro_batch, "prefix_min": prefix_min["shared"],
