@@ -327,7 +327,7 @@ def test_bench_train_reports_each_phase_against_its_floor():
     # the generation floor covers every episode the rollout played, refill rounds included
     assert res["rollout"]["rounds"] >= 1 and res["rollout"]["episodes_played"] >= res["episodes"]
     assert res["shared"]["sprpo_one_pass"]["ppo_steps"] == 1 and res["shared"]["vanilla"]["ppo_steps"] >= 1
-    assert res["setup_s"] > 0  # model load and warm start, apart from the timed phases
+    assert isinstance(res["setup_s"], float) and res["setup_s"] >= 0  # model load and warm start, not timed
 
 
 def test_bench_prices_the_old_log_prob_pass_that_mini_batches_add(tiny_spec):

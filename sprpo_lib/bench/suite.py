@@ -471,7 +471,7 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     gen = generation_floor(config, played, gflops, bandwidth, weight_bytes)
     t_roll = rst["rollout_s"]
     res: dict = {"profile": profile, "env": env, "overrides": list(overrides or []), "dtype": tr.dtype,
-                 "setup_s": round(t_setup, 1),  # model load and warm start (minutes of SFT when not cached)
+                 "setup_s": round(t_setup, 2),  # model load and warm start (minutes of SFT when not cached)
                  "matmul_gflops": gflops, "bandwidth_gbs": round(bandwidth, 1), "layers": L, "lora_layers": depth,
                  "episodes": len(eps), "samples": len(batch.samples), "samples_nonzero_adv": len(nonzero),
                  "response_tokens": batch.n_tokens, "micro_batch": a.micro_batch, "prefix_min": prefix_min["shared"],
