@@ -312,7 +312,7 @@ def test_bench_train_reports_each_phase_against_its_floor():
     its floor, the shared layout computing fewer positions than the whole rows."""
     from sprpo_lib.bench.suite import bench_train
 
-    res = bench_train("smoke", "webshop", repeats=1, overrides=["rollout.tasks_per_step=2"])
+    res = bench_train("smoke", "webshop", repeats=1, overrides=["rollout.tasks_per_step=2"], replay_frac=0.5)
     tok = res["tokens"]
     assert tok["shared_computed"] < tok["whole_computed"] and tok["prefix_groups"] >= 1
     for path in ("shared", "whole"):
@@ -320,14 +320,38 @@ def test_bench_train_reports_each_phase_against_its_floor():
             row = res[path][m]
             assert row["update_floor_s"] > 0 and row["update_over_floor"] > 0
             assert ("sensitivity_floor_s" in row) == (m in ("sprpo", "sam"))
-        assert res[path]["sprpo_over_vanilla"] > 0
+        assert res[path]["sprpo_over_vanilla"] > 0 and res[path]["sprpo_subset_over_vanilla"] > 0
+        assert res[path]["sprpo_subset"]["ppo_steps"] == res[path]["vanilla"]["ppo_steps"]
         assert 1 < res[path]["sam_over_vanilla_bound"]
     assert tok["trie_limit"] <= tok["shared_computed"] - tok["shared_padding"]
-    assert res["rollout"]["floor_s"] > 0 and set(res["whole_over_shared"]) == {"vanilla", "sprpo", "sprpo_one_pass", "sam"}
+    assert res["rollout"]["floor_s"] > 0
+    assert set(res["whole_over_shared"]) == {"vanilla", "sprpo", "sprpo_one_pass", "sam", "sprpo_subset"}
+    assert res["replay_frac"] == 0.5 and res["replay_rows"] <= max(1, res["samples_nonzero_adv"])
     # the generation floor covers every episode the rollout played, refill rounds included
     assert res["rollout"]["rounds"] >= 1 and res["rollout"]["episodes_played"] >= res["episodes"]
     assert res["shared"]["sprpo_one_pass"]["ppo_steps"] == 1 and res["shared"]["vanilla"]["ppo_steps"] >= 1
     assert isinstance(res["setup_s"], float) and res["setup_s"] >= 0  # model load and warm start, not timed
+    with pytest.raises(ValueError, match="sprpo_subset needs --replay-frac"):
+        bench_train("smoke", "webshop", methods=("sprpo_subset",))
+
+
+def test_estimate_agreement_against_hand_values():
+    """The bench's comparison of an S_hat / m_hat estimate with the replay's: identical
+    measurements agree exactly; S and m scaled by 10 are off by 9 (relative L2, relative
+    difference) while the sigma they give is the same (the energy rule is scale-free); two
+    channels swapped among four move Spearman to 1 - 6 * 2 / (4 * 15) = 0.8."""
+    from sprpo_lib.bench.suite import estimate_agreement
+    from sprpo_lib.core.methods import MethodConfig
+
+    S = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=torch.float64)
+    mcfg = MethodConfig(name="sprpo")
+    same = estimate_agreement((S, 2.0), (S.clone(), 2.0), mcfg)
+    assert same == {"S_spearman": 1.0, "log_S_pearson": 1.0, "S_rel_l2": 0.0, "m_hat_rel_diff": 0.0, "sigma_rel_l2": 0.0}
+    scaled = estimate_agreement((S, 2.0), (10 * S, 20.0), mcfg)
+    assert scaled["S_rel_l2"] == pytest.approx(9.0) and scaled["m_hat_rel_diff"] == pytest.approx(9.0)
+    assert scaled["sigma_rel_l2"] == 0.0 and scaled["S_spearman"] == 1.0
+    swapped = torch.tensor([[2.0, 1.0], [3.0, 4.0]], dtype=torch.float64)
+    assert estimate_agreement((S, 2.0), (swapped, 2.0), mcfg)["S_spearman"] == pytest.approx(0.8)
 
 
 def test_bench_prices_the_old_log_prob_pass_that_mini_batches_add(tiny_spec):

@@ -238,6 +238,45 @@ def test_replay_runs_at_theta_k_plus_1_and_m_hat_is_the_gradient_norm(tmp_path):
     assert not torch.allclose(tr.method.S_hat, S_k.double().pow(2), rtol=1e-3, atol=0)
 
 
+def test_replay_frac_is_a_ratio_estimate_of_the_whole_batch(tmp_path):
+    """``method.replay_frac``: on a batch whose non-zero-advantage rows are copies of one row
+    (every subset then has the whole batch's per-token gradient), half of them give the full
+    replay's S_hat and m_hat: the subset's token-mean is rescaled by T_A / T, the tokens of all
+    non-zero rows over the batch's (rescaling by the subset's own share would halve dL/dxi)."""
+    from sprpo_lib.core.methods import MethodConfig, make_method, replay_rows
+    from sprpo_lib.infra.io import key_fields
+
+    tr = _trainer(tmp_path, "method.name=sprpo")
+    batch, xi = _batch(tr)
+    row = next(s for s in batch.samples if s.adv != 0.0)
+    zero = [dataclasses.replace(s, adv=0.0) for s in batch.samples if s is not row][:3]
+    dup = Batch([dataclasses.replace(row) for _ in range(4)] + zero).without_old()
+    sub, c = replay_rows(dup, 0.5, 0, 0)
+    assert len(sub) == 2 and all(s.adv == row.adv for s in sub.samples)
+    assert c == pytest.approx(4 * row.n_resp / dup.n_tokens)
+    snap = _snapshot(tr)
+    got = {}
+    for frac in (1.0, 0.5):
+        _restore(tr, snap)
+        m = make_method(MethodConfig(name="sprpo", replay_frac=frac), tr.shape)
+        st = m.update(tr.actor, dup.without_old(), 0, xi)
+        got[frac] = (m.S_hat.clone(), m.m_hat, st["replay_rows"], st["replay_token_frac"])
+    torch.testing.assert_close(got[0.5][0], got[1.0][0], rtol=1e-4, atol=1e-14)
+    assert got[0.5][1] == pytest.approx(got[1.0][1], rel=1e-4)
+    assert (got[1.0][2], got[0.5][2]) == (len(dup), 2)
+    assert got[0.5][3] == pytest.approx(got[1.0][3], rel=1e-6)
+    assert float(got[1.0][0].sum()) > 0
+    # a subset of distinct rows is an estimate, not the full replay; at 1 the cache keys are unchanged
+    _restore(tr, snap)
+    m = make_method(MethodConfig(name="sprpo", replay_frac=0.3), tr.shape)
+    m.update(tr.actor, batch.without_old(), 0, xi)
+    assert m.S_hat.shape == got[1.0][0].shape and float(m.S_hat.sum()) > 0
+    assert "replay_frac" not in key_fields(MethodConfig()) and key_fields(MethodConfig(replay_frac=0.5))["replay_frac"] == 0.5
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="method.replay_frac"):
+            MethodConfig(name="sprpo", replay_frac=bad)
+
+
 def test_statistics_exclude_the_entropy_bonus(tmp_path):
     """SAM's channel gradient and one-pass S_hat / m_hat are of L_k alone (Alg. 4 line 3,
     Alg. 1 line 7): the same with entropy_coeff 0.05 as with 0."""

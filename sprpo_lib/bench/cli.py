@@ -81,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--repeats", type=int, default=1)
     t.add_argument("--paths", default="shared,whole",
                    help="shared (the profile's passes: shared prefixes, kept states below the LoRA layers) and/or whole (the reference: every row whole, every layer at every step)")
+    t.add_argument("--replay-frac", type=float, default=None,
+                   help="also SPrPO whose replay runs this share of the rows (method.replay_frac), against the full replay")
+    t.add_argument("--methods", default=None,
+                   help="measure only these besides vanilla and sprpo, comma-separated: sprpo_one_pass, sam, sprpo_subset")
     t.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. rollout.tasks_per_step=4")
     m = sub.add_parser("machine", help="matmul GFLOP/s per dtype at a model's shapes, bandwidth, prefill floor")
     m.add_argument("--model", default="smollm2-135m", help="shapes from this model's config (weights not loaded)")
@@ -178,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.what == "envs":
         res = bench_envs(args.episodes, args.model or None, args.tasks, args.group, args.max_steps)
     else:
-        res = bench_train(args.profile, args.env, args.repeats, args.overrides, tuple(args.paths.split(",")))
+        res = bench_train(args.profile, args.env, args.repeats, args.overrides, tuple(args.paths.split(",")),
+                          args.replay_frac, None if args.methods is None else tuple(args.methods.split(",")))
     out = project_path(args.out) if args.out else runs_dir("bench", f"{args.what}.json")
     record = {"bench": args.what, "commit": commit, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "machine": machine_info(), "torch": torch.__version__, "wall_s": round(time.time() - t0, 1),

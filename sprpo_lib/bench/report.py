@@ -83,7 +83,7 @@ def _flat_rows(res, prefix: str = "") -> list[str]:
     return out
 
 
-TRAIN_METHODS = ("vanilla", "sprpo", "sprpo_one_pass", "sam")
+TRAIN_METHODS = ("vanilla", "sprpo", "sprpo_one_pass", "sprpo_subset", "sam")
 
 
 def _train_rows(res: dict) -> list[str]:
@@ -126,10 +126,13 @@ def _train_rows(res: dict) -> list[str]:
     if bounds.get("sprpo_over_vanilla_bound"):
         lines.append(f"\nWith the extra pass at its floor (shared passes): SPrPO (replay) at least "
                      f"{bounds['sprpo_over_vanilla_bound']}x Vanilla, SAM at least {bounds.get('sam_over_vanilla_bound')}x.")
-    cmp = res.get("one_pass_vs_replay")
-    if isinstance(cmp, dict):
-        lines.append(f"\nOne-pass S_hat against the replay's on this batch: Spearman {cmp.get('S_spearman')}, "
-                     f"relative L2 {cmp.get('S_rel_l2')}, m_hat relative difference {cmp.get('m_hat_rel_diff')}.")
+    for key, what in (("one_pass_vs_replay", "One-pass"),
+                      ("subset_vs_replay", f"Subset ({res.get('replay_rows')} rows, replay_frac {res.get('replay_frac')})")):
+        cmp = res.get(key)
+        if isinstance(cmp, dict):
+            lines.append(f"\n{what} S_hat against the replay's on this batch: Spearman {cmp.get('S_spearman')}, "
+                         f"relative L2 {cmp.get('S_rel_l2')}, m_hat relative difference {cmp.get('m_hat_rel_diff')}"
+                         + (f", sigma relative L2 {cmp['sigma_rel_l2']}" if "sigma_rel_l2" in cmp else "") + ".")
     return lines
 
 
@@ -174,8 +177,11 @@ def headline(record: dict) -> str | None:
                + (f" against {wh['vanilla']['update_s']} s on the reference path ("
                   + ("every row whole, every layer at every step" if "ppo_steps" in van else "every row whole") + ")"
                   if "vanilla" in wh else ""))
-        return out + (f"; iteration x Vanilla: SPrPO {sh.get('sprpo_over_vanilla')} (replay), "
-                      f"{sh.get('sprpo_one_pass_over_vanilla')} (one pass), SAM {sh.get('sam_over_vanilla')}")
+        ratios = [form.format(sh[key]) for key, form in (
+            ("sprpo_over_vanilla", "SPrPO {} (replay)"), ("sprpo_one_pass_over_vanilla", "{} (one pass)"),
+            ("sprpo_subset_over_vanilla", f"{{}} (replay_frac {res.get('replay_frac')})"), ("sam_over_vanilla", "SAM {}"))
+            if key in sh]
+        return out + "; iteration x Vanilla: " + ", ".join(ratios)
     if name == "gpu":
         peaks = [f"{env} peak {rows['peak_cuda_gib']} GiB" for env, rows in res.items()
                  if isinstance(rows, dict) and "peak_cuda_gib" in rows]

@@ -37,7 +37,7 @@ from sprpo_lib.agent.rollout import SerialEnvs, run_groups
 from sprpo_lib.core.actor import Actor
 from sprpo_lib.core.batch import Batch, PrefixGroup, Sample, build_batch
 from sprpo_lib.core.compress import fisher_scores, rtn_quantize, sparsegpt_prune
-from sprpo_lib.core.methods import MethodConfig, make_method, rank_correlation
+from sprpo_lib.core.methods import MethodConfig, energy_sigma, make_method, rank_correlation, replay_rows
 from sprpo_lib.core.perturb import FFNChannels, sample_xi
 from sprpo_lib.infra import hardware as hw
 from sprpo_lib.infra.paths import cache_dir
@@ -274,13 +274,19 @@ def bench_alfworld(pool=None, split: str = "valid_seen", n_tasks: int = 3,
         "expert_success": solved / n_tasks,
         "expert_replan_s": _median(replans),
     }
+    return out | _bench_alfworld_generator(pool.seed, make_alfworld_pool, n_generate, n_materialise)
+
+
+def _bench_alfworld_generator(seed: int, make_pool, n_generate: int, n_materialise: int) -> dict:
+    """:func:`bench_alfworld`'s generator timings: game specs alone, then whole games
+    materialised into a fresh temporary cache (both scaled to 1000 games)."""
     t0 = time.perf_counter()
     for i in range(n_generate):
-        alfworld_gen.sample_game(pool.seed, "train", i)
-    out["generate_spec_s_per_1000"] = (time.perf_counter() - t0) / n_generate * 1000
+        alfworld_gen.sample_game(seed, "train", i)
+    out = {"generate_spec_s_per_1000": (time.perf_counter() - t0) / n_generate * 1000}
     if n_materialise:
         with tempfile.TemporaryDirectory() as tmp:
-            fresh = make_alfworld_pool(seed=pool.seed, cache_dir=tmp)
+            fresh = make_pool(seed=seed, cache_dir=tmp)
             t0 = time.perf_counter()
             for i in range(n_materialise):
                 fresh.open("train", i).close()
@@ -355,16 +361,17 @@ def _phase_rows(times: dict, passes: dict, config, prefix_min: int, gflops: floa
         totals[name] = rollout_s + row["update_s"] + row["sensitivity_s"]
         row["iteration_s"] = round(totals[name], 2)
         out[name] = row
-    for name in ("sprpo", "sprpo_one_pass", "sam"):
-        out[f"{name}_over_vanilla"] = round(totals[name] / totals["vanilla"], 3)
+    for name, total in totals.items():
+        if name != "vanilla":
+            out[f"{name}_over_vanilla"] = round(total / totals["vanilla"], 3)
     for name in ("sprpo", "sam"):  # the least the ratio can be while the extra pass runs: that pass at its floor
-        if out[name].get("sensitivity_floor_s"):
+        if name in out and out[name].get("sensitivity_floor_s"):
             out[f"{name}_over_vanilla_bound"] = round(1 + out[name]["sensitivity_floor_s"] / totals["vanilla"], 3)
     return out
 
 
 def method_passes(batch, depth: int, layers: int, regularised: bool, skip_zero_adv: bool = True,
-                  steps: int = 1, reuse_frozen: bool = False) -> dict[str, list]:
+                  steps: int = 1, reuse_frozen: bool = False, subset=None) -> dict[str, list]:
     """The passes each method's iteration runs over ``batch``: ``(timer, rows, layers the
     backward reaches, layers the forward runs)``, 0 backward layers for a forward only.  The
     update runs every row when a regulariser is on, else the rows with a non-zero advantage
@@ -373,22 +380,27 @@ def method_passes(batch, depth: int, layers: int, regularised: bool, skip_zero_a
     With several optimizer ``steps`` (mini-batches, epochs), ``Actor.ppo_update`` first fills
     the old log-probs of every row with a forward-only pass (verl's ``compute_log_prob``),
     and with ``reuse_frozen`` its steps run only the top ``depth`` layers (from the states
-    that pass kept); the one-pass estimate takes one step on its own forward, so neither."""
+    that pass kept); the one-pass estimate takes one step on its own forward, so neither.
+    ``subset``: the rows a ``method.replay_frac`` replay runs (``sprpo_subset``)."""
     nonzero = [s for s in batch.samples if s.adv != 0.0]
     update_rows = batch.samples if regularised or not skip_zero_adv else nonzero
     probe_rows = nonzero if skip_zero_adv else batch.samples
     old = [("update_s", batch.samples, 0, layers)] if steps > 1 else []
     run = depth if steps > 1 and reuse_frozen and 0 < depth < layers else layers
     step = ("update_s", update_rows, depth, run)
-    return {"vanilla": old + [step],
-            "sprpo": old + [step, ("sensitivity_s", probe_rows, layers, layers)],
-            "sprpo_one_pass": [("update_s", probe_rows, layers, layers)]
-            + ([("update_s", batch.samples, depth, layers)] if regularised else []),
-            "sam": [("sensitivity_s", probe_rows, layers, layers)] + old + [step]}
+    out = {"vanilla": old + [step],
+           "sprpo": old + [step, ("sensitivity_s", probe_rows, layers, layers)],
+           "sprpo_one_pass": [("update_s", probe_rows, layers, layers)]
+           + ([("update_s", batch.samples, depth, layers)] if regularised else []),
+           "sam": [("sensitivity_s", probe_rows, layers, layers)] + old + [step]}
+    if subset is not None:
+        out["sprpo_subset"] = old + [step, ("sensitivity_s", subset, layers, layers)]
+    return out
 
 
 def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, overrides: list[str] | None = None,
-                paths: tuple[str, ...] = ("shared", "whole")) -> dict:
+                paths: tuple[str, ...] = ("shared", "whole"), replay_frac: float | None = None,
+                methods: tuple[str, ...] | None = None) -> dict:
     """Seconds per iteration by phase for Vanilla, SPrPO (Alg. 1 line 7's replay, and the
     one-pass estimate) and SAM on one rollout batch, each phase against its FLOP floor, for
     the profile's passes (``shared``: shared prefixes of ``update.prefix_min``, and with
@@ -409,9 +421,16 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     one).  ``tokens`` says what the passes compute against what the batch holds: padding,
     and prefixes computed once per row instead of once.  ``setup_s``: loading the model and
     the warm start, apart from the measurement (it includes building a warm start not yet cached).
+    ``replay_frac``: also SPrPO with ``method.replay_frac`` (``sprpo_subset``), its S_hat, m_hat and
+    first sigma against the full replay's (``subset_vs_replay``), as the one-pass estimate's.
+    ``methods``: measure only these besides ``vanilla`` and ``sprpo`` (e.g. ``("sprpo_subset",)``).
 
     Long on purpose: the collection, the interleaved repeats of every method from one
     adapter state, and the floors of each pass are one measurement and share its state."""
+    known = {"sprpo_one_pass", "sam"} | ({"sprpo_subset"} if replay_frac else set())
+    if methods is not None and set(methods) - known:
+        raise ValueError(f"bench train --methods: {sorted(set(methods) - known)} not among {sorted(known)} "
+                         "(vanilla and sprpo always run; sprpo_subset needs --replay-frac)")
     cfg = load_config(profile, list(overrides or []) + [f"env.name={env}", "method.name=sprpo"])
     t_setup = time.perf_counter()
     tr = Trainer(cfg, run_folder(cfg), progress=True)  # loads the model; builds the warm start when not cached
@@ -433,11 +452,17 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     # the shared path is the profile's own (shared prefixes, kept states below the LoRA layers);
     # the whole path is the reference: every row whole, every layer at every step
     reuse = {"shared": a.reuse_frozen, "whole": False}
-    passes = {path: method_passes(batch, depth, L, regularised, a.skip_zero_adv, steps, reuse[path]) for path in paths}
+    subset = replay_rows(batch, replay_frac, cfg.seed, 0)[0].samples if replay_frac else None
+    passes = {path: method_passes(batch, depth, L, regularised, a.skip_zero_adv, steps, reuse[path], subset)
+              for path in paths}
     variants = {"vanilla": MethodConfig(name="vanilla"),
-                "sprpo": dataclasses.replace(cfg.method, name="sprpo", sensitivity="replay"),
+                "sprpo": dataclasses.replace(cfg.method, name="sprpo", sensitivity="replay", replay_frac=1.0),
                 "sprpo_one_pass": dataclasses.replace(cfg.method, name="sprpo", sensitivity="one_pass"),
                 "sam": dataclasses.replace(cfg.method, name="sam")}
+    if replay_frac:
+        variants["sprpo_subset"] = dataclasses.replace(variants["sprpo"], replay_frac=replay_frac)
+    if methods is not None:
+        variants = {k: v for k, v in variants.items() if k in {"vanilla", "sprpo", *methods}}
     prefix_min = {"shared": cfg.update.prefix_min or 16, "whole": 0}
     params0 = [p.detach().clone() for p in a.params]
     opt0 = copy.deepcopy(a.opt.state_dict())
@@ -475,6 +500,7 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
                  "matmul_gflops": gflops, "bandwidth_gbs": round(bandwidth, 1), "layers": L, "lora_layers": depth,
                  "episodes": len(eps), "samples": len(batch.samples), "samples_nonzero_adv": len(nonzero),
                  "response_tokens": batch.n_tokens, "micro_batch": a.micro_batch, "prefix_min": prefix_min["shared"],
+                 **({"replay_frac": replay_frac, "replay_rows": len(subset)} if replay_frac else {}),
                  "ppo_mini_batch_size": cfg.update.ppo_mini_batch_size,
                  "rollout": {"rollout_s": round(t_roll, 2), "generate_s": round(rst["generate_s"], 2),
                              "env_s": round(rst["env_s"], 3), "rounds": int(rst.get("rounds", 1)),
@@ -496,16 +522,26 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     if not nonzero:  # e.g. warm_start=false: no reward, zero gradient, S_hat = 0
         res["one_pass_vs_replay"] = "not comparable: every advantage in this batch is 0 (no reward signal)"
         return res
-    path = paths[0]
-    (S_r, m_r), (S_o, m_o) = states[(path, "sprpo")], states[(path, "sprpo_one_pass")]
-    ls_r, ls_o = S_r.clamp_min(1e-30).log().flatten(), S_o.clamp_min(1e-30).log().flatten()
-    res["one_pass_vs_replay"] = {
-        "S_spearman": round(rank_correlation(S_r, S_o), 4),
-        "log_S_pearson": round(float(torch.corrcoef(torch.stack([ls_r, ls_o]))[0, 1]), 4),
-        "S_rel_l2": round(float((S_o - S_r).norm() / S_r.norm()), 4),
-        "m_hat_rel_diff": round(abs(m_o - m_r) / max(abs(m_r), 1e-30), 4),
-    }
+    for name, key in (("sprpo_one_pass", "one_pass_vs_replay"), ("sprpo_subset", "subset_vs_replay")):
+        if name in variants:
+            res[key] = estimate_agreement(states[(paths[0], "sprpo")], states[(paths[0], name)], cfg.method)
     return res
+
+
+def estimate_agreement(replay: tuple, estimate: tuple, mcfg: MethodConfig) -> dict:
+    """An estimate of Alg. 1 line 7's ``(S_hat, m_hat)`` against the replay's on the same batch:
+    Spearman and Pearson (of log S) correlations, relative L2 error of S_hat, relative difference of
+    m_hat, and the relative L2 difference of the sigma each gives under the energy rule (the noise
+    the next rollout would carry)."""
+    (S_r, m_r), (S_o, m_o) = replay, estimate
+    ls_r, ls_o = S_r.clamp_min(1e-30).log().flatten(), S_o.clamp_min(1e-30).log().flatten()
+    sig_r, _ = energy_sigma(S_r, mcfg.alpha, mcfg.rho, mcfg.sigma_max, mcfg.s_quantile)
+    sig_o, _ = energy_sigma(S_o, mcfg.alpha, mcfg.rho, mcfg.sigma_max, mcfg.s_quantile)
+    return {"S_spearman": round(rank_correlation(S_r, S_o), 4),
+            "log_S_pearson": round(float(torch.corrcoef(torch.stack([ls_r, ls_o]))[0, 1]), 4),
+            "S_rel_l2": round(float((S_o - S_r).norm() / S_r.norm()), 4),
+            "m_hat_rel_diff": round(abs(m_o - m_r) / max(abs(m_r), 1e-30), 4),
+            "sigma_rel_l2": round(float((sig_o - sig_r).norm() / sig_r.norm()), 4)}
 
 
 def shape_config(model: str = "smollm2-135m"):
@@ -841,15 +877,19 @@ def bench_eval(profile: str = "cpu", env: str = "webshop", engines: tuple[str, .
             if what == "eval":
                 outcomes[spec] = np.array([float(r.success) for r in recs])
         res[spec] = row
-    first = engines[0]
     for spec in engines[1:]:
-        d = outcomes[spec] - outcomes[first]
-        boot = np.random.default_rng(0).integers(0, len(d), size=(10_000, len(d)))
-        lo, hi = np.quantile(d[boot].mean(1), [0.025, 0.975])
-        res[spec]["eval"]["paired_vs_" + first] = {
-            "success_diff": round(float(d.mean()), 4), "ci95": [round(float(lo), 4), round(float(hi), 4)],
-            "gained": int((d > 0).sum()), "lost": int((d < 0).sum()), "zero_in_ci": bool(lo <= 0 <= hi)}
+        res[spec]["eval"]["paired_vs_" + engines[0]] = _paired_vs(outcomes[spec], outcomes[engines[0]])
     return res
+
+
+def _paired_vs(a: np.ndarray, b: np.ndarray) -> dict:
+    """:func:`bench_eval`'s paired difference in success of two engines on the same tasks and
+    seed: mean, 95% percentile bootstrap over tasks (10,000 draws, seed 0), tasks gained and lost."""
+    d = a - b
+    boot = np.random.default_rng(0).integers(0, len(d), size=(10_000, len(d)))
+    lo, hi = np.quantile(d[boot].mean(1), [0.025, 0.975])
+    return {"success_diff": round(float(d.mean()), 4), "ci95": [round(float(lo), 4), round(float(hi), 4)],
+            "gained": int((d > 0).sum()), "lost": int((d < 0).sum()), "zero_in_ci": bool(lo <= 0 <= hi)}
 
 
 def bench_churn(model: str = "tiny-llama", rounds: int = 500, deadline_s: float = 30.0, stall_every: int = 0,

@@ -28,13 +28,15 @@ draws the same perturbations as an uninterrupted one.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from sprpo_lib.core import metrics as MK
 from sprpo_lib.core.actor import SURROGATE, TRAIN, Actor
+from sprpo_lib.core.batch import Batch
 from sprpo_lib.core.perturb import sample_xi
+from sprpo_lib.infra.io import OMIT_AT_DEFAULT
 from sprpo_lib.infra.registry import Registry
 
 
@@ -105,6 +107,15 @@ class MethodConfig:
             then fixed (s_k = 1 there).  A reference from the first two one-batch measurements
             put a whole run's noise off rho by up to 1.5x on simulated log-normal m_hat; the
             running one keeps the run's mean s_k within 0.71-1.29.
+        replay_frac: share of the rows with a non-zero advantage that line 7's replay runs (a
+            deviation for cost; the paper replays all of D_k).  ``1.0`` (default): every row.
+            Below 1: a uniform random subset of ``ceil(replay_frac * n)`` of those rows, drawn
+            from ``(seed, k)``, whose token-mean gradient is scaled by ``T_A / T`` (the response
+            tokens of all non-zero-advantage rows over the batch's): a ratio estimate of the whole
+            batch's token-mean gradient (zero-advantage rows add nothing to it but their tokens to
+            its denominator, as in :meth:`Actor.rows_with_gradient`).
+            A subset adds sampling noise to S_hat and m_hat (E|g_sub|^2 = |g|^2 + its variance):
+            ``sprpo-bench train`` reports its agreement with the full replay.
     """
 
     name: str = "vanilla"
@@ -125,6 +136,7 @@ class MethodConfig:
     s_hi: float = 1.5
     p: float = 1.0
     ref_after: int = 0
+    replay_frac: float = field(default=1.0, metadata=OMIT_AT_DEFAULT)
 
     def __post_init__(self):
         METHODS.get(self.name)  # an unknown name lists the valid ones
@@ -140,13 +152,17 @@ class MethodConfig:
             raise ValueError(f"method.s_lo <= 1 <= method.s_hi (both > 0), method.ref_after >= 0 and method.m_clip "
                              f"0 or > 1 expected, got {self.s_lo}, {self.s_hi}, {self.ref_after}, {self.m_clip}; e.g. "
                              "method.s_lo=0.5 method.s_hi=1.5 method.ref_after=0 method.m_clip=3")
+        if not 0 < self.replay_frac <= 1:
+            raise ValueError(f"method.replay_frac must be in (0, 1] (the share of rows line 7 replays), "
+                             f"got {self.replay_frac}; e.g. method.replay_frac=0.25")
         for k in ("sigma", "sam_rho", "rho", "alpha", "s_floor", "sigma_max"):
             if getattr(self, k) < 0:
                 raise ValueError(f"method.{k} must be >= 0, got {getattr(self, k)}")
 
 
-def _gen(seed: int, k: int) -> torch.Generator:
-    return torch.Generator().manual_seed(int(seed) * 1_000_003 + int(k) * 7919 + 17)
+def _gen(seed: int, k: int, salt: int = 17) -> torch.Generator:
+    """The generator of iteration ``k``'s draws; ``salt`` keeps streams apart (17: xi)."""
+    return torch.Generator().manual_seed(int(seed) * 1_000_003 + int(k) * 7919 + salt)
 
 
 def grad_leaf(t: torch.Tensor, actor: Actor) -> torch.Tensor:
@@ -337,15 +353,19 @@ class SPrPO(Method):
             return self._update_one_pass(actor, batch, xi)
         stats = actor.ppo_update(batch, xi)  # line 6: theta_{k+1}
         xi_leaf = grad_leaf(xi, actor)
+        if self.cfg.replay_frac < 1 and actor.loss_cfg.loss_agg_mode != "token-mean":
+            raise ValueError(f"method.replay_frac < 1 estimates a token-mean surrogate; update.loss.loss_agg_mode is "
+                             f"{actor.loss_cfg.loss_agg_mode!r}: set method.replay_frac=1 or update.loss.loss_agg_mode=token-mean")
+        rows, c = replay_rows(batch, self.cfg.replay_frac, self.seed, k)
         with actor.timing(MK.SENSITIVITY_S):  # line 7: replay D_k at theta_{k+1} under xi_k
             actor.zero_grad()
-            replay = actor.backward(batch, xi_leaf, terms=SURROGATE)
-            self.record(xi_leaf.grad, actor.grad_norm_sq())
+            replay = actor.backward(rows, xi_leaf, terms=SURROGATE)
+            self.record(xi_leaf.grad * c, actor.grad_norm_sq() * c * c)
             actor.zero_grad()
         # the surrogate's change theta_k -> theta_{k+1} on D_k under xi_k (L = -pg_loss), the margin Corollary 1 needs
-        change = stats.get("pg_loss", 0.0) - replay.get("pg_loss", 0.0)
-        return {**stats, "replay_loss": replay["loss"], "surrogate_change": change,
-                "replay_token_frac": replay["grad_token_frac"], **self._measured()}
+        change = stats.get("pg_loss", 0.0) - c * replay.get("pg_loss", 0.0)
+        return {**stats, "replay_loss": c * replay["loss"], "surrogate_change": change,
+                "replay_token_frac": c * replay["grad_token_frac"], "replay_rows": len(rows), **self._measured()}
 
     def _measured(self) -> dict:
         return {"S_hat_mean": float(self.S_hat.mean()), MK.M_HAT: self.m_hat, "S_rank_corr": self.rank_corr}
@@ -418,6 +438,22 @@ class SPrPO(Method):
             e, log = self.cfg.ema, self.cfg.m_stat == "log"
             x = math.log(self.m_bar) if log else self.m_bar
             self.m_acc, self.m_sum = x * (1 - e ** self.n_measured), x * self.n_measured
+
+
+def replay_rows(batch: Batch, frac: float, seed: int, k: int) -> tuple[Batch, float]:
+    """Line 7's rows under ``MethodConfig.replay_frac``: ``(batch, 1.0)`` at 1; else a uniform
+    random ``ceil(frac * n)`` of the ``n`` rows with a non-zero advantage (drawn from run seed
+    ``seed`` and iteration ``k``, apart from xi's stream) and the factor
+    ``c = T_A / T`` (the response tokens of all ``n`` rows over the batch's) that turns the
+    subset's token-mean surrogate, and its gradients, into a ratio estimate of the whole
+    batch's (exact when the subset is all ``n`` rows)."""
+    if frac >= 1:
+        return batch, 1.0
+    nonzero = [s for s in batch.samples if s.adv != 0.0]
+    if not nonzero:
+        return Batch(nonzero), 0.0
+    pick = torch.randperm(len(nonzero), generator=_gen(seed, k, salt=29))[:math.ceil(frac * len(nonzero))].sort().values
+    return Batch([nonzero[i] for i in pick.tolist()]), sum(s.n_resp for s in nonzero) / max(1, batch.n_tokens)
 
 
 def make_method(cfg: MethodConfig, shape: tuple[int, int], seed: int = 0) -> Method:

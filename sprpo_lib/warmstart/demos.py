@@ -157,25 +157,18 @@ def collect_demonstrations(
     label = DEMONSTRATORS.get(demonstrator)
     agent = agent or AgentConfig()
     limit = max_steps or pool.max_steps
-    demos: list[Demo] = []
-    n_ep = n_succ = n_none = n_disagree = 0
-    score_sum = 0.0
-    indices = list(indices)
-    bar = progress_bar(indices, desc=f"demonstrations ({demonstrator}, {split})", unit="task", disable=not progress)
-    for idx in bar:
-        ep = _demonstrate(pool.open(split, idx), label, agent, limit, random.Random(f"{seed}:{split}:{idx}"),
-                          expert_prob, repeat_prob, None if scripts is None else scripts[idx])
-        demos += ep.demos
-        n_ep += 1
-        n_succ += ep.success
-        score_sum += ep.score
-        n_none += ep.expert_none
-        n_disagree += ep.disagree
+    bar = progress_bar(list(indices), desc=f"demonstrations ({demonstrator}, {split})", unit="task",
+                       disable=not progress)
+    played = [_demonstrate(pool.open(split, idx), label, agent, limit, random.Random(f"{seed}:{split}:{idx}"),
+                           expert_prob, repeat_prob, None if scripts is None else scripts[idx]) for idx in bar]
+    demos = [d for ep in played for d in ep.demos]
+    n_ep, n_succ = len(played), sum(ep.success for ep in played)
     if stats is not None:
         stats.update(episodes=n_ep, successes=n_succ, success_rate=n_succ / max(1, n_ep),
-                     mean_score=score_sum / max(1, n_ep), demos=len(demos), expert_none=n_none)
+                     mean_score=sum(ep.score for ep in played) / max(1, n_ep), demos=len(demos),
+                     expert_none=sum(ep.expert_none for ep in played))
         if scripts is not None:
-            stats["disagree"] = n_disagree
+            stats["disagree"] = sum(ep.disagree for ep in played)
     log.info("collected %d demos from %d episodes (%d successful)", len(demos), n_ep, n_succ)
     return demos
 
