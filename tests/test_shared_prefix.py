@@ -354,6 +354,25 @@ def test_estimate_agreement_against_hand_values():
     assert estimate_agreement((S, 2.0), (swapped, 2.0), mcfg)["S_spearman"] == pytest.approx(0.8)
 
 
+def test_bench_train_table_of_a_partial_record_names_only_what_it_measured():
+    """A ``bench train --methods sprpo_subset`` record (no SAM, no one-pass estimate): the table
+    and the README phrase show the subset's row and agreement and never a missing method."""
+    from sprpo_lib.bench.report import SUMMARIES, headline
+
+    row = {"update_s": 40.0, "sensitivity_s": 0.0, "update_s_per_sample": 0.8, "iteration_s": 60.0, "ppo_steps": 4.0,
+           "update_over_floor": 4.0}
+    shared = {"vanilla": row, "sprpo": {**row, "sensitivity_s": 60.0, "sensitivity_over_floor": 5.0, "iteration_s": 120.0},
+              "sprpo_subset": {**row, "sensitivity_s": 15.0, "sensitivity_over_floor": 5.0, "iteration_s": 75.0},
+              "sprpo_over_vanilla": 2.0, "sprpo_subset_over_vanilla": 1.25, "sprpo_over_vanilla_bound": 1.2}
+    res = {"env": "webshop", "profile": "cpu", "replay_frac": 0.25, "replay_rows": 14, "shared": shared,
+           "subset_vs_replay": {"S_spearman": 0.42, "S_rel_l2": 3.7, "m_hat_rel_diff": 5.0, "sigma_rel_l2": 1.01}}
+    text = "\n".join(SUMMARIES["train"](res)[1:])  # the batch's line aside (this record has none of its fields)
+    assert "| shared | sprpo_subset |" in text and "None" not in text and "SAM" not in text
+    assert "Subset (14 rows, replay_frac 0.25) S_hat against the replay's on this batch: Spearman 0.42" in text
+    phrase = headline({"bench": "train", "results": res})
+    assert phrase.endswith("iteration x Vanilla: SPrPO 2.0 (replay), 1.25 (replay_frac 0.25)")
+
+
 def test_bench_prices_the_old_log_prob_pass_that_mini_batches_add(tiny_spec):
     """An update in several mini-batches does exactly one forward pass more than the same
     update in one step (Actor.ppo_update's old log-probs, torch's FLOP counter on the

@@ -125,7 +125,8 @@ def _train_rows(res: dict) -> list[str]:
     bounds = res.get("shared") or {}
     if bounds.get("sprpo_over_vanilla_bound"):
         lines.append(f"\nWith the extra pass at its floor (shared passes): SPrPO (replay) at least "
-                     f"{bounds['sprpo_over_vanilla_bound']}x Vanilla, SAM at least {bounds.get('sam_over_vanilla_bound')}x.")
+                     f"{bounds['sprpo_over_vanilla_bound']}x Vanilla"
+                     + (f", SAM at least {bounds['sam_over_vanilla_bound']}x." if "sam_over_vanilla_bound" in bounds else "."))
     for key, what in (("one_pass_vs_replay", "One-pass"),
                       ("subset_vs_replay", f"Subset ({res.get('replay_rows')} rows, replay_frac {res.get('replay_frac')})")):
         cmp = res.get(key)
