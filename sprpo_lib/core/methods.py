@@ -115,7 +115,12 @@ class MethodConfig:
             batch's token-mean gradient (zero-advantage rows add nothing to it but their tokens to
             its denominator, as in :meth:`Actor.rows_with_gradient`).
             A subset adds sampling noise to S_hat and m_hat (E|g_sub|^2 = |g|^2 + its variance):
-            ``sprpo-bench train`` reports its agreement with the full replay.
+            ``sprpo-bench train --replay-frac`` reports its agreement with the full replay.  On a
+            ``cpu`` WebShop batch of 53 rows (AMX Xeon, bf16) a quarter of the rows cut the iteration
+            from 1.91x to 1.31x Vanilla's, but its S_hat ranked channels with Spearman 0.42 against
+            the replay's (half the rows: 0.47), m_hat was off by a relative 5.0 (1.4), and the sigma
+            it implies differed by a relative L2 of 1.0: per-row gradients mostly cancel in the
+            batch mean, so a subset's is dominated by their variance.  Hence the default of 1.
     """
 
     name: str = "vanilla"
