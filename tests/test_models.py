@@ -186,3 +186,35 @@ def test_the_paper_shape_stand_in_follows_the_hardware_dtype_rule(monkeypatch):
     assert asked == [[(32, 64), (64, 32), (32, 32)]]  # the model's own linear shapes
     assert load_policy("tiny-qwen2", tiny=small).dtype == torch.float32 and len(asked) == 1
     assert load_policy("random-qwen2.5-1.5b", dtype="float32", tiny=small).dtype == torch.float32
+
+
+def test_lm_head_receives_row_major_input_and_computes_the_same_logits(tiny_spec):
+    """transformers slices the last hidden states before the head (``logits_to_keep``); on CPU
+    such a slice makes ``F.linear`` expand and copy the whole head weight per call.  A loaded
+    policy's head sees a row-major copy instead: the strides it receives, and logits and
+    gradients equal to those of the same model without the hook, in float32."""
+    from sprpo_lib.model.layers import dense_head_input, row_major_strides
+
+    pol = load_policy(tiny_spec, seed=1)
+    plain, _ = build_tiny(tiny_spec, seed=1)  # the same weights, no hook
+    plain.eval()
+    seen: list[tuple] = []
+    for model in (pol.model, plain):
+        model.get_output_embeddings().register_forward_pre_hook(
+            lambda m, args: seen.append((args[0].shape, args[0].stride())))
+    ids = torch.randint(3, 250, (3, 13))
+    got = []
+    for model in (pol.model, plain):
+        emb = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+        for keep in (1, 4):  # a prefix pass / prefill (the last position), a response window
+            out = model(inputs_embeds=emb, logits_to_keep=keep).logits
+            (g,) = torch.autograd.grad(out.pow(2).mean(), emb)
+            got.append((out.detach(), g))
+    hooked, bare = seen[:2], seen[2:]
+    assert all(stride == row_major_strides(shape) for shape, stride in hooked)
+    assert any(stride != row_major_strides(shape) for shape, stride in bare)  # what transformers passes
+    for (a, ga), (b, gb) in zip(got[:2], got[2:]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(ga, gb, rtol=1e-5, atol=1e-9)
+    dense_head_input(pol.model)  # idempotent: still one hook of ours beside the recorder
+    assert len(pol.model.get_output_embeddings()._forward_pre_hooks) == 2

@@ -1,11 +1,12 @@
 """Where a Llama/Qwen2 model keeps its parts: the gated FFN blocks perturbed in Sec. 5, the
-decoder layers, and two context managers over them (activation checkpointing, running from
-one layer up)."""
+decoder layers, two context managers over them (activation checkpointing, running from
+one layer up), and the LM head's dense input (:func:`dense_head_input`)."""
 from __future__ import annotations
 
 from contextlib import contextmanager
 from typing import Iterator
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -102,3 +103,36 @@ def lowest_trainable_layer(model: nn.Module) -> int:
     layers = list(decoder_layers(model))
     return next((i for i, layer in enumerate(layers) if any(p.requires_grad for p in layer.parameters())),
                 len(layers))
+
+
+def row_major_strides(shape) -> tuple[int, ...]:
+    """The strides of a freshly allocated tensor of ``shape`` (size-1 dimensions included)."""
+    out, step = [], 1
+    for n in reversed(tuple(shape)):
+        out.append(step)
+        step *= max(int(n), 1)
+    return tuple(reversed(out))
+
+
+def _dense(module: nn.Module, args: tuple) -> tuple | None:
+    x = args[0]
+    if x.dim() < 3 or x.stride() == row_major_strides(x.shape):
+        return None
+    return (x.clone(memory_format=torch.contiguous_format), *args[1:])
+
+
+def dense_head_input(model: nn.Module) -> nn.Module:
+    """Give the LM head its input with row-major strides (a forward pre-hook; idempotent).
+
+    transformers slices the last hidden states before the head (``logits_to_keep``: the
+    response positions, or the last one in a prefix pass and in generation's prefill).  On
+    CPU, ``F.linear`` of such a 3-D slice does not fold into one matrix product: it expands
+    the vocabulary x hidden weight over the batch and copies it per call (SmolLM2: 28M
+    entries, ~70 ms in bfloat16 for one row, 50x the product itself; tested in
+    ``tests/test_models.py``).  A copy of the slice (rows x hidden) costs next to nothing and
+    gives the same product.  :func:`sprpo_lib.model.load.load_policy` applies it."""
+    head = model.get_output_embeddings()
+    if head is not None and not getattr(head, "_sprpo_dense_input", False):
+        head.register_forward_pre_hook(_dense)
+        head._sprpo_dense_input = True
+    return model

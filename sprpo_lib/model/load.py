@@ -42,7 +42,7 @@ from torch import nn
 from sprpo_lib.infra.hardware import fast_dtype, linear_shapes
 from sprpo_lib.infra.io import atomic_dir
 from sprpo_lib.infra.paths import cache_dir
-from sprpo_lib.model.layers import ffn_modules
+from sprpo_lib.model.layers import dense_head_input, ffn_modules
 
 log = logging.getLogger(__name__)
 
@@ -418,6 +418,7 @@ def load_policy(
         tok.chat_template = CHATML_TEMPLATE
     model.to(res.device)
     model.eval()
+    dense_head_input(model)
     for p in model.parameters():
         p.requires_grad_(False)
     meta.update(dtype=str(torch_dtype).replace("torch.", ""), load_seconds=round(time.time() - t0, 2))
