@@ -331,6 +331,8 @@ def test_bench_train_reports_each_phase_against_its_floor():
     assert res["rollout"]["rounds"] >= 1 and res["rollout"]["episodes_played"] >= res["episodes"]
     assert res["shared"]["sprpo_one_pass"]["ppo_steps"] == 1 and res["shared"]["vanilla"]["ppo_steps"] >= 1
     assert isinstance(res["setup_s"], float) and res["setup_s"] >= 0  # model load and warm start, not timed
+    # the floors use the faster of the two matmul probes (before and after the updates)
+    assert len(res["matmul_gflops_probes"]) == 2 and res["matmul_gflops"] == max(res["matmul_gflops_probes"])
     with pytest.raises(ValueError, match="sprpo_subset needs --replay-frac"):
         bench_train("smoke", "webshop", methods=("sprpo_subset",))
 

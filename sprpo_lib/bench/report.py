@@ -94,7 +94,9 @@ def _train_rows(res: dict) -> list[str]:
              f"{tok.get('whole_computed')} (padding {tok.get('whole_padding')}), by a shared-prefix pass "
              f"{tok.get('shared_computed')} (padding {tok.get('shared_padding')}, {tok.get('prefix_groups')} prefixes), "
              f"by any prefix sharing at least {tok.get('trie_limit')}; "
-             f"{res.get('dtype')} matmul {res.get('matmul_gflops')} GFLOP/s. "
+             f"{res.get('dtype')} matmul {res.get('matmul_gflops')} GFLOP/s"
+             + (f" (the faster of {' and '.join(map(str, res['matmul_gflops_probes']))}, before and after the updates)"
+                if len(res.get("matmul_gflops_probes") or []) > 1 else "") + ". "
              + (f"Setup (model, warm start) {res['setup_s']} s, not measured. " if "setup_s" in res else "")
              + f"Rollout {ro.get('rollout_s')} s"
              + (f" ({ro['episodes_played']} episodes in {ro.get('rounds')} rounds)" if "episodes_played" in ro else "")

@@ -415,7 +415,9 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     SAM's channel gradient: the rows with a non-zero advantage, backward through every
     layer; the update's backward stops at the lowest LoRA layer; with several optimizer
     steps, the forward-only pass that fills the old log-probs first) at the matmul rate
-    measured here for the model's dtype and shapes; generation against
+    measured here for the model's dtype and shapes (probed before and after the updates, the
+    faster of the two: the rate of this host's matrix units drifts by up to 2x between minutes, and a floor
+    must not move with it); generation against
     :func:`generation_floor` of every episode played, refill rounds included.  Each
     method's ``ppo_steps`` says how many optimizer steps it took (the one-pass estimate:
     one).  ``tokens`` says what the passes compute against what the batch holds: padding,
@@ -439,8 +441,7 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     batch, _ = build_batch(eps, cfg.update.adv, cfg.update.estimator)
     tr.envs.close()
     config = tr.policy.model.config
-    matmul = hw.probe_matmul(hw.linear_shapes(config), dtypes=(tr.dtype,))[tr.dtype]
-    gflops = matmul["gflops_by_rows"][str(hw.PREFILL_ROWS)]
+    probes = [_prefill_rate(config, tr.dtype)]  # again after the updates: the floors use the faster
     bandwidth = hw.probe_bandwidth()
     weight_bytes = sum(p.numel() * p.element_size() for p in tr.model.parameters())
     L = int(config.num_hidden_layers)
@@ -492,12 +493,14 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
                 bar.write(f"  {path} {name}: update {st['update_s']:.1f} s, extra pass {st['sensitivity_s']:.1f} s")
                 bar.update()
     bar.close()
+    probes.append(_prefill_rate(config, tr.dtype))
+    gflops = max(probes)
     played = eps + list(rst.get("dropped", []))  # generate_s covers every refill round's episodes
     gen = generation_floor(config, played, gflops, bandwidth, weight_bytes)
     t_roll = rst["rollout_s"]
     res: dict = {"profile": profile, "env": env, "overrides": list(overrides or []), "dtype": tr.dtype,
                  "setup_s": round(t_setup, 2),  # model load and warm start (minutes of SFT when not cached)
-                 "matmul_gflops": gflops, "bandwidth_gbs": round(bandwidth, 1), "layers": L, "lora_layers": depth,
+                 "matmul_gflops": gflops, "matmul_gflops_probes": probes, "bandwidth_gbs": round(bandwidth, 1), "layers": L, "lora_layers": depth,
                  "episodes": len(eps), "samples": len(batch.samples), "samples_nonzero_adv": len(nonzero),
                  "response_tokens": batch.n_tokens, "micro_batch": a.micro_batch, "prefix_min": prefix_min["shared"],
                  **({"replay_frac": replay_frac, "replay_rows": len(subset)} if replay_frac else {}),
@@ -526,6 +529,11 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
         if name in variants:
             res[key] = estimate_agreement(states[(paths[0], "sprpo")], states[(paths[0], name)], cfg.method)
     return res
+
+
+def _prefill_rate(config, dtype: str) -> float:
+    """GFLOP/s of the model's linears at the prefill row count (:func:`hw.probe_matmul`)."""
+    return hw.probe_matmul(hw.linear_shapes(config), dtypes=(dtype,))[dtype]["gflops_by_rows"][str(hw.PREFILL_ROWS)]
 
 
 def estimate_agreement(replay: tuple, estimate: tuple, mcfg: MethodConfig) -> dict:
