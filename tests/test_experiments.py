@@ -75,6 +75,32 @@ def test_load_rows_missing_is_one_clear_error(tmp_path):
     assert X.load_rows(tmp_path / "r.csv").equals(rows)
 
 
+def test_a_computing_pass_replaces_rows_whose_manifest_is_the_previous_computations(tmp_path):
+    """A page recomputing its rows over a committed CSV and manifest (a staged rerun) reads back
+    what it wrote, rewrites the manifest, and the render-only pass then draws the new rows; a
+    new CSV left beside its old manifest (a pass killed before it) is refused when rendering."""
+    from sprpo_lib.infra.io import CorruptFileError
+    from sprpo_lib.paper.notebook import ResultsPage
+
+    def page(render_only):
+        pg = ResultsPage("03_motivation", "smoke", ["webshop"], out_dir=tmp_path, cache_dir=tmp_path / "cache",
+                         render_only=render_only)
+        pg.runs = lambda env: {}  # the rows below need no trained policy
+        return pg
+
+    old = pd.DataFrame({"method": ["vanilla"] * 3, "success": [0, 1, 0]})
+    new = pd.DataFrame({"method": ["vanilla"] * 5, "success": [1, 1, 0, 1, 1]})
+    first = page(False)
+    first.rows(lambda p, runs: old)
+    first.manifests([first.stem("webshop", "_rows.csv")])
+    second = page(False)
+    assert second.rows(lambda p, runs: new)["webshop"].equals(new)  # read back unverified, not refused
+    with pytest.raises(CorruptFileError, match="against its manifest"):  # killed here: never served
+        page(True).rows(lambda p, runs: pytest.fail("render-only computes nothing"))
+    second.manifests([second.stem("webshop", "_rows.csv")])
+    assert page(True).rows(lambda p, runs: pytest.fail("render-only computes nothing"))["webshop"].equals(new)
+
+
 def _rows(outcomes: dict) -> pd.DataFrame:
     """outcomes[(method, family, strength)] = list of successes over task indices 0.."""
     out = []

@@ -362,18 +362,19 @@ def save_rows(rows: pd.DataFrame, path: str | Path) -> Path:
     return atomic_write_text(path, rows.to_csv(index=False))
 
 
-def load_rows(path: str | Path, columns: Sequence[str] = ()) -> pd.DataFrame:
+def load_rows(path: str | Path, columns: Sequence[str] = (), *, verify: bool = True) -> pd.DataFrame:
     """Read result rows written by :func:`save_rows` (the render-only path), verified
     against their manifest's SHA-256 when it records one and parsed whole, with ``columns``
     present: a missing or damaged file is one clear error naming it and saying how to
-    compute it again."""
+    compute it again.  ``verify=False`` is for the pass that has just written the rows,
+    whose manifest (if any) is still the previous computation's until the page rewrites it."""
     p = Path(path)
     fix = ("run its notebook with render_only=False (or sprpo-reproduce --only <its number> without --render-only) "
            "to compute it again")
     if not p.is_file():
         raise FileNotFoundError(f"{p}: no cached results; run the notebook with render_only=False (or "
                                 "python -m sprpo_lib.reproduce without --render-only) to compute them")
-    if manifest_path(p).is_file():  # the rows a figure is drawn from are the rows that were computed
+    if verify and manifest_path(p).is_file():  # the rows a figure is drawn from are the rows that were computed
         try:
             check_artifact(p)
         except CorruptFileError as err:

@@ -73,8 +73,8 @@ class ResultsPage:
             if self.render_only:
                 out[env] = X.load_rows(path, columns=("method",))
             else:
-                save(compute(p, self.runs(env)), path)
-                out[env] = X.load_rows(path, columns=("method",))
+                save(compute(p, self.runs(env)), path)  # the old manifest is replaced by manifests()
+                out[env] = X.load_rows(path, columns=("method",), verify=False)
         return out
 
     def config(self, **extra) -> dict:
