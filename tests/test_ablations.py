@@ -91,6 +91,15 @@ def test_reading_of_a_claim_follows_its_interval(diff, lo, hi, mde, expected, te
     assert C.reading(diff, lo, hi, mde, expected) == text
 
 
+def test_a_zero_width_reading_names_a_pooled_mde_as_such():
+    assert C.reading(0.0, 0.0, 0.0, 12.3, 9.0, 0, 0, 1.0, True) == (
+        "no difference observed; this design cannot detect less than 12.3 pp (pooled over the comparison's settings)")
+    grid = C.claims_grid(pd.DataFrame([{"env": "webshop", "claim": "c", "versus": "SAM", "setting": "s", "paper": 9.0,
+                                        "diff": 0.0, "lo": 0.0, "hi": 0.0, "mde80": 12.3, "mde_pooled": True,
+                                        "tasks": 20, "reading": "no difference observed"}]), profile="cpu")
+    assert "+0.0 [+0.0, +0.0] / ~12 / +9.0" in grid
+
+
 @pytest.mark.parametrize("diff,lo,hi,mde,expected,counts,text", [
     # the committed SPrPO - SAM cell: below 0 on 4 discordant goals, all one way (p = 0.125)
     (-16.7, -33.3, -4.2, 21.0, 10.9, (0, 4, 0.125),

@@ -172,9 +172,12 @@ def test_paired_comparisons_hand_cases():
     assert v["success_lo"] < 50 < v["success_hi"] and v["success_lo"] > 20
     s = pc[(pc.baseline == "sam") & (pc.family == "rtn")].iloc[0]  # identical outcomes: zero, degenerate interval
     assert (s["success_diff"], s["success_lo"], s["success_hi"]) == (0.0, 0.0, 0.0)
-    assert math.isnan(s["success_mde80"]) and v["success_mde80"] > 0  # no differing task: the MDE is not estimable
+    # SAM differs from SPrPO on no goal at any setting: no MDE can be estimated for the pair
+    assert math.isnan(s["success_mde80"]) and not s["mde_pooled"] and v["success_mde80"] > 0 and not v["mde_pooled"]
     c = pc[(pc.baseline == "vanilla") & (pc.family == "clean")].iloc[0]
     assert c["success_diff"] == 0.0 and math.isnan(c["retention_diff"])
+    # no goal differs at clean: the pair's MDE, from its one other setting's standard error
+    assert c["mde_pooled"] and c["success_mde80"] == pytest.approx(v["success_mde80"])
 
 
 def test_overhead_means_from_metrics(tmp_path):

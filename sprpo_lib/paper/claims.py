@@ -58,7 +58,7 @@ def _key(family: str, strength: float) -> str:
 
 
 def reading(diff: float, lo: float, hi: float, mde: float, expected: float, wins: int | None = None,
-            losses: int | None = None, sign_p: float | None = None) -> str:
+            losses: int | None = None, sign_p: float | None = None, mde_pooled: bool = False) -> str:
     """What one paired comparison says about a claim whose paper difference is ``expected``,
     by a fixed rule:
 
@@ -66,14 +66,16 @@ def reading(diff: float, lo: float, hi: float, mde: float, expected: float, wins
       difference is 0, and what this design cannot detect below (the MDE);
     * a bound exactly at 0 with every discordant goal (``wins``/``losses``: the goals on
       which the two policies' outcomes differ) on one side says only that the other side
-      had none: not resolved, with the exact sign test (``sign_p``) and the MDE;
+      had none: not resolved, with the exact sign test (``sign_p``) and the MDE (``mde_pooled``: the
+      comparison's MDE pooled over its other settings, where no goal differed at this one);
     * an interval above or below 0 reads "agrees" or "opposite sign" only when the exact
       sign test on the discordant goals also rejects no difference at 5%;
     * an interval across zero is "not resolved", and says whether it leaves out the paper's
       difference (the data are then at odds with an effect of the paper's size, though not
       with its sign) or whether that difference is below what the design detects.
     """
-    detect = "cannot detect differences" if math.isnan(mde) else f"cannot detect less than {mde:.1f} pp"
+    detect = ("cannot detect differences" if math.isnan(mde) else f"cannot detect less than {mde:.1f} pp"
+              + (" (pooled over the comparison's settings)" if mde_pooled else ""))
     if lo == hi:
         return (f"no difference observed; this design {detect}" if diff == 0
                 else f"not resolved: an interval of zero width is no evidence either way; this design {detect}")
@@ -128,11 +130,11 @@ def claim_rows(paired: pd.DataFrame, ablation_paired: pd.DataFrame | None, env: 
             out.append({"env": env, "claim": f"full SPrPO beats {name}", "versus": name,
                         "setting": setting_label(r["family"], r["strength"]),
                         "paper": round(full[k] - comp[r["baseline"]][k], 2), **_nums(r)})
-    cols = ["env", "claim", "versus", "setting", "paper", "diff", "lo", "hi", "mde80", "tasks", "train_seeds",
-            "wins", "losses", "sign_p", "reading"]
+    cols = ["env", "claim", "versus", "setting", "paper", "diff", "lo", "hi", "mde80", "mde_pooled", "tasks",
+            "train_seeds", "wins", "losses", "sign_p", "reading"]
     for r in out:
         r["reading"] = reading(r["diff"], r["lo"], r["hi"], r["mde80"], r["paper"], r["wins"], r["losses"],
-                               r["sign_p"])
+                               r["sign_p"], r["mde_pooled"])
     return pd.DataFrame(out, columns=cols)
 
 
@@ -154,6 +156,7 @@ def _nums(r: Mapping) -> dict:
 
     wins, losses, p = count("wins"), count("losses"), count("sign_p")
     return {"diff": r["success_diff"], "lo": r["success_lo"], "hi": r["success_hi"], "mde80": mde,
+            "mde_pooled": bool(r.get("mde_pooled") is True or r.get("mde_pooled") == 1),
             "tasks": r["tasks"], "train_seeds": r.get("train_seeds"), "wins": None if wins is None else int(wins),
             "losses": None if losses is None else int(losses), "sign_p": p}
 
@@ -166,13 +169,14 @@ def claims_markdown(rows: pd.DataFrame, *, profile: str) -> str:
         return f"No claim of the paper can be read from the {profile} profile's results.\n"
     lines = [f"Paper's claims against the `{profile}` profile: differences in success (percentage points), "
              "SPrPO (full) minus the other policy or variant, paired over the same test goals and evaluation seeds (95% bootstrap over "
-             "training seeds and tasks); MDE = the smallest difference this design detects with 80% power. \"Agrees\" "
+             "training seeds and tasks); MDE = the smallest difference this design detects with 80% power (~: no "
+             "goal differed at that setting; the comparison's MDE pooled over its other settings). \"Agrees\" "
              "and \"opposite sign\" need the exact sign test on the goals whose outcomes differ at p < 0.05 as well."]
     for env, part in rows.groupby("env", sort=False):
         lines += ["", f"**{ENV_LABELS.get(env, env)}**", "",
                   "| Claim | Setting | Paper | This run [95% CI] | MDE | Tasks | Reading |", "|---|---|---|---|---|---|---|"]
         for r in part.to_dict("records"):
-            mde = "-" if math.isnan(r["mde80"]) else f"{r['mde80']:.1f}"
+            mde = "-" if math.isnan(r["mde80"]) else f"{'~' if r.get('mde_pooled') else ''}{r['mde80']:.1f}"
             lines.append(f"| {r['claim']} | {r['setting']} | {r['paper']:+.1f} | {r['diff']:+.1f} [{r['lo']:+.1f}, "
                          f"{r['hi']:+.1f}] | {mde} | {int(r['tasks'])} | {r['reading']} |")
     return "\n".join(lines) + "\n"
@@ -205,7 +209,8 @@ def claims_grid(rows: pd.DataFrame, *, profile: str, full: str = "") -> str:
     if rows.empty:
         return f"No claim of the paper can be read from the {profile} profile's results.\n"
     lines = ["SPrPO minus each policy, success in percentage points: this run's paired difference [95% CI] "
-             "/ the smallest difference its design detects (80% power) / the paper's difference. "
+             "/ the smallest difference its design detects (80% power; ~: no goal differed at that setting, "
+             "so it is the comparison's, pooled over its other settings) / the paper's difference. "
              "**Bold**: the interval excludes 0 on the paper's side and the exact sign test on the goals whose "
              "outcomes differ gives p < 0.05; (!): the same on the other side; \u2020: the interval straddles 0 and "
              "leaves out the paper's difference"
@@ -223,7 +228,7 @@ def claims_grid(rows: pd.DataFrame, *, profile: str, full: str = "") -> str:
                 if r is None:
                     cells.append("")
                     continue
-                mde = "-" if math.isnan(r["mde80"]) else f"{r['mde80']:.0f}"
+                mde = "-" if math.isnan(r["mde80"]) else f"{'~' if r.get('mde_pooled') is True else ''}{r['mde80']:.0f}"
                 cell = f"{r['diff']:+.1f} [{r['lo']:+.1f}, {r['hi']:+.1f}] / {mde} / {r['paper']:+.1f}"
                 mark = next((m for start, m in GRID_MARKS if str(r["reading"]).startswith(start)), "{}")
                 cells.append(mark.format(cell))

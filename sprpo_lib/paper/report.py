@@ -283,15 +283,17 @@ def plot_training(metrics: pd.DataFrame, summary: pd.DataFrame | None, path: str
         ax = axes[2]
         s = summary.dropna(subset=["start_success", "final_success"])
         x = range(len(s))
-        ax.bar([i - 0.2 for i in x], s["start_success"], width=0.4, label="warm start")
-        ax.bar([i + 0.2 for i in x], s["final_success"], width=0.4, label="after RL")
+        ws = METHOD_DISPLAY["warm_start"]  # the warm start in its colour, each trained run in its method's
+        ax.bar([i - 0.2 for i in x], s["start_success"], width=0.4, color=ws.color, label=ws.label)
+        ax.bar([i + 0.2 for i in x], s["final_success"], width=0.4, label="after RL (method colour)",
+               color=[METHOD_DISPLAY[m].color if m in METHOD_DISPLAY else "0.5" for m in s["method"]])
         for i, (a, b) in enumerate(zip(s["start_success"], s["final_success"])):
-            ax.text(i - 0.2, a + 0.01, f"{a:.2f}", ha="center", va="bottom", fontsize=7)
-            ax.text(i + 0.2, b + 0.01, f"{b:.2f}", ha="center", va="bottom", fontsize=7)
-        ticks = [f"{m} s{sd}" for m, sd in zip(s["method"], s["seed"])]
-        if "gained" in s:  # tasks solved only after / only before RL, exact McNemar p
-            ticks = [f"{t}\n+{g}/-{lo}, p={pv:.2g}" for t, g, lo, pv in zip(ticks, s["gained"], s["lost"], s["mcnemar_p"])]
-        ax.set_xticks(list(x), ticks, fontsize=7)
+            ax.text(i - 0.2, a + 0.01, f"{a:.2f}", ha="center", va="bottom", fontsize=6)
+            ax.text(i + 0.2, b + 0.01, f"{b:.2f}", ha="center", va="bottom", fontsize=6)
+        ticks = [f"{METHOD_DISPLAY[m].label if m in METHOD_DISPLAY else m}\ns{sd}" for m, sd in zip(s["method"], s["seed"])]
+        if "gained" in s:  # tasks solved only after / only before RL, exact McNemar p; short lines, no overlap
+            ticks = [f"{t}\n+{g}/-{lo}\np={pv:.2g}" for t, g, lo, pv in zip(ticks, s["gained"], s["lost"], s["mcnemar_p"])]
+        ax.set_xticks(list(x), ticks, fontsize=6.5)
         n = int(s["eval_episodes"].iloc[0]) if len(s) else 0
         ax.set(ylabel="success", title=f"held-out training tasks (n={n})", ylim=(0, 1))
         ax.legend(fontsize=7)

@@ -406,11 +406,14 @@ def paired_comparisons(rows: pd.DataFrame, reference: str, baselines: Sequence[s
     ``sign_p``).  A
     setting either method lacks is skipped.  ``success_mde80`` is the smallest true
     difference this design detects with 80% power at two-sided 5% (normal approximation:
-    (1.96 + 0.84) x the bootstrap standard error of the paired difference); NaN where no
-    task's outcome differs between the two (a zero standard error says nothing about what
-    the design could detect: near-identical policies can agree task by task)."""
+    (1.96 + 0.84) x the bootstrap standard error of the paired difference).  Where no task's
+    outcome differs between the two, the standard error is 0, which says nothing about what
+    the design could detect (near-identical policies can agree task by task): the MDE is then
+    the pair's own, from the root mean square of its standard errors at the other settings
+    (``mde_pooled`` True), and NaN only where the pair differs nowhere."""
     out = []
     for b in baselines:
+        first = len(out)
         shared = sorted(set(rows.loc[rows["method"] == reference, "train_seed"])
                         & set(rows.loc[rows["method"] == b, "train_seed"]))
         if not shared:
@@ -426,13 +429,19 @@ def paired_comparisons(rows: pd.DataFrame, reference: str, baselines: Sequence[s
                         "episodes": r["episodes_per_method"], "success_diff": r["success"],
                         "success_lo": r["success_ci"][0], "success_hi": r["success_ci"][1],
                         "success_mde80": MDE80_Z * r["success_se"] if r["success_se"] > 0 else math.nan,
+                        "mde_pooled": False, "success_se": r["success_se"],
                         "retention_diff": r["retention"] if fam != "clean" else math.nan,
                         "retention_lo": r["retention_ci"][0] if fam != "clean" else math.nan,
                         "retention_hi": r["retention_ci"][1] if fam != "clean" else math.nan,
                         "interval": r["interval"], "wins": r["wins"], "losses": r["losses"], "sign_p": r["sign_p"]})
+        ses = [o.pop("success_se") for o in out[first:]]
+        seen = [se for se in ses if se > 0]
+        for o, se in zip(out[first:], ses):
+            if se <= 0 and seen:  # no differing task here: the pair's pooled standard error
+                o["success_mde80"], o["mde_pooled"] = MDE80_Z * math.sqrt(float(np.mean(np.square(seen)))), True
     cols = ["reference", "baseline", "family", "strength", "train_seeds", "tasks", "episodes", "success_diff",
-            "success_lo", "success_hi", "success_mde80", "retention_diff", "retention_lo", "retention_hi",
-            "interval", "wins", "losses", "sign_p"]
+            "success_lo", "success_hi", "success_mde80", "mde_pooled", "retention_diff", "retention_lo",
+            "retention_hi", "interval", "wins", "losses", "sign_p"]
     return pd.DataFrame(out, columns=cols)
 
 
@@ -681,12 +690,14 @@ def headline_markdown(h: Mapping, methods: Sequence[str]) -> str:
     if h.get("paired"):
         text += (f"\n{PAIRED_HEAD} (reference minus baseline, percentage points, 95% bootstrap over training seeds "
                  "and tasks, over tasks alone where there is one training seed; MDE: the smallest difference the "
-                 "design detects with 80% power):\n\n")
+                 "design detects with 80% power, ~ where no goal's outcome differed at that setting and the MDE is "
+                 "the pair's, pooled over its other settings):\n\n")
         text += "| Setting | vs. | Success diff [95% CI] | MDE | Retention diff [95% CI] |\n|---|---|---|---|---|\n"
         for p in h["paired"]:
             ret = ("-" if p.get("retention_diff") is None else
                    f"{p['retention_diff']:+.1f} [{p['retention_lo']:+.1f}, {p['retention_hi']:+.1f}]")
-            mde = "-" if p.get("success_mde80") is None else f"{p['success_mde80']:.1f}"
+            mde = ("-" if p.get("success_mde80") is None else
+                   f"{'~' if p.get('mde_pooled') else ''}{p['success_mde80']:.1f}")
             text += (f"| {label(p['family'] + '@' + str(p['strength']))} | {METHOD_LABELS.get(p['baseline'], p['baseline'])} | "
                      f"{p['success_diff']:+.1f} [{p['success_lo']:+.1f}, {p['success_hi']:+.1f}] | {mde} | {ret} |\n")
     return text

@@ -133,6 +133,7 @@ def plot_sigma(layers: pd.DataFrame, corr: pd.DataFrame, path: str | Path, *, ti
                        extent=(g.columns.min() - 0.5, g.columns.max() + 0.5, -0.5, len(g) - 0.5))
         ax.set(xlabel="iteration", ylabel="layer", title=f"RMS sigma per layer\n{run}")
         ax.title.set_fontsize(8)
+        ax.grid(False)  # the theme's grid would draw over the cells
     if im is not None:
         fig.colorbar(im, ax=axes[0][len(runs) - 1], label="RMS sigma")
     if len(corr):
