@@ -17,7 +17,7 @@ from typing import Mapping
 
 import pandas as pd
 
-from sprpo_lib.paper.results import setting_label
+from sprpo_lib.paper.results import mde_text, setting_label
 from sprpo_lib.paper.tables import ENV_LABELS, METHOD_LABELS
 
 __all__ = ["PAPER", "reading", "claim_rows", "claim_table", "claims_markdown", "claims_grid", "verdict_sentence"]
@@ -156,7 +156,7 @@ def _nums(r: Mapping) -> dict:
 
     wins, losses, p = count("wins"), count("losses"), count("sign_p")
     return {"diff": r["success_diff"], "lo": r["success_lo"], "hi": r["success_hi"], "mde80": mde,
-            "mde_pooled": bool(r.get("mde_pooled") is True or r.get("mde_pooled") == 1),
+            "mde_pooled": r.get("mde_pooled") is True or r.get("mde_pooled") == 1,
             "tasks": r["tasks"], "train_seeds": r.get("train_seeds"), "wins": None if wins is None else int(wins),
             "losses": None if losses is None else int(losses), "sign_p": p}
 
@@ -176,7 +176,7 @@ def claims_markdown(rows: pd.DataFrame, *, profile: str) -> str:
         lines += ["", f"**{ENV_LABELS.get(env, env)}**", "",
                   "| Claim | Setting | Paper | This run [95% CI] | MDE | Tasks | Reading |", "|---|---|---|---|---|---|---|"]
         for r in part.to_dict("records"):
-            mde = "-" if math.isnan(r["mde80"]) else f"{'~' if r.get('mde_pooled') else ''}{r['mde80']:.1f}"
+            mde = mde_text(r["mde80"], r.get("mde_pooled"))
             lines.append(f"| {r['claim']} | {r['setting']} | {r['paper']:+.1f} | {r['diff']:+.1f} [{r['lo']:+.1f}, "
                          f"{r['hi']:+.1f}] | {mde} | {int(r['tasks'])} | {r['reading']} |")
     return "\n".join(lines) + "\n"
@@ -228,7 +228,7 @@ def claims_grid(rows: pd.DataFrame, *, profile: str, full: str = "") -> str:
                 if r is None:
                     cells.append("")
                     continue
-                mde = "-" if math.isnan(r["mde80"]) else f"{'~' if r.get('mde_pooled') is True else ''}{r['mde80']:.0f}"
+                mde = mde_text(r["mde80"], r.get("mde_pooled"), digits=0)
                 cell = f"{r['diff']:+.1f} [{r['lo']:+.1f}, {r['hi']:+.1f}] / {mde} / {r['paper']:+.1f}"
                 mark = next((m for start, m in GRID_MARKS if str(r["reading"]).startswith(start)), "{}")
                 cells.append(mark.format(cell))

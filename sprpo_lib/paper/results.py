@@ -395,6 +395,14 @@ def plot_ablation(summary: pd.DataFrame, panels: Sequence[tuple[str, Sequence[tu
 
 
 # ----------------------------------------------------------------------------- paired statistics
+def mde_text(mde: float | None, pooled=False, digits: int = 1) -> str:
+    """An MDE as the tables print it: ``-`` where there is none, ``~`` before one pooled over
+    the comparison's other settings (:func:`paired_comparisons`' ``mde_pooled``)."""
+    if mde is None or math.isnan(mde):
+        return "-"
+    return f"{'~' if pooled is True or pooled == 1 else ''}{mde:.{digits}f}"
+
+
 def paired_comparisons(rows: pd.DataFrame, reference: str, baselines: Sequence[str],
                        settings: Sequence[tuple[str, float]], *, n_resamples: int = 10_000,
                        seed: int = 0) -> pd.DataFrame:
@@ -428,17 +436,16 @@ def paired_comparisons(rows: pd.DataFrame, reference: str, baselines: Sequence[s
                         "train_seeds": " ".join(map(str, shared)), "tasks": r["tasks"],
                         "episodes": r["episodes_per_method"], "success_diff": r["success"],
                         "success_lo": r["success_ci"][0], "success_hi": r["success_ci"][1],
-                        "success_mde80": MDE80_Z * r["success_se"] if r["success_se"] > 0 else math.nan,
-                        "mde_pooled": False, "success_se": r["success_se"],
+                        "success_se": r["success_se"],  # -> success_mde80 and mde_pooled below
                         "retention_diff": r["retention"] if fam != "clean" else math.nan,
                         "retention_lo": r["retention_ci"][0] if fam != "clean" else math.nan,
                         "retention_hi": r["retention_ci"][1] if fam != "clean" else math.nan,
                         "interval": r["interval"], "wins": r["wins"], "losses": r["losses"], "sign_p": r["sign_p"]})
-        ses = [o.pop("success_se") for o in out[first:]]
-        seen = [se for se in ses if se > 0]
-        for o, se in zip(out[first:], ses):
-            if se <= 0 and seen:  # no differing task here: the pair's pooled standard error
-                o["success_mde80"], o["mde_pooled"] = MDE80_Z * math.sqrt(float(np.mean(np.square(seen)))), True
+        seen = [o["success_se"] for o in out[first:] if o["success_se"] > 0]
+        pooled = math.sqrt(float(np.mean(np.square(seen)))) if seen else math.nan  # the pair's RMS standard error
+        for o in out[first:]:
+            se = o.pop("success_se")
+            o["success_mde80"], o["mde_pooled"] = MDE80_Z * (se if se > 0 else pooled), not se > 0 and bool(seen)
     cols = ["reference", "baseline", "family", "strength", "train_seeds", "tasks", "episodes", "success_diff",
             "success_lo", "success_hi", "success_mde80", "mde_pooled", "retention_diff", "retention_lo",
             "retention_hi", "interval", "wins", "losses", "sign_p"]
@@ -696,8 +703,7 @@ def headline_markdown(h: Mapping, methods: Sequence[str]) -> str:
         for p in h["paired"]:
             ret = ("-" if p.get("retention_diff") is None else
                    f"{p['retention_diff']:+.1f} [{p['retention_lo']:+.1f}, {p['retention_hi']:+.1f}]")
-            mde = ("-" if p.get("success_mde80") is None else
-                   f"{'~' if p.get('mde_pooled') else ''}{p['success_mde80']:.1f}")
+            mde = mde_text(p.get("success_mde80"), p.get("mde_pooled"))
             text += (f"| {label(p['family'] + '@' + str(p['strength']))} | {METHOD_LABELS.get(p['baseline'], p['baseline'])} | "
                      f"{p['success_diff']:+.1f} [{p['success_lo']:+.1f}, {p['success_hi']:+.1f}] | {mde} | {ret} |\n")
     return text
