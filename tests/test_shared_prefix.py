@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -309,14 +310,17 @@ def test_a_token_budget_bounds_every_micro_batch_of_several_rows(seed):
 
 
 def test_bench_train_reports_each_phase_against_its_floor():
-    """bench train on the smoke profile: every method on both pass layouts, each phase with
-    its floor, the shared layout computing fewer positions than the whole rows."""
+    """bench train on the smoke profile: every method on the three passes (whole rows, shared
+    prefixes, shared prefixes with fused kernels), each phase with its floor, the shared layout
+    computing fewer positions than the whole rows."""
+    from sprpo_lib.bench.report import section
     from sprpo_lib.bench.suite import bench_train
 
-    res = bench_train("smoke", "webshop", repeats=1, overrides=["rollout.tasks_per_step=2"], replay_frac=0.5)
+    res = bench_train("smoke", "webshop", repeats=1, overrides=["rollout.tasks_per_step=2"], replay_frac=0.5,
+                      paths=("shared", "whole", "fused"))
     tok = res["tokens"]
     assert tok["shared_computed"] < tok["whole_computed"] and tok["prefix_groups"] >= 1
-    for path in ("shared", "whole"):
+    for path in ("shared", "whole", "fused"):
         for m in ("vanilla", "sprpo", "sprpo_one_pass", "sam"):
             row = res[path][m]
             assert row["update_floor_s"] > 0 and row["update_over_floor"] > 0
@@ -327,6 +331,10 @@ def test_bench_train_reports_each_phase_against_its_floor():
     assert tok["trie_limit"] <= tok["shared_computed"] - tok["shared_padding"]
     assert res["rollout"]["floor_s"] > 0
     assert set(res["whole_over_shared"]) == {"vanilla", "sprpo", "sprpo_one_pass", "sam", "sprpo_subset"}
+    assert set(res["fused_over_shared"]) == set(res["whole_over_shared"])
+    assert res["fused"]["vanilla"]["update_floor_s"] == res["shared"]["vanilla"]["update_floor_s"]  # same work
+    table = section({"bench": "train", "results": res}, Path("train.json"))
+    assert "| fused | vanilla |" in table and "Fused kernels" in table
     assert res["replay_frac"] == 0.5 and res["replay_rows"] <= max(1, res["samples_nonzero_adv"])
     # the generation floor covers every episode the rollout played, refill rounds included
     assert res["rollout"]["rounds"] >= 1 and res["rollout"]["episodes_played"] >= res["episodes"]
@@ -336,6 +344,8 @@ def test_bench_train_reports_each_phase_against_its_floor():
     assert len(res["matmul_gflops_probes"]) == 2 and res["matmul_gflops"] == max(res["matmul_gflops_probes"])
     with pytest.raises(ValueError, match="sprpo_subset needs --replay-frac"):
         bench_train("smoke", "webshop", methods=("sprpo_subset",))
+    with pytest.raises(ValueError, match="--paths: expected some of whole,shared,fused"):
+        bench_train("smoke", "webshop", paths=("shared", "fast"))
 
 
 def test_estimate_agreement_against_hand_values():

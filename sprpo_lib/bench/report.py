@@ -84,6 +84,9 @@ def _flat_rows(res, prefix: str = "") -> list[str]:
 
 
 TRAIN_METHODS = ("vanilla", "sprpo", "sprpo_one_pass", "sprpo_subset", "sam")
+#: ``bench train``'s passes, in table order: the reference, the profile's shared prefixes, and those
+#: with fused kernels (update.fused_kernels)
+TRAIN_PATHS = ("whole", "shared", "fused")
 
 
 def _train_rows(res: dict) -> list[str]:
@@ -106,7 +109,7 @@ def _train_rows(res: dict) -> list[str]:
                 "not those of refill rounds") + ").\n",
              "| passes | method | update s (x floor) | s / row | extra pass s (x floor) | iteration s | x Vanilla |",
              "|---|---|---|---|---|---|---|"]
-    for path in ("whole", "shared"):
+    for path in TRAIN_PATHS:
         rows = res.get(path)
         if not isinstance(rows, dict):
             continue
@@ -129,6 +132,10 @@ def _train_rows(res: dict) -> list[str]:
         lines.append(f"\nWith the extra pass at its floor (shared passes): SPrPO (replay) at least "
                      f"{bounds['sprpo_over_vanilla_bound']}x Vanilla"
                      + (f", SAM at least {bounds['sam_over_vanilla_bound']}x." if "sam_over_vanilla_bound" in bounds else "."))
+    if isinstance(res.get("fused_over_shared"), dict):
+        lines.append("\nFused kernels (update.fused_kernels: RMSNorm, SwiGLU, rotary compiled), update seconds "
+                     "against the shared passes' eager ones: "
+                     + ", ".join(f"{m} {v}x" for m, v in res["fused_over_shared"].items()) + ".")
     for key, what in (("one_pass_vs_replay", "One-pass"),
                       ("subset_vs_replay", f"Subset ({res.get('replay_rows')} rows, replay_frac {res.get('replay_frac')})")):
         cmp = res.get(key)

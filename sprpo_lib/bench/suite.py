@@ -34,6 +34,7 @@ from sprpo_lib.agent.prompt import (
     token_counter,
 )
 from sprpo_lib.agent.rollout import SerialEnvs, run_groups
+from sprpo_lib.bench.report import TRAIN_PATHS
 from sprpo_lib.core.actor import Actor
 from sprpo_lib.core.batch import Batch, PrefixGroup, Sample, build_batch
 from sprpo_lib.core.compress import fisher_scores, rtn_quantize, sparsegpt_prune
@@ -405,7 +406,9 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     one-pass estimate) and SAM on one rollout batch, each phase against its FLOP floor, for
     the profile's passes (``shared``: shared prefixes of ``update.prefix_min``, and with
     ``update.reuse_frozen`` steps that start at the lowest LoRA layer) and the reference
-    (``whole``: every row whole, every layer at every step), side by side.
+    (``whole``: every row whole, every layer at every step), side by side; ``fused``: the shared
+    passes with ``update.fused_kernels`` (RMSNorm, SwiGLU and the rotary embedding compiled; the
+    ``shared`` and ``whole`` passes run eagerly whatever the profile says).
 
     One rollout batch is collected with :meth:`Trainer.collect` (timed, under SPrPO's
     initial xi); each method's :meth:`Trainer.update` then runs from the same adapter and
@@ -429,6 +432,8 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
 
     Long on purpose: the collection, the interleaved repeats of every method from one
     adapter state, and the floors of each pass are one measurement and share its state."""
+    if set(paths) - set(TRAIN_PATHS) or not paths:
+        raise ValueError(f"bench train --paths: expected some of {','.join(TRAIN_PATHS)}, got {','.join(paths)}")
     known = {"sprpo_one_pass", "sam"} | ({"sprpo_subset"} if replay_frac else set())
     if methods is not None and set(methods) - known:
         raise ValueError(f"bench train --methods: {sorted(set(methods) - known)} not among {sorted(known)} "
@@ -452,7 +457,7 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     steps = len(batch.mini_batches(a.mini_batch)) * a.epochs
     # the shared path is the profile's own (shared prefixes, kept states below the LoRA layers);
     # the whole path is the reference: every row whole, every layer at every step
-    reuse = {"shared": a.reuse_frozen, "whole": False}
+    reuse = {"shared": a.reuse_frozen, "fused": a.reuse_frozen, "whole": False}
     subset = replay_rows(batch, replay_frac, cfg.seed, 0)[0].samples if replay_frac else None
     passes = {path: method_passes(batch, depth, L, regularised, a.skip_zero_adv, steps, reuse[path], subset)
               for path in paths}
@@ -465,18 +470,19 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     if methods is not None:
         variants = {k: v for k, v in variants.items() if k in {"vanilla", "sprpo", *methods}}
     prefix_min = {"shared": cfg.update.prefix_min or 16, "whole": 0}
+    prefix_min["fused"] = prefix_min["shared"]
     params0 = [p.detach().clone() for p in a.params]
     opt0 = copy.deepcopy(a.opt.state_dict())
     times = {(path, v): {"update_s": [], "sensitivity_s": [], "ppo_steps": []} for path in paths for v in variants}
     states: dict[tuple[str, str], tuple] = {}
     for path in paths:  # untimed warm-up of both layouts (first-call allocations), on a few rows
-        a.prefix_min, a.reuse_frozen = prefix_min[path], reuse[path]
+        a.prefix_min, a.reuse_frozen, a.fused_kernels = prefix_min[path], reuse[path], path == "fused"
         tr.method = make_method(variants["sprpo"], tr.shape, cfg.seed)
         tr.update(Batch(batch.without_old().samples[:2 * a.micro_batch]), xi, 0)
     bar = progress_bar(total=repeats * len(paths) * len(variants), desc="bench train: updates", unit="update")
     for _ in range(repeats):  # minutes each on a real batch: the bar names the one running and the last one's time
         for path in paths:
-            a.prefix_min, a.reuse_frozen = prefix_min[path], reuse[path]
+            a.prefix_min, a.reuse_frozen, a.fused_kernels = prefix_min[path], reuse[path], path == "fused"
             for name, mcfg in variants.items():
                 bar.set_postfix_str(f"{path} {name}", refresh=True)
                 with torch.no_grad():
@@ -519,8 +525,11 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     for path in paths:
         res[path] = _phase_rows({n: times[(path, n)] for n in variants}, passes[path], config, prefix_min[path], gflops,
                                 t_roll, len(batch.samples))
-    if set(paths) == {"shared", "whole"}:
+    if {"shared", "whole"} <= set(paths):
         res["whole_over_shared"] = {n: round(res["whole"][n]["update_s"] / res["shared"][n]["update_s"], 2)
+                                    for n in variants}
+    if {"shared", "fused"} <= set(paths):
+        res["fused_over_shared"] = {n: round(res["fused"][n]["update_s"] / res["shared"][n]["update_s"], 3)
                                     for n in variants}
     if not nonzero:  # e.g. warm_start=false: no reward, zero gradient, S_hat = 0
         res["one_pass_vs_replay"] = "not comparable: every advantage in this batch is 0 (no reward signal)"

@@ -25,6 +25,7 @@ from sprpo_lib.core import metrics as MK
 from sprpo_lib.core.batch import Batch, MicroBatch
 from sprpo_lib.core.losses import PPOLossConfig, agg_loss, get_policy_loss, kl_penalty, token_entropy, token_logprobs
 from sprpo_lib.core.perturb import FFNChannels, below_resolution, float32_compute
+from sprpo_lib.model.fused import fused_kernels
 from sprpo_lib.model.layers import checkpointed_layers, decoder_layers, from_layer, lowest_trainable_layer
 
 SURROGATE = frozenset({"surrogate"})
@@ -86,13 +87,16 @@ class Actor:
             not change within the update (up to float rounding).  A pass that
             differentiates xi or the channel gain runs every layer.  ``False``: every
             step runs every layer (the reference path).
+        fused_kernels: the passes run RMSNorm, SwiGLU and the rotary embedding as compiled
+            fused kernels (:func:`sprpo_lib.model.fused.fused_kernels`); same results up to
+            float rounding.  ``False``: eager PyTorch (the reference path).
     """
 
     def __init__(self, model, pad_id: int, opt: torch.optim.Optimizer, *, grad_clip: float = 1.0,
                  loss_name: str = "ppo_dual_clip", loss_cfg: PPOLossConfig | None = None, micro_batch: int = 8,
                  kl_coef: float = 0.0, kl_type: str = "low_var_kl", mini_batch: int | None = None, epochs: int = 1,
                  skip_zero_adv: bool = True, prefix_min: int = 16, micro_batch_tokens: int | None = None,
-                 grad_checkpointing: bool = False, reuse_frozen: bool = True):
+                 grad_checkpointing: bool = False, reuse_frozen: bool = True, fused_kernels: bool = False):
         self.model, self.pad_id, self.opt = model, pad_id, opt
         self.params = [p for g in opt.param_groups for p in g["params"]]
         self.grad_clip = grad_clip
@@ -107,6 +111,7 @@ class Actor:
         self.micro_batch_tokens = micro_batch_tokens
         self.grad_checkpointing = grad_checkpointing
         self.reuse_frozen = reuse_frozen
+        self.fused_kernels = fused_kernels
         self._frozen: dict[int, torch.Tensor] | None = None  # per sample: hidden states below the trainable layers
         self._first_layer = 0  # the layer the current pass starts at (from kept hidden states: > 0)
         self.fc = FFNChannels(model)
@@ -192,7 +197,8 @@ class Actor:
 
             handle = decoder_layers(self.model)[start].register_forward_pre_hook(grab, with_kwargs=True)
         try:
-            with from_layer(self.model, start) if frozen == "use" else nullcontext():
+            with (from_layer(self.model, start) if frozen == "use" else nullcontext(),
+                  fused_kernels(self.model, self.fused_kernels)):
                 self._first_layer = start if frozen == "use" else 0
                 yield from self._passes(batch, sort, on_prefix, frozen, keep)
         finally:

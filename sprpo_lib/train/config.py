@@ -127,7 +127,10 @@ class UpdateConfig:
     optimizer steps, each step runs the layers from the lowest trainable one on, from the
     hidden states the old-log-prob pass kept there (the layers below hold no trainable
     weight and see the same xi: same steps up to rounding); ``false`` runs every layer at
-    every step, as verl does."""
+    every step, as verl does.  ``fused_kernels``: the passes run RMSNorm, SwiGLU and the
+    rotary embedding as compiled fused kernels (:mod:`sprpo_lib.model.fused`; verl's
+    ``use_fused_kernels``, off there too): same steps up to rounding, needs a C++ compiler
+    (without one the passes run eagerly, said once)."""
 
     lr: float = 3e-6
     betas: tuple[float, float] = (0.9, 0.999)
@@ -147,6 +150,7 @@ class UpdateConfig:
     micro_batch_tokens: int | None = field(default=None, metadata=OMIT_AT_DEFAULT)
     grad_checkpointing: bool = field(default=False, metadata=OMIT_AT_DEFAULT)
     reuse_frozen: bool = field(default=True, metadata=OMIT_AT_DEFAULT)
+    fused_kernels: bool = field(default=False, metadata=OMIT_AT_DEFAULT)
 
     def __post_init__(self):
         if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:

@@ -95,7 +95,7 @@ class Trainer:
                            kl_type=u.kl_type, mini_batch=u.ppo_mini_batch_size, epochs=u.ppo_epochs,
                            skip_zero_adv=u.skip_zero_adv, prefix_min=u.prefix_min,
                            micro_batch_tokens=u.micro_batch_tokens, grad_checkpointing=u.grad_checkpointing,
-                           reuse_frozen=u.reuse_frozen)
+                           reuse_frozen=u.reuse_frozen, fused_kernels=u.fused_kernels)
         self.shape = self.actor.shape
         self.method = make_method(cfg.method, self.shape, cfg.seed)
         self.gen = make_engine(cfg.rollout.engine, self.policy, dataclasses.replace(cfg.rollout.generation, seed=cfg.seed),

@@ -1,0 +1,139 @@
+"""Fused elementwise kernels for the training passes (``update.fused_kernels``).
+
+On a CPU a Llama/Qwen2 decoder layer of SmolLM2's width spends more of its forward and
+backward in elementwise ops than in matmuls: RMSNorm's upcast, square, mean, rsqrt and
+scale, SwiGLU's ``silu(gate) * up`` and the rotary embedding's ``q * cos + rotate_half(q)
+* sin`` each read and write the activations several times, in bfloat16 with a conversion
+at every step.  Inside :func:`fused_kernels` those three run as ``torch.compile``'d
+functions of explicit tensors (inductor fuses each into one loop, forward and backward).
+The functions are the models' own equations: RMSNorm and SwiGLU are restated below from
+transformers' ``LlamaRMSNorm`` / ``LlamaMLP`` (Qwen2's are the same), the rotary
+embedding is the model module's own ``apply_rotary_pos_emb``.  Results equal the eager
+path's up to float rounding (a fused loop rounds to bfloat16 once, not after every op).
+
+verl's ``use_fused_kernels`` is the same kind of switch (its kernels are CUDA-only).
+Compilation needs a C++ compiler; where it fails, :func:`fused_kernels_available` says
+why once and the passes run eagerly.  ``torch._dynamo`` is imported on first use.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' ``LlamaRMSNorm.forward``: normalise in float32, scale in the input dtype."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``LlamaMLP``'s activated FFN representation ``h = SiLU(W_gate x) * W_up x`` (Sec. 5)."""
+    return F.silu(gate) * up
+
+
+@functools.cache
+def compiled(fn):
+    """``torch.compile(fn, dynamic=True)``, made once per process (shapes vary per micro-batch:
+    dynamic sizes avoid a recompilation for every new length).  Donated buffers are off: a
+    backward here may keep its graph for a second gradient (``Actor.backward`` with
+    ``split_regularisers``, SPrPO's one-pass estimate), which compiled code with donated
+    buffers refuses."""
+    import torch._functorch.config as functorch_config  # torch's own switch; no public one exists
+
+    functorch_config.donated_buffer = False
+    return torch.compile(fn, dynamic=True)
+
+
+@functools.cache
+def fused_kernels_available(dtype: torch.dtype = torch.float32) -> tuple[bool, str]:
+    """Whether the compiled kernels build and run here for ``dtype`` (forward and backward of
+    a small case, checked once per process); ``(False, why)`` otherwise, logged once."""
+    try:
+        x = torch.randn(2, 3, 8, dtype=dtype, requires_grad=True)
+        y = compiled(rms_norm)(x, torch.ones(8, dtype=dtype), 1e-6)
+        compiled(swiglu)(y, y).float().sum().backward()
+        return True, ""
+    except Exception as err:  # noqa: BLE001  (no C++ compiler, an unsupported platform, ...: any failure means eager)
+        why = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        logger.warning("update.fused_kernels: torch.compile fails here (%s); the passes run eagerly", why)
+        return False, why
+
+
+def _marked(fn):
+    """``fn`` tagged as this module's patch (an enclosing :func:`fused_kernels` block put it there)."""
+    fn._sprpo_fused = True
+    return fn
+
+
+def _is_silu(act) -> bool:
+    return isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU")
+
+
+def _norm_forward(module: nn.Module):
+    fn = compiled(rms_norm)
+
+    def forward(hidden_states):
+        return fn(hidden_states, module.weight, module.variance_epsilon)
+
+    return forward
+
+
+def _mlp_forward(module: nn.Module):
+    fn = compiled(swiglu)
+
+    def forward(x):
+        return module.down_proj(fn(module.gate_proj(x), module.up_proj(x)))  # down_proj's hooks still fire
+
+    return forward
+
+
+@contextmanager
+def fused_kernels(model: nn.Module, on: bool = True) -> Iterator[bool]:
+    """Inside the block ``model``'s RMSNorms, SwiGLU activations and rotary embeddings run as
+    compiled fused kernels; yields whether they do (``on`` and :func:`fused_kernels_available`).
+
+    Instances are patched (their ``forward``), and the rotary function in the module of the
+    model's attention class; everything is restored on exit.  Modules of other shapes (an
+    RMSNorm without ``variance_epsilon``, an MLP whose activation is not SiLU) are left
+    alone."""
+    dtype = next(model.parameters()).dtype
+    if not on or not fused_kernels_available(dtype)[0]:
+        yield False
+        return
+    patched: list[nn.Module] = []
+    rotary: dict = {}
+    for m in model.modules():
+        name = type(m).__name__
+        if "forward" in m.__dict__:  # patched already (an enclosing block): leave it to that block
+            continue
+        if name.endswith("RMSNorm") and hasattr(m, "variance_epsilon") and isinstance(m.weight, torch.Tensor):
+            m.forward = _norm_forward(m)
+            patched.append(m)
+        elif all(hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj")) and _is_silu(getattr(m, "act_fn", None)):
+            m.forward = _mlp_forward(m)
+            patched.append(m)
+        elif name.endswith("Attention"):
+            mod = sys.modules[type(m).__module__]
+            fn = getattr(mod, "apply_rotary_pos_emb", None)
+            if callable(fn) and mod not in rotary and not getattr(fn, "_sprpo_fused", False):
+                rotary[mod] = mod.apply_rotary_pos_emb
+    for mod, fn in rotary.items():
+        mod.apply_rotary_pos_emb = _marked(compiled(fn))
+    try:
+        yield True
+    finally:
+        for m in patched:
+            del m.forward  # back to the class's forward
+        for mod, fn in rotary.items():
+            mod.apply_rotary_pos_emb = fn
