@@ -266,7 +266,8 @@ def plot_training(metrics: pd.DataFrame, summary: pd.DataFrame | None, path: str
     else:
         axes[1].set(xlabel="iteration", title=f"valid-action rate (score = {ratio:g} x success)")
     valid_ax.set(ylabel="valid-action rate (x)", ylim=(-0.02, 1.08))  # a rate of 1 stays off the frame
-    axes[0].legend(fontsize=7)  # the runs' colours and line styles are the same in both panels
+    # the runs' colours and line styles are the same in both panels; two columns where the lines cover least
+    axes[0].legend(fontsize=6.5, ncol=2, loc="best")
     if has_curve:
         ax = axes[2]
         for (method, seed), df in heldout.groupby(["method", "train_seed"]):
