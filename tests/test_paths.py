@@ -67,7 +67,12 @@ def test_bench_report_writes_one_file_per_machine_and_the_readme_block(tmp_path)
     for name, rec in {"churn": {"bench": "churn", "results": churn, "date": "2026-11-25T16:00:00Z", "wall_s": 497.9},
                       "eval": {"bench": "eval", "results": ev, "date": "2026-11-25T17:00:00Z", "wall_s": 300},
                       "machine": {"bench": "machine", "date": "2026-11-24", "wall_s": 60,
-                                  "results": {"machine": zen, "prefill_gflops": {"bfloat16": 739.2}}}}.items():
+                                  "results": {"machine": zen, "prefill_gflops": {"bfloat16": 739.2}}},
+                      "train_mb16": {"bench": "train", "date": "2026-11-29", "wall_s": 300, "results": {
+                          "machine": amx, "env": "webshop", "profile": "cpu", "overrides": ["update.micro_batch=16"],
+                          "shared": {"vanilla": {"update_s": 25.19, "update_over_floor": 7.37, "update_s_per_sample": 0.514,
+                                                 "iteration_s": 36.97},
+                                     "sprpo_over_vanilla": 2.0}}}}.items():
         (bench / f"{name}.json").write_text(json.dumps(rec))
     (bench / "torn.json").write_text('{"bench": "eval", "res')  # a killed writer's file is skipped, not fatal
     readme = tmp_path / "README.md"
@@ -82,6 +87,9 @@ def test_bench_report_writes_one_file_per_machine_and_the_readme_block(tmp_path)
     assert "old" not in text and text.startswith("intro\n") and text.endswith("rest\n")
     assert "0 hangs and 0 retries in 1000 engine builds" in text and "66.4 held-out episodes/min" in text
     assert "bfloat16 739.2 GFLOP/s prefill matmul" in text
+    # a record measured under config overrides says so, in its table's heading and in the README line
+    assert "webshop `cpu` batch (update.micro_batch=16):" in md
+    assert "webshop (update.micro_batch=16) update 25.19 s (7.37x its floor); iteration x Vanilla: SPrPO 2.0" in text
 
 
 def test_stage_table_keeps_recorded_compute_this_machine_does_not_hold(tmp_path):

@@ -89,10 +89,15 @@ TRAIN_METHODS = ("vanilla", "sprpo", "sprpo_one_pass", "sprpo_subset", "sam")
 TRAIN_PATHS = ("whole", "shared", "fused")
 
 
+def _overrides_text(res: dict) -> str:
+    """`` (update.micro_batch=16)``: the config overrides a record was measured under, if any."""
+    return f" ({', '.join(res['overrides'])})" if res.get("overrides") else ""
+
+
 def _train_rows(res: dict) -> list[str]:
     """``bench train``: per pass layout and method, each phase against its FLOP floor."""
     tok, ro = res.get("tokens", {}), res.get("rollout", {})
-    lines = [f"{res.get('env')} `{res.get('profile')}` batch: {res.get('samples')} rows "
+    lines = [f"{res.get('env')} `{res.get('profile')}` batch{_overrides_text(res)}: {res.get('samples')} rows "
              f"({res.get('samples_nonzero_adv')} with A != 0), {tok.get('batch')} tokens; computed by a whole-row pass "
              f"{tok.get('whole_computed')} (padding {tok.get('whole_padding')}), by a shared-prefix pass "
              f"{tok.get('shared_computed')} (padding {tok.get('shared_padding')}, {tok.get('prefix_groups')} prefixes), "
@@ -183,7 +188,7 @@ def headline(record: dict) -> str | None:
     if name == "train" and isinstance(res.get("shared"), dict):
         sh, wh = res["shared"], res.get("whole") or {}
         van = sh["vanilla"]
-        out = (f"{res.get('env')} update {van['update_s']} s ({van.get('update_over_floor')}x its floor)"
+        out = (f"{res.get('env')}{_overrides_text(res)} update {van['update_s']} s ({van.get('update_over_floor')}x its floor)"
                + (f" against {wh['vanilla']['update_s']} s on the reference path ("
                   + ("every row whole, every layer at every step" if "ppo_steps" in van else "every row whole") + ")"
                   if "vanilla" in wh else ""))
