@@ -65,7 +65,8 @@ NOTEBOOK_INFO: dict[str, tuple[str, str]] = {
                     "`01_training_<env>.png`, `_metrics.csv`, `_summary.csv`, `01_training_hparams_*.csv/.tex/.md`"),
     "02_theory": ("Lemma 1, Theorem 1, Corollary 1, Theorem 2 checked on exact MDPs; Fig. 2",
                   "`02_theory_*.png/.pdf/.csv`, `02_theory_summary.tex`"),
-    "03_motivation": ("Fig. 1", "`03_motivation_<env>.png/.pdf`, `_summary.csv`, `_rows.csv`"),
+    "03_motivation": ("Fig. 1; claim C1 with paired intervals",
+                      "`03_motivation_<env>.png/.pdf`, `_summary.csv`, `_c1.csv`, `_rows.csv`"),
     "04_robustness": ("Fig. 3, Table 1, appendix overall and ID/OOD tables, paired comparisons",
                       "`04_robustness_<env>_curves.png/.pdf`, `_table1.tex/.csv`, `_appendix.tex/.csv`, `_paired.csv`, "
                       "`headline_<profile>.json/.md`, `04_robustness_readme.png` (the README's figure)"),

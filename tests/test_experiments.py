@@ -180,6 +180,39 @@ def test_paired_comparisons_hand_cases():
     assert c["mde_pooled"] and c["success_mde80"] == pytest.approx(v["success_mde80"])
 
 
+def test_perturbation_losses_pair_clean_and_perturbed_over_goals_and_seeds():
+    """C1: Vanilla's clean minus perturbed success, by hand on two training seeds."""
+    from sprpo_lib.paper import claims as C
+    from sprpo_lib.paper.stats import sign_test
+
+    outcomes = {  # (train seed, family, strength) -> success per goal
+        (0, "clean", 0.0): [1] * 10 + [0] * 10, (0, "gaussian", 0.2): [0] * 6 + [1] * 4 + [0] * 10,
+        (1, "clean", 0.0): [1] * 10 + [0] * 10, (1, "gaussian", 0.2): [1] * 12 + [0] * 8,
+        (0, "dropout", 0.05): [1] * 10 + [0] * 10, (1, "dropout", 0.05): [1] * 10 + [0] * 10}
+    rows = pd.DataFrame([{"env": "webshop", "split": "test", "task_index": t, "family": f, "strength": s, "seed": 0,
+                          "method": m, "train_seed": k, "success": bool(v if m == "vanilla" else 1 - v)}
+                         for m in ("vanilla", "sprpo") for (k, f, s), succ in outcomes.items()
+                         for t, v in enumerate(succ)])
+    got = R.perturbation_losses(rows, "vanilla", [("gaussian", 0.2), ("dropout", 0.05), ("fisher", 0.2)],
+                                n_resamples=2000).set_index("family")
+    assert list(got.index) == ["gaussian", "dropout"]  # fisher was not evaluated: skipped
+    g = got.loc["gaussian"]
+    # clean 20 of 40 episodes, perturbed 4 + 12 of 40: 10 pp lost; goals 0-5 lost on seed 0, goals 10-11 gained on seed 1
+    assert g["success_diff"] == pytest.approx(10.0) and (g["success_clean"], g["success_perturbed"]) == (50.0, 40.0)
+    assert (g["wins"], g["losses"], g["sign_p"]) == (6, 2, pytest.approx(sign_test(6, 2)))
+    assert g["sign_p"] == pytest.approx(2 * (1 + 8 + 28) / 256)
+    assert g["success_lo"] < 10.0 < g["success_hi"] and g["interval"] == "training seeds x tasks"
+    d = got.loc["dropout"]  # no goal changed: zero-width interval, the MDE pooled from the other setting
+    assert (d["success_diff"], d["success_lo"], d["success_hi"]) == (0.0, 0.0, 0.0)
+    assert d["mde_pooled"] and d["success_mde80"] == pytest.approx(g["success_mde80"]) and not g["mde_pooled"]
+    paper = {"webshop": {"table1": {"vanilla": {"clean@0": 57.0, "gaussian@0.2": 18.73, "dropout@0.05": 12.2}}}}
+    c1 = C.c1_rows(got.reset_index(), "webshop", paper)
+    assert list(c1.columns) == C.CLAIM_COLUMNS and c1["diff"].tolist() == [10.0, 0.0]
+    assert c1["paper"].tolist() == [38.27, 44.8]
+    assert c1.iloc[1]["reading"].startswith("no difference observed")
+    assert c1.iloc[0]["reading"].startswith("not resolved")
+
+
 def test_overhead_means_from_metrics(tmp_path):
     def run(name, method, rows):
         d = tmp_path / name

@@ -20,7 +20,7 @@ import pandas as pd
 from sprpo_lib.paper.results import mde_text, setting_label
 from sprpo_lib.paper.tables import ENV_LABELS, METHOD_LABELS
 
-__all__ = ["PAPER", "reading", "claim_rows", "claim_table", "claims_markdown", "claims_grid", "verdict_sentence"]
+__all__ = ["PAPER", "CLAIM_COLUMNS", "reading", "claim_rows", "c1_rows", "claim_table", "claims_markdown", "claims_grid", "verdict_sentence"]
 
 #: The paper's success (%) per method and Table 1 setting (both environments), and its
 #: WebShop component ablations.
@@ -99,6 +99,11 @@ def reading(diff: float, lo: float, hi: float, mde: float, expected: float, wins
             f"{mde:.1f} pp" if abs(expected) < mde else "not resolved, though the design could detect the paper's difference")
 
 
+#: The columns of a claims table (:func:`claim_rows`, :func:`c1_rows`).
+CLAIM_COLUMNS = ["env", "claim", "versus", "setting", "paper", "diff", "lo", "hi", "mde80", "mde_pooled", "tasks",
+                 "train_seeds", "wins", "losses", "sign_p", "reading"]
+
+
 def claim_rows(paired: pd.DataFrame, ablation_paired: pd.DataFrame | None, env: str,
                paper: Mapping | None = None) -> pd.DataFrame:
     """One row per (claim, setting) on ``env``: SPrPO minus each baseline (Table 1) and
@@ -130,12 +135,30 @@ def claim_rows(paired: pd.DataFrame, ablation_paired: pd.DataFrame | None, env: 
             out.append({"env": env, "claim": f"full SPrPO beats {name}", "versus": name,
                         "setting": setting_label(r["family"], r["strength"]),
                         "paper": round(full[k] - comp[r["baseline"]][k], 2), **_nums(r)})
-    cols = ["env", "claim", "versus", "setting", "paper", "diff", "lo", "hi", "mde80", "mde_pooled", "tasks",
-            "train_seeds", "wins", "losses", "sign_p", "reading"]
     for r in out:
         r["reading"] = reading(r["diff"], r["lo"], r["hi"], r["mde80"], r["paper"], r["wins"], r["losses"],
                                r["sign_p"], r["mde_pooled"])
-    return pd.DataFrame(out, columns=cols)
+    return pd.DataFrame(out, columns=CLAIM_COLUMNS)
+
+
+def c1_rows(losses: pd.DataFrame, env: str, paper: Mapping | None = None) -> pd.DataFrame:
+    """Claim C1 on ``env`` (Sec. 1, Fig. 1: an RL-trained agent loses much of its success under
+    mild perturbations): Vanilla's clean minus perturbed success at each Table 1 setting
+    (:func:`~sprpo_lib.paper.results.perturbation_losses`) beside the paper's (its Table 1
+    Vanilla row), read by :func:`reading`; the columns of :func:`claim_rows`."""
+    t1 = (paper or PAPER).get(env, {}).get("table1", {}).get("vanilla", {})
+    out = []
+    for r in losses.to_dict("records"):
+        k = _key(r["family"], r["strength"])
+        if k not in t1 or "clean@0" not in t1:
+            continue
+        out.append({"env": env, "claim": "C1: Vanilla loses success under the perturbation",
+                    "versus": "Vanilla, clean minus perturbed", "setting": setting_label(r["family"], r["strength"]),
+                    "paper": round(t1["clean@0"] - t1[k], 2), **_nums(r)})
+    for r in out:
+        r["reading"] = reading(r["diff"], r["lo"], r["hi"], r["mde80"], r["paper"], r["wins"], r["losses"],
+                               r["sign_p"], r["mde_pooled"])
+    return pd.DataFrame(out, columns=CLAIM_COLUMNS)
 
 
 def claim_table(paired: Mapping[str, pd.DataFrame], ablation_paired: Mapping[str, pd.DataFrame] | None = None,

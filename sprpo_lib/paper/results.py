@@ -37,7 +37,7 @@ from sprpo_lib.paper.tables import ENV_LABELS, FAMILY_LABELS, METHOD_LABELS, str
 log = logging.getLogger(__name__)
 
 __all__ = ["COLORS", "save_figure", "plot_motivation", "plot_curves", "plot_landscape", "landscape_grid",
-           "plot_ablation", "paired_comparisons", "overhead", "overhead_latex", "EXAMPLE_RULE", "pick_examples",
+           "plot_ablation", "paired_comparisons", "perturbation_losses", "overhead", "overhead_latex", "EXAMPLE_RULE", "pick_examples",
            "examples_markdown", "headline", "headline_markdown", "headline_caption", "seeds_text", "without_paired",
            "replace_block", "setting_label", "plain", "README_WIDTH_PX"]
 
@@ -441,14 +441,54 @@ def paired_comparisons(rows: pd.DataFrame, reference: str, baselines: Sequence[s
                         "retention_lo": r["retention_ci"][0] if fam != "clean" else math.nan,
                         "retention_hi": r["retention_ci"][1] if fam != "clean" else math.nan,
                         "interval": r["interval"], "wins": r["wins"], "losses": r["losses"], "sign_p": r["sign_p"]})
-        seen = [o["success_se"] for o in out[first:] if o["success_se"] > 0]
-        pooled = math.sqrt(float(np.mean(np.square(seen)))) if seen else math.nan  # the pair's RMS standard error
-        for o in out[first:]:
-            se = o.pop("success_se")
-            o["success_mde80"], o["mde_pooled"] = MDE80_Z * (se if se > 0 else pooled), not se > 0 and bool(seen)
+        _add_mde(out[first:])
     cols = ["reference", "baseline", "family", "strength", "train_seeds", "tasks", "episodes", "success_diff",
             "success_lo", "success_hi", "success_mde80", "mde_pooled", "retention_diff", "retention_lo",
             "retention_hi", "interval", "wins", "losses", "sign_p"]
+    return pd.DataFrame(out, columns=cols)
+
+
+def _add_mde(comparisons: list[dict]) -> None:
+    """Replace each comparison's ``success_se`` by ``success_mde80`` (:data:`MDE80_Z` x the
+    standard error) and ``mde_pooled``: where no goal differed (standard error 0) the MDE is
+    that of the comparisons' root mean square standard error, NaN if none differed anywhere."""
+    seen = [o["success_se"] for o in comparisons if o["success_se"] > 0]
+    pooled = math.sqrt(float(np.mean(np.square(seen)))) if seen else math.nan
+    for o in comparisons:
+        se = o.pop("success_se")
+        o["success_mde80"], o["mde_pooled"] = MDE80_Z * (se if se > 0 else pooled), not se > 0 and bool(seen)
+
+
+def perturbation_losses(rows: pd.DataFrame, method: str, settings: Sequence[tuple[str, float]], *,
+                        n_resamples: int = 10_000, seed: int = 0) -> pd.DataFrame:
+    """Claim C1 (an RL agent loses much of its success under mild perturbations): ``method``'s
+    clean success minus its success at each perturbed setting, in percentage points, paired
+    over the same goals, evaluation seeds and training seeds.  Each training seed's clean and
+    perturbed policy enter :func:`~sprpo_lib.paper.stats.paired_bootstrap` as two policies on
+    the same cells, so the interval is the same two-way bootstrap over training seeds and
+    goals as :func:`paired_comparisons`'; ``wins`` / ``losses`` count the goals the
+    perturbation lost / gained (pooled over seeds) with the exact sign test on them, and the
+    MDE is :func:`paired_comparisons`' (pooled where no goal changed)."""
+    sub = rows[rows["method"] == method]
+    clean = sub[(sub["family"] == "clean") & (sub["strength"] == 0.0)].assign(policy="clean")
+    out = []
+    for fam, s in settings:
+        pert = sub[(sub["family"] == fam) & (sub["strength"] == s)]
+        if fam == "clean" or clean.empty or pert.empty:
+            continue
+        both = pd.concat([clean, pert.assign(policy="perturbed", family="clean", strength=0.0)], ignore_index=True)
+        r = paired_bootstrap(both, "clean", "perturbed", "clean", 0.0, method="policy", n_resamples=n_resamples,
+                             seed=seed)
+        out.append({"method": method, "family": fam, "strength": s,
+                    "train_seeds": " ".join(map(str, sorted(set(pert["train_seed"])))), "tasks": r["tasks"],
+                    "episodes": r["episodes_per_method"], "success_clean": 100.0 * clean["success"].mean(),
+                    "success_perturbed": 100.0 * pert["success"].mean(), "success_diff": r["success"],
+                    "success_lo": r["success_ci"][0], "success_hi": r["success_ci"][1], "success_se": r["success_se"],
+                    "interval": r["interval"], "wins": r["wins"], "losses": r["losses"], "sign_p": r["sign_p"]})
+    _add_mde(out)
+    cols = ["method", "family", "strength", "train_seeds", "tasks", "episodes", "success_clean", "success_perturbed",
+            "success_diff", "success_lo", "success_hi", "success_mde80", "mde_pooled", "interval", "wins", "losses",
+            "sign_p"]
     return pd.DataFrame(out, columns=cols)
 
 
