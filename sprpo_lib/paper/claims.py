@@ -20,7 +20,8 @@ import pandas as pd
 from sprpo_lib.paper.results import mde_text, setting_label
 from sprpo_lib.paper.tables import ENV_LABELS, METHOD_LABELS
 
-__all__ = ["PAPER", "CLAIM_COLUMNS", "reading", "claim_rows", "c1_rows", "claim_table", "claims_markdown", "claims_grid", "verdict_sentence"]
+__all__ = ["PAPER", "CLAIM_COLUMNS", "reading", "claim_rows", "c1_rows", "claim_table", "claims_markdown",
+           "claims_grid", "verdict_sentence"]
 
 #: The paper's success (%) per method and Table 1 setting (both environments), and its
 #: WebShop component ablations.
@@ -104,6 +105,14 @@ CLAIM_COLUMNS = ["env", "claim", "versus", "setting", "paper", "diff", "lo", "hi
                  "train_seeds", "wins", "losses", "sign_p", "reading"]
 
 
+def _claims_frame(rows: list[dict]) -> pd.DataFrame:
+    """Claim rows with their :func:`reading`, as a table of :data:`CLAIM_COLUMNS`."""
+    for r in rows:
+        r["reading"] = reading(r["diff"], r["lo"], r["hi"], r["mde80"], r["paper"], r["wins"], r["losses"],
+                               r["sign_p"], r["mde_pooled"])
+    return pd.DataFrame(rows, columns=CLAIM_COLUMNS)
+
+
 def claim_rows(paired: pd.DataFrame, ablation_paired: pd.DataFrame | None, env: str,
                paper: Mapping | None = None) -> pd.DataFrame:
     """One row per (claim, setting) on ``env``: SPrPO minus each baseline (Table 1) and
@@ -135,10 +144,7 @@ def claim_rows(paired: pd.DataFrame, ablation_paired: pd.DataFrame | None, env: 
             out.append({"env": env, "claim": f"full SPrPO beats {name}", "versus": name,
                         "setting": setting_label(r["family"], r["strength"]),
                         "paper": round(full[k] - comp[r["baseline"]][k], 2), **_nums(r)})
-    for r in out:
-        r["reading"] = reading(r["diff"], r["lo"], r["hi"], r["mde80"], r["paper"], r["wins"], r["losses"],
-                               r["sign_p"], r["mde_pooled"])
-    return pd.DataFrame(out, columns=CLAIM_COLUMNS)
+    return _claims_frame(out)
 
 
 def c1_rows(losses: pd.DataFrame, env: str, paper: Mapping | None = None) -> pd.DataFrame:
@@ -155,10 +161,7 @@ def c1_rows(losses: pd.DataFrame, env: str, paper: Mapping | None = None) -> pd.
         out.append({"env": env, "claim": "C1: Vanilla loses success under the perturbation",
                     "versus": "Vanilla, clean minus perturbed", "setting": setting_label(r["family"], r["strength"]),
                     "paper": round(t1["clean@0"] - t1[k], 2), **_nums(r)})
-    for r in out:
-        r["reading"] = reading(r["diff"], r["lo"], r["hi"], r["mde80"], r["paper"], r["wins"], r["losses"],
-                               r["sign_p"], r["mde_pooled"])
-    return pd.DataFrame(out, columns=CLAIM_COLUMNS)
+    return _claims_frame(out)
 
 
 def claim_table(paired: Mapping[str, pd.DataFrame], ablation_paired: Mapping[str, pd.DataFrame] | None = None,

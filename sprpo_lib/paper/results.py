@@ -37,9 +37,10 @@ from sprpo_lib.paper.tables import ENV_LABELS, FAMILY_LABELS, METHOD_LABELS, str
 log = logging.getLogger(__name__)
 
 __all__ = ["COLORS", "save_figure", "plot_motivation", "plot_curves", "plot_landscape", "landscape_grid",
-           "plot_ablation", "paired_comparisons", "perturbation_losses", "overhead", "overhead_latex", "EXAMPLE_RULE", "pick_examples",
-           "examples_markdown", "headline", "headline_markdown", "headline_caption", "seeds_text", "without_paired",
-           "replace_block", "setting_label", "plain", "README_WIDTH_PX"]
+           "plot_ablation", "paired_comparisons", "perturbation_losses", "overhead", "overhead_latex",
+           "EXAMPLE_RULE", "pick_examples", "examples_markdown", "headline", "headline_markdown",
+           "headline_caption", "seeds_text", "without_paired", "replace_block", "setting_label", "plain",
+           "README_WIDTH_PX"]
 
 COLORS = METHOD_COLORS  # one colour and marker per method, in every figure (sprpo_lib.paper.style)
 MARKERS = METHOD_MARKERS
