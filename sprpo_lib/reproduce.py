@@ -48,7 +48,7 @@ from sprpo_lib.infra.paths import (
 from sprpo_lib.infra.paths import runs_dir as project_runs
 from sprpo_lib.infra.progress import PROGRESS_ENV
 from sprpo_lib.paper import budget
-from sprpo_lib.paper.claims import claims_grid, verdict_sentence
+from sprpo_lib.paper.claims import overview, overview_markdown, verdict_sentence
 from sprpo_lib.paper.results import doc_pages, replace_block, without_paired
 from sprpo_lib.train.config import config_from_dict
 from sprpo_lib.warmstart.cache import warm_start_dir
@@ -61,8 +61,9 @@ RESULT_NOTEBOOKS = ("03_motivation", "04_robustness", "05_landscape", "06_overhe
 NOTEBOOK_INFO: dict[str, tuple[str, str]] = {
     "00_quickstart": ("the five deployment perturbations of App. C on one prompt",
                       "`00_quickstart_perturbations.png/.csv`"),
-    "01_training": ("training curves; warm start vs. RL; App. B Tables 2-3 beside the profiles",
-                    "`01_training_<env>.png`, `_metrics.csv`, `_summary.csv`, `01_training_hparams_*.csv/.tex/.md`"),
+    "01_training": ("training curves; warm start vs. RL, also after longer RL; App. B Tables 2-3 beside the profiles",
+                    "`01_training_<env>.png`, `_metrics.csv`, `_summary.csv`, `_heldout.csv`, `_longer.png/.csv`, "
+                    "`01_training_hparams_*.csv/.tex/.md`"),
     "02_theory": ("Lemma 1, Theorem 1, Corollary 1, Theorem 2 checked on exact MDPs; Fig. 2",
                   "`02_theory_*.png/.pdf/.csv`, `02_theory_summary.tex`"),
     "03_motivation": ("Fig. 1; claim C1 with paired intervals",
@@ -73,9 +74,10 @@ NOTEBOOK_INFO: dict[str, tuple[str, str]] = {
     "05_landscape": ("Fig. 4 (reward landscape)", "`05_landscape_<env>.png/.pdf`, `_grid.csv`"),
     "06_overhead": ("appendix table \"Training overhead\"", "`06_overhead_<env>.tex/.csv`"),
     "07_examples": ("appendix \"Qualitative examples\"", "`07_examples_<env>.md/.csv`"),
-    "08_ablations": ("Fig. 5, appendix tables \"Component ablations\" and \"Hyperparameter study\" (WebShop)",
+    "08_ablations": ("Fig. 5, appendix tables \"Component ablations\" and \"Hyperparameter study\" (WebShop); "
+                     "every claim's verdict and the power analysis",
                      "`08_ablations_<env>_fig5.png/.pdf`, `_components.tex/.csv`, `_hyperparameters.tex/.csv`, "
-                     "`_paired.csv`"),
+                     "`_paired.csv`, `claims_<profile>.md/.csv`, `claims_power_<profile>.md/.csv`"),
 }
 
 
@@ -286,9 +288,18 @@ def notebooks_table() -> str:
     return "\n".join(lines) + "\n"
 
 
-def _run_seconds(run: Path) -> float:
-    """A training run's recorded compute: the sum of its iterations' ``wall_s``."""
-    return float(sum(r.get(MK.WALL_S) or 0.0 for r in JsonLines(run / "metrics.jsonl").read_rows()))
+def _run_seconds(run: Path, counted: set | None = None) -> float:
+    """A training run's recorded compute: the sum of its iterations' ``wall_s`` and held-out
+    evaluations (``heldout_s``), leaving out the iterations in ``counted`` (a longer run's
+    first iterations are its plan run's, copied) and adding the others to it."""
+    counted = set() if counted is None else counted
+    secs = 0.0
+    for r in JsonLines(run / "metrics.jsonl").read_rows():
+        if r.get(MK.ITERATION) in counted:
+            continue
+        counted.add(r.get(MK.ITERATION))
+        secs += float(r.get(MK.WALL_S) or 0.0) + float(r.get(MK.HELDOUT_S) or 0.0)
+    return secs
 
 
 def recorded_seconds(profile: str, out_dir: str | Path | None = None, runs_dir: Path | None = None) -> dict[str, float]:
@@ -305,19 +316,20 @@ def recorded_seconds(profile: str, out_dir: str | Path | None = None, runs_dir: 
         cell = read_cached(f)
         if isinstance(cell, dict) and isinstance(cell.get("seconds"), (int, float)):
             cell_seconds[f.stem[:12]] = float(cell["seconds"])
-    seen: set[str] = set()
+    seen: set = set()  # cells (hash prefixes) and run folders already counted
     res: dict[str, float] = {}
     for nb in PROFILES[profile]["notebooks"]:
         secs = 0.0
         if nb == "01_training":
             warm: set[Path] = set()
-            for man in out.glob("01_training_*.png.manifest.json"):
+            iterations: dict[str, set] = {}  # per run name: a longer run shares its plan run's first iterations
+            for man in sorted(out.glob("01_training_*.png.manifest.json")):
                 for r in ((read_cached(man) or {}).get("config") or {}).get("runs", []):
                     run = project_path(r)
-                    if run.name in seen or not (run / "metrics.jsonl").is_file():
+                    if run in seen or not (run / "metrics.jsonl").is_file():
                         continue
-                    seen.add(run.name)
-                    secs += _run_seconds(run)
+                    seen.add(run)
+                    secs += _run_seconds(run, iterations.setdefault(run.name, set()))
                     meta = read_cached(run / "config.json")
                     if isinstance(meta, dict) and isinstance(meta.get("config"), dict):
                         cfg = config_from_dict(meta["config"])
@@ -410,8 +422,8 @@ def refresh_page(page: Path, prefix: str, profile: str, out_dir: str, root: Path
             where = src.relative_to(root) if src.is_relative_to(root) else src
             if block == "headline":
                 body = without_paired(src.read_text())
-            else:  # the full table stays in its file; the README has one grid per environment
-                body = claims_grid(pd.read_csv(src.with_suffix(".csv")), profile=profile, full=str(where))
+            else:  # the full table stays in its file; the README has every claim's verdict
+                body = overview_markdown(overview(pd.read_csv(src.with_suffix(".csv"))), profile=profile, full=str(where))
             text = replace_block(text, f"{block}-{profile}", f"<!-- generated from {where}; do not edit -->\n" + body,
                                  prefix=prefix)
     claims = project_path(out_dir) / f"claims_{profile}.csv"  # the first screen's sentence, from the verdicts

@@ -251,3 +251,52 @@ def test_fig3_rows_per_env_categorical_precision_and_one_marker_per_method(tmp_p
     R.plot_curves(pd.concat([sam_web_only, alf]), ["vanilla", "sam", "sprpo"], tmp_path / "f", families=("gaussian", "rtn"))
     assert [t.get_text() for t in figs[-1].legends[0].get_texts()] == ["Vanilla", "SAM", "SPrPO"]
 
+
+
+def test_landscape_drop_is_the_centre_minus_the_ring_paired_by_goal():
+    """C4 by hand: on 3 goals, Vanilla's drop from the centre of the plane to the mean of its 8
+    other points is 1, 0.5, 0 and SPrPO's 0.25, 0.5, 0: Vanilla minus SPrPO = +25 pp, one goal
+    for Vanilla's side (sign test p = 1); swapping the two negates it."""
+    from sprpo_lib.paper.results import landscape_drop
+
+    grid = [(w1, w2) for w2 in (-0.2, 0.0, 0.2) for w1 in (-0.2, 0.0, 0.2)]
+    ring_wins = {"vanilla": (0, 4, 8), "sprpo": (6, 4, 8)}  # off-centre successes per goal, of 8
+    rows = []
+    for m, wins in ring_wins.items():
+        for t, k in enumerate(wins):
+            off = iter([True] * k + [False] * (8 - k))
+            for w1, w2 in grid:
+                ok = True if (w1, w2) == (0.0, 0.0) else next(off)
+                rows.append({"env": "webshop", "split": "test", "task_index": t, "family": "plane", "strength": w1,
+                             "w2": w2, "seed": 0, "method": m, "train_seed": 0, "success": ok})
+    rows = pd.DataFrame(rows)
+    got = landscape_drop(rows).iloc[0]
+    assert got.success_diff == pytest.approx(25.0) and (got.wins, got.losses, got.sign_p) == (1, 0, 1.0)
+    assert got.tasks == 3 and got.success_lo == pytest.approx(0.0) and got.success_hi == pytest.approx(75.0)
+    assert landscape_drop(rows, "sprpo", "vanilla").iloc[0].success_diff == pytest.approx(-25.0)
+    c4 = C.c4_rows(landscape_drop(rows), "webshop").iloc[0]
+    assert c4.id == "C4" and math.isnan(c4.paper) and c4.reading.startswith("not resolved: all 1 discordant goals")
+    assert landscape_drop(rows[rows.method == "vanilla"]).empty  # no SPrPO plane: nothing to compare
+
+
+def test_overview_reads_each_claim_by_its_own_rule():
+    """C2 needs 4 of 5 families, C3 is non-inferiority at 2 pp, C4 has a direction and no number,
+    a claim without rows is "not measured"."""
+    def row(env, cid, diff, lo, hi, paper=5.0, p=0.01, wins=8, losses=0):
+        return {"env": env, "id": cid, "claim": "c", "versus": "Vanilla", "setting": f"s{lo}", "paper": paper,
+                "diff": diff, "lo": lo, "hi": hi, "mde80": 6.0, "mde_pooled": False, "tasks": 40, "train_seeds": "0 1 2",
+                "wins": wins, "losses": losses, "sign_p": p,
+                "reading": C.reading(diff, lo, hi, 6.0, paper, wins, losses, p)}
+
+    rows = [row("webshop", "C2", 9.0, 2.0 + k, 15.0) for k in range(4)] + [row("webshop", "C2", 1.0, -5.0, 7.0)]
+    rows += [row("alfworld", "C2", 9.0, 2.0 + k, 15.0) for k in range(3)] + [row("alfworld", "C2", 1.0, -5.0, 7.0)] * 2
+    rows += [row("webshop", "C3", 2.0, -1.5, 6.0), row("alfworld", "C3", 1.0, -3.0, 5.0)]
+    rows += [row("webshop", "C4", 3.0, 1.0, 5.0, paper=math.nan)]
+    ov = C.overview(pd.DataFrame(rows, columns=C.CLAIM_COLUMNS)).set_index(["id", "env"])["verdict"]
+    assert ov["C2", "webshop"] == "agrees (4 of 5 agree; the claim needs 4)"
+    assert ov["C2", "alfworld"] == "not resolved (3 of 5 agree; the claim needs 4)"
+    assert ov["C3", "webshop"].startswith("agrees") and ov["C3", "alfworld"].startswith("not resolved")
+    assert ov["C4", "webshop"] == "agrees" and ov["C4", "alfworld"] == "not measured"
+    assert ov["C6", "webshop"] == "not measured" and len(ov) == 2 * len(C.CLAIMS)
+    assert C.reading(-3.0, -5.0, -1.0, 6.0, math.nan, 0, 8, 0.01).startswith("opposite sign")
+    assert C.reading(0.5, -1.0, 2.0, 6.0, math.nan).startswith("not resolved; the paper gives no number")

@@ -320,7 +320,7 @@ def test_readme_headline_block_is_the_digest(tmp_path, monkeypatch):
     assert "| Vanilla | 40.0 ± 2.0 |" in text and "+5.0" not in text and "old" not in text and text.endswith("rest\n")
 
 
-def test_readme_claims_block_is_the_grid_and_links_the_full_table(tmp_path, monkeypatch):
+def test_readme_claims_block_is_every_claims_verdict_and_links_the_full_table(tmp_path, monkeypatch):
     from sprpo_lib.paper import claims as C
     from sprpo_lib.reproduce import update_readme
 
@@ -335,8 +335,11 @@ def test_readme_claims_block_is_the_grid_and_links_the_full_table(tmp_path, monk
     readme.write_text("intro\n<!-- claims-cpu:begin -->\nSTALE\n<!-- claims-cpu:end -->\nrest\n")
     assert update_readme("cpu", "figures", readme)
     text = readme.read_text()
-    assert "| Vanilla | +5.0 [-1.0, +9.0] / 12 / +3.0 |" in text and "(figures/claims_cpu.md)" in text
-    assert "| Claim |" not in text and "STALE" not in text and text.endswith("rest\n")
+    # C3 (non-inferiority at 2 pp): the lower bound -1.0 is above -2; the claims without rows are not measured
+    assert ("| C3: SPrPO's clean success is not more than 2 pp below Vanilla's (Table 1) | **agrees (lower bound above "
+            "-2 pp)**: Clean: +5.0 [-1.0, +9.0], MDE 12.0 |") in text and "(figures/claims_cpu.md)" in text
+    assert text.count("**not measured**") == len(C.CLAIMS) - 1 and "| Claim | WebShop |" in text
+    assert "STALE" not in text and text.endswith("rest\n")
 
 
 def test_blocks_go_to_the_page_with_their_markers_and_links_resolve_from_it(tmp_path, monkeypatch):
@@ -375,7 +378,8 @@ def test_every_relative_link_of_the_two_pages_resolves():
 
 def test_recorded_compute_adds_every_pass_and_counts_a_shared_cell_once(tmp_path, monkeypatch):
     """The stage table's recorded compute, against sums by hand: 01 = its runs' iteration
-    wall_s + their warm start's seconds (collection, cloning, held-out score); a cell in 03's and 04's rows counts for 03 only."""
+    wall_s and held-out seconds (a longer run: its own iterations only) + their warm start's seconds
+    (collection, cloning, held-out score); a cell in 03's and 04's rows counts for 03 only."""
     from sprpo_lib import reproduce as R
     from sprpo_lib.train.config import config_dict, load_config
 
@@ -383,14 +387,20 @@ def test_recorded_compute_adds_every_pass_and_counts_a_shared_cell_once(tmp_path
     run = runs / "cpu" / "train" / "webshop-vanilla-cpu-seed0"
     run.mkdir(parents=True)
     out.mkdir()
-    (run / "metrics.jsonl").write_text('{"iteration": 0, "wall_s": 1.5}\n{"iteration": 1, "wall_s": 2.5}\n')
+    (run / "metrics.jsonl").write_text('{"iteration": 0, "wall_s": 1.5}\n{"iteration": 1, "wall_s": 2.5, "heldout_s": 0.25}\n')
     (run / "config.json").write_text(json.dumps({"config": config_dict(load_config("cpu"))}))
+    longer = runs / "cpu" / "train" / "longer" / run.name  # a copy of the run, continued: its new iteration only
+    longer.mkdir(parents=True)
+    (longer / "metrics.jsonl").write_text((run / "metrics.jsonl").read_text()
+                                          + '{"iteration": 2, "wall_s": 3.0, "heldout_s": 1.0}\n')
+    (longer / "config.json").write_text((run / "config.json").read_text())
     warm = tmp_path / "sft"
     warm.mkdir()
     (warm / "sft_summary.json").write_text(json.dumps({"result": {"seconds": 10.0, "collect": {"seconds": 0.5}}}))
     (warm / "eval.json").write_text(json.dumps({"seconds": 2.0}))
     monkeypatch.setattr(R, "warm_start_dir", lambda cfg, agent=None: warm)  # where reproduce looks it up
     (out / "01_training_webshop.png.manifest.json").write_text(json.dumps({"config": {"runs": [str(run)]}}))
+    (out / "01_training_webshop_longer.png.manifest.json").write_text(json.dumps({"config": {"runs": [str(longer)]}}))
     for key, secs in (("a" * 64, 3.0), ("b" * 64, 4.0)):
         f = runs / "cpu" / "eval_cache" / "cells" / "webshop-clean" / f"{key}.json"
         f.parent.mkdir(parents=True, exist_ok=True)
@@ -401,10 +411,11 @@ def test_recorded_compute_adds_every_pass_and_counts_a_shared_cell_once(tmp_path
     abl.mkdir(parents=True)
     (abl / "metrics.jsonl").write_text('{"iteration": 0, "wall_s": 7.0}\n')
     got = R.recorded_seconds("cpu", out, runs)
-    assert got["01_training"] == 16.5 and got["03_motivation"] == 3.0 and got["04_robustness"] == 4.0
+    assert got["01_training"] == 1.5 + 2.5 + 0.25 + 3.0 + 1.0 + 12.5 and got["03_motivation"] == 3.0 and got["04_robustness"] == 4.0
     assert got["08_ablations"] == 7.0 and got["05_landscape"] == 0.0
     table = R.stage_table("cpu", out, runs)
-    assert "| `01_training` | 0.0 min | 0.3 min |" in table and "| `03_motivation` | not run | 0.1 min |" in table and table.rstrip().endswith("| all | 0.0 min | 0.5 min | | |")
+    assert "| `01_training` | 0.0 min | 0.3 min |" in table and "| `03_motivation` | not run | 0.1 min |" in table
+    assert table.rstrip().endswith("| all | 0.0 min | 0.6 min | | |")
 
 
 def test_landscape_figure_without_plane_rows_is_one_clear_error(tmp_path):

@@ -72,8 +72,15 @@ def test_training_notebook_smoke(tmp_path):
     assert m.success.between(0, 1).all() and (m.update_s > 0).all()
     assert (m[m.method == "sprpo"].sensitivity_s > 0).all() and (m[m.method == "vanilla"].sensitivity_s == 0).all()
     runs = sorted(p.name for p in (tmp_path / "runs" / "smoke" / "train").iterdir() if not p.name.startswith("."))
-    assert runs == ["alfworld-sprpo-smoke-seed0", "alfworld-vanilla-smoke-seed0", "webshop-sprpo-smoke-seed0",
+    assert runs == ["alfworld-sprpo-smoke-seed0", "alfworld-vanilla-smoke-seed0", "longer", "webshop-sprpo-smoke-seed0",
                     "webshop-vanilla-smoke-seed0"]  # each beside its hidden lock file (one process per run folder)
+    for env in ("webshop", "alfworld"):  # the plan's longer run: Vanilla's run copied and continued to 4 iterations
+        base = tmp_path / "runs" / "smoke" / "train" / f"{env}-vanilla-smoke-seed0"
+        rows = [pd.read_json(r / "metrics.jsonl", lines=True) for r in (base, base.parent / "longer" / base.name)]
+        assert list(rows[1].iteration) == [0, 1, 2, 3] and rows[1].head(3).equals(rows[0])
+    longer = json.loads((out / "01_training_webshop_longer.csv.manifest.json").read_text())
+    assert longer["config"]["runs"][0].endswith("longer/webshop-vanilla-smoke-seed0") and longer["longer"] == {"vanilla": [0]}
+    assert list(pd.read_csv(out / "01_training_webshop_longer.csv").columns[:3]) == ["env", "method", "iteration"]
     alf = pd.read_csv(out / "01_training_alfworld_metrics.csv")  # ALFWorld: the same page, its own files
     assert set(alf.method) == {"vanilla", "sprpo"} and len(alf) == 2 * 3 and alf.success.between(0, 1).all()
     assert (out / "01_training_alfworld.png").is_file() and (out / "01_training_alfworld_sigma_fisher.csv").is_file()

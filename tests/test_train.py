@@ -270,6 +270,35 @@ def test_extend_run_and_refuse_other_config(tmp_path):
         train(load_config("smoke", ov + ["iterations=2", "update.lr=0.5"]), tmp_path / "r", progress=False)
 
 
+def test_a_longer_run_is_its_plan_run_continued_and_equals_one_trained_that_long(tmp_path):
+    """paper.report.longer_grid copies a finished run and resumes it to more iterations: its
+    first iterations are the copy's, and the whole run equals one trained that long from
+    scratch (nothing in training depends on the total), metrics and final adapter alike."""
+    import json
+
+    from sprpo_lib.paper.report import longer_grid, run_grid
+
+    ov = ["rollout.tasks_per_step=1", "iterations=1"]
+    [base] = run_grid("smoke", "webshop", ["vanilla"], [0], ov, out_root=tmp_path / "plan", progress=False)
+    [longer] = longer_grid("smoke", "webshop", ["vanilla"], [0], 2, ov, out_root=tmp_path / "plan", progress=False)
+    [scratch] = run_grid("smoke", "webshop", ["vanilla"], [0], ov + ["iterations=2"], out_root=tmp_path / "scratch",
+                         progress=False)
+    assert longer == tmp_path / "plan" / "longer" / base.name
+
+    def numbers(run):  # what the iteration computed, not how long it took
+        rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in r.items() if not (k.endswith("_s") or "rss" in k or k in {"cpu_per_wall", "loadavg_1min"})}
+                for r in rows]
+
+    assert numbers(longer)[:1] == numbers(base) and len(numbers(longer)) == 2
+    assert numbers(longer) == numbers(scratch)
+    adapters = [load_file(str(next((r / "final" / "adapter").rglob("adapter_model.safetensors")))) for r in (longer, scratch)]
+    assert adapters[0].keys() == adapters[1].keys() and all(torch.equal(adapters[0][k], adapters[1][k]) for k in adapters[0])
+    assert longer_grid("smoke", "webshop", ["vanilla"], [0], 2, ov, out_root=tmp_path / "plan", find=True) == [longer]
+    with pytest.raises(ValueError, match="longer_iterations=1: a longer run needs more than"):
+        longer_grid("smoke", "webshop", ["vanilla"], [0], 1, ov, out_root=tmp_path / "plan", progress=False)
+
+
 def test_warm_start_and_final_eval_on_same_held_out_tasks(tmp_path, monkeypatch):
     import json
 

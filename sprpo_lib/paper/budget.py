@@ -124,6 +124,9 @@ def plan_table(profiles: tuple[str, ...] = ("cpu", "paper")) -> str:
             "model": [load_config(pr, **{"env.name": env}).model.spec for pr in profiles],
             "RL run": [_rl(pr, env) for pr in profiles],
             "training seeds": [_seeds(p) if p else "-" for p in plans],
+            "longer runs (notebook 01)": [", ".join(f"{METHOD_DISPLAY[m].label} {len(v)} to {p.longer_iterations} iterations"
+                                                    for m, v in p.longer().items()) or "none" if p else "-"
+                                          for p in plans],
             "held-out tasks": [", ".join(f"{s} {n if p.tasks is None else min(p.tasks, n)}"
                                          for s, n in APP_C_TASKS[env].items()) if p else "-" for p in plans],
             "Table 1 settings": [_settings(p, False) if p else "-" for p in plans],

@@ -17,11 +17,12 @@ from typing import Mapping
 
 import pandas as pd
 
-from sprpo_lib.paper.results import mde_text, setting_label
+from sprpo_lib.paper.results import landscape_drop, mde_text, paired_comparisons, setting_label
 from sprpo_lib.paper.tables import ENV_LABELS, METHOD_LABELS
 
-__all__ = ["PAPER", "CLAIM_COLUMNS", "reading", "claim_rows", "c1_rows", "claim_table", "claims_markdown",
-           "claims_grid", "verdict_sentence"]
+__all__ = ["PAPER", "CLAIMS", "C3_MARGIN", "C2_FAMILIES", "CLAIM_COLUMNS", "reading", "claim_rows", "c1_rows",
+           "c4_rows", "c6_rows", "claim_table", "all_claims", "claims_markdown", "claims_grid", "verdict_sentence", "overview",
+           "overview_markdown", "SPRPO_IDS"]
 
 #: The paper's success (%) per method and Table 1 setting (both environments), and its
 #: WebShop component ablations.
@@ -73,7 +74,8 @@ def reading(diff: float, lo: float, hi: float, mde: float, expected: float, wins
       sign test on the discordant goals also rejects no difference at 5%;
     * an interval across zero is "not resolved", and says whether it leaves out the paper's
       difference (the data are then at odds with an effect of the paper's size, though not
-      with its sign) or whether that difference is below what the design detects.
+      with its sign) or whether that difference is below what the design detects;
+    * ``expected`` NaN is a claim with a direction (positive) but no number (C4, Fig. 4).
     """
     detect = ("cannot detect differences" if math.isnan(mde) else f"cannot detect less than {mde:.1f} pp"
               + (" (pooled over the comparison's settings)" if mde_pooled else ""))
@@ -90,8 +92,10 @@ def reading(diff: float, lo: float, hi: float, mde: float, expected: float, wins
         if sign_p is not None and not sign_p < 0.05:
             return (f"not resolved: the interval is {side} 0 but the exact sign test on the {wins + losses} discordant "
                     f"goals gives p = {sign_p:.3g}")
-        same = (expected > 0) == (lo > 0)
+        same = (expected > 0 or math.isnan(expected)) == (lo > 0)
         return f"agrees (interval {side} 0)" if same else f"opposite sign to the paper (interval {side} 0)"
+    if math.isnan(expected):  # a direction without a number (Fig. 4): nothing to set the interval against
+        return f"not resolved; the paper gives no number to compare; this design {detect}"
     if not lo <= expected <= hi:
         return f"not resolved; smaller than the paper's: the interval leaves out {expected:+.1f}"
     if math.isnan(mde):
@@ -100,9 +104,26 @@ def reading(diff: float, lo: float, hi: float, mde: float, expected: float, wins
             f"{mde:.1f} pp" if abs(expected) < mde else "not resolved, though the design could detect the paper's difference")
 
 
-#: The columns of a claims table (:func:`claim_rows`, :func:`c1_rows`).
-CLAIM_COLUMNS = ["env", "claim", "versus", "setting", "paper", "diff", "lo", "hi", "mde80", "mde_pooled", "tasks",
-                 "train_seeds", "wins", "losses", "sign_p", "reading"]
+#: The paper's claims this reproduction reads, by id (the ``id`` column of a claims table): C1-C6
+#: as notebook 08's power analysis sizes them (:func:`sprpo_lib.paper.power.claim_specs`), and T1,
+#: Table 1's comparisons of SPrPO with the Gaussian and SAM baselines.
+CLAIMS = {
+    "C1": "an RL-trained agent (Vanilla) loses much of its success under mild perturbations (Fig. 1, Table 1)",
+    "C2": "SPrPO keeps more success than Vanilla in at least 4 of the 5 families (Table 1)",
+    "C3": "SPrPO's clean success is not more than 2 pp below Vanilla's (Table 1)",
+    "C4": "SPrPO's reward surface is flatter than Vanilla's (Fig. 4)",
+    "C5": "full SPrPO beats SPrPO without sensitivity and without scheduling (App. \"Component ablations\")",
+    "C6": "channel SAM at rho = 0.1 collapses (App. B)",
+    "T1": "SPrPO keeps more success than the Gaussian and SAM baselines (Table 1)",
+}
+#: C3's margin (pp): SPrPO's clean success may fall this far below Vanilla's and still "match" it.
+C3_MARGIN = 2.0
+#: C2's count: the families (of Table 1's five) in which SPrPO must keep more success than Vanilla.
+C2_FAMILIES = 4
+
+#: The columns of a claims table (:func:`claim_rows`, :func:`c1_rows`, :func:`c4_rows`, :func:`c6_rows`).
+CLAIM_COLUMNS = ["env", "id", "claim", "versus", "setting", "paper", "diff", "lo", "hi", "mde80", "mde_pooled",
+                 "tasks", "train_seeds", "wins", "losses", "sign_p", "reading"]
 
 
 def _claims_frame(rows: list[dict]) -> pd.DataFrame:
@@ -130,7 +151,8 @@ def claim_rows(paired: pd.DataFrame, ablation_paired: pd.DataFrame | None, env: 
         expected = round(t1["sprpo"][k] - t1[base][k], 2)
         claim = (f"SPrPO {'matches or beats' if r['family'] == 'clean' else 'keeps more success than'} "
                  f"{METHOD_LABELS.get(base, base)}")
-        out.append({"env": env, "claim": claim, "versus": METHOD_LABELS.get(base, base),
+        cid = "T1" if base != "vanilla" else "C3" if r["family"] == "clean" else "C2"
+        out.append({"env": env, "id": cid, "claim": claim, "versus": METHOD_LABELS.get(base, base),
                     "setting": setting_label(r["family"], r["strength"]), "paper": expected, **_nums(r)})
     comp = ref.get("components", {})
     if ablation_paired is not None:
@@ -141,7 +163,7 @@ def claim_rows(paired: pd.DataFrame, ablation_paired: pd.DataFrame | None, env: 
                 continue
             name = {"alpha0": "w/o sensitivity (alpha = 0)", "no_schedule": "w/o scheduling"}[r["baseline"]]
             # the ablation rows are reference (full) minus variant: the paper's full minus variant
-            out.append({"env": env, "claim": f"full SPrPO beats {name}", "versus": name,
+            out.append({"env": env, "id": "C5", "claim": f"full SPrPO beats {name}", "versus": name,
                         "setting": setting_label(r["family"], r["strength"]),
                         "paper": round(full[k] - comp[r["baseline"]][k], 2), **_nums(r)})
     return _claims_frame(out)
@@ -158,9 +180,33 @@ def c1_rows(losses: pd.DataFrame, env: str, paper: Mapping | None = None) -> pd.
         k = _key(r["family"], r["strength"])
         if k not in t1 or "clean@0" not in t1:
             continue
-        out.append({"env": env, "claim": "C1: Vanilla loses success under the perturbation",
+        out.append({"env": env, "id": "C1", "claim": "Vanilla loses success under the perturbation",
                     "versus": "Vanilla, clean minus perturbed", "setting": setting_label(r["family"], r["strength"]),
                     "paper": round(t1["clean@0"] - t1[k], 2), **_nums(r)})
+    return _claims_frame(out)
+
+
+def c4_rows(drop: pd.DataFrame, env: str) -> pd.DataFrame:
+    """Claim C4 on ``env`` from :func:`~sprpo_lib.paper.results.landscape_drop` (Vanilla's drop
+    from the centre of the plane minus SPrPO's: positive, SPrPO's surface is flatter); the
+    paper draws the surfaces but gives no number, so the reading has a direction only."""
+    out = [{"env": env, "id": "C4", "claim": "SPrPO's reward surface is flatter than Vanilla's",
+            "versus": "Vanilla's drop minus SPrPO's", "setting": "plane: centre minus the other grid points",
+            "paper": math.nan, **_nums(r)} for r in drop.to_dict("records")]
+    return _claims_frame(out)
+
+
+def c6_rows(paired: pd.DataFrame, env: str, paper: Mapping | None = None) -> pd.DataFrame:
+    """Claim C6 on ``env``: channel SAM at rho = 5e-3 minus SAM at rho = 0.1, clean
+    (:func:`~sprpo_lib.paper.results.paired_comparisons` of the ablation variants ``sam_5e-3``
+    and ``sam_0.1``, clean rows only: their MDE pooled over the other settings where no goal
+    differed clean); App. B says rho = 0.1 "leads to performance collapse", read as losing
+    SAM's whole clean success of Table 1 (the paper's difference)."""
+    sam = (paper or PAPER).get(env, {}).get("table1", {}).get("sam", {})
+    out = [{"env": env, "id": "C6", "claim": "channel SAM at rho = 0.1 collapses", "versus": "SAM rho = 5e-3 minus rho = 0.1",
+            "setting": setting_label(r["family"], r["strength"]),
+            "paper": round(sam[_key(r["family"], r["strength"])], 2), **_nums(r)}
+           for r in paired.to_dict("records") if r["family"] == "clean" and _key(r["family"], r["strength"]) in sam]
     return _claims_frame(out)
 
 
@@ -171,6 +217,27 @@ def claim_table(paired: Mapping[str, pd.DataFrame], ablation_paired: Mapping[str
     parts = [claim_rows(p, (ablation_paired or {}).get(env), env, paper) for env, p in paired.items()]
     parts = [p for p in parts if len(p)]
     return pd.concat(parts, ignore_index=True) if parts else claim_rows(pd.DataFrame(), None, "")
+
+
+def all_claims(paired: Mapping[str, pd.DataFrame], ablation_paired: Mapping[str, pd.DataFrame] | None = None, *,
+               c1: Mapping[str, pd.DataFrame] | None = None, landscapes: Mapping[str, pd.DataFrame] | None = None,
+               ablation_rows: Mapping[str, pd.DataFrame] | None = None, paper: Mapping | None = None) -> pd.DataFrame:
+    """Every claim of :data:`CLAIMS` that the results can read, per environment in the paper's
+    order of claims: :func:`claim_table` (C2, C3, C5, T1), ``c1`` (notebook 03's
+    :func:`c1_rows`, env -> table), C4 from ``landscapes`` (notebook 05's plane rows, env ->
+    rows; :func:`~sprpo_lib.paper.results.landscape_drop`) and C6 from ``ablation_rows``
+    (notebook 08's rows of the variants ``sam_5e-3`` and ``sam_0.1``)."""
+    parts = [claim_table(paired, ablation_paired, paper)]
+    parts += [t.assign(id="C1")[CLAIM_COLUMNS] for t in (c1 or {}).values() if len(t)]
+    parts += [c4_rows(landscape_drop(r), env) for env, r in (landscapes or {}).items()]
+    parts += [c6_rows(paired_comparisons(r, "sam_5e-3", ["sam_0.1"],  # every setting: the MDE pools over them
+                                         list(dict.fromkeys(zip(r["family"], r["strength"].astype(float))))), env, paper)
+              for env, r in (ablation_rows or {}).items()]
+    table = pd.concat([p for p in parts if len(p)] or [parts[0]], ignore_index=True)
+    order = {k: i for i, k in enumerate(CLAIMS)}
+    envs = {e: i for i, e in enumerate(dict.fromkeys(table["env"]))}
+    return (table.assign(_e=table["env"].map(envs), _c=table["id"].map(order))
+            .sort_values(["_e", "_c"], kind="stable").drop(columns=["_e", "_c"]).reset_index(drop=True))
 
 
 def _nums(r: Mapping) -> dict:
@@ -194,16 +261,21 @@ def claims_markdown(rows: pd.DataFrame, *, profile: str) -> str:
     if rows.empty:
         return f"No claim of the paper can be read from the {profile} profile's results.\n"
     lines = [f"Paper's claims against the `{profile}` profile: differences in success (percentage points), "
-             "SPrPO (full) minus the other policy or variant, paired over the same test goals and evaluation seeds (95% bootstrap over "
-             "training seeds and tasks); MDE = the smallest difference this design detects with 80% power (~: no "
-             "goal differed at that setting; the comparison's MDE pooled over its other settings). \"Agrees\" "
-             "and \"opposite sign\" need the exact sign test on the goals whose outcomes differ at p < 0.05 as well."]
+             "paired over the same test goals and evaluation seeds (95% bootstrap over training seeds and tasks): "
+             "SPrPO (full) minus the other policy or variant (C2, C3, C5, T1), Vanilla's clean minus perturbed "
+             "success (C1), Vanilla's drop from the centre of the reward landscape minus SPrPO's (C4), SAM at "
+             "rho = 5e-3 minus SAM at rho = 0.1 (C6); MDE = the smallest difference this design detects with 80% "
+             "power (~: no goal differed at that setting; the comparison's MDE pooled over its other settings). "
+             "\"Agrees\" and \"opposite sign\" need the exact sign test on the goals whose outcomes differ at "
+             "p < 0.05 as well. Claims: " + "; ".join(f"{k}, {v}" for k, v in CLAIMS.items()) + "."]
     for env, part in rows.groupby("env", sort=False):
         lines += ["", f"**{ENV_LABELS.get(env, env)}**", "",
-                  "| Claim | Setting | Paper | This run [95% CI] | MDE | Tasks | Reading |", "|---|---|---|---|---|---|---|"]
+                  "| Id | Claim | Setting | Paper | This run [95% CI] | MDE | Tasks | Reading |",
+                  "|---|---|---|---|---|---|---|---|"]
         for r in part.to_dict("records"):
             mde = mde_text(r["mde80"], r.get("mde_pooled"))
-            lines.append(f"| {r['claim']} | {r['setting']} | {r['paper']:+.1f} | {r['diff']:+.1f} [{r['lo']:+.1f}, "
+            paper = "-" if math.isnan(r["paper"]) else f"{r['paper']:+.1f}"
+            lines.append(f"| {r['id']} | {r['claim']} | {r['setting']} | {paper} | {r['diff']:+.1f} [{r['lo']:+.1f}, "
                          f"{r['hi']:+.1f}] | {mde} | {int(r['tasks'])} | {r['reading']} |")
     return "\n".join(lines) + "\n"
 
@@ -212,6 +284,7 @@ def claims_markdown(rows: pd.DataFrame, *, profile: str) -> str:
 def verdict_sentence(rows: pd.DataFrame, *, profile: str) -> str:
     """One sentence of what the claims say at this profile's scale, from their readings:
     how many comparisons agree with the paper, go the other way, or resolve nothing."""
+    rows = rows[rows["id"].isin(SPRPO_IDS)] if "id" in rows else rows
     if rows.empty:
         return f"The {profile} profile's results support no reading of the paper's claims yet."
     r = rows["reading"].astype(str)
@@ -231,7 +304,9 @@ GRID_MARKS = (("agrees", "**{}**"), ("opposite sign", "{} (!)"), ("not resolved;
 def claims_grid(rows: pd.DataFrame, *, profile: str, full: str = "") -> str:
     """The claims of :func:`claim_table` as one compact grid per environment (rows: the
     other policy; columns: the settings; a cell: this run's difference [95% CI], MDE and
-    the paper's difference), the readings as marks; ``full`` links the full table."""
+    the paper's difference), the readings as marks; ``full`` links the full table.  Only
+    SPrPO's comparisons (:data:`SPRPO_IDS`) are in the grid."""
+    rows = rows[rows["id"].isin(SPRPO_IDS)] if "id" in rows else rows
     if rows.empty:
         return f"No claim of the paper can be read from the {profile} profile's results.\n"
     lines = ["SPrPO minus each policy, success in percentage points: this run's paired difference [95% CI] "
@@ -259,4 +334,86 @@ def claims_grid(rows: pd.DataFrame, *, profile: str, full: str = "") -> str:
                 mark = next((m for start, m in GRID_MARKS if str(r["reading"]).startswith(start)), "{}")
                 cells.append(mark.format(cell))
             lines.append(f"| {versus} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+#: The ids of the comparisons of SPrPO with another policy or variant (the grid and verdict sentence).
+SPRPO_IDS = ("C2", "C3", "T1", "C5")
+
+
+def _short(reading_text: str) -> str:
+    """A reading's verdict: its words before the first ';', ':' or '('."""
+    for sep in (";", ":", " ("):
+        reading_text = reading_text.split(sep)[0]
+    return reading_text.strip()
+
+
+def _numbers(r: Mapping, versus: bool = False) -> str:
+    mde = mde_text(r["mde80"], r.get("mde_pooled"))
+    p = "" if r.get("sign_p") is None or (isinstance(r["sign_p"], float) and math.isnan(r["sign_p"])) else \
+        f", sign p = {r['sign_p']:.2g}"
+    who = f" ({r['versus']})" if versus else ""
+    return f"{r['setting']}{who}: {r['diff']:+.1f} [{r['lo']:+.1f}, {r['hi']:+.1f}], MDE {mde}{p}"
+
+
+def _verdict(cid: str, part: pd.DataFrame) -> tuple[str, str]:
+    """(verdict, evidence) of one claim on one environment from its rows of the claims table."""
+    rows = part.to_dict("records")
+    if cid == "C3":  # non-inferiority at C3_MARGIN: the interval's lower bound against -margin
+        r = rows[0]
+        if r["lo"] > -C3_MARGIN:
+            verdict = f"agrees (lower bound above -{C3_MARGIN:g} pp)"
+        elif r["hi"] < -C3_MARGIN:
+            verdict = f"opposite (more than {C3_MARGIN:g} pp below)"
+        else:
+            verdict = f"not resolved (the interval reaches below -{C3_MARGIN:g} pp)"
+        return verdict, _numbers(r)
+    if len(rows) == 1:
+        return _short(rows[0]["reading"]), _numbers(rows[0])
+    read = [str(r["reading"]) for r in rows]
+    agree = [r for r, t in zip(rows, read) if t.startswith("agrees")]
+    opposite = [r for r, t in zip(rows, read) if t.startswith("opposite")]
+    need = {"C1": 1, "C2": C2_FAMILIES}.get(cid, len(rows))
+    verdict = "agrees" if len(agree) >= need else "opposite" if len(opposite) >= need else "not resolved"
+    verdict += f" ({len(agree)} of {len(rows)} agree" + (f", {len(opposite)} opposite" if opposite else "") + \
+        (f"; the claim needs {need})" if need not in (1, len(rows)) else ")")
+    shown = agree + opposite
+    if shown:
+        return verdict, "; ".join(_numbers(r, versus=cid in ("T1", "C5")) for r in shown)
+    mdes = [r["mde80"] for r in rows if not math.isnan(r["mde80"])]
+    left_out = sum(t.startswith("not resolved; smaller than the paper's") for t in read)
+    span = "" if not mdes else f"{min(mdes):.0f}" if round(min(mdes)) == round(max(mdes)) else \
+        f"{min(mdes):.0f}-{max(mdes):.0f}"
+    return verdict, (f"no interval resolves (MDE {span} pp)" if mdes else "no interval resolves") \
+        + (f"; {left_out} of {len(rows)} leave out the paper's difference" if left_out else "")
+
+
+def overview(rows: pd.DataFrame, envs: list[str] | None = None) -> pd.DataFrame:
+    """One row per claim of :data:`CLAIMS` and environment: its verdict from the claims table's
+    rows (:func:`_verdict`: C1 agrees where any setting agrees, C2 where at least
+    :data:`C2_FAMILIES` families do, C3 by non-inferiority at :data:`C3_MARGIN`, C5 and T1
+    where every comparison does, C4 and C6 by their one reading) and the numbers it rests on;
+    "not measured" where this profile's plan has no rows for it."""
+    envs = envs or list(dict.fromkeys(rows["env"])) if len(rows) else (envs or [])
+    out = []
+    for cid, text in CLAIMS.items():
+        for env in envs:
+            part = rows[(rows["env"] == env) & (rows["id"] == cid)] if len(rows) else rows
+            missing = ("not measured", "this profile's plan has no rows for it on this environment")
+            verdict, evidence = _verdict(cid, part) if len(part) else missing
+            out.append({"id": cid, "claim": text, "env": env, "verdict": verdict, "evidence": evidence})
+    return pd.DataFrame(out, columns=["id", "claim", "env", "verdict", "evidence"])
+
+
+def overview_markdown(ov: pd.DataFrame, *, profile: str, full: str = "") -> str:
+    """:func:`overview` as one Markdown table (a row per claim, a column per environment)."""
+    envs = list(dict.fromkeys(ov["env"]))
+    lines = [f"Every claim of the paper against the `{profile}` profile: the verdict, then the numbers it rests on "
+             "(paired difference in pp [95% CI], the smallest difference the design detects at 80% power, the exact "
+             "sign test on the goals whose outcomes differ)" + (f"; every comparison: [{full}]({full})." if full else "."),
+             "", "| Claim | " + " | ".join(ENV_LABELS.get(e, e) for e in envs) + " |", "|---" * (len(envs) + 1) + "|"]
+    for cid, part in ov.groupby("id", sort=False):
+        by = {r["env"]: r for r in part.to_dict("records")}
+        cells = [f"**{by[e]['verdict']}**: {by[e]['evidence']}" if e in by else "" for e in envs]
+        lines.append(f"| {cid}: {part['claim'].iloc[0]} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

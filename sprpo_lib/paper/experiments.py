@@ -94,6 +94,10 @@ class Plan:
         warm_start_row: evaluate the warm-start policy (when the profile has one) like a
             curve policy, as method ``warm_start``: the reference that shows whether RL
             made the agent more or less fragile than its starting point.
+        longer_iterations: continue the runs of ``longer_methods`` (training seeds
+            ``longer_seeds``; ``None``: all of the method's) to this many RL iterations
+            (0: none), for notebook 01's held-out curve against the warm start
+            (:func:`sprpo_lib.paper.report.longer_grid`); nothing else evaluates them.
     """
 
     profile: str
@@ -116,6 +120,9 @@ class Plan:
     calibration_size: int = 128
     engine: str | None = None
     warm_start_row: bool = True
+    longer_iterations: int = 0
+    longer_methods: tuple[str, ...] = ("vanilla",)
+    longer_seeds: tuple[int, ...] | None = None
 
     def __post_init__(self):
         missing = [m for m in self.methods if m not in self.seeds]
@@ -124,6 +131,16 @@ class Plan:
         bad = [m for m in self.landscape_methods if m not in self.methods]
         if bad:
             raise ValueError(f"Plan.landscape_methods: {bad} are not trained in this plan ({list(self.methods)})")
+        bad = [m for m in self.longer_methods if m not in self.methods] if self.longer_iterations else []
+        if bad:
+            raise ValueError(f"Plan.longer_methods: {bad} are not trained in this plan ({list(self.methods)})")
+
+    def longer(self) -> dict[str, list[int]]:
+        """``{method: training seeds}`` of the longer runs (empty without ``longer_iterations``)."""
+        if not self.longer_iterations:
+            return {}
+        return {m: [s for s in self.seeds[m] if self.longer_seeds is None or s in self.longer_seeds]
+                for m in self.longer_methods}
 
     def runs(self) -> list[tuple[str, int]]:
         """(method, training seed) of every policy, seed-major as :func:`run_grid` trains them."""

@@ -12,6 +12,7 @@ each run a Ray task (:mod:`sprpo_lib.infra.executor`).
 from __future__ import annotations
 
 import json
+import shutil
 from math import comb
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -22,8 +23,8 @@ from matplotlib.ticker import MaxNLocator
 
 from sprpo_lib.core import metrics as MK
 from sprpo_lib.infra.executor import current
-from sprpo_lib.infra.io import read_json_lines
-from sprpo_lib.infra.paths import project_path
+from sprpo_lib.infra.io import atomic_dir, read_json_lines
+from sprpo_lib.infra.paths import project_path, runs_dir
 from sprpo_lib.paper.stats import N_RESAMPLES, paired_bootstrap
 from sprpo_lib.paper.style import METHOD_DISPLAY, pyplot
 from sprpo_lib.train.config import TrainConfig, config_from_dict, load_config
@@ -31,7 +32,7 @@ from sprpo_lib.train.trainer import default_out_dir, heldout_dir, heldout_due, t
 from sprpo_lib.warmstart.cache import warm_start_dir
 from sprpo_lib.warmstart.heldout import load_eval
 
-__all__ = ["run_grid", "find_runs", "load_metrics", "before_after", "paired_outcomes", "mcnemar_exact_p", "plot_training",
+__all__ = ["run_grid", "find_runs", "LONGER", "longer_root", "longer_grid", "load_metrics", "before_after", "paired_outcomes", "mcnemar_exact_p", "plot_training",
            "heldout_rows", "heldout_curve"]
 
 
@@ -70,6 +71,40 @@ def find_runs(profile: str, env: str, methods: Sequence[str], seeds: Sequence[in
     if missing:
         raise FileNotFoundError(f"no training run in {missing}; run the notebook with render_only=False to train")
     return dirs
+
+
+#: Subfolder of the runs root holding the longer runs (:func:`longer_grid`).
+LONGER = "longer"
+
+
+def longer_root(out_root: str | Path | None = None) -> Path:
+    """Where the longer runs of a plan whose runs live under ``out_root`` are kept:
+    ``<out_root>/longer/``, or ``runs/longer/`` beside the default ``runs/train/``."""
+    return project_path(out_root) / LONGER if out_root else runs_dir(LONGER)
+
+
+def longer_grid(profile: str, env: str, methods: Sequence[str], seeds: Sequence[int] | Mapping[str, Sequence[int]],
+                iterations: int, overrides: Sequence[str] = (), out_root: str | Path | None = None, *,
+                find: bool = False, progress: bool = True, executor=None) -> list[Path]:
+    """The plan's runs (under ``out_root``, as :func:`run_grid` trains them) continued to
+    ``iterations`` RL iterations, each under :func:`longer_root` with the run's name: the
+    held-out curve that shows whether more RL moves the policy.  A longer run starts as a
+    copy of the finished plan run (nothing in training depends on the total number of
+    iterations, so the copy's iterations are the ones a longer run from scratch makes), then
+    resumes from its last checkpoint; ``find``: only find them (render-only)."""
+    more = [*overrides, f"iterations={int(iterations)}"]
+    root = longer_root(out_root)
+    if find:
+        return find_runs(profile, env, methods, seeds, more, out_root=root)
+    for cfg, base in _grid(profile, env, methods, seeds, overrides, out_root):
+        if iterations <= cfg.iterations:
+            raise ValueError(f"plan.longer_iterations={iterations}: a longer run needs more than the profile's "
+                             f"{cfg.iterations} iterations; set it above {cfg.iterations}, or to 0 for none")
+        target = root / base.name
+        if not (target / "metrics.jsonl").is_file() and (base / "metrics.jsonl").is_file():
+            with atomic_dir(target) as tmp:  # the plan run's iterations, once (a killed copy leaves none)
+                shutil.copytree(base, tmp, dirs_exist_ok=True)
+    return run_grid(profile, env, methods, seeds, more, out_root=root, progress=progress, executor=executor)
 
 
 def _config(run_dir: Path) -> TrainConfig:
@@ -190,6 +225,11 @@ def heldout_rows(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+#: Columns of :func:`heldout_curve` (also of an empty one: a profile without a held-out curve).
+HELDOUT_CURVE_COLUMNS = ("env", "method", "iteration", "train_seeds", "tasks", "success", "start", "diff", "lo", "hi",
+                         "wins", "losses", "sign_p")
+
+
 def heldout_curve(rows: pd.DataFrame, n_resamples: int = N_RESAMPLES, seed: int = 0) -> pd.DataFrame:
     """Per (env, method, iteration > 0): held-out success (%) of the policies after that many
     iterations against the warm start's on the same tasks, with the two-way paired bootstrap
@@ -198,7 +238,7 @@ def heldout_curve(rows: pd.DataFrame, n_resamples: int = N_RESAMPLES, seed: int 
     ``sign_p`` their exact sign test): whether RL moved the policy, and by how much."""
     out = []
     if rows.empty:
-        return pd.DataFrame(out)
+        return pd.DataFrame(out, columns=list(HELDOUT_CURVE_COLUMNS))
     start = rows[rows["iteration"] == 0]
     for (env, method, it), after in rows[rows["iteration"] > 0].groupby(["env", "method", "iteration"]):
         seeds = sorted(set(after["train_seed"]))
@@ -214,7 +254,7 @@ def heldout_curve(rows: pd.DataFrame, n_resamples: int = N_RESAMPLES, seed: int 
                     "success": 100 * after["success"].mean(), "start": 100 * base["success"].mean(),
                     "diff": res["success"], "lo": lo, "hi": hi, "wins": res["wins"],
                     "losses": res["losses"], "sign_p": res["sign_p"]})
-    return pd.DataFrame(out)
+    return pd.DataFrame(out, columns=list(HELDOUT_CURVE_COLUMNS))
 
 
 TRAINING_DODGE = 0.05

@@ -23,6 +23,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 import pandas as pd
+from matplotlib.ticker import MaxNLocator
 
 from sprpo_lib.core.compress import FAMILIES
 from sprpo_lib.infra.io import atomic_write_text
@@ -31,13 +32,13 @@ from sprpo_lib.paper.experiments import PLANS
 from sprpo_lib.paper.figcheck import design_gid, figure_problems
 from sprpo_lib.paper.report import load_metrics
 from sprpo_lib.paper.stats import paired_bootstrap, summarize
-from sprpo_lib.paper.style import METHOD_COLORS, METHOD_MARKERS, pyplot, role
+from sprpo_lib.paper.style import METHOD_COLORS, METHOD_MARKERS, NEUTRAL, pyplot, role
 from sprpo_lib.paper.tables import ENV_LABELS, FAMILY_LABELS, METHOD_LABELS, strength_label
 
 log = logging.getLogger(__name__)
 
-__all__ = ["COLORS", "save_figure", "plot_motivation", "plot_curves", "plot_landscape", "landscape_grid",
-           "plot_ablation", "paired_comparisons", "perturbation_losses", "overhead", "overhead_latex",
+__all__ = ["COLORS", "save_figure", "plot_motivation", "plot_curves", "plot_landscape", "landscape_grid", "plot_longer",
+           "plot_ablation", "paired_comparisons", "perturbation_losses", "landscape_drop", "overhead", "overhead_latex",
            "EXAMPLE_RULE", "pick_examples", "examples_markdown", "headline", "headline_markdown",
            "headline_caption", "seeds_text", "without_paired", "replace_block", "setting_label", "plain",
            "README_WIDTH_PX"]
@@ -331,6 +332,46 @@ def plot_landscape(rows: pd.DataFrame, methods: Sequence[str], path: str | Path,
     return save_figure(fig, path)
 
 
+def plot_longer(held: pd.DataFrame, curve: pd.DataFrame, path: str | Path, *, title: str = "") -> list[Path]:
+    """Longer RL against the warm start (notebook 01, ``Plan.longer_iterations``): left, the
+    held-out success of every run along training (0: the warm start; one line per training
+    seed, the mean over seeds bold); right, RL minus warm start per evaluated iteration with
+    its 95% paired interval over training seeds and tasks (:func:`~sprpo_lib.paper.report.heldout_curve`),
+    the tasks gained / lost and their exact sign test under each point."""
+    if held.empty or curve.empty:
+        raise ValueError("plot_longer: no held-out evaluations along the longer runs; the profile needs "
+                         "warm_start, eval_tasks and eval_every (the cpu profile has them)")
+    plt = _plt()
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(9.5, 3.4))
+    for method, df in held.groupby("method"):
+        disp = (COLORS.get(method, NEUTRAL["dark"]), MARKERS.get(method, "o"))
+        per = df.groupby(["train_seed", "iteration"])["success"].mean().unstack("train_seed") * 100.0
+        for seed in per.columns:
+            ax.plot(per.index, per[seed], color=disp[0], lw=0.8, alpha=0.45, marker=disp[1], ms=3)
+        ax.plot(per.index, per.mean(axis=1), color=disp[0], lw=2.2, marker=disp[1], ms=5,
+                label=f"{METHOD_LABELS.get(method, method)}, mean of {per.shape[1]} seed(s) (thin: each seed)")
+        c = curve[curve["method"] == method].sort_values("iteration")
+        bx.errorbar(c["iteration"], c["diff"], yerr=[c["diff"] - c["lo"], c["hi"] - c["diff"]], color=disp[0],
+                    marker=disp[1], ms=5, capsize=3, lw=1.2, label=METHOD_LABELS.get(method, method))
+        for r in c.itertuples():
+            bx.annotate(f"+{r.wins}/-{r.losses}\np={r.sign_p:.2g}", (r.iteration, r.lo), textcoords="offset points",
+                        xytext=(0, -8), ha="center", va="top", fontsize=6)
+    bx.axhline(0.0, color=NEUTRAL["mid"], lw=0.8)
+    n = int(held.groupby(["method", "train_seed", "iteration"]).size().max())
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    bx.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set(xlabel="RL iterations (0: warm start)", ylabel="held-out success (%)", ylim=(0, 100),
+           title=f"held-out training tasks (n={n} per policy, T=0.4)")
+    ax.legend(fontsize=6.5, loc="upper left")
+    lo = min(float(curve["lo"].min()), 0.0)
+    bx.set(xlabel="RL iterations", ylabel="RL minus warm start (pp)", ylim=(lo - 8, max(float(curve["hi"].max()), 0) + 4),
+           title="paired over seeds and tasks, 95% CI; +gained/-lost, sign p")
+    fig.tight_layout()
+    if title:
+        fig.suptitle(title, fontsize=9, y=1.03)
+    return save_figure(fig, path)
+
+
 def setting_label(family: str, strength: float) -> str:
     """A perturbation setting in words for Markdown (``Gaussian σ=0.20``, ``Quantization INT6``, ``Clean``)."""
     if family == "clean":
@@ -490,6 +531,35 @@ def perturbation_losses(rows: pd.DataFrame, method: str, settings: Sequence[tupl
     cols = ["method", "family", "strength", "train_seeds", "tasks", "episodes", "success_clean", "success_perturbed",
             "success_diff", "success_lo", "success_hi", "success_mde80", "mde_pooled", "interval", "wins", "losses",
             "sign_p"]
+    return pd.DataFrame(out, columns=cols)
+
+
+def landscape_drop(rows: pd.DataFrame, a: str = "vanilla", b: str = "sprpo", *, n_resamples: int = 10_000,
+                   seed: int = 0) -> pd.DataFrame:
+    """Claim C4 (Fig. 4: SPrPO's reward surface is flatter than Vanilla's) as a paired
+    comparison: on each goal (and evaluation seed), a policy's drop is its success at the
+    centre of the plane (w1 = w2 = 0) minus its mean success over the grid's other points;
+    ``a``'s drop minus ``b``'s, in percentage points (positive: ``b`` is flatter), through the
+    same bootstrap and exact sign test as :func:`paired_comparisons` (the landscape has one
+    training seed: the interval is over goals).  One row of :func:`paired_comparisons`'
+    columns, empty where the rows have no plane of both policies."""
+    cols = ["reference", "baseline", "family", "strength", "train_seeds", "tasks", "episodes", "success_diff",
+            "success_lo", "success_hi", "success_mde80", "mde_pooled", "interval", "wins", "losses", "sign_p"]
+    plane = rows[(rows["family"] == "plane") & rows["method"].isin([a, b])]
+    if set(plane["method"]) != {a, b}:
+        return pd.DataFrame([], columns=cols)
+    key = ["method", "env", "split", "task_index", "train_seed", "seed"]
+    centre = (plane["strength"] == 0.0) & (plane["w2"] == 0.0)
+    drop = (plane[centre].groupby(key)["success"].mean()
+            - plane[~centre].groupby(key)["success"].mean()).rename("success").reset_index()
+    drop = drop.assign(family="clean", strength=0.0)
+    r = paired_bootstrap(drop, a, b, "clean", 0.0, n_resamples=n_resamples, seed=seed)
+    out = [{"reference": a, "baseline": b, "family": "plane", "strength": 0.0,
+            "train_seeds": " ".join(map(str, sorted(set(drop["train_seed"])))), "tasks": r["tasks"],
+            "episodes": int(len(plane) / 2), "success_diff": r["success"], "success_lo": r["success_ci"][0],
+            "success_hi": r["success_ci"][1], "success_se": r["success_se"], "interval": r["interval"],
+            "wins": r["wins"], "losses": r["losses"], "sign_p": r["sign_p"]}]
+    _add_mde(out)
     return pd.DataFrame(out, columns=cols)
 
 
