@@ -346,17 +346,20 @@ def plot_longer(held: pd.DataFrame, curve: pd.DataFrame, path: str | Path, *, ti
     for method, df in held.groupby("method"):
         disp = (COLORS.get(method, NEUTRAL["dark"]), MARKERS.get(method, "o"))
         per = df.groupby(["train_seed", "iteration"])["success"].mean().unstack("train_seed") * 100.0
+        goals = int(df.groupby(["train_seed", "iteration"]).size().max())  # every point: the same held-out tasks
         for seed in per.columns:
-            ax.plot(per.index, per[seed], color=disp[0], lw=0.8, alpha=0.45, marker=disp[1], ms=3)
-        ax.plot(per.index, per.mean(axis=1), color=disp[0], lw=2.2, marker=disp[1], ms=5,
+            ax.plot(per.index, per[seed], color=disp[0], lw=0.8, alpha=0.45, marker=disp[1], ms=3,
+                    gid=design_gid(goals, 1))
+        ax.plot(per.index, per.mean(axis=1), color=disp[0], lw=2.2, marker=disp[1], ms=5, gid=design_gid(goals, per.shape[1]),
                 label=f"{METHOD_LABELS.get(method, method)}, mean of {per.shape[1]} seed(s) (thin: each seed)")
         c = curve[curve["method"] == method].sort_values("iteration")
-        bx.errorbar(c["iteration"], c["diff"], yerr=[c["diff"] - c["lo"], c["hi"] - c["diff"]], color=disp[0],
-                    marker=disp[1], ms=5, capsize=3, lw=1.2, label=METHOD_LABELS.get(method, method))
+        bars = bx.errorbar(c["iteration"], c["diff"], yerr=[c["diff"] - c["lo"], c["hi"] - c["diff"]], color=disp[0],
+                           marker=disp[1], ms=5, capsize=3, lw=1.2, label=METHOD_LABELS.get(method, method))
+        bars.lines[0].set_gid(design_gid(goals, per.shape[1]))
         for r in c.itertuples():
             bx.annotate(f"+{r.wins}/-{r.losses}\np={r.sign_p:.2g}", (r.iteration, r.lo), textcoords="offset points",
                         xytext=(0, -8), ha="center", va="top", fontsize=6)
-    bx.axhline(0.0, color=NEUTRAL["mid"], lw=0.8)
+    bx.axhline(0.0, color=NEUTRAL["mid"], lw=0.8, gid="reference:no change")
     n = int(held.groupby(["method", "train_seed", "iteration"]).size().max())
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     bx.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -366,9 +369,9 @@ def plot_longer(held: pd.DataFrame, curve: pd.DataFrame, path: str | Path, *, ti
     lo = min(float(curve["lo"].min()), 0.0)
     bx.set(xlabel="RL iterations", ylabel="RL minus warm start (pp)", ylim=(lo - 8, max(float(curve["hi"].max()), 0) + 4),
            title="paired over seeds and tasks, 95% CI; +gained/-lost, sign p")
-    fig.tight_layout()
     if title:
-        fig.suptitle(title, fontsize=9, y=1.03)
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
     return save_figure(fig, path)
 
 
