@@ -394,7 +394,7 @@ def overview(rows: pd.DataFrame, envs: list[str] | None = None) -> pd.DataFrame:
     :data:`C2_FAMILIES` families do, C3 by non-inferiority at :data:`C3_MARGIN`, C5 and T1
     where every comparison does, C4 and C6 by their one reading) and the numbers it rests on;
     "not measured" where this profile's plan has no rows for it."""
-    envs = envs or list(dict.fromkeys(rows["env"])) if len(rows) else (envs or [])
+    envs = envs or (list(dict.fromkeys(rows["env"])) if len(rows) else [])
     out = []
     for cid, text in CLAIMS.items():
         for env in envs:
