@@ -348,6 +348,36 @@ def test_bench_train_reports_each_phase_against_its_floor():
         bench_train("smoke", "webshop", paths=("shared", "fast"))
 
 
+def test_phase_rows_price_each_pass_at_its_dtype_and_bound_the_ratio_at_the_floors():
+    """Two methods run the same update passes; the one whose update ran in float32 is priced at
+    the float32 rate (4x the floor at a quarter of the rate), and the at-floors ratio is
+    (generation + update + extra pass floors) / (generation + Vanilla's update floor) by hand."""
+    from types import SimpleNamespace
+
+    from sprpo_lib.bench.suite import _phase_rows
+    from sprpo_lib.infra import hardware as hw
+
+    config = SimpleNamespace(num_hidden_layers=2, hidden_size=8, intermediate_size=16, num_attention_heads=2,
+                             num_key_value_heads=1, vocab_size=32, head_dim=4)
+    rows = [Sample(ids=list(range(10)), n_resp=4, adv=1.0)]
+    upd, extra = ("update_s", rows, 1, 2), ("sensitivity_s", rows, 2, 2)
+    passes = {"vanilla": [upd], "sam": [extra, upd]}
+    times = {"vanilla": {"update_s": [3.0], "sensitivity_s": [0.0], "update_float32": [False]},
+             "sam": {"update_s": [5.0], "sensitivity_s": [2.0], "update_float32": [True]}}
+    # rates in GFLOP/s that put this tiny model's floors at seconds (46,720 and 61,760 FLOPs)
+    out = _phase_rows(times, passes, config, 0, gflops=4e-5, rollout_s=1.0, samples=1, generation_floor_s=0.5,
+                      float32_gflops=1e-5)
+    work = hw.train_pass_flops(config, [(0, [10], [4])], 1, 2)["total"]
+    probe = hw.train_pass_flops(config, [(0, [10], [4])], 2, 2)["total"]
+    van, sam = round(work / 4e4, 2), round(work / 1e4, 2)
+    assert (van, sam) == (1.17, 4.67)
+    assert out["vanilla"]["update_floor_s"] == van and out["sam"]["update_floor_s"] == sam
+    assert out["sam"]["update_dtype"] == "float32" and "update_dtype" not in out["vanilla"]
+    assert out["sam"]["sensitivity_floor_s"] == round(probe / 4e4, 2)  # the probe pass ran in bfloat16
+    assert out["sam_over_vanilla"] == round(8.0 / 4.0, 3)
+    assert out["sam_over_vanilla_at_floors"] == round((0.5 + sam + out["sam"]["sensitivity_floor_s"]) / (0.5 + van), 3)
+
+
 def test_estimate_agreement_against_hand_values():
     """The bench's comparison of an S_hat / m_hat estimate with the replay's: identical
     measurements agree exactly; S and m scaled by 10 are off by 9 (relative L2, relative

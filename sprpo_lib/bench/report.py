@@ -104,7 +104,9 @@ def _train_rows(res: dict) -> list[str]:
              f"by any prefix sharing at least {tok.get('trie_limit')}; "
              f"{res.get('dtype')} matmul {res.get('matmul_gflops')} GFLOP/s"
              + (f" (the faster of {' and '.join(map(str, res['matmul_gflops_probes']))}, before and after the updates)"
-                if len(res.get("matmul_gflops_probes") or []) > 1 else "") + ". "
+                if len(res.get("matmul_gflops_probes") or []) > 1 else "")
+             + (f"; float32 matmul {res['matmul_gflops_float32']} GFLOP/s, the rate a float32 update is priced at"
+                if res.get("matmul_gflops_float32") else "") + ". "
              + (f"Setup (model, warm start) {res['setup_s']} s, not measured. " if "setup_s" in res else "")
              + f"Rollout {ro.get('rollout_s')} s"
              + (f" ({ro['episodes_played']} episodes in {ro.get('rounds')} rounds)" if "episodes_played" in ro else "")
@@ -126,6 +128,8 @@ def _train_rows(res: dict) -> list[str]:
             ratio = rows.get(f"{m}_over_vanilla", 1.0)
             steps = r.get("ppo_steps")
             label = m if steps is None or steps == rows["vanilla"].get("ppo_steps") else f"{m} ({steps:g} step)"
+            if r.get("update_dtype") == "float32":  # SAM: xi below bfloat16's resolution (perturb.below_resolution)
+                label += " (float32 update)"
             lines.append(f"| {path} | {label} | {r['update_s']} ({r.get('update_over_floor')}x) | "
                          f"{r['update_s_per_sample']} | {extra} | {r['iteration_s']} | {ratio} |")
     first = next((r for r in (res.get("shared") or {}).values() if isinstance(r, dict)), {})
@@ -137,6 +141,10 @@ def _train_rows(res: dict) -> list[str]:
         lines.append(f"\nWith the extra pass at its floor (shared passes): SPrPO (replay) at least "
                      f"{bounds['sprpo_over_vanilla_bound']}x Vanilla"
                      + (f", SAM at least {bounds['sam_over_vanilla_bound']}x." if "sam_over_vanilla_bound" in bounds else "."))
+    at = {m: bounds[f"{m}_over_vanilla_at_floors"] for m in ("sprpo", "sam") if f"{m}_over_vanilla_at_floors" in bounds}
+    if at:
+        lines.append("With generation, update and extra pass all at their floors (what the methods' work alone costs): "
+                     + ", ".join(f"{'SPrPO' if m == 'sprpo' else 'SAM'} {v}x Vanilla" for m, v in at.items()) + ".")
     if isinstance(res.get("fused_over_shared"), dict):
         lines.append("\nFused kernels (update.fused_kernels: RMSNorm, SwiGLU, rotary compiled): update seconds "
                      "over the eager shared passes' (below 1: faster): "

@@ -39,7 +39,7 @@ from sprpo_lib.core.actor import Actor
 from sprpo_lib.core.batch import Batch, PrefixGroup, Sample, build_batch
 from sprpo_lib.core.compress import fisher_scores, rtn_quantize, sparsegpt_prune
 from sprpo_lib.core.methods import MethodConfig, energy_sigma, make_method, rank_correlation, replay_rows
-from sprpo_lib.core.perturb import FFNChannels, sample_xi
+from sprpo_lib.core.perturb import FFNChannels, below_resolution, sample_xi
 from sprpo_lib.infra import hardware as hw
 from sprpo_lib.infra.paths import cache_dir
 from sprpo_lib.infra.progress import progress_bar
@@ -342,22 +342,30 @@ def generation_floor(config, episodes, gflops: float, bandwidth_gbs: float, weig
 
 
 def _phase_rows(times: dict, passes: dict, config, prefix_min: int, gflops: float, rollout_s: float,
-                samples: int) -> dict:
+                samples: int, generation_floor_s: float | None = None, float32_gflops: float | None = None) -> dict:
     """Per method: median seconds of its update and extra pass, each against the FLOP floor of
     the passes it runs (:func:`hardware.train_pass_flops`), seconds per row, the iteration
-    (rollout + both) and its ratio to Vanilla's; ``<method>_over_vanilla_bound``: that ratio
-    with the extra pass (the replay, SAM's channel gradient) at its floor and nothing else
-    changed, the least any speed-up of that pass can give."""
+    (rollout + both) and its ratio to Vanilla's.  An update that ran in float32 (``update_float32``
+    in ``times``: SAM's xi below bfloat16's resolution, :func:`sprpo_lib.core.perturb.below_resolution`)
+    is priced at ``float32_gflops``, the rate of the dtype it ran in.  ``<method>_over_vanilla_bound``:
+    the ratio with the extra pass (the replay, SAM's channel gradient) at its floor and nothing else
+    changed, the least any speed-up of that pass can give; ``<method>_over_vanilla_at_floors``: the
+    ratio with generation (``generation_floor_s``), the update and the extra pass all at their floors,
+    what the method's work alone costs against Vanilla's (a structural bound on the ratio)."""
     out, totals = {}, {}
     for name, t in times.items():
-        row = {k: round(statistics.median(v), 2) for k, v in t.items()}
+        f32 = bool(t.get("update_float32")) and all(t["update_float32"]) and float32_gflops
+        row = {k: round(statistics.median(v), 2) for k, v in t.items() if k != "update_float32"}
         for timer in ("update_s", "sensitivity_s"):
             work = [hw.train_pass_flops(config, pass_groups(rows, prefix_min), d, f)["total"]
                     for tm, rows, d, f in passes[name] if tm == timer]
             if work:
-                floor = sum(work) / (gflops * 1e9)
+                rate = float32_gflops if f32 and timer == "update_s" else gflops
+                floor = sum(work) / (rate * 1e9)
                 row[timer.replace("_s", "_floor_s")] = round(floor, 2)
                 row[timer.replace("_s", "_over_floor")] = round(row[timer] / floor, 2) if floor else None
+        if f32:
+            row["update_dtype"] = "float32"
         row["update_s_per_sample"] = round(row["update_s"] / samples, 3)
         totals[name] = rollout_s + row["update_s"] + row["sensitivity_s"]
         row["iteration_s"] = round(totals[name], 2)
@@ -365,9 +373,13 @@ def _phase_rows(times: dict, passes: dict, config, prefix_min: int, gflops: floa
     for name, total in totals.items():
         if name != "vanilla":
             out[f"{name}_over_vanilla"] = round(total / totals["vanilla"], 3)
+    van = out.get("vanilla", {})
     for name in ("sprpo", "sam"):  # the least the ratio can be while the extra pass runs: that pass at its floor
         if name in out and out[name].get("sensitivity_floor_s"):
             out[f"{name}_over_vanilla_bound"] = round(1 + out[name]["sensitivity_floor_s"] / totals["vanilla"], 3)
+            if generation_floor_s and van.get("update_floor_s"):
+                own = generation_floor_s + out[name]["update_floor_s"] + out[name]["sensitivity_floor_s"]
+                out[f"{name}_over_vanilla_at_floors"] = round(own / (generation_floor_s + van["update_floor_s"]), 3)
     return out
 
 
@@ -420,7 +432,8 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     steps, the forward-only pass that fills the old log-probs first) at the matmul rate
     measured here for the model's dtype and shapes (probed before and after the updates, the
     faster of the two: the rate of this host's matrix units drifts by up to 2x between minutes, and a floor
-    must not move with it); generation against
+    must not move with it; an update that ran in float32, SAM's when its xi is below bfloat16's
+    resolution, at the float32 rate measured the same way); generation against
     :func:`generation_floor` of every episode played, refill rounds included.  Each
     method's ``ppo_steps`` says how many optimizer steps it took (the one-pass estimate:
     one).  ``tokens`` says what the passes compute against what the batch holds: padding,
@@ -473,7 +486,8 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     prefix_min["fused"] = prefix_min["shared"]
     params0 = [p.detach().clone() for p in a.params]
     opt0 = copy.deepcopy(a.opt.state_dict())
-    times = {(path, v): {"update_s": [], "sensitivity_s": [], "ppo_steps": []} for path in paths for v in variants}
+    times = {(path, v): {"update_s": [], "sensitivity_s": [], "ppo_steps": [], "update_float32": []}
+             for path in paths for v in variants}
     states: dict[tuple[str, str], tuple] = {}
     for path in paths:  # untimed warm-up of both layouts (first-call allocations), on a few rows
         a.prefix_min, a.reuse_frozen, a.fused_kernels = prefix_min[path], reuse[path], path == "fused"
@@ -496,17 +510,22 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
                 for k in ("update_s", "sensitivity_s"):
                     times[(path, name)][k].append(st[k])
                 times[(path, name)]["ppo_steps"].append(st.get("ppo_steps", 1.0))
+                update_xi = getattr(tr.method, "last_xi", xi if name.startswith("sprpo") else None)  # SAM's: line 4's
+                times[(path, name)]["update_float32"].append(below_resolution(update_xi, a.dtype))
                 bar.write(f"  {path} {name}: update {st['update_s']:.1f} s, extra pass {st['sensitivity_s']:.1f} s")
                 bar.update()
     bar.close()
     probes.append(_prefill_rate(config, tr.dtype))
     gflops = max(probes)
+    ran_f32 = any(any(t["update_float32"]) for t in times.values()) and tr.dtype != "float32"
+    f32_gflops = _prefill_rate(config, "float32") if ran_f32 else None  # SAM's update below bf16's resolution
     played = eps + list(rst.get("dropped", []))  # generate_s covers every refill round's episodes
     gen = generation_floor(config, played, gflops, bandwidth, weight_bytes)
     t_roll = rst["rollout_s"]
     res: dict = {"profile": profile, "env": env, "overrides": list(overrides or []), "dtype": tr.dtype,
                  "setup_s": round(t_setup, 2),  # model load and warm start (minutes of SFT when not cached)
-                 "matmul_gflops": gflops, "matmul_gflops_probes": probes, "bandwidth_gbs": round(bandwidth, 1), "layers": L, "lora_layers": depth,
+                 "matmul_gflops": gflops, "matmul_gflops_probes": probes,
+                 **({"matmul_gflops_float32": f32_gflops} if f32_gflops else {}), "bandwidth_gbs": round(bandwidth, 1), "layers": L, "lora_layers": depth,
                  "episodes": len(eps), "samples": len(batch.samples), "samples_nonzero_adv": len(nonzero),
                  "response_tokens": batch.n_tokens, "micro_batch": a.micro_batch, "prefix_min": prefix_min["shared"],
                  **({"replay_frac": replay_frac, "replay_rows": len(subset)} if replay_frac else {}),
@@ -524,7 +543,7 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
                      "shared_over_batch": round(shared["computed"] / whole["tokens"], 3)}
     for path in paths:
         res[path] = _phase_rows({n: times[(path, n)] for n in variants}, passes[path], config, prefix_min[path], gflops,
-                                t_roll, len(batch.samples))
+                                t_roll, len(batch.samples), gen["floor_s"], f32_gflops)
     if {"shared", "whole"} <= set(paths):
         res["whole_over_shared"] = {n: round(res["whole"][n]["update_s"] / res["shared"][n]["update_s"], 2)
                                     for n in variants}
