@@ -376,6 +376,14 @@ def test_phase_rows_price_each_pass_at_its_dtype_and_bound_the_ratio_at_the_floo
     assert out["sam"]["sensitivity_floor_s"] == round(probe / 4e4, 2)  # the probe pass ran in bfloat16
     assert out["sam_over_vanilla"] == round(8.0 / 4.0, 3)
     assert out["sam_over_vanilla_at_floors"] == round((0.5 + sam + out["sam"]["sensitivity_floor_s"]) / (0.5 + van), 3)
+    from sprpo_lib.bench.report import SUMMARIES, headline
+
+    res = {"env": "webshop", "profile": "cpu", "shared": out, "matmul_gflops_float32": 1e-5}
+    text = "\n".join(SUMMARIES["train"](res))
+    assert "| shared | sam (float32 update) |" in text and "the rate a float32 update is priced at" in text
+    assert f"all at their floors (what the methods' work alone costs): SAM {out['sam_over_vanilla_at_floors']}x" in text
+    assert headline({"bench": "train", "results": res}).endswith(
+        f"(every phase at its floor: SAM {out['sam_over_vanilla_at_floors']})")
 
 
 def test_estimate_agreement_against_hand_values():

@@ -204,8 +204,11 @@ def headline(record: dict) -> str | None:
             ("sprpo_over_vanilla", "SPrPO {} (replay)"), ("sprpo_one_pass_over_vanilla", "{} (one pass)"),
             ("sprpo_subset_over_vanilla", f"{{}} (replay_frac {res.get('replay_frac')})"), ("sam_over_vanilla", "SAM {}"))
             if key in sh]
+        at = [f"{label} {sh[f'{m}_over_vanilla_at_floors']}" for m, label in (("sprpo", "SPrPO"), ("sam", "SAM"))
+              if f"{m}_over_vanilla_at_floors" in sh]
         fused = res.get("fused_over_shared") or {}
         return (out + "; iteration x Vanilla: " + ", ".join(ratios)
+                + (f" (every phase at its floor: {', '.join(at)})" if at else "")
                 + (f"; fused kernels: Vanilla's update {fused['vanilla']}x the eager one's" if "vanilla" in fused else ""))
     if name == "gpu":
         peaks = [f"{env} peak {rows['peak_cuda_gib']} GiB" for env, rows in res.items()
