@@ -354,7 +354,7 @@ def test_phase_rows_price_each_pass_at_its_dtype_and_bound_the_ratio_at_the_floo
     (generation + update + extra pass floors) / (generation + Vanilla's update floor) by hand."""
     from types import SimpleNamespace
 
-    from sprpo_lib.bench.suite import _phase_rows
+    from sprpo_lib.bench.suite import phase_rows
     from sprpo_lib.infra import hardware as hw
 
     config = SimpleNamespace(num_hidden_layers=2, hidden_size=8, intermediate_size=16, num_attention_heads=2,
@@ -365,7 +365,7 @@ def test_phase_rows_price_each_pass_at_its_dtype_and_bound_the_ratio_at_the_floo
     times = {"vanilla": {"update_s": [3.0], "sensitivity_s": [0.0], "update_float32": [False]},
              "sam": {"update_s": [5.0], "sensitivity_s": [2.0], "update_float32": [True]}}
     # rates in GFLOP/s that put this tiny model's floors at seconds (46,720 and 61,760 FLOPs)
-    out = _phase_rows(times, passes, config, 0, gflops=4e-5, rollout_s=1.0, samples=1, generation_floor_s=0.5,
+    out = phase_rows(times, passes, config, 0, gflops=4e-5, rollout_s=1.0, samples=1, generation_floor_s=0.5,
                       float32_gflops=1e-5)
     work = hw.train_pass_flops(config, [(0, [10], [4])], 1, 2)["total"]
     probe = hw.train_pass_flops(config, [(0, [10], [4])], 2, 2)["total"]

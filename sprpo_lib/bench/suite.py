@@ -341,7 +341,7 @@ def generation_floor(config, episodes, gflops: float, bandwidth_gbs: float, weig
             "floor_s": round(prefill + decode, 2)}
 
 
-def _phase_rows(times: dict, passes: dict, config, prefix_min: int, gflops: float, rollout_s: float,
+def phase_rows(times: dict, passes: dict, config, prefix_min: int, gflops: float, rollout_s: float,
                 samples: int, generation_floor_s: float | None = None, float32_gflops: float | None = None) -> dict:
     """Per method: median seconds of its update and extra pass, each against the FLOP floor of
     the passes it runs (:func:`hardware.train_pass_flops`), seconds per row, the iteration
@@ -542,7 +542,7 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
                      "trie_limit": batch.trie_tokens(),
                      "shared_over_batch": round(shared["computed"] / whole["tokens"], 3)}
     for path in paths:
-        res[path] = _phase_rows({n: times[(path, n)] for n in variants}, passes[path], config, prefix_min[path], gflops,
+        res[path] = phase_rows({n: times[(path, n)] for n in variants}, passes[path], config, prefix_min[path], gflops,
                                 t_roll, len(batch.samples), gen["floor_s"], f32_gflops)
     if {"shared", "whole"} <= set(paths):
         res["whole_over_shared"] = {n: round(res["whole"][n]["update_s"] / res["shared"][n]["update_s"], 2)

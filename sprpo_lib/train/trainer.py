@@ -87,6 +87,9 @@ class Trainer:
             add_lora(self.policy, lora_on_last_layers(self.policy.model, cfg.model.lora, cfg.model.lora_layers),
                      seed=cfg.seed)
         self.model = self.policy.model
+        self.gen = make_engine(cfg.rollout.engine, self.policy, dataclasses.replace(cfg.rollout.generation, seed=cfg.seed),
+                               self.agent)
+        self.count_tokens = token_counter(self.policy.tokenizer, self.agent)
         u = cfg.update
         params = [p for p in self.model.parameters() if p.requires_grad]
         opt = torch.optim.Adam(params, lr=u.lr, betas=u.betas, weight_decay=u.weight_decay)
@@ -98,9 +101,6 @@ class Trainer:
                            reuse_frozen=u.reuse_frozen, fused_kernels=u.fused_kernels)
         self.shape = self.actor.shape
         self.method = make_method(cfg.method, self.shape, cfg.seed)
-        self.gen = make_engine(cfg.rollout.engine, self.policy, dataclasses.replace(cfg.rollout.generation, seed=cfg.seed),
-                               self.agent)
-        self.count_tokens = token_counter(self.policy.tokenizer, self.agent)
 
     @property
     def dtype(self) -> str:

@@ -253,11 +253,12 @@ def agreement_settings(cfg, count: int) -> dict:
             "max_new_tokens": cfg.rollout.generation.max_new_tokens, "engine": cfg.rollout.engine}
 
 
-def current_agreement(path: Path, cfg, count: int) -> dict | None:
-    """The ``agreement.json`` at ``path`` when it parses and was made with the current settings."""
+def current_agreement(path: Path, cfg, count: int, settings: dict | None = None) -> dict | None:
+    """The ``agreement.json`` at ``path`` when it parses and was made with the current settings
+    (``settings``: :func:`agreement_settings` of ``cfg`` and ``count``, when the caller has them)."""
+    want = agreement_settings(cfg, count) if settings is None else settings
     res = read_cached(path)
-    ok = isinstance(res, dict) and isinstance(res.get("rate"), float) and res.get("settings") == agreement_settings(
-        cfg, count)
+    ok = isinstance(res, dict) and isinstance(res.get("rate"), float) and res.get("settings") == want
     return res if ok else None
 
 
@@ -266,7 +267,8 @@ def evaluate_agreement(policy, pool, cfg, agent, out: Path, count: int) -> dict:
     the demonstrator's own episodes of the held-out tasks of :func:`evaluate_policy`
     (no random actions, the demonstrations' step limit), written to ``out/agreement.json``;
     a current one there (:func:`current_agreement`) is returned as it is."""
-    res = current_agreement(out / "agreement.json", cfg, count)
+    settings = agreement_settings(cfg, count)
+    res = current_agreement(out / "agreement.json", cfg, count, settings)
     if res is not None:
         return res
     t0 = time.perf_counter()
@@ -279,7 +281,7 @@ def evaluate_agreement(policy, pool, cfg, agent, out: Path, count: int) -> dict:
         res = agreement(eng, demos)
     finally:
         close_engine(eng)
-    res.update(split=cfg.sft.split, indices=[idx[0], idx[-1]] if idx else [], settings=agreement_settings(cfg, count),
+    res.update(split=cfg.sft.split, indices=[idx[0], idx[-1]] if idx else [], settings=settings,
                seconds=round(time.perf_counter() - t0, 2))
     atomic_write_json(out / "agreement.json", res)
     logger.info("warm start agreement with the %s: %.3f of %d states (%s)", cfg.sft.demonstrator, res["rate"],

@@ -38,7 +38,7 @@ rounds on top, and :mod:`.cache` keys, builds and merges the result for RL.
   :func:`warm_start` ``demos.jsonl``.
 * **Resume.**  Every :data:`RESUME_EVERY_S` seconds the trainable weights, the
   optimizer, the data order, the random states and the running sums go to
-  ``resume/`` (an atomically replaced folder whose files are checked against the
+  ``resume/`` (:mod:`sprpo_lib.infra.resume`: an atomically replaced folder whose files are checked against the
   SHA-256 recorded beside them); a rerun on the same demonstrations and settings
   continues from there and ends with the same adapter and losses as an uninterrupted
   run.  A damaged or foreign ``resume/`` is ignored (warning) and training starts over;
@@ -60,7 +60,6 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
-from safetensors.torch import save_file
 
 from sprpo_lib.agent.envs.base import TaskPool
 from sprpo_lib.agent.prompt import AgentConfig, chat_text
@@ -68,9 +67,7 @@ from sprpo_lib.core.losses import token_logprobs
 from sprpo_lib.infra.io import (
     NOT_A_KEY,
     OMIT_AT_DEFAULT,
-    CorruptFileError,
     JsonLines,
-    atomic_dir,
     atomic_write_json,
     canonical_hash,
     file_record,
@@ -78,10 +75,9 @@ from sprpo_lib.infra.io import (
     read_cached,
     read_json,
     read_json_lines,
-    read_safetensors,
-    verify_file,
 )
 from sprpo_lib.infra.progress import progress_bar
+from sprpo_lib.infra.resume import load_resume_point, save_resume_point
 from sprpo_lib.model.load import Policy
 from sprpo_lib.model.lora import LoraSettings, add_lora, is_peft, lora_on_last_layers, save_adapter
 from sprpo_lib.warmstart.demos import (
@@ -333,51 +329,6 @@ def lr_at(step: int, total: int, cfg: SFTConfig) -> float:
     return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * frac))
 
 
-def _save_resume(path: Path, key: str, model, opt, rng: random.Random, run: dict) -> None:
-    """A resume point of :func:`train_sft` (see the module doc), written atomically."""
-    with atomic_dir(path) as tmp:
-        tensors = {f"param.{n}": p.detach().contiguous() for n, p in model.named_parameters() if p.requires_grad}
-        tensors["torch_rng"] = torch.get_rng_state()
-        save_file(tensors, str(tmp / "state.safetensors"))
-        torch.save(opt.state_dict(), tmp / "optimizer.pt")  # tensors and numbers only: read back with weights_only
-        version, internal, gauss = rng.getstate()
-        files = {f.name: file_record(f) for f in sorted(tmp.iterdir())}
-        atomic_write_json(tmp / "state.json", {"key": key, "run": run, "rng": [version, list(internal), gauss],
-                                               "files": files})
-
-
-def _load_resume(path: Path, key: str, model, opt, rng: random.Random) -> dict | None:
-    """The run state of a verified resume point for ``key``, with the weights, optimizer
-    and random states put back; ``None`` (nothing changed) when there is none, it is for
-    other demonstrations or settings, or it does not verify."""
-    if not (path / "state.json").is_file():
-        return None
-    try:
-        state = read_json(path / "state.json")
-        if not isinstance(state, dict) or state.get("key") != key:
-            log.warning("sft: %s is from other demonstrations or settings; starting over", path)
-            return None
-        for name, rec in state["files"].items():
-            verify_file(path / name, rec)
-        tensors = read_safetensors(path / "state.safetensors")
-        opt_state = torch.load(path / "optimizer.pt", weights_only=True)
-    except (CorruptFileError, FileNotFoundError, KeyError, TypeError, ValueError, RuntimeError) as err:
-        log.warning("sft: resume point %s is damaged (%s); starting over", path, err)
-        return None
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    if set(params) != {k[len("param."):] for k in tensors if k.startswith("param.")}:
-        log.warning("sft: resume point %s has other trainable parameters; starting over", path)
-        return None
-    with torch.no_grad():
-        for n, p in params.items():
-            p.copy_(tensors[f"param.{n}"])
-    opt.load_state_dict(opt_state)
-    torch.set_rng_state(tensors["torch_rng"])
-    version, internal, gauss = state["rng"]
-    rng.setstate((version, tuple(internal), gauss))
-    return state["run"]
-
-
 def train_sft(
     policy: Policy,
     demos: Sequence[Demo],
@@ -448,7 +399,7 @@ def train_sft(
                           "params": [n for n, p in model.named_parameters() if p.requires_grad]})
     run = {"step": 0, "n_tok_all": 0, "first_loss": None, "final_loss": None, "win_nll": 0.0, "win_tok": 0,
            "elapsed_s": 0.0, "epoch": 0, "s0": 0, "order": None}
-    resumed = _load_resume(out / "resume", key, model, opt, rng) if out else None
+    resumed = load_resume_point(out / "resume", key, model, opt, rng) if out else None
     if resumed:
         run.update(resumed)
         log.info("sft: resuming at step %d of %d", run["step"], total)
@@ -473,7 +424,7 @@ def train_sft(
                 if step >= total:
                     break
                 if out is not None and time.perf_counter() - t_saved >= RESUME_EVERY_S:
-                    _save_resume(out / "resume", key, model, opt, rng, {
+                    save_resume_point(out / "resume", key, model, opt, rng, {
                         "step": step, "n_tok_all": n_tok_all, "first_loss": first_loss, "final_loss": final_loss,
                         "win_nll": win_nll, "win_tok": win_tok, "elapsed_s": time.perf_counter() - t_start,
                         "epoch": epoch, "s0": s0, "order": order})
