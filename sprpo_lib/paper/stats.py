@@ -155,6 +155,9 @@ def paired_bootstrap(rows: pd.DataFrame, a: str, b: str, family: str, strength: 
     ``retention_undefined``).  ``wins`` / ``losses``: the tasks on which a's success
     (pooled over seeds) is above / below b's at the setting, and ``sign_p`` the exact sign
     test on them (:func:`sign_test`).
+
+    Long on purpose: the resampled indices of tasks and seeds are shared by every statistic,
+    so they are drawn and used in one place.
     """
     if n_resamples < 1 or not 0 < level < 1:
         raise ValueError(f"paired_bootstrap: need n_resamples >= 1 and 0 < level < 1, got {n_resamples}, {level}")
