@@ -248,3 +248,25 @@ def test_bench_prompts_splits_the_token_budget_by_section(tmp_path):
     assert res["actions_per_step"] == pytest.approx(
         sum(d.prompt.split("Available actions:\n")[1].split("\n\nResponse:")[0].count("- ") for d in demos) / len(demos),
         abs=0.05)
+    reuse = res["prefix_reuse"]
+    assert reuse["prompt_tokens"] == sum(tokens) and 0 < reuse["previous_step_share"] <= reuse["any_earlier_share"] < 1
+    assert reuse["floor_factor"] == pytest.approx(1 - reuse["any_earlier_share"], abs=1e-4)
+
+
+def test_prefix_reuse_by_hand():
+    """Two episodes: [1,2,3] then [1,2,4,5], and [1,2,3] again.  The second prompt shares 2
+    tokens with the one before it; an unlimited cache computes 3 + 2 + 1 of the 10 tokens
+    (the repeated prompt's last token is computed for its logits).  A prompt equal to the one
+    before it reuses all but its last token."""
+    from sprpo_lib.bench.suite import prefix_reuse
+
+    got = prefix_reuse([[[1, 2, 3], [1, 2, 4, 5]], [[1, 2, 3]]])
+    assert got == {"prompt_tokens": 10, "previous_step_share": 0.2, "any_earlier_share": 0.4, "floor_factor": 0.6}
+    same = prefix_reuse([[[7, 8], [7, 8]]])
+    assert same == {"prompt_tokens": 4, "previous_step_share": 0.25, "any_earlier_share": 0.25, "floor_factor": 0.75}
+    assert prefix_reuse([])["floor_factor"] == 1.0
+    from sprpo_lib.bench.report import headline
+
+    phrase = headline({"bench": "prompts", "results": {"env": "webshop", "mean_total_tokens": 5.0, "prefix_reuse": got}})
+    assert phrase == "webshop 5.0 prompt tokens per step, of which a prefix cache of any size leaves at least 0.6x of the " \
+                     "all-token prefill floor"

@@ -215,6 +215,9 @@ def headline(record: dict) -> str | None:
                  if isinstance(rows, dict) and "peak_cuda_gib" in rows]
         hf = (res.get("generation") or {}).get("hf", {})
         return ", ".join(peaks + ([f"hf generation {hf['floor_over_wall']} of the decode floor"] if hf else [])) or None
+    if name == "prompts" and isinstance(res.get("prefix_reuse"), dict):
+        return (f"{res.get('env')} {res.get('mean_total_tokens')} prompt tokens per step, of which a prefix cache of any size "
+                f"leaves at least {res['prefix_reuse']['floor_factor']}x of the all-token prefill floor")
     if name == "machine":
         return ", ".join(f"{d} {g} GFLOP/s" for d, g in res.get("prefill_gflops", {}).items()) + " prefill matmul"
     return None

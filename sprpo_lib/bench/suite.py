@@ -29,6 +29,7 @@ from sprpo_lib.agent.prompt import (
     AgentConfig,
     HistoryStep,
     build_prompt,
+    chat_text,
     parse_actions,
     prompt_sections,
     token_counter,
@@ -656,6 +657,38 @@ def webshop_prompts(n: int = 16, max_steps: int = 3, seed: int = 0) -> list[str]
     return out
 
 
+def prefix_reuse(episodes: Sequence[Sequence[Sequence[int]]]) -> dict:
+    """What a prefix cache could save on prompts ``episodes`` (per episode, its prompts' token
+    ids in step order, episodes in the order played).  ``previous_step``: the tokens each prompt
+    shares from its start with its episode's previous prompt (what a cache holding the
+    episode's last call keeps); ``any_earlier``: the tokens already in a prompt played before
+    it, any episode (the nodes of their trie: an unlimited cache).  Shares are of all prompt
+    tokens; ``floor_factor`` = 1 - the ``any_earlier`` share, the least the all-token
+    prefill floor can fall to by reusing prefixes.  Each prompt's last token is always
+    computed (its logits start the generation), so neither share counts it."""
+    total = prev = 0
+    root: dict = {}
+    nodes = 0
+    for steps in episodes:
+        last: Sequence[int] = ()
+        for ids in steps:
+            total += len(ids)
+            lcp = 0
+            while lcp < min(len(ids) - 1, len(last)) and ids[lcp] == last[lcp]:
+                lcp += 1
+            prev += lcp
+            node = root
+            for i, t in enumerate(ids):
+                if t not in node or i == len(ids) - 1:
+                    nodes += 1
+                node = node.setdefault(t, {})
+            last = ids
+    earlier = total - nodes
+    return {"prompt_tokens": total, "previous_step_share": round(prev / total, 4) if total else 0.0,
+            "any_earlier_share": round(earlier / total, 4) if total else 0.0,
+            "floor_factor": round(nodes / total, 4) if total else 1.0}
+
+
 def bench_prompts(model: str = "smollm2-135m", episodes: int = 16, profile: str = "cpu", env: str = "webshop",
                   split: str = "test", overrides: Sequence[str] = ()) -> dict:
     """Token budget of a profile's prompts on ``env``: ``episodes`` demonstrator episodes
@@ -666,7 +699,8 @@ def bench_prompts(model: str = "smollm2-135m", episodes: int = 16, profile: str 
     interaction context, current observation, available actions, template) and its share
     of the templated prompt (``chat_and_joins``: chat template and BPE merges across
     sections), the mean number of listed actions; per episode: steps and prompt tokens
-    (the prefill an episode costs).  Where the prefill FLOPs go, before any engine runs."""
+    (the prefill an episode costs); ``prefix_reuse``: what a prefix cache could save of it
+    (:func:`prefix_reuse`).  Where the prefill FLOPs go, before any engine runs."""
     cfg = load_config(profile, [f"env.name={env}", *overrides])
     pool = make_pool(env, cfg.env.data_dir, cfg.env.seed)
     agent = cfg.rollout.agent
@@ -687,6 +721,9 @@ def bench_prompts(model: str = "smollm2-135m", episodes: int = 16, profile: str 
     per_ep: dict[str, list[int]] = {}
     for r in rows:
         per_ep.setdefault(r["task_id"], []).append(r["total"])
+    ids: dict[str, list[list[int]]] = {}
+    for d in sorted(demos, key=lambda d: d.step):  # stable: episodes keep the order played
+        ids.setdefault(d.task_id, []).append(tok(chat_text(tok, d.prompt, agent), add_special_tokens=False)["input_ids"])
     mean_total = float(np.mean([r["total"] for r in rows]))
     totals = [r["total"] for r in rows]
     return {"model": model, "profile": profile, "env": env, "split": split, "overrides": list(overrides),
@@ -699,6 +736,7 @@ def bench_prompts(model: str = "smollm2-135m", episodes: int = 16, profile: str 
                                 "max": int(max(totals))},
             "tokens_per_episode": round(float(np.mean([sum(v) for v in per_ep.values()])), 1),
             "actions_per_step": round(float(np.mean([r["actions"] for r in rows])), 1),
+            "prefix_reuse": prefix_reuse([ids[t] for t in per_ep]),
             "sections": {k: {"mean_tokens": round(float(np.mean([r[k] for r in rows])), 1),
                              "share": round(float(np.mean([r[k] for r in rows])) / mean_total, 4)}
                          for k in (*PROMPT_SECTIONS, "chat_and_joins")}}
