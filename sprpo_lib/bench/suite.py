@@ -355,7 +355,7 @@ def phase_rows(times: dict, passes: dict, config, prefix_min: int, gflops: float
     what the method's work alone costs against Vanilla's (a structural bound on the ratio)."""
     out, totals = {}, {}
     for name, t in times.items():
-        f32 = bool(t.get("update_float32")) and all(t["update_float32"]) and float32_gflops
+        f32 = float32_gflops and t.get("update_float32") and all(t["update_float32"])
         row = {k: round(statistics.median(v), 2) for k, v in t.items() if k != "update_float32"}
         for timer in ("update_s", "sensitivity_s"):
             work = [hw.train_pass_flops(config, pass_groups(rows, prefix_min), d, f)["total"]
@@ -707,13 +707,14 @@ def bench_prompts(model: str = "smollm2-135m", episodes: int = 16, profile: str 
     demos = collect_demonstrations(pool, split, range(episodes), agent, max_steps=cfg.env.max_steps or pool.max_steps,
                                    demonstrator=cfg.sft.demonstrator)
     tok = load_policy(model, dtype="float32").tokenizer
-    total = token_counter(tok, agent)
-    plain = lambda text: len(tok(text, add_special_tokens=False)["input_ids"])  # noqa: E731
-    rows = []
-    for d in demos:
+    plain = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    rows, ids = [], {}
+    for d in sorted(demos, key=lambda d: d.step):  # stable: episodes keep the order played
+        templated = plain(chat_text(tok, d.prompt, agent))  # what token_counter counts
+        ids.setdefault(d.task_id, []).append(templated)
         secs = prompt_sections(d.prompt)
-        r = {k: plain(v) for k, v in secs.items()}
-        r["total"] = total(d.prompt)
+        r = {k: len(plain(v)) for k, v in secs.items()}
+        r["total"] = len(templated)
         r["chat_and_joins"] = r["total"] - sum(r[k] for k in PROMPT_SECTIONS)
         r["actions"] = len(parse_actions(secs["available actions"]))
         r["task_id"] = d.task_id
@@ -721,9 +722,6 @@ def bench_prompts(model: str = "smollm2-135m", episodes: int = 16, profile: str 
     per_ep: dict[str, list[int]] = {}
     for r in rows:
         per_ep.setdefault(r["task_id"], []).append(r["total"])
-    ids: dict[str, list[list[int]]] = {}
-    for d in sorted(demos, key=lambda d: d.step):  # stable: episodes keep the order played
-        ids.setdefault(d.task_id, []).append(tok(chat_text(tok, d.prompt, agent), add_special_tokens=False)["input_ids"])
     mean_total = float(np.mean([r["total"] for r in rows]))
     totals = [r["total"] for r in rows]
     return {"model": model, "profile": profile, "env": env, "split": split, "overrides": list(overrides),
