@@ -5,16 +5,7 @@ import json
 
 import pytest
 
-from sprpo_lib.paper.report import mcnemar_exact_p, paired_outcomes
-
-
-def test_mcnemar_exact_p_closed_forms():
-    assert mcnemar_exact_p(0, 0) == 1.0
-    assert mcnemar_exact_p(3, 3) == 1.0
-    assert mcnemar_exact_p(5, 0) == pytest.approx(2 / 32)  # 5 discordant pairs, all one way
-    # Bin(12, 1/2): P(X <= 2) + P(X >= 10) = 2 * (1 + 12 + 66) / 4096
-    assert mcnemar_exact_p(10, 2) == pytest.approx(158 / 4096)
-    assert mcnemar_exact_p(2, 10) == mcnemar_exact_p(10, 2)
+from sprpo_lib.paper.report import paired_outcomes
 
 
 def _write(path, outcomes):

@@ -10,6 +10,7 @@
     sprpo-bench prompts [--env alfworld] [--episodes 16] [--override env.max_steps=50]
     sprpo-bench churn [--rounds 500] [--deadline 30] [--stall-every 0]
     sprpo-bench gpu [--profile paper] [--device cuda]   # the paper profile on one GPU (bench/gpu.py)
+    sprpo-bench runs --env webshop --before runs/cpu/levers_off --after runs/cpu/train   # finished runs compared
     sprpo-bench report   # runs/bench/*.json -> figures/bench_<machine>.md, README block
 
 Results go to ``runs/bench/<name>.json`` (``--out`` to change) and are printed as a table.
@@ -25,6 +26,7 @@ import torch
 
 from sprpo_lib.bench.gpu import METHODS, bench_gpu
 from sprpo_lib.bench.report import report
+from sprpo_lib.bench.runs import bench_runs
 from sprpo_lib.bench.suite import (
     GENERATE_ENGINES,
     bench_churn,
@@ -144,7 +146,15 @@ def main(argv: list[str] | None = None) -> int:
     x.add_argument("--new-tokens", type=int, default=64)
     x.add_argument("--no-tests", action="store_true", help="skip tests/test_cuda.py")
     x.add_argument("overrides", nargs="*", help="dotted training-config overrides")
-    for sp in (p, e, t, m, g, u, v, q, c, x):
+    w = sub.add_parser("runs", help="two sets of finished RL runs of one config (e.g. the update's speed levers off "
+                                    "and on): seconds per iteration and phase, and whether they learned alike")
+    w.add_argument("--profile", default="cpu")
+    w.add_argument("--env", default="webshop")
+    w.add_argument("--methods", default="vanilla,gaussian,sam,sprpo")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--before", required=True, help="runs folder of the reference side, e.g. runs/cpu/levers_off")
+    w.add_argument("--after", required=True, help="runs folder of the other side, e.g. runs/cpu/train")
+    for sp in (p, e, t, m, g, u, v, q, c, x, w):
         sp.add_argument("--threads", type=int, default=2, help="torch threads (set explicitly: 2 cores here)")
         sp.add_argument("--out", type=Path, help="JSON path (default runs/bench/<what>.json)")
     r = sub.add_parser("report", help="runs/bench/*.json as figures/bench_<machine>.md and the README's bench block")
@@ -179,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         res = bench_gpu(args.profile, tuple(args.envs.split(",")), tuple(args.methods.split(",")), args.model,
                         args.device, args.max_steps, args.batch, args.new_tokens, not args.no_tests,
                         tuple(args.overrides))
+    elif args.what == "runs":
+        res = bench_runs(args.profile, args.env, tuple(args.methods.split(",")), args.seed, args.before, args.after)
     elif args.what == "envs":
         res = bench_envs(args.episodes, args.model or None, args.tasks, args.group, args.max_steps)
     else:

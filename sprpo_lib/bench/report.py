@@ -14,6 +14,7 @@ from sprpo_lib.infra.io import CorruptFileError, atomic_write_text, read_json
 from sprpo_lib.infra.manifest import write_manifest
 from sprpo_lib.infra.paths import figures_dir, project_root, runs_dir
 from sprpo_lib.paper.results import doc_pages, replace_block
+from sprpo_lib.paper.style import METHOD_DISPLAY
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +160,42 @@ def _train_rows(res: dict) -> list[str]:
     return lines
 
 
+def _diff_text(res: dict) -> str:
+    """``update.prefix_min 0 -> 16, ...``: the config values two compared sets of runs differ in."""
+    return ", ".join(f"{k} {b} -> {a}" for k, (b, a) in (res.get("config_diff") or {}).items()) or "nothing"
+
+
+def _heldout_text(h: dict) -> str:
+    return (f"{h['before']} -> {h['after']}%, {h['diff_pp']:+} pp [{h['ci_pp'][0]:+}, {h['ci_pp'][1]:+}] "
+            f"(MDE80 {h['mde80_pp']} pp; {h['only_after']}/{h['only_before']} tasks solved by one side, p {h['sign_p']})")
+
+
+def _in_method_order(rows: dict) -> list[tuple[str, dict]]:
+    """``rows`` (method -> row) in the figures' method order (a JSON record keeps its keys sorted)."""
+    order = list(METHOD_DISPLAY)
+    return sorted(rows.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order))
+
+
+def _runs_rows(res: dict) -> list[str]:
+    """``bench runs``: per method, seconds before -> after and whether the two learned alike."""
+    pooled = res.get("heldout_pooled") or {}
+    lines = [(f"{res.get('env')} `{res.get('profile')}` runs, seed {res.get('seed')}: `{res.get('before_root')}` "
+              f"(before) against `{res.get('after_root')}` (after); their configs differ in {_diff_text(res)}. "
+              f"Held-out success of the final policies, pooled over the methods ({pooled.get('tasks')} paired "
+              f"tasks): {_heldout_text(pooled) if pooled else '-'}.\n"),
+             ("| method | iteration s | update s | update s / row | extra pass s | same first rollout | "
+              "rollout success per iteration | held-out success |"), "|---|---|---|---|---|---|---|---|"]
+    for m, r in _in_method_order(res.get("methods") or {}):
+        b, a = r["before"], r["after"]
+        extra = f"{b['extra_s']} -> {a['extra_s']} ({r['extra_ratio']}x)" if r.get("extra_ratio") else "-"
+        curve = " / ".join(",".join(f"{v:g}" for v in p["success"]) for p in (b, a))
+        lines.append(f"| {m} | {b['iteration_s']} -> {a['iteration_s']} ({r['iteration_ratio']}x) | {b['update_s']} -> "
+                     f"{a['update_s']} ({r['update_ratio']}x) | {b['update_s_per_sample']} -> {a['update_s_per_sample']} "
+                     f"({r['update_per_sample_ratio']}x) | {extra} | {'yes' if r['first_rollout_same'] else 'no'} | "
+                     f"{curve} | {_heldout_text(r['heldout'])} |")
+    return lines
+
+
 def _gpu_rows(res: dict) -> list[str]:
     """``bench gpu``: per environment and method, seconds and peak memory per phase; per engine,
     generation against the decode floor."""
@@ -181,7 +218,8 @@ def _gpu_rows(res: dict) -> list[str]:
     return lines
 
 
-SUMMARIES = {"eval": _eval_rows, "churn": _churn_rows, "machine": _machine_rows, "train": _train_rows, "gpu": _gpu_rows}
+SUMMARIES = {"eval": _eval_rows, "churn": _churn_rows, "machine": _machine_rows, "train": _train_rows, "gpu": _gpu_rows,
+             "runs": _runs_rows}
 
 
 def headline(record: dict) -> str | None:
@@ -218,6 +256,12 @@ def headline(record: dict) -> str | None:
     if name == "prompts" and isinstance(res.get("prefix_reuse"), dict):
         return (f"{res.get('env')} {res.get('mean_total_tokens')} prompt tokens per step, of which a prefix cache of any size "
                 f"leaves at least {res['prefix_reuse']['floor_factor']}x of the all-token prefill floor")
+    if name == "runs" and isinstance(res.get("methods"), dict):
+        h = res.get("heldout_pooled") or {}
+        return (f"{res.get('env')} RL runs ({_diff_text(res)}): iteration "
+                + ", ".join(f"{m} {r['iteration_ratio']}x" for m, r in _in_method_order(res["methods"]))
+                + (f"; held-out success after - before {h['diff_pp']:+} pp [{h['ci_pp'][0]:+}, {h['ci_pp'][1]:+}] "
+                   f"(MDE80 {h['mde80_pp']} pp)" if h else ""))
     if name == "machine":
         return ", ".join(f"{d} {g} GFLOP/s" for d, g in res.get("prefill_gflops", {}).items()) + " prefill matmul"
     return None

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from math import comb
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -25,14 +24,14 @@ from sprpo_lib.core import metrics as MK
 from sprpo_lib.infra.executor import current
 from sprpo_lib.infra.io import atomic_dir, read_json_lines
 from sprpo_lib.infra.paths import project_path, runs_dir
-from sprpo_lib.paper.stats import N_RESAMPLES, paired_bootstrap
+from sprpo_lib.paper.stats import N_RESAMPLES, paired_bootstrap, sign_test
 from sprpo_lib.paper.style import METHOD_DISPLAY, pyplot
 from sprpo_lib.train.config import TrainConfig, config_from_dict, load_config
 from sprpo_lib.train.trainer import default_out_dir, heldout_dir, heldout_due, train
 from sprpo_lib.warmstart.cache import warm_start_dir
 from sprpo_lib.warmstart.heldout import load_eval
 
-__all__ = ["run_grid", "find_runs", "LONGER", "longer_root", "longer_grid", "load_metrics", "before_after", "paired_outcomes", "mcnemar_exact_p", "plot_training",
+__all__ = ["run_grid", "find_runs", "LONGER", "longer_root", "longer_grid", "load_metrics", "before_after", "paired_outcomes", "plot_training",
            "heldout_rows", "heldout_curve"]
 
 
@@ -133,17 +132,6 @@ def load_metrics(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True)
 
 
-def mcnemar_exact_p(gained: int, lost: int) -> float:
-    """Two-sided exact McNemar test (binomial sign test on the discordant pairs):
-    the probability, if neither policy is better, of a split at least as uneven as
-    ``gained`` vs ``lost`` among the ``gained + lost`` tasks where they differ."""
-    n = gained + lost
-    if n == 0:
-        return 1.0
-    tail = sum(comb(n, k) for k in range(min(gained, lost) + 1)) / 2 ** n
-    return min(1.0, 2 * tail)
-
-
 def paired_outcomes(start_episodes: str | Path, final_episodes: str | Path) -> dict:
     """Task-by-task comparison of two evaluations of the same held-out tasks
     (``eval_episodes.jsonl`` files): tasks solved only after RL (``gained``), only
@@ -161,9 +149,9 @@ def paired_outcomes(start_episodes: str | Path, final_episodes: str | Path) -> d
     up = sum(b[t]["score"] > a[t]["score"] for t in common)
     down = sum(b[t]["score"] < a[t]["score"] for t in common)
     return {"paired_tasks": len(common), "gained": gained, "lost": lost,
-            "mcnemar_p": mcnemar_exact_p(gained, lost),
+            "mcnemar_p": sign_test(gained, lost),
             "score_change": sum(b[t]["score"] - a[t]["score"] for t in common) / len(common),
-            "score_up": up, "score_down": down, "score_sign_p": mcnemar_exact_p(up, down)}
+            "score_up": up, "score_down": down, "score_sign_p": sign_test(up, down)}
 
 
 def before_after(run_dirs: Sequence[str | Path]) -> pd.DataFrame:
