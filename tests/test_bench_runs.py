@@ -51,6 +51,7 @@ def test_runs_compares_seconds_and_learning_against_hand_counts(tmp_path, monkey
     assert v["extra_ratio"] is None and s["extra_ratio"] == pytest.approx(0.5)
     assert s["update_ratio"] == pytest.approx(0.6)  # the replay is not counted in the update
     assert v["first_rollout_same"] and not s["first_rollout_same"]  # sprpo's first success differs
+    assert not v["same_curves"] and not s["same_curves"]
     assert v["before"]["success"] == [0.25, 0.25] and v["after"]["success"] == [0.25, 0.5]
     hv = v["heldout"]
     assert (hv["before"], hv["after"], hv["diff_pp"]) == (40.0, 80.0, 40.0)
@@ -60,9 +61,17 @@ def test_runs_compares_seconds_and_learning_against_hand_counts(tmp_path, monkey
     assert pooled["tasks"] == 10 and pooled["diff_pp"] == pytest.approx(10.0)
     assert (pooled["only_after"], pooled["only_before"]) == (2, 1)
     text = section(rec, out)
-    assert "update.prefix_min 0 -> 16, update.reuse_frozen False -> True" in text
+    assert "configs differ in update.prefix_min 0 -> 16, update.reuse_frozen False -> True." in text
     assert "| vanilla | 25.0 -> 12.0 (0.48x) |" in text and "40.0 -> 80.0%, +40.0 pp" in text
     assert "vanilla 0.48x, sprpo 0.5x" in headline(rec)
+    # the same runs on both sides: no config difference, every held-out task alike (said, not a 0-width interval)
+    assert bench_main(["runs", "--profile", "smoke", "--methods", "vanilla", "--before", str(after),
+                       "--after", str(after), "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["results"]["config_diff"] == {} and rec["results"]["methods"]["vanilla"]["iteration_ratio"] == 1.0
+    text = section(rec, out)
+    assert "the same success and valid-action rate at every iteration; every held-out task (5)" in headline(rec)
+    assert "(after), the same config." in text and "80.0% on both sides, every one of the 5 tasks with the same outcome" in text
 
 
 def test_runs_names_a_missing_run(tmp_path, monkeypatch):

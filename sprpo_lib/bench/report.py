@@ -161,11 +161,16 @@ def _train_rows(res: dict) -> list[str]:
 
 
 def _diff_text(res: dict) -> str:
-    """``update.prefix_min 0 -> 16, ...``: the config values two compared sets of runs differ in."""
-    return ", ".join(f"{k} {b} -> {a}" for k, (b, a) in (res.get("config_diff") or {}).items()) or "nothing"
+    """``configs differ in update.prefix_min 0 -> 16, ...``: what two compared sets of runs differ in."""
+    diff = ", ".join(f"{k} {b} -> {a}" for k, (b, a) in (res.get("config_diff") or {}).items())
+    return f"configs differ in {diff}" if diff else "the same config"
 
 
 def _heldout_text(h: dict) -> str:
+    """Held-out success before -> after with the paired test, or that every task ended alike
+    (then the interval has zero width: identical outcomes, not a measured precision)."""
+    if h["only_after"] == h["only_before"] == 0:
+        return f"{h['before']}% on both sides, every one of the {h['tasks']} tasks with the same outcome"
     return (f"{h['before']} -> {h['after']}%, {h['diff_pp']:+} pp [{h['ci_pp'][0]:+}, {h['ci_pp'][1]:+}] "
             f"(MDE80 {h['mde80_pp']} pp; {h['only_after']}/{h['only_before']} tasks solved by one side, p {h['sign_p']})")
 
@@ -180,7 +185,7 @@ def _runs_rows(res: dict) -> list[str]:
     """``bench runs``: per method, seconds before -> after and whether the two learned alike."""
     pooled = res.get("heldout_pooled") or {}
     lines = [(f"{res.get('env')} `{res.get('profile')}` runs, seed {res.get('seed')}: `{res.get('before_root')}` "
-              f"(before) against `{res.get('after_root')}` (after); their configs differ in {_diff_text(res)}. "
+              f"(before) against `{res.get('after_root')}` (after), {_diff_text(res)}. "
               f"Held-out success of the final policies, pooled over the methods ({pooled.get('tasks')} paired "
               f"tasks): {_heldout_text(pooled) if pooled else '-'}.\n"),
              ("| method | iteration s | update s | update s / row | extra pass s | same first rollout | "
@@ -258,10 +263,14 @@ def headline(record: dict) -> str | None:
                 f"leaves at least {res['prefix_reuse']['floor_factor']}x of the all-token prefill floor")
     if name == "runs" and isinstance(res.get("methods"), dict):
         h = res.get("heldout_pooled") or {}
+        same = all(r.get("same_curves") for r in res["methods"].values())
+        held = ("" if not h else f"; every held-out task ({h['tasks']}) with the same outcome"
+                if h["only_after"] == h["only_before"] == 0 else
+                f"; held-out success after - before {h['diff_pp']:+} pp [{h['ci_pp'][0]:+}, {h['ci_pp'][1]:+}] "
+                f"(MDE80 {h['mde80_pp']} pp)")
         return (f"{res.get('env')} RL runs ({_diff_text(res)}): iteration "
                 + ", ".join(f"{m} {r['iteration_ratio']}x" for m, r in _in_method_order(res["methods"]))
-                + (f"; held-out success after - before {h['diff_pp']:+} pp [{h['ci_pp'][0]:+}, {h['ci_pp'][1]:+}] "
-                   f"(MDE80 {h['mde80_pp']} pp)" if h else ""))
+                + ("; the same success and valid-action rate at every iteration" if same else "") + held)
     if name == "machine":
         return ", ".join(f"{d} {g} GFLOP/s" for d, g in res.get("prefill_gflops", {}).items()) + " prefill matmul"
     return None

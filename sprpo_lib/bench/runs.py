@@ -102,6 +102,7 @@ def bench_runs(profile: str, env: str, methods: Sequence[str], seed: int, before
             "update_ratio": round(pa["update_s"] / pb["update_s"], 3),
             "extra_ratio": round(pa["extra_s"] / pb["extra_s"], 3) if pb["extra_s"] > 0 else None,
             "update_per_sample_ratio": round(pa["update_s_per_sample"] / pb["update_s_per_sample"], 3),
+            "same_curves": pb["success"] == pa["success"] and pb["valid_rate"] == pa["valid_rate"],
             "first_rollout_same": all(math.isclose(float(x), float(y), rel_tol=1e-9) for x, y in first.values()),
             "success_mean": [round(sum(p["success"]) / len(p["success"]), 4) for p in (pb, pa)],
             "heldout": _heldout([b], [a], ("env", "split", "task_index")),
