@@ -25,7 +25,7 @@ import pandas as pd
 
 from sprpo_lib.infra.paths import project_relative
 from sprpo_lib.paper.report import find_runs, heldout_rows, load_metrics
-from sprpo_lib.paper.results import MDE80_Z, overhead
+from sprpo_lib.paper.results import MDE80_Z, overhead, quiet_iterations
 from sprpo_lib.paper.stats import paired_bootstrap
 from sprpo_lib.train.config import config_from_dict
 
@@ -50,15 +50,16 @@ def config_diff(before: Path, after: Path) -> dict[str, list]:
 
 
 def _phases(run: Path) -> dict:
-    """Mean seconds per iteration (quiet iterations, :func:`paper.results.overhead`) and the
-    update's seconds per step row over every iteration."""
+    """Mean seconds per iteration and the update's seconds per step row, both over the
+    iterations that ran on an idle machine (:func:`paper.results.quiet_iterations`)."""
     o = overhead([run]).iloc[0]
     m = load_metrics([run])
+    q = m[quiet_iterations(m)]  # the iterations overhead() averages
     info = json.loads((run / "config.json").read_text())
     return {"iterations": len(m), "quiet_iterations": int(o["steps"]), "iteration_s": round(float(o["total"]), 2),
             "rollout_s": round(float(o["rollout"]), 2), "update_s": round(float(o["update"] - o["sensitivity"]), 2),
             "extra_s": round(float(o["sensitivity"]), 2),
-            "update_s_per_sample": round(float(m["update_s"].sum() / max(1, m["samples"].sum())), 4),
+            "update_s_per_sample": round(float(q["update_s"].sum() / max(1, q["samples"].sum())), 4),
             "success": [round(float(v), 4) for v in m["success"]],
             "valid_rate": [round(float(v), 4) for v in m["valid_rate"]],
             "commit": info.get("commit"), "cpu_model": (info.get("dtype_probe") or {}).get("key", {}).get("cpu_model")}

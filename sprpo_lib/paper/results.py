@@ -37,7 +37,7 @@ from sprpo_lib.paper.tables import ENV_LABELS, FAMILY_LABELS, METHOD_LABELS, str
 
 log = logging.getLogger(__name__)
 
-__all__ = ["COLORS", "save_figure", "plot_motivation", "plot_curves", "plot_landscape", "landscape_grid", "plot_longer",
+__all__ = ["COLORS", "save_figure", "quiet_iterations", "plot_motivation", "plot_curves", "plot_landscape", "landscape_grid", "plot_longer",
            "plot_ablation", "paired_comparisons", "perturbation_losses", "landscape_drop", "overhead", "overhead_latex",
            "EXAMPLE_RULE", "pick_examples", "examples_markdown", "headline", "headline_markdown",
            "headline_caption", "seeds_text", "without_paired", "replace_block", "setting_label", "plain",
@@ -567,6 +567,15 @@ def landscape_drop(rows: pd.DataFrame, a: str = "vanilla", b: str = "sprpo", *, 
 
 
 # ----------------------------------------------------------------------------- overhead
+def quiet_iterations(m: pd.DataFrame, quiet: float | None = 0.9) -> pd.Series:
+    """Which iterations of the metrics ``m`` ran on an otherwise idle machine: ``cpu_per_wall``
+    (process CPU seconds per wall second) at least ``quiet`` x the highest in ``m``; every one
+    when ``quiet`` is None or nothing logged it."""
+    if quiet is None or "cpu_per_wall" not in m or not m["cpu_per_wall"].notna().any():
+        return pd.Series(True, index=m.index)
+    return m["cpu_per_wall"].fillna(0.0) >= quiet * m["cpu_per_wall"].max()
+
+
 def overhead(run_dirs: Sequence[str | Path], quiet: float | None = 0.9) -> pd.DataFrame:
     """App. "Training overhead": mean seconds per training step per (env, method) from
     the runs' ``metrics.jsonl``: rollout, update (the method's update including SPrPO's
@@ -583,9 +592,7 @@ def overhead(run_dirs: Sequence[str | Path], quiet: float | None = 0.9) -> pd.Da
     if m.empty:
         return pd.DataFrame()
     m = m.copy()
-    m["excluded"] = False
-    if quiet is not None and "cpu_per_wall" in m and m["cpu_per_wall"].notna().any():
-        m["excluded"] = m["cpu_per_wall"].fillna(0.0) < quiet * m["cpu_per_wall"].max()
+    m["excluded"] = ~quiet_iterations(m, quiet)
     sens = m["sensitivity_s"] if "sensitivity_s" in m else 0.0
     m["update_total_s"] = m["update_s"] + sens
     agg = {"rollout": ("rollout_s", "mean"), "update": ("update_total_s", "mean"),
