@@ -49,11 +49,11 @@ def config_diff(before: Path, after: Path) -> dict[str, list]:
             if a.get(k) != b.get(k) and k != "out_dir"}
 
 
-def _phases(run: Path) -> dict:
-    """Mean seconds per iteration and the update's seconds per step row, both over the
-    iterations that ran on an idle machine (:func:`paper.results.quiet_iterations`)."""
+def _phases(run: Path, m: pd.DataFrame) -> dict:
+    """Mean seconds per iteration and the update's seconds per step row of ``run`` (metrics
+    ``m``), both over the iterations that ran on an idle machine
+    (:func:`paper.results.quiet_iterations`)."""
     o = overhead([run]).iloc[0]
-    m = load_metrics([run])
     q = m[quiet_iterations(m)]  # the iterations overhead() averages
     info = json.loads((run / "config.json").read_text())
     return {"iterations": len(m), "quiet_iterations": int(o["steps"]), "iteration_s": round(float(o["total"]), 2),
@@ -93,8 +93,9 @@ def bench_runs(profile: str, env: str, methods: Sequence[str], seed: int, before
                  "after_root": project_relative(after[0].parent), "methods": {}}
     diffs: dict[str, list] = {}
     for m, b, a in zip(methods, before, after):
-        pb, pa = _phases(b), _phases(a)
-        first = {k: [load_metrics([d])[k].iloc[0] for d in (b, a)] for k in FIRST_ROLLOUT_KEYS}
+        mb, ma = load_metrics([b]), load_metrics([a])
+        pb, pa = _phases(b, mb), _phases(a, ma)
+        first = {k: [mb[k].iloc[0], ma[k].iloc[0]] for k in FIRST_ROLLOUT_KEYS}
         for k, v in config_diff(b, a).items():
             diffs.setdefault(k, v)
         out["methods"][m] = {
