@@ -16,10 +16,23 @@ def test_bench_eval_side_by_side(one_thread):
         assert ev["episodes"] == 3 and ev["prompt_tokens"] > 0 and ev["steps"] >= 3
         assert ev["prompt_tok_per_s"] > 0 and ev["generated_tok_per_s"] > 0
         assert ev["wall_over_prefill_floor"] > 0
+        # the least ratio: the prefilled share an unlimited prefix cache leaves plus the decode floor
+        assert 0 < ev["prefix_cache_factor"] <= 1 and ev["decode_over_prefill_floor"] > 0
+        assert ev["least_over_prefill_floor"] == pytest.approx(
+            ev["prefix_cache_factor"] + ev["decode_over_prefill_floor"], abs=0.011)
         assert row["rollout"]["episodes"] == r["rollout_batch"]["tasks"] * r["rollout_batch"]["group_size"]
     # identical engine and seed: identical tokens and outcomes, so the paired difference is exactly 0
     assert a["eval"]["prompt_tokens"] == b["eval"]["prompt_tokens"]
     assert a["eval"]["generated_tokens"] == b["eval"]["generated_tokens"]
+    assert a["eval"]["least_over_prefill_floor"] == b["eval"]["least_over_prefill_floor"]
+    from sprpo_lib.bench.report import SUMMARIES, headline
+
+    ev = a["eval"]
+    least = f"{ev['least_over_prefill_floor']}x ({ev['prefix_cache_factor']} + {ev['decode_over_prefill_floor']})"
+    table = "\n".join(SUMMARIES["eval"](r))
+    assert least in table and "every one of the 3 tasks with the same outcome" in table  # no zero-width interval
+    assert f"(at least {ev['least_over_prefill_floor']}x with an unlimited prefix cache" in headline(
+        {"bench": "eval", "results": r})
     p = b["eval"]["paired_vs_hf"]
     assert p["success_diff"] == 0 and p["ci95"] == [0, 0] and p["zero_in_ci"]
 
@@ -42,3 +55,29 @@ def test_bench_eval_agent_setting_changes_the_prompt(one_thread):
     r = bench_eval("smoke", "alfworld", ("hf", "hf:auto:agent.compact_actions=false"), episodes=2, rollout=False)
     compact, full = r["hf"]["eval"], r["hf:auto:agent.compact_actions=false"]["eval"]
     assert compact["prompt_tokens"] / compact["steps"] < full["prompt_tokens"] / full["steps"]
+
+
+def test_generation_floor_by_hand():
+    """Decode steps follow the environment steps: step 0 has two live episodes whose longest
+    response is 5 tokens (5 decode steps at the longer context, 12), step 1 one episode of
+    2 tokens (context 15).  FLOP-bound (endless bandwidth) each decode step costs its live
+    episodes' FLOPs; bandwidth-bound each costs one read of every weight.  Prefill counts
+    every prompt token once."""
+    from sprpo_lib.agent.rollout import EpisodeRecord, StepRecord
+    from sprpo_lib.bench.suite import generation_floor, shape_config
+    from sprpo_lib.infra import hardware as hw
+
+    def step(i, n_prompt, n_resp):
+        return StepRecord(i, "", "", "", "", True, 0.0, 0.0, False, list(range(n_prompt)), list(range(n_resp)))
+
+    eps = [EpisodeRecord("webshop", "test", 0, "a", 0, 0, "", [step(0, 10, 3), step(1, 15, 2)]),
+           EpisodeRecord("webshop", "test", 1, "b", 1, 0, "", [step(0, 12, 5)])]
+    config = shape_config("tiny-qwen2")
+    rate = 1e-6  # GFLOP/s: 1,000 FLOPs per second
+    flop_bound = generation_floor(config, eps, rate, bandwidth_gbs=1e9, weight_bytes=1)
+    want = (5 * 2 * hw.decode_flops(config, 12) + 2 * hw.decode_flops(config, 15)) / 1e3
+    assert flop_bound["decode_floor_s"] == round(want, 2)
+    assert flop_bound["prefill_floor_s"] == round(hw.prefill_flops(config, [10, 15, 12]) / 1e3, 2)
+    assert flop_bound["prompt_tokens"] == 37
+    read_bound = generation_floor(config, eps, 1e9, bandwidth_gbs=1e-9, weight_bytes=3)  # 3 s per weight read
+    assert read_bound["decode_floor_s"] == (5 + 2) * 3.0

@@ -40,8 +40,9 @@ def machine_line(machine: dict) -> str:
 
 
 def _eval_rows(res: dict) -> list[str]:
-    lines = ["| engine | held-out: wall | episodes/min | wall / prefill floor | success | paired vs first [95% CI] "
-             "| rollout batch: wall (floor ratio) | retries |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| engine | held-out: wall | episodes/min | wall / prefill floor | least with a prefix cache "
+             "(prefilled share + decode floor) | success | paired vs first [95% CI] "
+             "| rollout batch: wall (floor ratio) | retries |", "|---|---|---|---|---|---|---|---|---|"]
     for spec, row in res.items():
         if not isinstance(row, dict) or "eval" not in row:
             continue
@@ -49,10 +50,14 @@ def _eval_rows(res: dict) -> list[str]:
         paired = next((v for k, v in ev.items() if k.startswith("paired_vs_")), None)
         pv = (f"{100 * paired['success_diff']:+.1f} pp [{100 * paired['ci95'][0]:+.1f}, {100 * paired['ci95'][1]:+.1f}]"
               if paired else "")
+        if paired and paired.get("gained") == paired.get("lost") == 0:
+            pv = f"every one of the {ev['episodes']} tasks with the same outcome"
         rollout = f"{ro['wall_s']} s ({ro['wall_over_prefill_floor']}x)" if ro else ""
         retries = ev.get("engine_retries", 0) + ro.get("engine_retries", 0)
+        least = (f"{ev['least_over_prefill_floor']}x ({ev['prefix_cache_factor']} + "
+                 f"{ev['decode_over_prefill_floor']})" if "least_over_prefill_floor" in ev else "")
         lines.append(f"| `{spec}` ({row.get('dtype')}) | {ev['wall_s']} s | {ev['episodes_per_min']} | "
-                     f"{ev['wall_over_prefill_floor']}x | {round(100 * ev['success'], 1)}% of {ev['episodes']} | {pv} | "
+                     f"{ev['wall_over_prefill_floor']}x | {least} | {round(100 * ev['success'], 1)}% of {ev['episodes']} | {pv} | "
                      f"{rollout} | {retries} |")
     return lines
 
@@ -233,6 +238,8 @@ def headline(record: dict) -> str | None:
     if name == "eval":
         return "; ".join(f"`{spec}` {row['eval']['episodes_per_min']} held-out episodes/min, "
                          f"{row['eval']['wall_over_prefill_floor']}x its prefill floor"
+                         + (f" (at least {row['eval']['least_over_prefill_floor']}x with an unlimited prefix cache "
+                            "and decoding at its floor)" if "least_over_prefill_floor" in row["eval"] else "")
                          for spec, row in res.items() if isinstance(row, dict) and "eval" in row)
     if name == "churn":
         return f"{res.get('hangs')} hangs and {res.get('retries')} retries in {res.get('builds')} engine builds"

@@ -327,6 +327,14 @@ def generation_floor(config, episodes, gflops: float, bandwidth_gbs: float, weig
     rate, and per environment step (one generation call over the live episodes) as many
     decode steps as its longest response, each at least one read of every weight at the
     measured bandwidth or its FLOPs at the matmul rate, whichever is slower."""
+    prefill, decode = _floor_seconds(config, episodes, gflops, bandwidth_gbs, weight_bytes)
+    return {"prompt_tokens": sum(len(st.prompt_ids) for e in episodes for st in e.steps),
+            "prefill_floor_s": round(prefill, 2), "decode_floor_s": round(decode, 2),
+            "floor_s": round(prefill + decode, 2)}
+
+
+def _floor_seconds(config, episodes, gflops: float, bandwidth_gbs: float, weight_bytes: int) -> tuple[float, float]:
+    """:func:`generation_floor`'s prefill and decode seconds, unrounded."""
     by_step: dict[int, list] = {}
     for e in episodes:
         for st in e.steps:
@@ -338,8 +346,7 @@ def generation_floor(config, episodes, gflops: float, bandwidth_gbs: float, weig
         ctx = max(len(st.prompt_ids) for st in steps)
         per = max(weight_bytes / (bandwidth_gbs * 1e9), len(steps) * hw.decode_flops(config, ctx) / (gflops * 1e9))
         decode += per * max(len(st.response_ids) for st in steps)
-    return {"prompt_tokens": sum(prompts), "prefill_floor_s": round(prefill, 2), "decode_floor_s": round(decode, 2),
-            "floor_s": round(prefill + decode, 2)}
+    return prefill, decode
 
 
 def phase_rows(times: dict, passes: dict, config, prefix_min: int, gflops: float, rollout_s: float,
@@ -884,7 +891,10 @@ def bench_eval(profile: str = "cpu", env: str = "webshop", engines: tuple[str, .
     per engine (``name`` or ``name:dtype``), side by side in one process: wall seconds,
     episodes per minute, prompt and generated tokens per second, the wall time over the
     prefill floor (unpadded prompt FLOPs at this machine's measured 256-row matmul rate
-    for the dtype), success; and, against the first engine, the paired difference in
+    for the dtype), success; the least that ratio can be (``least_over_prefill_floor``): an
+    unlimited prefix cache prefilling only the prompts' distinct prefixes
+    (:func:`prefix_reuse`'s ``floor_factor``) plus the decode floor of the responses played
+    (:func:`generation_floor`); and, against the first engine, the paired difference in
     held-out success with a 95% bootstrap interval over tasks (same tasks, same seed)."""
     overrides = {"env.name": env, **({"model.spec": model} if model else {})}
     cfg = load_config(profile, **overrides)
@@ -897,6 +907,7 @@ def bench_eval(profile: str = "cpu", env: str = "webshop", engines: tuple[str, .
     batch_tasks = [(cfg.sft.split, int(i)) for i in rng.choice(n_train, cfg.rollout.tasks_per_step, replace=False)]
     config = shape_config(cfg.model.spec)
     runs = [engine_runs(e) for e in engines]
+    _open_once(pool, eval_tasks + batch_tasks)
     policies: dict = {}
     for _, dt, _ in runs:
         if dt not in policies:
@@ -908,6 +919,8 @@ def bench_eval(profile: str = "cpu", env: str = "webshop", engines: tuple[str, .
     dtypes = sorted({str(p.model.dtype).replace("torch.", "") for p in policies.values()} | {"float32"})
     matmul = hw.probe_matmul(hw.linear_shapes(config), dtypes=tuple(dtypes))
     peak = {d: matmul[d]["gflops_by_rows"][str(hw.PREFILL_ROWS)] for d in dtypes}
+    bandwidth = hw.probe_bandwidth()
+    n_params = sum(p.numel() for p in next(iter(policies.values())).model.parameters())
     res: dict = {"profile": profile, "env": env, "model": cfg.model.spec, "machine": hw.machine_info(),
                  "episodes": len(eval_tasks), "prefill_gflops": peak,
                  "rollout_batch": {"tasks": cfg.rollout.tasks_per_step, "group_size": cfg.rollout.group_size,
@@ -936,7 +949,8 @@ def bench_eval(profile: str = "cpu", env: str = "webshop", engines: tuple[str, .
             wall = time.perf_counter() - t0
             lengths = [len(s.prompt_ids) for r in recs for s in r.steps]
             gen_tokens = sum(len(s.response_ids) for r in recs for s in r.steps)
-            floor = hw.prefill_flops(config, lengths) / (peak[dtype] * 1e9)
+            floor, decode = _floor_seconds(config, recs, peak[dtype], bandwidth, n_params * getattr(torch, dtype).itemsize)
+            cache = prefix_reuse([[s.prompt_ids for s in r.steps] for r in recs])["floor_factor"]
             row[what] = {"wall_s": round(wall, 1), "generate_s": round(st["generate_s"], 1),
                          "episodes": len(recs), "episodes_per_min": round(60 * len(recs) / wall, 2),
                          "steps": sum(r.length for r in recs), "prompt_tokens": sum(lengths),
@@ -944,6 +958,8 @@ def bench_eval(profile: str = "cpu", env: str = "webshop", engines: tuple[str, .
                          "prompt_tok_per_s": round(sum(lengths) / wall, 1),
                          "generated_tok_per_s": round(gen_tokens / wall, 2),
                          "prefill_floor_s": round(floor, 1), "wall_over_prefill_floor": round(wall / floor, 2),
+                         "decode_floor_s": round(decode, 1), "decode_over_prefill_floor": round(decode / floor, 2),
+                         "prefix_cache_factor": cache, "least_over_prefill_floor": round(cache + decode / floor, 2),
                          "success": round(sum(r.success for r in recs) / len(recs), 4),
                          "engine_retries": getattr(eng, "stats", {}).get("retries", 0)}
             if what == "eval":
@@ -952,6 +968,18 @@ def bench_eval(profile: str = "cpu", env: str = "webshop", engines: tuple[str, .
     for spec in engines[1:]:
         res[spec]["eval"]["paired_vs_" + engines[0]] = _paired_vs(outcomes[spec], outcomes[engines[0]])
     return res
+
+
+def _open_once(pool, tasks) -> None:
+    """Open, reset and close every task once before any engine is timed: a task's first
+    opening in a process costs more (ALFWorld: about 1 s a game against 0.2 s after,
+    AMX Xeon), which would otherwise be charged to the first engine alone."""
+    for split, i in dict.fromkeys(tasks):
+        handle = pool.open(split, i)
+        ep = handle.spawn()
+        ep.reset()
+        ep.close()
+        getattr(handle, "close", lambda: None)()
 
 
 def _paired_vs(a: np.ndarray, b: np.ndarray) -> dict:
