@@ -39,6 +39,12 @@ def machine_line(machine: dict) -> str:
     return ", ".join(f"{k} {machine[k]}" for k in keys if machine.get(k) is not None)
 
 
+def _all_alike(n: int) -> str:
+    """A paired comparison whose every task ended alike, in words: its interval would have
+    zero width, which is identical outcomes, not a measured precision."""
+    return f"every one of the {n} tasks with the same outcome"
+
+
 def _eval_rows(res: dict) -> list[str]:
     lines = ["| engine | held-out: wall | episodes/min | wall / prefill floor | least with a prefix cache "
              "(prefilled share + decode floor) | success | paired vs first [95% CI] "
@@ -51,7 +57,7 @@ def _eval_rows(res: dict) -> list[str]:
         pv = (f"{100 * paired['success_diff']:+.1f} pp [{100 * paired['ci95'][0]:+.1f}, {100 * paired['ci95'][1]:+.1f}]"
               if paired else "")
         if paired and paired.get("gained") == paired.get("lost") == 0:
-            pv = f"every one of the {ev['episodes']} tasks with the same outcome"
+            pv = _all_alike(ev["episodes"])
         rollout = f"{ro['wall_s']} s ({ro['wall_over_prefill_floor']}x)" if ro else ""
         retries = ev.get("engine_retries", 0) + ro.get("engine_retries", 0)
         least = (f"{ev['least_over_prefill_floor']}x ({ev['prefix_cache_factor']} + "
@@ -175,7 +181,7 @@ def _heldout_text(h: dict) -> str:
     """Held-out success before -> after with the paired test, or that every task ended alike
     (then the interval has zero width: identical outcomes, not a measured precision)."""
     if h["only_after"] == h["only_before"] == 0:
-        return f"{h['before']}% on both sides, every one of the {h['tasks']} tasks with the same outcome"
+        return f"{h['before']}% on both sides, {_all_alike(h['tasks'])}"
     return (f"{h['before']} -> {h['after']}%, {h['diff_pp']:+} pp [{h['ci_pp'][0]:+}, {h['ci_pp'][1]:+}] "
             f"(MDE80 {h['mde80_pp']} pp; {h['only_after']}/{h['only_before']} tasks solved by one side, p {h['sign_p']})")
 
