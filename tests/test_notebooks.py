@@ -6,6 +6,7 @@ import json
 import pandas as pd
 import pytest
 
+from sprpo_lib.infra.io import read_json_lines
 from sprpo_lib.infra.paths import notebooks_dir
 from sprpo_lib.reproduce import PROFILES, plan, run
 
@@ -76,8 +77,9 @@ def test_training_notebook_smoke(tmp_path):
                     "webshop-vanilla-smoke-seed0"]  # each beside its hidden lock file (one process per run folder)
     for env in ("webshop", "alfworld"):  # the plan's longer run: Vanilla's run copied and continued to 4 iterations
         base = tmp_path / "runs" / "smoke" / "train" / f"{env}-vanilla-smoke-seed0"
-        rows = [pd.read_json(r / "metrics.jsonl", lines=True) for r in (base, base.parent / "longer" / base.name)]
-        assert list(rows[1].iteration) == [0, 1, 2, 3] and rows[1].head(3).equals(rows[0])
+        # records, not frames: read_json makes an all-integral float column int, so the 4th row's dtype leaked
+        rows = [read_json_lines(r / "metrics.jsonl") for r in (base, base.parent / "longer" / base.name)]
+        assert [r["iteration"] for r in rows[1]] == [0, 1, 2, 3] and rows[1][:3] == rows[0]
     longer = json.loads((out / "01_training_webshop_longer.csv.manifest.json").read_text())
     assert longer["config"]["runs"][0].endswith("longer/webshop-vanilla-smoke-seed0") and longer["longer"] == {"vanilla": [0]}
     assert list(pd.read_csv(out / "01_training_webshop_longer.csv").columns[:3]) == ["env", "method", "iteration"]
