@@ -3,6 +3,7 @@
     sprpo-bench perturb [--model smollm2-135m] [--n-calib 128] [--calib-len 256]
     sprpo-bench envs
     sprpo-bench train [--profile cpu] [--env webshop] [key=value ...]
+    sprpo-bench attention [--profile cpu] [--env webshop]   # the replay's attention calls per SDPA backend
     sprpo-bench machine [--model smollm2-135m]
     sprpo-bench generate [--model smollm2-135m] [--prompts 16] [--engines hf_generator,hf,openvino]
     sprpo-bench eval [--engines hf:float32,hf:bfloat16,openvino,openvino:auto:prefix_caching=false] [--episodes 64]
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from sprpo_lib.bench.attention import bench_attention
 from sprpo_lib.bench.gpu import METHODS, bench_gpu
 from sprpo_lib.bench.report import report
 from sprpo_lib.bench.runs import bench_runs
@@ -49,6 +51,8 @@ def _print_table(res: dict, prefix: str = "") -> None:
     for k, v in res.items():
         if isinstance(v, dict):
             _print_table(v, prefix + k + ".")
+        elif isinstance(v, list) and len(v) > 8:  # e.g. bench attention's per-shape rows
+            print(f"  {prefix + k:<40} [{len(v)} rows: see the JSON]")
         else:
             print(f"  {prefix + k:<40} {v}")
 
@@ -88,6 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--methods", default=None,
                    help="measure only these besides vanilla and sprpo, comma-separated: sprpo_one_pass, sam, sprpo_subset")
     t.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. rollout.tasks_per_step=4")
+    at = sub.add_parser("attention", help="the attention calls of one S_hat replay on a rollout batch, timed per SDPA "
+                        "backend (flash, math, eager) against their FLOP floor")
+    at.add_argument("--profile", default="cpu")
+    at.add_argument("--env", default="webshop")
+    at.add_argument("--repeats", type=int, default=3, help="timed calls per shape and backend (median)")
+    at.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. update.micro_batch=16")
     m = sub.add_parser("machine", help="matmul GFLOP/s per dtype at a model's shapes, bandwidth, prefill floor")
     m.add_argument("--model", default="smollm2-135m", help="shapes from this model's config (weights not loaded)")
     m.add_argument("--context", type=int, default=500, help="prompt length for the FLOPs per token")
@@ -154,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--before", required=True, help="runs folder of the reference side, e.g. runs/cpu/levers_off")
     w.add_argument("--after", required=True, help="runs folder of the other side, e.g. runs/cpu/train")
-    for sp in (p, e, t, m, g, u, v, q, c, x, w):
+    for sp in (p, e, t, at, m, g, u, v, q, c, x, w):
         sp.add_argument("--threads", type=int, default=2, help="torch threads (set explicitly: 2 cores here)")
         sp.add_argument("--out", type=Path, help="JSON path (default runs/bench/<what>.json)")
     r = sub.add_parser("report", help="runs/bench/*.json as figures/bench_<machine>.md and the README's bench block")
@@ -191,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
                         tuple(args.overrides))
     elif args.what == "runs":
         res = bench_runs(args.profile, args.env, tuple(args.methods.split(",")), args.seed, args.before, args.after)
+    elif args.what == "attention":
+        res = bench_attention(args.profile, args.env, args.repeats, args.overrides)
     elif args.what == "envs":
         res = bench_envs(args.episodes, args.model or None, args.tasks, args.group, args.max_steps)
     else:

@@ -234,8 +234,36 @@ def _gpu_rows(res: dict) -> list[str]:
     return lines
 
 
+def _attention_rows(res: dict) -> list[str]:
+    """``bench attention``: per SDPA backend, the replay's attention seconds against their floor;
+    the shapes that cost the most."""
+    lines = [(f"{res.get('env')} `{res.get('profile')}`{_overrides_text(res)} replay (Alg. 1 line 7) of {res.get('rows')} "
+              f"rows with A != 0, {res.get('dtype')}: {res.get('replay_s')} s, {res.get('calls')} attention calls of "
+              f"{res.get('shapes')} shapes; floor {res.get('floor_s')} s (their FLOPs, masked entries included, at "
+              f"{res.get('matmul_gflops')} GFLOP/s, the linears' matmul rate).\n"),
+             "| backend | forward s | backward s | total s (x floor) | backward / forward | share of the replay |",
+             "|---|---|---|---|---|---|"]
+    order = res.get("backend_order") or list(res.get("backends") or {})
+    for b in order:
+        r = res["backends"][b]
+        share = round(r["total_s"] / res["replay_s"], 3) if res.get("replay_s") else "-"
+        lines.append(f"| {b} | {r['forward_s']} | {r['backward_s']} | {r['total_s']} ({r['over_floor']}x) | "
+                     f"{r['backward_over_forward']} | {share} |")
+    wins = ", ".join(f"{b} {n}" for b, n in (res.get("fastest_counts") or {}).items())
+    lines.append(f"\nThe fastest backend per shape ({wins} shapes): {res.get('fastest_per_shape_s')} s, "
+                 f"{res.get('fastest_over_first')}x {order[0]}'s. Largest relative difference of an output or input "
+                 f"gradient from {order[0]}'s ({res.get('dtype')}): " + ", ".join(f"{b} {d}" for b, d in (res.get("max_rel_diff") or {}).items()) + ".")
+    top = (res.get("by_shape") or [])[:5]
+    if top:
+        lines += ["\n| q (B, H, Tq, D) | k | causal | calls | " + " | ".join(f"{b} fwd / bwd ms" for b in order)
+                  + " |", "|---|---|---|---|" + "---|" * len(order)]
+        lines += [f"| {tuple(r['q'])} | {tuple(r['k'])} | {'yes' if r['causal'] else 'no'} | {r['calls']} | "
+                  + " | ".join(f"{r[f'{b}_ms'][0]} / {r[f'{b}_ms'][1]}" for b in order) + " |" for r in top]
+    return lines
+
+
 SUMMARIES = {"eval": _eval_rows, "churn": _churn_rows, "machine": _machine_rows, "train": _train_rows, "gpu": _gpu_rows,
-             "runs": _runs_rows}
+             "runs": _runs_rows, "attention": _attention_rows}
 
 
 def headline(record: dict) -> str | None:
@@ -284,6 +312,11 @@ def headline(record: dict) -> str | None:
         return (f"{res.get('env')} RL runs ({_diff_text(res)}): iteration "
                 + ", ".join(f"{m} {r['iteration_ratio']}x" for m, r in _in_method_order(res["methods"]))
                 + ("; the same success and valid-action rate at every iteration" if same else "") + held)
+    if name == "attention" and isinstance(res.get("backends"), dict) and "flash" in res["backends"]:
+        fl = res["backends"]["flash"]
+        return (f"{res.get('env')} replay's attention (flash) {fl['total_s']} s = {res.get('flash_share_of_replay')} of "
+                f"the replay, {fl['over_floor']}x its FLOP floor, backward {fl['backward_over_forward']}x its forward; "
+                f"the fastest backend per shape {res.get('fastest_over_first')}x flash's")
     if name == "machine":
         return ", ".join(f"{d} {g} GFLOP/s" for d, g in res.get("prefill_gflops", {}).items()) + " prefill matmul"
     return None

@@ -467,7 +467,7 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     batch, _ = build_batch(eps, cfg.update.adv, cfg.update.estimator)
     tr.envs.close()
     config = tr.policy.model.config
-    probes = [_prefill_rate(config, tr.dtype)]  # again after the updates: the floors use the faster
+    probes = [prefill_rate(config, tr.dtype)]  # again after the updates: the floors use the faster
     bandwidth = hw.probe_bandwidth()
     weight_bytes = sum(p.numel() * p.element_size() for p in tr.model.parameters())
     L = int(config.num_hidden_layers)
@@ -523,10 +523,10 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
                 bar.write(f"  {path} {name}: update {st['update_s']:.1f} s, extra pass {st['sensitivity_s']:.1f} s")
                 bar.update()
     bar.close()
-    probes.append(_prefill_rate(config, tr.dtype))
+    probes.append(prefill_rate(config, tr.dtype))
     gflops = max(probes)
     ran_f32 = any(any(t["update_float32"]) for t in times.values()) and tr.dtype != "float32"
-    f32_gflops = _prefill_rate(config, "float32") if ran_f32 else None  # SAM's update below bf16's resolution
+    f32_gflops = prefill_rate(config, "float32") if ran_f32 else None  # SAM's update below bf16's resolution
     played = eps + list(rst.get("dropped", []))  # generate_s covers every refill round's episodes
     gen = generation_floor(config, played, gflops, bandwidth, weight_bytes)
     t_roll = rst["rollout_s"]
@@ -567,7 +567,7 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     return res
 
 
-def _prefill_rate(config, dtype: str) -> float:
+def prefill_rate(config, dtype: str) -> float:
     """GFLOP/s of the model's linears at the prefill row count (:func:`hw.probe_matmul`)."""
     return hw.probe_matmul(hw.linear_shapes(config), dtypes=(dtype,))[dtype]["gflops_by_rows"][str(hw.PREFILL_ROWS)]
 
