@@ -81,7 +81,8 @@ def attend(backend: str, q, k, v, mask, causal: bool, gqa: bool, scale: float | 
                                                   enable_gqa=gqa)
     if backend != "eager":
         raise ValueError(f"attention backend {backend!r}: expected one of {', '.join(BACKENDS)}")
-    from transformers.models.llama.modeling_llama import eager_attention_forward  # heavy (seconds to import): loaded on first use
+    # heavy (seconds to import): loaded on first use
+    from transformers.models.llama.modeling_llama import eager_attention_forward
 
     tq, tk = q.shape[2], k.shape[2]
     if mask is None and causal:
