@@ -24,13 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from sprpo_lib.bench.suite import prefill_rate
+from sprpo_lib.bench.suite import prefill_rate, rollout_batch
 from sprpo_lib.core.actor import SURROGATE
-from sprpo_lib.core.batch import Batch, build_batch
+from sprpo_lib.core.batch import Batch
 from sprpo_lib.core.methods import grad_leaf
 from sprpo_lib.infra.progress import progress_bar
-from sprpo_lib.train.config import load_config
-from sprpo_lib.train.trainer import Trainer, run_folder
 
 BACKENDS = ("flash", "math", "eager")
 #: FLOPs of an attention backward over its forward: S = QK^T recomputed, dV, dP, dQ, dK (5 matmuls
@@ -185,16 +183,12 @@ def time_signatures(counts: Counter, masks: dict, gflops: float, repeats: int = 
 
 def bench_attention(profile: str = "cpu", env: str = "webshop", repeats: int = 3,
                     overrides: list[str] | None = None) -> dict:
-    """One rollout batch (:meth:`Trainer.collect`, under SPrPO's initial xi), the replay of its rows
+    """One rollout batch (:func:`rollout_batch`), the replay of its rows
     with a non-zero advantage (Alg. 1 line 7, the profile's passes) timed with its attention calls
     recorded, then every call signature timed per backend (:func:`time_signatures`).  The floor
     prices attention's FLOPs at the matmul rate of the model's linears (:func:`prefill_rate`), the
     rate the update's and the replay's floors in ``bench train`` use."""
-    cfg = load_config(profile, list(overrides or []) + [f"env.name={env}", "method.name=sprpo"])
-    tr = Trainer(cfg, run_folder(cfg), progress=True)
-    eps, xi, _ = tr.collect(0)
-    batch, _ = build_batch(eps, cfg.update.adv, cfg.update.estimator)
-    tr.envs.close()
+    tr, batch, _, xi, _, _ = rollout_batch(profile, env, overrides)
     rows = [s for s in batch.samples if s.adv != 0.0]
     if not rows:
         raise ValueError(f"bench attention --profile {profile}: every advantage in the rollout batch is 0, so line 7's "
@@ -205,7 +199,7 @@ def bench_attention(profile: str = "cpu", env: str = "webshop", repeats: int = 3
         leaf = grad_leaf(xi, a)
         a.zero_grad()
         t0 = time.perf_counter()
-        a.backward(Batch(Batch(samples).without_old().samples), leaf, terms=SURROGATE)
+        a.backward(Batch(samples).without_old(), leaf, terms=SURROGATE)
         a.zero_grad()
         return time.perf_counter() - t0
 

@@ -419,6 +419,20 @@ def method_passes(batch, depth: int, layers: int, regularised: bool, skip_zero_a
     return out
 
 
+def rollout_batch(profile: str, env: str, overrides: Sequence[str] | None = None) -> tuple:
+    """``(trainer, batch, episodes, xi, rollout stats, setup seconds)``: one RL rollout batch of the
+    profile (:meth:`Trainer.collect` at iteration 0, under SPrPO's initial xi), its environments
+    closed; the setup seconds are the model load and warm start (built when not cached)."""
+    cfg = load_config(profile, list(overrides or []) + [f"env.name={env}", "method.name=sprpo"])
+    t0 = time.perf_counter()
+    tr = Trainer(cfg, run_folder(cfg), progress=True)
+    setup_s = time.perf_counter() - t0
+    eps, xi, rst = tr.collect(0)
+    batch, _ = build_batch(eps, cfg.update.adv, cfg.update.estimator)
+    tr.envs.close()
+    return tr, batch, eps, xi, rst, setup_s
+
+
 def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, overrides: list[str] | None = None,
                 paths: tuple[str, ...] = ("shared", "whole"), replay_frac: float | None = None,
                 methods: tuple[str, ...] | None = None) -> dict:
@@ -459,13 +473,8 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     if methods is not None and set(methods) - known:
         raise ValueError(f"bench train --methods: {sorted(set(methods) - known)} not among {sorted(known)} "
                          "(vanilla and sprpo always run; sprpo_subset needs --replay-frac)")
-    cfg = load_config(profile, list(overrides or []) + [f"env.name={env}", "method.name=sprpo"])
-    t_setup = time.perf_counter()
-    tr = Trainer(cfg, run_folder(cfg), progress=True)  # loads the model; builds the warm start when not cached
-    t_setup = time.perf_counter() - t_setup
-    eps, xi, rst = tr.collect(0)
-    batch, _ = build_batch(eps, cfg.update.adv, cfg.update.estimator)
-    tr.envs.close()
+    tr, batch, eps, xi, rst, t_setup = rollout_batch(profile, env, overrides)
+    cfg = tr.cfg
     config = tr.policy.model.config
     probes = [prefill_rate(config, tr.dtype)]  # again after the updates: the floors use the faster
     bandwidth = hw.probe_bandwidth()
