@@ -21,13 +21,22 @@ def test_decode_floor_reads_weights_and_live_kv_once_per_step():
     assert decode_floor_s(cfg, 1000, [10], [0], 1.0, 4) == 0.0
 
 
-def test_gpu_bench_runs_end_to_end_at_a_tiny_shape(tmp_path):
+def test_gpu_bench_runs_end_to_end_at_a_tiny_shape(tmp_path, monkeypatch):
     out = tmp_path / "gpu.json"
-    argv = ["gpu", "--profile", "smoke", "--envs", "webshop", "--methods", "vanilla,sprpo", "--model", "tiny-qwen2",
-            "--device", "cpu", "--max-steps", "2", "--batch", "4", "--new-tokens", "4", "--no-tests",
+    argv = ["gpu", "--profile", "smoke", "--envs", "webshop,nosuchenv", "--methods", "vanilla,sprpo", "--model",
+            "tiny-qwen2", "--device", "cpu", "--max-steps", "2", "--batch", "4", "--new-tokens", "4", "--no-tests",
             "--out", str(out), "rollout.tasks_per_step=1"]
+    saved = []
+    real_save = bench_cli.atomic_write_json
+    monkeypatch.setattr(bench_cli, "atomic_write_json", lambda path, rec: saved.append(json.loads(json.dumps(rec))) or real_save(path, rec))
     assert bench_cli.main(argv) == 0
-    res = json.loads(out.read_text())["results"]
+    rec = json.loads(out.read_text())
+    res = rec["results"]
+    # each stage saved as it ended, marked partial; the last write is the whole record
+    assert [sorted(set(r["results"]) & {"webshop", "nosuchenv"}) for r in saved[:2]] == [["webshop"], ["nosuchenv", "webshop"]]
+    assert all(r.get("partial") for r in saved[:-1]) and "partial" not in rec and "generation" in res
+    # a stage that fails is recorded with its error; the others still ran
+    assert "nosuchenv" in res["nosuchenv"]["error"]
     assert res["device"] == "cpu" and res["bandwidth_gbs"] > 0 and "cuda_tests" not in res
     for m in ("vanilla", "sprpo"):
         row = res["webshop"][m]
@@ -35,3 +44,11 @@ def test_gpu_bench_runs_end_to_end_at_a_tiny_shape(tmp_path):
         assert row["rollout_peak_rss_gib"] > 0 and row["update_peak_rss_gib"] > 0
     gen = res["generation"]["hf"]
     assert gen["new_tokens"] > 0 and gen["tokens_per_s"] > 0 and 0 < gen["floor_over_wall"]
+
+
+def test_a_gpu_record_is_filed_under_its_gpu():
+    from sprpo_lib.bench.report import machine_slug
+
+    host = {"cpu_model": "Intel(R) Xeon(R) Platinum 8480+", "cpu_class": "amx"}
+    assert machine_slug(host) == "intel-xeon-platinum-8480-amx"
+    assert machine_slug({**host, "gpu": "NVIDIA H200"}) == "nvidia-h200"

@@ -176,6 +176,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     torch.set_num_threads(args.threads)
     t0, commit = time.time(), git_commit()  # the code that runs (files edited during a long run do not count)
+    out = project_path(args.out) if args.out else runs_dir("bench", f"{args.what}.json")
+
+    def record(res: dict, partial: bool = False) -> dict:
+        rec = {"bench": args.what, "commit": commit, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+               "machine": machine_info(), "torch": torch.__version__, "wall_s": round(time.time() - t0, 1),
+               "results": res}
+        return {**rec, "partial": True} if partial else rec
+
     if args.what == "perturb":
         res = bench_perturb(args.model, args.n_calib, args.calib_len, args.batch, args.new_tokens, args.repeats,
                             not args.no_sparsegpt, args.device, args.dtype)
@@ -198,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.what == "gpu":
         res = bench_gpu(args.profile, tuple(args.envs.split(",")), tuple(args.methods.split(",")), args.model,
                         args.device, args.max_steps, args.batch, args.new_tokens, not args.no_tests,
-                        tuple(args.overrides))
+                        tuple(args.overrides), save=lambda r: atomic_write_json(out, record(r, partial=True)))
     elif args.what == "runs":
         res = bench_runs(args.profile, args.env, tuple(args.methods.split(",")), args.seed, args.before, args.after)
     elif args.what == "attention":
@@ -208,12 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         res = bench_train(args.profile, args.env, args.repeats, args.overrides, tuple(args.paths.split(",")),
                           args.replay_frac, None if args.methods is None else tuple(args.methods.split(",")))
-    out = project_path(args.out) if args.out else runs_dir("bench", f"{args.what}.json")
-    record = {"bench": args.what, "commit": commit, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "machine": machine_info(), "torch": torch.__version__, "wall_s": round(time.time() - t0, 1),
-              "results": res}
-    atomic_write_json(out, record)
-    print(f"bench {args.what} ({record['commit'][:12]}, {record['wall_s']} s) -> {out}")
+    rec = record(res)
+    atomic_write_json(out, rec)
+    print(f"bench {args.what} ({rec['commit'][:12]}, {rec['wall_s']} s) -> {out}")
     _print_table(res)
     return 0
 

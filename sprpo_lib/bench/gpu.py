@@ -9,6 +9,13 @@
    the profile's batch against the decode floor: per token step every weight and every live
    sequence's KV cache read once at the measured memory bandwidth.
 
+A random-weight model earns no reward, so every advantage is 0 and the passes over the
+surrogate alone would skip every row (``update.skip_zero_adv``): the bench sets
+``update.skip_zero_adv=false`` so that the update, SPrPO's replay and SAM's extra pass run
+over every row, the memory a trained policy's batch needs at worst.  Each stage's result is
+saved as it ends (``save``), and a stage that fails (out of memory, say) is recorded with its
+error while the others still run.
+
 On a CPU the same code runs at a tiny shape (the test), so the bench is checked without a
 GPU.  A leaf: nothing in the library imports it.
 """
@@ -24,6 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -76,7 +84,11 @@ def generation(policy, engines: tuple[str, ...], batch: int, new_tokens: int, ba
     kv_bytes = next(policy.model.parameters()).element_size()
     out = {}
     for name in engines:
-        gen = make_engine(name, policy, GenerationConfig(temperature=0.0, max_new_tokens=new_tokens, batch_size=batch))
+        try:
+            gen = make_engine(name, policy, GenerationConfig(temperature=0.0, max_new_tokens=new_tokens, batch_size=batch))
+        except Exception as err:  # noqa: BLE001 - one engine's failure is its row; the others still run
+            out[name] = {"error": f"{type(err).__name__}: {str(err)[:500]}"}
+            continue
         try:
             gen(prompts[:2])  # warm-up: compilation, allocator
             sync_device(policy.device)
@@ -84,6 +96,9 @@ def generation(policy, engines: tuple[str, ...], batch: int, new_tokens: int, ba
             res = gen(prompts)
             sync_device(policy.device)
             wall = time.perf_counter() - t0
+        except Exception as err:  # noqa: BLE001 - as above
+            out[name] = {"error": f"{type(err).__name__}: {str(err)[:500]}"}
+            continue
         finally:
             close_engine(gen)
         tokens = sum(len(g.response_ids) for g in res)
@@ -121,29 +136,48 @@ def iterations(profile: str, env: str, methods: tuple[str, ...], overrides: list
 
 def bench_gpu(profile: str = "paper", envs: tuple[str, ...] = ("webshop", "alfworld"), methods: tuple[str, ...] = METHODS,
               model: str = "random-qwen2.5-1.5b", device: str = "cuda", max_steps: int = 3, batch: int = 128,
-              new_tokens: int = 64, run_tests: bool = True, overrides: tuple[str, ...] = ()) -> dict:
-    """The record of ``sprpo-bench gpu`` (see the module doc)."""
+              new_tokens: int = 64, run_tests: bool = True, overrides: tuple[str, ...] = (),
+              save: Callable[[dict], object] | None = None) -> dict:
+    """The record of ``sprpo-bench gpu`` (see the module doc); ``save`` is called with the
+    record so far after each stage."""
     dev = torch.device(device)
     res: dict = {"profile": profile, "model": model, "device": str(dev), "env_max_steps": max_steps}
     if dev.type == "cuda":
         props = torch.cuda.get_device_properties(dev)
         res["gpu"] = {"name": props.name, "memory_gib": round(props.total_memory / 2**30, 1)}
     res["bandwidth_gbs"] = round(hw.probe_bandwidth(512 if dev.type == "cuda" else 128, dev), 1)
+    saved = save or (lambda r: None)
     if run_tests:
         res["cuda_tests"] = cuda_tests(device)
-    ov = [f"model.spec={model}", f"model.device={device}", f"env.max_steps={max_steps}", *overrides]
+        saved(res)
+    ov = [f"model.spec={model}", f"model.device={device}", f"env.max_steps={max_steps}", "update.skip_zero_adv=false",
+          *overrides]
     tr = None
     for env in envs:
-        res[env], tr = iterations(profile, env, methods, ov)
-        if "memory_gib" in res.get("gpu", {}):
+        try:
+            res[env], tr = iterations(profile, env, methods, ov)
+        except Exception as err:  # noqa: BLE001 - an out-of-memory is a result: record it, run the other stages
+            res[env] = {"error": f"{type(err).__name__}: {str(err)[:500]}"}
+            _release(dev)
+        if "memory_gib" in res.get("gpu", {}) and "error" not in res[env]:
             peak = max(max(r.get("rollout_peak_cuda_gib", 0), r.get("update_peak_cuda_gib", 0)) for r in res[env].values())
             res[env]["peak_cuda_gib"] = peak
             res[env]["headroom"] = round(1 - peak / res["gpu"]["memory_gib"], 3)
+        saved(res)
     if tr is not None:
         engines = tuple(e for e in ("hf", "vllm") if e in ENGINES and (e != "vllm" or _has("vllm")) and
                         (e != "vllm" or dev.type == "cuda"))
         res["generation"] = generation(tr.policy, engines, batch, new_tokens, res["bandwidth_gbs"])
     return res
+
+
+def _release(dev: torch.device) -> None:
+    """Free what a failed stage left cached on the GPU, so that the next starts clean."""
+    import gc
+
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _has(module: str) -> bool:
