@@ -10,6 +10,7 @@ import pytest
 
 from sprpo_lib.bench import cli as bench_cli
 from sprpo_lib.bench.gpu import decode_floor_s
+from sprpo_lib.bench.report import section
 
 
 def test_decode_floor_reads_weights_and_live_kv_once_per_step():
@@ -32,11 +33,20 @@ def test_gpu_bench_runs_end_to_end_at_a_tiny_shape(tmp_path, monkeypatch):
     assert bench_cli.main(argv) == 0
     rec = json.loads(out.read_text())
     res = rec["results"]
-    # each stage saved as it ended, marked partial; the last write is the whole record
-    assert [sorted(set(r["results"]) & {"webshop", "nosuchenv"}) for r in saved[:2]] == [["webshop"], ["nosuchenv", "webshop"]]
+    # each stage saved as it ended, marked partial: generation first, then one method at a time;
+    # the last write is the whole record
+    stages = [(sorted(r["results"].get("webshop", {})), "generation" in r["results"]) for r in saved[:3]]
+    assert stages == [([], True), (["vanilla"], True), (["sprpo", "vanilla"], True)]
     assert all(r.get("partial") for r in saved[:-1]) and "partial" not in rec and "generation" in res
     # a stage that fails is recorded with its error; the others still ran
     assert "nosuchenv" in res["nosuchenv"]["error"]
+    # past the time budget no iteration starts: recorded as skipped, and the table says so
+    argv[argv.index("--envs") + 1], argv[argv.index("--methods") + 1] = "webshop", "vanilla"
+    assert bench_cli.main([*argv, "--budget-s", "0"]) == 0
+    late = json.loads(out.read_text())
+    assert late["results"]["webshop"]["vanilla"] == {"skipped": "deadline"} and "generation" in late["results"]
+    assert "| webshop | vanilla | skipped (deadline) |" in section(late, out)
+    assert "Partial" in section({**late, "partial": True}, out) and "Partial" not in section(late, out)
     assert res["device"] == "cpu" and res["bandwidth_gbs"] > 0 and "cuda_tests" not in res
     for m in ("vanilla", "sprpo"):
         row = res["webshop"][m]

@@ -44,7 +44,7 @@ from sprpo_lib.train.config import load_config
 from sprpo_lib.train.trainer import Trainer
 
 METHODS = ("vanilla", "gaussian", "sam", "sprpo")
-PHASE_KEYS = ("rollout_s", "update_s", "sensitivity_s", "wall_s", "samples", "response_tokens",
+PHASE_KEYS = ("rollout_s", "generate_s", "env_s", "update_s", "sensitivity_s", "wall_s", "samples", "response_tokens",
               "rollout_peak_cuda_gib", "update_peak_cuda_gib", "rollout_peak_rss_gib", "update_peak_rss_gib")
 
 
@@ -110,64 +110,84 @@ def generation(policy, engines: tuple[str, ...], batch: int, new_tokens: int, ba
     return out
 
 
-def iterations(profile: str, env: str, methods: tuple[str, ...], overrides: list[str]) -> tuple[dict, object]:
-    """One iteration of every method on one Trainer (the same adapter and optimizer state
-    restored before each); the per-phase seconds and peak memory of each."""
+def trainer(profile: str, env: str, overrides: list[str]) -> Trainer:
+    """The bench's Trainer for one environment: no warm start, a scratch run folder."""
     cfg = load_config(profile, [f"env.name={env}", "method.name=vanilla", "warm_start=false", *overrides])
-    out_dir = Path(tempfile.mkdtemp(prefix=f"sprpo-bench-gpu-{env}-"))
-    tr = Trainer(cfg, out_dir, progress=True)
-    a = tr.actor
+    return Trainer(cfg, Path(tempfile.mkdtemp(prefix=f"sprpo-bench-gpu-{env}-")), progress=True)
+
+
+def iterations(tr: Trainer, methods: tuple[str, ...], res: dict, saved: Callable[[], object],
+               deadline: float) -> None:
+    """One iteration of every method on ``tr`` (the same adapter and optimizer state restored
+    before each) into ``res[method]``: per-phase seconds and peak memory.  Each is saved as it
+    ends and printed; a method that would start after ``deadline`` (``time.perf_counter``) is
+    recorded as skipped, so a bench cut short still says what it measured."""
+    a, cfg = tr.actor, tr.cfg
     params0 = [p.detach().clone() for p in a.params]
     opt0 = copy.deepcopy(a.opt.state_dict())
-    res = {}
-    try:
-        for name in methods:
-            with torch.no_grad():
-                for p, v in zip(a.params, params0):
-                    p.copy_(v)
-            a.opt.load_state_dict(copy.deepcopy(opt0))
-            tr.method = make_method(dataclasses.replace(cfg.method, name=name), tr.shape, cfg.seed)
-            m = tr.iteration(0)
-            res[name] = {k: m[k] for k in PHASE_KEYS if k in m}
-    finally:
-        tr.envs.close()
-    return res, tr
+    for name in methods:
+        if time.perf_counter() > deadline:
+            res[name] = {"skipped": "deadline"}
+            continue
+        with torch.no_grad():
+            for p, v in zip(a.params, params0):
+                p.copy_(v)
+        a.opt.load_state_dict(copy.deepcopy(opt0))
+        tr.method = make_method(dataclasses.replace(cfg.method, name=name), tr.shape, cfg.seed)
+        m = tr.iteration(0)
+        res[name] = {k: m[k] for k in PHASE_KEYS if k in m}
+        print(f"bench gpu: {cfg.env.name} {name}: " + ", ".join(f"{k} {v}" for k, v in res[name].items()),
+              file=sys.stderr, flush=True)
+        saved()
 
 
 def bench_gpu(profile: str = "paper", envs: tuple[str, ...] = ("webshop", "alfworld"), methods: tuple[str, ...] = METHODS,
               model: str = "random-qwen2.5-1.5b", device: str = "cuda", max_steps: int = 3, batch: int = 128,
               new_tokens: int = 64, run_tests: bool = True, overrides: tuple[str, ...] = (),
-              save: Callable[[dict], object] | None = None) -> dict:
-    """The record of ``sprpo-bench gpu`` (see the module doc); ``save`` is called with the
-    record so far after each stage."""
+              save: Callable[[dict], object] | None = None, budget_s: float = float("inf")) -> dict:
+    """The record of ``sprpo-bench gpu`` (see the module doc).  Order: the CUDA tests, each
+    engine's generation on the first environment's policy, then the iterations.  ``save`` is
+    called with the record so far after each stage; no iteration starts after ``budget_s``."""
+    t0 = time.perf_counter()
+    deadline = t0 + budget_s
     dev = torch.device(device)
-    res: dict = {"profile": profile, "model": model, "device": str(dev), "env_max_steps": max_steps}
+    res: dict = {"profile": profile, "model": model, "device": str(dev), "env_max_steps": max_steps,
+                 "budget_s": budget_s if budget_s < float("inf") else None}
     if dev.type == "cuda":
         props = torch.cuda.get_device_properties(dev)
         res["gpu"] = {"name": props.name, "memory_gib": round(props.total_memory / 2**30, 1)}
     res["bandwidth_gbs"] = round(hw.probe_bandwidth(512 if dev.type == "cuda" else 128, dev), 1)
-    saved = save or (lambda r: None)
+    saved = (lambda: save(res)) if save else (lambda: None)
     if run_tests:
         res["cuda_tests"] = cuda_tests(device)
-        saved(res)
+        saved()
     ov = [f"model.spec={model}", f"model.device={device}", f"env.max_steps={max_steps}", "update.skip_zero_adv=false",
           *overrides]
-    tr = None
-    for env in envs:
+    for i, env in enumerate(envs):
+        res[env] = rows = {}
+        tr = None
         try:
-            res[env], tr = iterations(profile, env, methods, ov)
+            tr = trainer(profile, env, ov)
+            if i == 0:
+                engines = tuple(e for e in ("hf", "vllm") if e in ENGINES and (e != "vllm" or _has("vllm")) and
+                                (e != "vllm" or dev.type == "cuda"))
+                res["generation"] = generation(tr.policy, engines, batch, new_tokens, res["bandwidth_gbs"])
+                saved()
+            iterations(tr, methods, rows, saved, deadline)
         except Exception as err:  # noqa: BLE001 - an out-of-memory is a result: record it, run the other stages
-            res[env] = {"error": f"{type(err).__name__}: {str(err)[:500]}"}
+            rows["error"] = f"{type(err).__name__}: {str(err)[:500]}"
+        finally:
+            if tr is not None:
+                tr.envs.close()
+            del tr
             _release(dev)
-        if "memory_gib" in res.get("gpu", {}) and "error" not in res[env]:
-            peak = max(max(r.get("rollout_peak_cuda_gib", 0), r.get("update_peak_cuda_gib", 0)) for r in res[env].values())
-            res[env]["peak_cuda_gib"] = peak
-            res[env]["headroom"] = round(1 - peak / res["gpu"]["memory_gib"], 3)
-        saved(res)
-    if tr is not None:
-        engines = tuple(e for e in ("hf", "vllm") if e in ENGINES and (e != "vllm" or _has("vllm")) and
-                        (e != "vllm" or dev.type == "cuda"))
-        res["generation"] = generation(tr.policy, engines, batch, new_tokens, res["bandwidth_gbs"])
+        peaks = [max(r.get("rollout_peak_cuda_gib", 0), r.get("update_peak_cuda_gib", 0)) for r in rows.values()
+                 if isinstance(r, dict) and "samples" in r]
+        if "memory_gib" in res.get("gpu", {}) and peaks:
+            rows["peak_cuda_gib"] = max(peaks)
+            rows["headroom"] = round(1 - max(peaks) / res["gpu"]["memory_gib"], 3)
+        saved()
+    res["seconds"] = round(time.perf_counter() - t0, 1)
     return res
 
 

@@ -220,19 +220,26 @@ def _gpu_rows(res: dict) -> list[str]:
     gpu = res.get("gpu", {})
     lines = [f"{gpu.get('name', res.get('device'))} ({gpu.get('memory_gib', '?')} GiB), `{res.get('profile')}` profile, "
              f"`{res.get('model')}`, {res.get('env_max_steps')} steps per episode; CUDA tests: "
-             f"{res.get('cuda_tests', {}).get('passed', '-')} passed, {res.get('cuda_tests', {}).get('failed', 0)} failed.\n",
-             "| env | method | rollout s | update s | extra pass s | peak GiB rollout / update |", "|---|---|---|---|---|---|"]
+             f"{res.get('cuda_tests', {}).get('passed', '-')} passed, {res.get('cuda_tests', {}).get('failed', 0)} failed; "
+             f"measured memory bandwidth {res.get('bandwidth_gbs')} GB/s.\n"]
+    if any(isinstance(rows, dict) and env not in ("gpu", "cuda_tests", "generation") for env, rows in res.items()):
+        lines += ["| env | method | rollout s | update s | extra pass s | peak GiB rollout / update |", "|---|---|---|---|---|---|"]
     for env, rows in res.items():
         if not isinstance(rows, dict) or env in ("gpu", "cuda_tests", "generation"):
             continue
+        if "error" in rows:
+            lines.append(f"| {env} | - | stopped: {rows['error'][:200]} | | | |")
         for m, r in rows.items():
-            if isinstance(r, dict):
+            if isinstance(r, dict) and "skipped" in r:
+                lines.append(f"| {env} | {m} | skipped ({r['skipped']}) | | | |")
+            elif isinstance(r, dict):
                 mem = (f"{r.get('rollout_peak_cuda_gib', r.get('rollout_peak_rss_gib'))} / "
                        f"{r.get('update_peak_cuda_gib', r.get('update_peak_rss_gib'))}")
                 lines.append(f"| {env} | {m} | {r.get('rollout_s')} | {r.get('update_s')} | {r.get('sensitivity_s')} | {mem} |")
     for name, g in (res.get("generation") or {}).items():
-        lines.append(f"\n`{name}`: {g['tokens_per_s']} new tokens/s at batch {g['batch']}, "
-                     f"{g['floor_over_wall']} of the decode floor ({g['decode_floor_s']} s).")
+        lines.append(f"\n`{name}`: " + (f"failed: {g['error'][:200]}" if "error" in g else
+                     f"{g['tokens_per_s']} new tokens/s at batch {g['batch']}, "
+                     f"{g['floor_over_wall']} of the decode floor ({g['decode_floor_s']} s)."))
     return lines
 
 
@@ -300,7 +307,11 @@ def headline(record: dict) -> str | None:
         peaks = [f"{env} peak {rows['peak_cuda_gib']} GiB" for env, rows in res.items()
                  if isinstance(rows, dict) and "peak_cuda_gib" in rows]
         hf = (res.get("generation") or {}).get("hf", {})
-        return ", ".join(peaks + ([f"hf generation {hf['floor_over_wall']} of the decode floor"] if hf else [])) or None
+        tests = res.get("cuda_tests") or {}
+        return ", ".join(([f"CUDA tests {tests.get('passed', 0)} passed, {tests.get('failed', 0)} failed"] if tests else [])
+                         + peaks + ([f"hf generation {hf['floor_over_wall']} of the decode floor"] if "floor_over_wall" in hf
+                                    else [])
+                         + (["partial run"] if record.get("partial") else [])) or None
     if name == "prompts" and isinstance(res.get("prefix_reuse"), dict):
         return (f"{res.get('env')} {res.get('mean_total_tokens')} prompt tokens per step, of which a prefix cache of any size "
                 f"leaves at least {res['prefix_reuse']['floor_factor']}x of the all-token prefill floor")
@@ -325,11 +336,14 @@ def headline(record: dict) -> str | None:
 
 
 def section(record: dict, path: Path) -> str:
-    """One benchmark's Markdown: its command name, date, wall time and table."""
+    """One benchmark's Markdown: its command name, date, wall time and table (and, for a run
+    that was stopped before its end, that it is partial)."""
     name, res = record.get("bench", path.stem), record.get("results") or {}
     rows = SUMMARIES.get(name, lambda r: ["| what | value |", "|---|---|", *_flat_rows(r)])(res)
+    cut = ("**Partial: the run was stopped after the stages below; what is missing did not run.**\n\n"
+           if record.get("partial") else "")
     return (f"### `{path.stem}` (`sprpo-bench {name}`, {record.get('date', '')[:10]}, {record.get('wall_s')} s)\n\n"
-            + "\n".join(rows) + "\n")
+            + cut + "\n".join(rows) + "\n")
 
 
 def collect(bench_dir: Path) -> dict[str, list[tuple[Path, dict]]]:
