@@ -35,8 +35,8 @@ def test_gpu_bench_runs_end_to_end_at_a_tiny_shape(tmp_path, monkeypatch):
     res = rec["results"]
     # each stage saved as it ended, marked partial: generation first, then one method at a time;
     # the last write is the whole record
-    stages = [(sorted(r["results"].get("webshop", {})), "generation" in r["results"]) for r in saved[:3]]
-    assert stages == [([], True), (["vanilla"], True), (["sprpo", "vanilla"], True)]
+    stages = [(sorted(r["results"].get("webshop", {})), "generation" in r["results"]) for r in saved[:4]]
+    assert stages == [([], True), (["rollout"], True), (["rollout", "vanilla"], True), (["rollout", "sprpo", "vanilla"], True)]
     assert all(r.get("partial") for r in saved[:-1]) and "partial" not in rec and "generation" in res
     # a stage that fails is recorded with its error; the others still ran
     assert "nosuchenv" in res["nosuchenv"]["error"]
@@ -45,13 +45,19 @@ def test_gpu_bench_runs_end_to_end_at_a_tiny_shape(tmp_path, monkeypatch):
     assert bench_cli.main([*argv, "--budget-s", "0"]) == 0
     late = json.loads(out.read_text())
     assert late["results"]["webshop"]["vanilla"] == {"skipped": "deadline"} and "generation" in late["results"]
-    assert "| webshop | vanilla | skipped (deadline) |" in section(late, out)
+    assert "| webshop | vanilla update | skipped (deadline) |" in section(late, out)
+    assert "| webshop | rollout (" in section(late, out)
     assert "Partial" in section({**late, "partial": True}, out) and "Partial" not in section(late, out)
     assert res["device"] == "cpu" and res["bandwidth_gbs"] > 0 and "cuda_tests" not in res
+    roll = res["webshop"]["rollout"]
+    assert roll["samples"] > 0 and roll["tokens"] > roll["response_tokens"] > 0 and roll["rollout_s"] > 0
+    assert roll["rollout_peak_rss_gib"] > 0
     for m in ("vanilla", "sprpo"):
         row = res["webshop"][m]
-        assert row["samples"] > 0 and row["rollout_s"] > 0 and row["update_s"] >= 0
-        assert row["rollout_peak_rss_gib"] > 0 and row["update_peak_rss_gib"] > 0
+        assert row["update_s"] > 0 and row["update_peak_rss_gib"] > 0
+    # SPrPO's replay ran, Vanilla has none; every pass over every row (a random model earns no reward)
+    assert res["webshop"]["sprpo"]["sensitivity_s"] > 0 and res["webshop"]["vanilla"]["sensitivity_s"] == 0
+    assert "update.skip_zero_adv=false" in res["overrides"] and "model.spec=tiny-qwen2" in res["overrides"]
     gen = res["generation"]["hf"]
     assert gen["new_tokens"] > 0 and gen["tokens_per_s"] > 0 and 0 < gen["floor_over_wall"]
 

@@ -1,13 +1,16 @@
 """``sprpo-bench gpu``: the GPU checks of the ``paper`` profile in one command.
 
 1. the CUDA tests (``tests/test_cuda.py``, in a subprocess);
-2. one iteration of every method at the paper's shape (``random-qwen2.5-1.5b``, the
-   profile's 16 tasks x 8 rollouts, a few environment steps), per environment: seconds and
-   peak memory per phase (``rollout_peak_cuda_gib``, ``update_peak_cuda_gib``: the update
-   includes SPrPO's replay and SAM's extra pass), against the card's memory;
-3. generation throughput of every available engine (hf always, vllm where installed) at
+2. generation throughput of every available engine (hf always, vllm where installed) at
    the profile's batch against the decode floor: per token step every weight and every live
-   sequence's KV cache read once at the measured memory bandwidth.
+   sequence's KV cache read once at the measured memory bandwidth;
+3. per environment, one rollout of the profile's 16 tasks x 8 rollouts at the paper's shape
+   (``random-qwen2.5-1.5b``, a few environment steps, under SPrPO's initial xi, as ``bench
+   train`` collects it), then every method's update on that batch from the same adapter and
+   optimizer state, each with its own rollout xi: seconds and peak memory per phase
+   (``rollout_peak_cuda_gib``, ``update_peak_cuda_gib``: the update includes SPrPO's replay
+   and SAM's extra pass), against the card's memory.  One shared rollout instead of one per
+   method keeps the bench inside a GPU lease: on an H200 a rollout took 36-64 s.
 
 A random-weight model earns no reward, so every advantage is 0 and the passes over the
 surrogate alone would skip every row (``update.skip_zero_adv``): the bench sets
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import importlib.util
 import os
 import re
@@ -37,6 +41,7 @@ import torch
 
 from sprpo_lib.agent.engines import ENGINES, GenerationConfig, close_engine, make_engine
 from sprpo_lib.bench.suite import sync_device, webshop_prompts
+from sprpo_lib.core.batch import build_batch
 from sprpo_lib.core.methods import make_method
 from sprpo_lib.infra import hardware as hw
 from sprpo_lib.infra.paths import package_checkout
@@ -44,8 +49,6 @@ from sprpo_lib.train.config import load_config
 from sprpo_lib.train.trainer import Trainer
 
 METHODS = ("vanilla", "gaussian", "sam", "sprpo")
-PHASE_KEYS = ("rollout_s", "generate_s", "env_s", "update_s", "sensitivity_s", "wall_s", "samples", "response_tokens",
-              "rollout_peak_cuda_gib", "update_peak_cuda_gib", "rollout_peak_rss_gib", "update_peak_rss_gib")
 
 
 def cuda_tests(device: str, timeout_s: int = 240) -> dict:
@@ -112,17 +115,30 @@ def generation(policy, engines: tuple[str, ...], batch: int, new_tokens: int, ba
 
 def trainer(profile: str, env: str, overrides: list[str]) -> Trainer:
     """The bench's Trainer for one environment: no warm start, a scratch run folder."""
-    cfg = load_config(profile, [f"env.name={env}", "method.name=vanilla", "warm_start=false", *overrides])
+    cfg = load_config(profile, [f"env.name={env}", "method.name=sprpo", "warm_start=false", *overrides])
     return Trainer(cfg, Path(tempfile.mkdtemp(prefix=f"sprpo-bench-gpu-{env}-")), progress=True)
+
+
+def _say(env: str, what: str, row: dict) -> None:
+    print(f"bench gpu: {env} {what}: " + ", ".join(f"{k} {v}" for k, v in row.items()), file=sys.stderr, flush=True)
 
 
 def iterations(tr: Trainer, methods: tuple[str, ...], res: dict, saved: Callable[[], object],
                deadline: float) -> None:
-    """One iteration of every method on ``tr`` (the same adapter and optimizer state restored
-    before each) into ``res[method]``: per-phase seconds and peak memory.  Each is saved as it
-    ends and printed; a method that would start after ``deadline`` (``time.perf_counter``) is
-    recorded as skipped, so a bench cut short still says what it measured."""
-    a, cfg = tr.actor, tr.cfg
+    """One rollout (``res["rollout"]``) and every method's update on its batch (``res[method]``),
+    each from the same adapter and optimizer state: seconds and peak memory per phase, saved
+    and printed as each ends.  A method that would start after ``deadline``
+    (``time.perf_counter``) is recorded as skipped, so a bench cut short says what it measured."""
+    a, cfg, dev = tr.actor, tr.cfg, tr.actor.device
+    hw.reset_peak_memory(dev)
+    eps, _, rst = tr.collect(0)
+    batch, _ = build_batch(eps, cfg.update.adv, cfg.update.estimator)
+    res["rollout"] = {"rollout_s": round(rst["rollout_s"], 2), "generate_s": round(rst["generate_s"], 2),
+                      "env_s": round(rst["env_s"], 2), "episodes": len(eps), "samples": len(batch.samples),
+                      "response_tokens": batch.n_tokens, "tokens": sum(len(s.ids) for s in batch.samples),
+                      **{f"rollout_{k}": v for k, v in hw.peak_memory(dev).items()}}
+    _say(cfg.env.name, "rollout", res["rollout"])
+    saved()
     params0 = [p.detach().clone() for p in a.params]
     opt0 = copy.deepcopy(a.opt.state_dict())
     for name in methods:
@@ -134,10 +150,12 @@ def iterations(tr: Trainer, methods: tuple[str, ...], res: dict, saved: Callable
                 p.copy_(v)
         a.opt.load_state_dict(copy.deepcopy(opt0))
         tr.method = make_method(dataclasses.replace(cfg.method, name=name), tr.shape, cfg.seed)
-        m = tr.iteration(0)
-        res[name] = {k: m[k] for k in PHASE_KEYS if k in m}
-        print(f"bench gpu: {cfg.env.name} {name}: " + ", ".join(f"{k} {v}" for k, v in res[name].items()),
-              file=sys.stderr, flush=True)
+        xi = tr.method.rollout_xi(0)  # the method's own (None for Vanilla and SAM)
+        hw.reset_peak_memory(dev)
+        st = tr.update(batch.without_old(), xi, 0)
+        res[name] = {"update_s": st["update_s"], "sensitivity_s": st["sensitivity_s"],
+                     **{f"update_{k}": v for k, v in hw.peak_memory(dev).items()}}
+        _say(cfg.env.name, name, res[name])
         saved()
 
 
@@ -163,6 +181,7 @@ def bench_gpu(profile: str = "paper", envs: tuple[str, ...] = ("webshop", "alfwo
         saved()
     ov = [f"model.spec={model}", f"model.device={device}", f"env.max_steps={max_steps}", "update.skip_zero_adv=false",
           *overrides]
+    res["overrides"] = ov
     for i, env in enumerate(envs):
         res[env] = rows = {}
         tr = None
@@ -181,9 +200,9 @@ def bench_gpu(profile: str = "paper", envs: tuple[str, ...] = ("webshop", "alfwo
                 tr.envs.close()
             del tr
             _release(dev)
-        peaks = [max(r.get("rollout_peak_cuda_gib", 0), r.get("update_peak_cuda_gib", 0)) for r in rows.values()
-                 if isinstance(r, dict) and "samples" in r]
-        if "memory_gib" in res.get("gpu", {}) and peaks:
+        peaks = [r.get(k, 0) for r in rows.values() if isinstance(r, dict)
+                 for k in ("rollout_peak_cuda_gib", "update_peak_cuda_gib")]
+        if "memory_gib" in res.get("gpu", {}) and any(peaks):
             rows["peak_cuda_gib"] = max(peaks)
             rows["headroom"] = round(1 - max(peaks) / res["gpu"]["memory_gib"], 3)
         saved()
@@ -193,8 +212,6 @@ def bench_gpu(profile: str = "paper", envs: tuple[str, ...] = ("webshop", "alfwo
 
 def _release(dev: torch.device) -> None:
     """Free what a failed stage left cached on the GPU, so that the next starts clean."""
-    import gc
-
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()

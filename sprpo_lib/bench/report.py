@@ -215,31 +215,39 @@ def _runs_rows(res: dict) -> list[str]:
 
 
 def _gpu_rows(res: dict) -> list[str]:
-    """``bench gpu``: per environment and method, seconds and peak memory per phase; per engine,
-    generation against the decode floor."""
+    """``bench gpu``: per environment the rollout and each method's update on its batch, seconds
+    and peak memory; per engine, generation against the decode floor."""
     gpu = res.get("gpu", {})
+    tests = res.get("cuda_tests", {})
     lines = [f"{gpu.get('name', res.get('device'))} ({gpu.get('memory_gib', '?')} GiB), `{res.get('profile')}` profile, "
              f"`{res.get('model')}`, {res.get('env_max_steps')} steps per episode; CUDA tests: "
-             f"{res.get('cuda_tests', {}).get('passed', '-')} passed, {res.get('cuda_tests', {}).get('failed', 0)} failed; "
+             f"{tests.get('passed', '-')} passed, {tests.get('failed', 0)} failed; "
              f"measured memory bandwidth {res.get('bandwidth_gbs')} GB/s.\n"]
-    if any(isinstance(rows, dict) and env not in ("gpu", "cuda_tests", "generation") for env, rows in res.items()):
-        lines += ["| env | method | rollout s | update s | extra pass s | peak GiB rollout / update |", "|---|---|---|---|---|---|"]
-    for env, rows in res.items():
-        if not isinstance(rows, dict) or env in ("gpu", "cuda_tests", "generation"):
-            continue
-        if "error" in rows:
-            lines.append(f"| {env} | - | stopped: {rows['error'][:200]} | | | |")
-        for m, r in rows.items():
-            if isinstance(r, dict) and "skipped" in r:
-                lines.append(f"| {env} | {m} | skipped ({r['skipped']}) | | | |")
-            elif isinstance(r, dict):
-                mem = (f"{r.get('rollout_peak_cuda_gib', r.get('rollout_peak_rss_gib'))} / "
-                       f"{r.get('update_peak_cuda_gib', r.get('update_peak_rss_gib'))}")
-                lines.append(f"| {env} | {m} | {r.get('rollout_s')} | {r.get('update_s')} | {r.get('sensitivity_s')} | {mem} |")
     for name, g in (res.get("generation") or {}).items():
-        lines.append(f"\n`{name}`: " + (f"failed: {g['error'][:200]}" if "error" in g else
+        lines.append(f"`{name}` generation: " + (f"failed: {g['error'][:200]}" if "error" in g else
                      f"{g['tokens_per_s']} new tokens/s at batch {g['batch']}, "
-                     f"{g['floor_over_wall']} of the decode floor ({g['decode_floor_s']} s)."))
+                     f"{g['floor_over_wall']} of the decode floor ({g['decode_floor_s']} s against {g['wall_s']} s)."))
+    envs = [(env, rows) for env, rows in res.items() if isinstance(rows, dict) and env not in ("gpu", "cuda_tests", "generation")]
+    if envs:
+        lines += ["\n| env | phase | samples / tokens | seconds | extra pass s | peak GiB |", "|---|---|---|---|---|---|"]
+    for env, rows in envs:
+        if "error" in rows:
+            lines.append(f"| {env} | stopped: {rows['error'][:200]} | | | | |")
+        r = rows.get("rollout")
+        if isinstance(r, dict):
+            lines.append(f"| {env} | rollout ({r['episodes']} episodes; generation {r['generate_s']} s) | "
+                         f"{r['samples']} / {r['tokens']} | {r['rollout_s']} | | "
+                         f"{r.get('rollout_peak_cuda_gib', r.get('rollout_peak_rss_gib'))} |")
+        for m, r in rows.items():
+            if m == "rollout" or not isinstance(r, dict):
+                continue
+            if "skipped" in r:
+                lines.append(f"| {env} | {m} update | skipped ({r['skipped']}) | | | |")
+            else:
+                lines.append(f"| {env} | {m} update | | {r.get('update_s')} | {r.get('sensitivity_s')} | "
+                             f"{r.get('update_peak_cuda_gib', r.get('update_peak_rss_gib'))} |")
+        if "peak_cuda_gib" in rows:
+            lines.append(f"| {env} | peak | | | | {rows['peak_cuda_gib']} ({rows['headroom']:.0%} of the card free) |")
     return lines
 
 
