@@ -11,6 +11,7 @@ from sprpo_lib.agent.engines import (
     GenerationConfig,
     HFEngine,
     HFGenerator,
+    HFGraphEngine,
     bake_weights,
     load_baked,
     make_engine,
@@ -122,6 +123,50 @@ def test_end_of_turn_is_kept_and_matches_hf_generator(tiny_spec):
     assert all(g.text == "ok" and g.response_ids[-1] == pol.tokenizer.eos_token_id for g in got)
 
 
+# ----------------------------------------------------------------------------- HFGraphEngine (fixed-shape decode)
+def test_fixed_shape_decode_matches_hf_generator_with_lora_and_a_perturbation(tiny_spec):
+    """The fixed-shape step (eager here; a CUDA graph's replay on a GPU) gives generate()'s
+    tokens: the room columns are masked, finished rows are decoded but discarded."""
+    pol = load_policy(tiny_spec)
+    ref = HFGenerator(pol, greedy())(PROMPTS)
+    assert same_tokens(ref, HFGraphEngine(pol, greedy(), prefill_tokens=300)(PROMPTS)) == len(PROMPTS)
+    pol = lora_policy(tiny_spec)
+    fc = FFNChannels(pol.model)
+    with fc.set(xi=sample_xi(0.2, fc.shape, seed=3), mask=dropout_mask(0.3, fc.shape, seed=4)):
+        ref = HFGenerator(pol, greedy())(PROMPTS)
+        got = HFGraphEngine(pol, greedy())(PROMPTS)
+        assert same_tokens(ref, got) == len(PROMPTS)
+        assert same_tokens(ref, HFGenerator(lora_policy(tiny_spec), greedy())(PROMPTS)) < len(PROMPTS)  # it mattered
+
+
+def test_fixed_shape_decode_keeps_every_row_and_stops_as_generate_does():
+    pol = load_policy("tiny-llama", seed=2)
+    free = HFGenerator(pol, greedy(stop=NEVER, max_new_tokens=32))(PROMPTS)
+    stop = stop_that_splits([g.text for g in free])
+    cfg = greedy(stop=stop, max_new_tokens=32, batch_size=len(PROMPTS))  # one decode batch
+    ref = HFGenerator(pol, cfg)(PROMPTS)
+    eng = HFGraphEngine(pol, cfg)
+    shapes: list[tuple] = []
+    handle = pol.model.register_forward_pre_hook(
+        lambda m, a, k: shapes.append((tuple(k["input_ids"].shape), tuple(k["attention_mask"].shape))), with_kwargs=True)
+    try:
+        got = eng(PROMPTS)
+    finally:
+        handle.remove()
+    assert same_tokens(ref, got) == len(PROMPTS)
+    assert 0 < sum(g.text.endswith(stop) for g in got) < len(PROMPTS)
+    decode = [sh for sh in shapes if sh[0][1] == 1]
+    assert len(set(decode)) == 1 and decode[0][0][0] == len(PROMPTS)  # one shape: the whole batch, one mask width
+    assert eng.stats["decode_rows"] == len(decode) * len(PROMPTS)
+
+
+def test_fixed_shape_decode_applies_the_repetition_penalty():
+    pol = load_policy("tiny-qwen2")
+    pol.model.generation_config.repetition_penalty = 1.5
+    assert same_tokens(HFGenerator(pol, greedy())(PROMPTS), HFGraphEngine(pol, greedy())(PROMPTS)) == len(PROMPTS)
+    assert isinstance(make_engine("hf-graphs", pol, greedy()), HFGraphEngine)
+
+
 def test_repetition_penalty_of_the_model_is_applied():
     pol = load_policy("tiny-qwen2")
     pol.model.generation_config.repetition_penalty = 1.5
@@ -191,7 +236,7 @@ def test_registry_names_valid_engines():
     pol = load_policy("tiny-qwen2")
     eng = make_engine("hf", pol, greedy())
     assert isinstance(eng, HFEngine) and eng.cfg.temperature == 0
-    with pytest.raises(ValueError, match="unknown generation engine 'nope'; valid names: hf, openvino, vllm"):
+    with pytest.raises(ValueError, match="unknown generation engine 'nope'; valid names: hf, hf-graphs, openvino, vllm"):
         make_engine("nope", pol)
     assert {"hf", "openvino", "vllm"} <= set(ENGINES)
     import importlib.util

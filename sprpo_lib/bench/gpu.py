@@ -1,7 +1,7 @@
 """``sprpo-bench gpu``: the GPU checks of the ``paper`` profile in one command.
 
 1. the CUDA tests (``tests/test_cuda.py``, in a subprocess);
-2. generation throughput of every available engine (hf always, vllm where installed) at
+2. generation throughput of every available engine (hf and hf-graphs always, vllm where installed) at
    the profile's batch against the decode floor: per token step every weight and every live
    sequence's KV cache read once at the measured memory bandwidth;
 3. per environment, one rollout of the profile's 16 tasks x 8 rollouts at the paper's shape
@@ -188,7 +188,7 @@ def bench_gpu(profile: str = "paper", envs: tuple[str, ...] = ("webshop", "alfwo
         try:
             tr = trainer(profile, env, ov)
             if i == 0:
-                engines = tuple(e for e in ("hf", "vllm") if e in ENGINES and (e != "vllm" or _has("vllm")) and
+                engines = tuple(e for e in ("hf", "hf-graphs", "vllm") if e in ENGINES and (e != "vllm" or _has("vllm")) and
                                 (e != "vllm" or dev.type == "cuda"))
                 res["generation"] = generation(tr.policy, engines, batch, new_tokens, res["bandwidth_gbs"])
                 saved()

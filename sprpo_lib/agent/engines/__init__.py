@@ -4,6 +4,9 @@
   (FFN hooks apply) in a lean decode loop: prompts sorted by length, prefilled in
   similar-length groups without padding waste, finished rows dropped from the batch and
   the KV cache, stop strings checked on each new token's text only.
+* ``hf-graphs``: :class:`~sprpo_lib.agent.engines.hf.HFGraphEngine`, the same with a
+  fixed-shape decode step (every row kept, a fixed-size KV cache) replayed from a CUDA graph
+  on a GPU, where eager launches rather than arithmetic set the pace; eager elsewhere.
 * ``openvino``: :class:`~sprpo_lib.agent.engines.openvino.OpenVINOEngine`, the OpenVINO CPU
   engine (GenAI's continuous batching, served from a worker process).
 * ``vllm``: :class:`~sprpo_lib.agent.engines.vllm.VLLMEngine`, vLLM's ``LLM``.
@@ -31,10 +34,10 @@ from sprpo_lib.agent.engines.base import (
     load_baked,
     plain_copy,
 )
-from sprpo_lib.agent.engines.hf import HFEngine, HFGenerator
+from sprpo_lib.agent.engines.hf import HFEngine, HFGenerator, HFGraphEngine
 from sprpo_lib.agent.prompt import AgentConfig
 
-__all__ = ["ENGINES", "Engine", "Generation", "GenerationConfig", "Generator", "HFEngine", "HFGenerator",
+__all__ = ["ENGINES", "Engine", "Generation", "GenerationConfig", "Generator", "HFEngine", "HFGenerator", "HFGraphEngine",
            "bake_weights", "call_seed", "close_engine", "cut_response", "effective_weights", "load_baked",
            "make_engine", "plain_copy", "register_engine"]
 
@@ -43,6 +46,7 @@ EngineFactory = Callable[..., Engine]
 #: name -> "module:attribute" of the engine class (or factory), and what it needs installed.
 ENGINES: dict[str, str | EngineFactory] = {
     "hf": "sprpo_lib.agent.engines.hf:HFEngine",
+    "hf-graphs": "sprpo_lib.agent.engines.hf:HFGraphEngine",
     "openvino": "sprpo_lib.agent.engines.openvino:OpenVINOEngine",
     "vllm": "sprpo_lib.agent.engines.vllm:VLLMEngine",
 }

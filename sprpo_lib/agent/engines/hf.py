@@ -76,6 +76,44 @@ def _room_layer():
     return RoomLayer
 
 
+@functools.cache
+def _static_layer():
+    """The class of :func:`_static_cache`'s layers (transformers imported on first use)."""
+    from transformers.cache_utils import DynamicLayer  # heavy (seconds to import): loaded on first use
+
+    class StaticRoomLayer(DynamicLayer):
+        """A KV cache layer of fixed shape ``[b, h, n + room, d]`` (the room zero-filled): a
+        step writes at the column held in ``self.column`` (a one-element device tensor the
+        decode loop sets, shared by every layer) and attends over the whole buffer under a 4D
+        mask, so every step has the same shapes and addresses (what a CUDA graph replays)."""
+
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int):
+            super().__init__()
+            self.lazy_initialization(keys, values)
+            b, h, n, d = keys.shape
+            self.keys, self.values = keys.new_zeros(b, h, n + room, d), values.new_zeros(b, h, n + room, d)
+            self.keys[:, :, :n], self.values[:, :, :n] = keys, values
+            self.column = torch.full((1,), n, dtype=torch.long, device=keys.device)
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            self.keys.index_copy_(2, self.column, key_states)
+            self.values.index_copy_(2, self.column, value_states)
+            return self.keys, self.values
+
+        def crop(self, tokens_to_remove: int) -> None:
+            raise NotImplementedError("StaticRoomLayer is for HFGraphEngine's decode loop only")
+
+    return StaticRoomLayer
+
+
+def _static_cache(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], room: int):
+    """A fixed-shape cache holding these per-layer keys/values with ``room`` zeroed positions."""
+    from transformers.cache_utils import Cache  # heavy (seconds to import): loaded on first use
+
+    cls = _static_layer()
+    return Cache(layers=[cls(k, v, room) for k, v in kv])
+
+
 def _room_cache(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], room: int):
     """A cache holding these per-layer keys/values with ``room`` free positions each."""
     from transformers.cache_utils import Cache  # heavy (seconds to import): loaded on first use
@@ -205,9 +243,11 @@ class HFEngine:
                 vs.append(nn.functional.pad(v, (0, 0, width - w, 0)))
             att[r : r + len(group), width - w:] = a
             r += len(group)
-        joined = _room_cache([(torch.cat(ks), torch.cat(vs)) for ks, vs in layers], self.cfg.max_new_tokens)
+        joined = self._joined_cache([(torch.cat(ks), torch.cat(vs)) for ks, vs in layers], self.cfg.max_new_tokens)
         next_pos = torch.tensor([len(p) for p in prompts], device=device)
         return torch.cat(logits), joined, att, next_pos
+
+    _joined_cache = staticmethod(_room_cache)  # the decode loop's cache for the prefilled keys/values
 
     def _generate(self, model, prompts: list[list[int]], tails: list[str], gen, penalty: float,
                   eos: set[int]) -> list[list[int]]:
@@ -244,6 +284,89 @@ class HFEngine:
             logits, cache = self._forward(model, nxt[:, None], att, pos[:, None], cache, False)
             pos = pos + 1
         return new
+
+
+class HFGraphEngine(HFEngine):
+    """:class:`HFEngine` with a decode step of fixed shapes, replayed from a CUDA graph on a GPU.
+
+    An eager decode step launches every op of every layer from Python (thousands per step
+    at the paper's shape); on a GPU the launches, not the arithmetic, then set the pace.
+    Here a decode batch keeps all its rows to the end (a finished row's tokens are
+    discarded) and a fixed-size KV cache (:func:`_static_cache`, the prompt plus room for
+    ``max_new_tokens``) is attended under a 4D mask, so each step has the same shapes and
+    buffers: on CUDA it is captured once per decode batch as a CUDA graph and replayed; on
+    a CPU the same step runs eagerly (how it is tested against :class:`HFEngine`).  Greedy
+    decoding agrees with :class:`HFEngine` token for token up to rounding; sampling draws
+    for every row of the batch, so its draws differ.  Trades the compute of finished rows
+    and of the cache's empty columns for fewer launches: for GPUs, not CPUs."""
+
+    _joined_cache = staticmethod(_static_cache)
+
+    def _generate(self, model, prompts: list[list[int]], tails: list[str], gen, penalty: float,
+                  eos: set[int]) -> list[list[int]]:
+        """Decode one batch (rows sorted by decreasing length) with the fixed-shape step."""
+        cfg, pad = self.cfg, self.policy.tokenizer.pad_token_id
+        logits, cache, att, pos = self._prefill(model, prompts)
+        b, width = att.shape
+        mask = torch.zeros(b, 1, 1, width + cfg.max_new_tokens, dtype=torch.bool, device=att.device)
+        mask[:, 0, 0, :width] = att.bool()
+        ids = torch.zeros(b, 1, dtype=torch.long, device=att.device)
+        where = torch.zeros(b, 1, dtype=torch.long, device=att.device)  # each row's next position
+        column = cache.layers[0].column  # the cache column a step writes
+        for layer in cache.layers:
+            layer.column = column
+        step_fn = self._step_fn(model, cache, ids, mask, where)
+        alive = list(range(b))
+        new: list[list[int]] = [[] for _ in prompts]
+        seen = None
+        if penalty != 1.0:
+            seen = torch.tensor([[p[0]] * (width - len(p)) + p for p in prompts], device=att.device)
+        for step in range(cfg.max_new_tokens):
+            nxt = select_tokens(logits, seen, penalty, cfg, gen)
+            tokens = nxt.tolist()
+            keep = accept_tokens([tokens[r] for r in alive], alive, new, tails, self._piece, eos, pad, cfg.stop)
+            if not keep or step + 1 == cfg.max_new_tokens:
+                break
+            alive = [alive[j] for j in keep]
+            if seen is not None:
+                seen = torch.cat([seen, nxt[:, None]], dim=1)
+            ids.copy_(nxt[:, None])
+            where.copy_((pos + step)[:, None])
+            column.fill_(width + step)
+            mask[:, 0, 0, width + step] = True
+            self.stats["decode_rows"] += b
+            logits = step_fn()
+        return new
+
+    def _step_fn(self, model, cache, ids, mask, where):
+        """A function computing one decode step's float32 last logits ``[b, V]`` from the
+        buffers (read at call time): on CUDA a captured graph's replay (captured at the
+        first call, after one eager warm-up step on a side stream), elsewhere the eager step."""
+        def eager():
+            self.stats["forwards"] += 1
+            out = model(input_ids=ids, attention_mask=mask, position_ids=where, past_key_values=cache, use_cache=True)
+            return out.logits[:, -1].float()
+
+        if ids.device.type != "cuda":
+            return eager
+        graph, held = None, {}
+
+        def replay():
+            nonlocal graph
+            if graph is None:
+                side = torch.cuda.Stream(ids.device)
+                side.wait_stream(torch.cuda.current_stream(ids.device))
+                with torch.cuda.stream(side):
+                    eager()  # warm-up: lazy allocations and autotuning stay out of the capture
+                torch.cuda.current_stream(ids.device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    held["logits"] = eager()
+            graph.replay()
+            self.stats["graph_replays"] = self.stats.get("graph_replays", 0) + 1
+            return held["logits"].clone()
+
+        return replay
 
 
 class HFGenerator:
