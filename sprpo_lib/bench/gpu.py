@@ -90,7 +90,7 @@ def generation(policy, engines: tuple[str, ...], batch: int, new_tokens: int, ba
         try:
             gen = make_engine(name, policy, GenerationConfig(temperature=0.0, max_new_tokens=new_tokens, batch_size=batch))
         except Exception as err:  # noqa: BLE001 - one engine's failure is its row; the others still run
-            out[name] = {"error": f"{type(err).__name__}: {str(err)[:500]}"}
+            out[name] = {"error": _error(err)}
             continue
         try:
             gen(prompts[:2])  # warm-up: compilation, allocator
@@ -100,7 +100,7 @@ def generation(policy, engines: tuple[str, ...], batch: int, new_tokens: int, ba
             sync_device(policy.device)
             wall = time.perf_counter() - t0
         except Exception as err:  # noqa: BLE001 - as above
-            out[name] = {"error": f"{type(err).__name__}: {str(err)[:500]}"}
+            out[name] = {"error": _error(err)}
             continue
         finally:
             close_engine(gen)
@@ -194,7 +194,7 @@ def bench_gpu(profile: str = "paper", envs: tuple[str, ...] = ("webshop", "alfwo
                 saved()
             iterations(tr, methods, rows, saved, deadline)
         except Exception as err:  # noqa: BLE001 - an out-of-memory is a result: record it, run the other stages
-            rows["error"] = f"{type(err).__name__}: {str(err)[:500]}"
+            rows["error"] = _error(err)
         finally:
             if tr is not None:
                 tr.envs.close()
@@ -208,6 +208,11 @@ def bench_gpu(profile: str = "paper", envs: tuple[str, ...] = ("webshop", "alfwo
         saved()
     res["seconds"] = round(time.perf_counter() - t0, 1)
     return res
+
+
+def _error(err: Exception) -> str:
+    """A failed stage's entry in the record: the exception's type and the start of its message."""
+    return f"{type(err).__name__}: {str(err)[:500]}"
 
 
 def _release(dev: torch.device) -> None:

@@ -87,13 +87,13 @@ def _static_layer():
         decode loop sets, shared by every layer) and attends over the whole buffer under a 4D
         mask, so every step has the same shapes and addresses (what a CUDA graph replays)."""
 
-        def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int):
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int, column: torch.Tensor):
             super().__init__()
             self.lazy_initialization(keys, values)
             b, h, n, d = keys.shape
             self.keys, self.values = keys.new_zeros(b, h, n + room, d), values.new_zeros(b, h, n + room, d)
             self.keys[:, :, :n], self.values[:, :, :n] = keys, values
-            self.column = torch.full((1,), n, dtype=torch.long, device=keys.device)
+            self.column = column
 
         def update(self, key_states, value_states, *args, **kwargs):
             self.keys.index_copy_(2, self.column, key_states)
@@ -107,11 +107,13 @@ def _static_layer():
 
 
 def _static_cache(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], room: int):
-    """A fixed-shape cache holding these per-layer keys/values with ``room`` zeroed positions."""
+    """A fixed-shape cache holding these per-layer keys/values with ``room`` zeroed positions;
+    its layers share one ``column`` tensor (the next write's position, first the prompt width)."""
     from transformers.cache_utils import Cache  # heavy (seconds to import): loaded on first use
 
     cls = _static_layer()
-    return Cache(layers=[cls(k, v, room) for k, v in kv])
+    column = torch.full((1,), kv[0][0].shape[2], dtype=torch.long, device=kv[0][0].device)
+    return Cache(layers=[cls(k, v, room, column) for k, v in kv])
 
 
 def _room_cache(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], room: int):
@@ -312,9 +314,7 @@ class HFGraphEngine(HFEngine):
         mask[:, 0, 0, :width] = att.bool()
         ids = torch.zeros(b, 1, dtype=torch.long, device=att.device)
         where = torch.zeros(b, 1, dtype=torch.long, device=att.device)  # each row's next position
-        column = cache.layers[0].column  # the cache column a step writes
-        for layer in cache.layers:
-            layer.column = column
+        column = cache.layers[0].column  # the cache column a step writes, shared by every layer
         step_fn = self._step_fn(model, cache, ids, mask, where)
         alive = list(range(b))
         new: list[list[int]] = [[] for _ in prompts]
