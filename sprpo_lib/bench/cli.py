@@ -4,6 +4,7 @@
     sprpo-bench envs
     sprpo-bench train [--profile cpu] [--env webshop] [key=value ...]
     sprpo-bench attention [--profile cpu] [--env webshop]   # the replay's attention calls per SDPA backend
+    sprpo-bench estimates [--env webshop] [--iterations 6] [--parts 4]   # a 1/parts replay against line 7's, over a run
     sprpo-bench machine [--model smollm2-135m]
     sprpo-bench generate [--model smollm2-135m] [--prompts 16] [--engines hf_generator,hf,openvino]
     sprpo-bench eval [--engines hf:float32,hf:bfloat16,openvino,openvino:auto:prefix_caching=false] [--episodes 64]
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 
 from sprpo_lib.bench.attention import bench_attention
+from sprpo_lib.bench.estimates import bench_estimates
 from sprpo_lib.bench.gpu import METHODS, bench_gpu
 from sprpo_lib.bench.report import report
 from sprpo_lib.bench.runs import bench_runs
@@ -98,6 +100,13 @@ def main(argv: list[str] | None = None) -> int:
     at.add_argument("--env", default="webshop")
     at.add_argument("--repeats", type=int, default=3, help="timed calls per shape and backend (median)")
     at.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. update.micro_batch=16")
+    es = sub.add_parser("estimates", help="SPrPO iterations whose S_hat replay runs in parts: each part (a "
+                        "method.replay_frac = 1/parts replay) against the full replay, per batch and through the EMAs")
+    es.add_argument("--profile", default="cpu")
+    es.add_argument("--env", default="webshop")
+    es.add_argument("--iterations", type=int, default=6)
+    es.add_argument("--parts", type=int, default=4, help="disjoint parts of the rows (each a 1/parts replay)")
+    es.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. seed=1")
     m = sub.add_parser("machine", help="matmul GFLOP/s per dtype at a model's shapes, bandwidth, prefill floor")
     m.add_argument("--model", default="smollm2-135m", help="shapes from this model's config (weights not loaded)")
     m.add_argument("--context", type=int, default=500, help="prompt length for the FLOPs per token")
@@ -166,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--before", required=True, help="runs folder of the reference side, e.g. runs/cpu/levers_off")
     w.add_argument("--after", required=True, help="runs folder of the other side, e.g. runs/cpu/train")
-    for sp in (p, e, t, at, m, g, u, v, q, c, x, w):
+    for sp in (p, e, t, at, es, m, g, u, v, q, c, x, w):
         sp.add_argument("--threads", type=int, default=2, help="torch threads (set explicitly: 2 cores here)")
         sp.add_argument("--out", type=Path, help="JSON path (default runs/bench/<what>.json)")
     r = sub.add_parser("report", help="runs/bench/*.json as figures/bench_<machine>.md and the README's bench block")
@@ -212,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
                         budget_s=args.budget_s)
     elif args.what == "runs":
         res = bench_runs(args.profile, args.env, tuple(args.methods.split(",")), args.seed, args.before, args.after)
+    elif args.what == "estimates":
+        res = bench_estimates(args.profile, args.env, args.iterations, args.parts, args.overrides,
+                              save=lambda r: atomic_write_json(out, record(r, partial=True)))
     elif args.what == "attention":
         res = bench_attention(args.profile, args.env, args.repeats, args.overrides)
     elif args.what == "envs":

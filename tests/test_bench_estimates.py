@@ -1,0 +1,124 @@
+"""``sprpo-bench estimates`` against independent references: the parts of line 7's replay sum to
+the whole replay's gradients (float32, one backward over the whole batch); on rows that are copies
+of one row every part and every half is the replay exactly; a shadow method fed what the run
+records agrees with it exactly; and the bench runs end to end on the smoke profile."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+import sprpo_lib.bench.estimates as E
+from sprpo_lib.bench.cli import main
+from sprpo_lib.bench.estimates import batch_agreement, bench_estimates, combine, ema_agreement, part_gradients
+from sprpo_lib.bench.report import section
+from sprpo_lib.core.actor import SURROGATE
+from sprpo_lib.core.batch import Batch, build_batch
+from sprpo_lib.core.methods import MethodConfig, grad_leaf, make_method
+from sprpo_lib.train.trainer import Trainer, load_config
+
+
+def _signal(eps):
+    """A random tiny model earns no reward: give the batch's episodes different scores."""
+    for i, e in enumerate(eps):
+        e.steps[-1].env_reward += float(i % 3)
+    return eps
+
+
+def _trainer_batch(tmp_path):
+    tr = Trainer(load_config("smoke", ["method.name=sprpo"]), tmp_path / "t", progress=False)
+    eps, xi, _ = tr.collect(0)
+    batch, _ = build_batch(_signal(eps), tr.cfg.update.adv, "gigpo")
+    tr.actor.ppo_update(batch, xi)  # theta_{k+1}, old log-probs of theta_k kept on the samples
+    return tr, batch, xi
+
+
+def test_parts_sum_to_the_whole_replay(tmp_path):
+    tr, batch, xi = _trainer_batch(tmp_path)
+    a = tr.actor
+    assert a.dtype == torch.float32
+    nonzero = [i for i, s in enumerate(batch.samples) if s.adv != 0.0]
+    assert len(nonzero) >= 3
+    leaf = grad_leaf(xi, a)
+    a.zero_grad()
+    a.backward(batch, leaf, terms=SURROGATE)  # the replay as SPrPO.update runs it: the whole batch at once
+    ref_xi = leaf.grad.detach().double().clone()
+    ref_th = torch.cat([p.grad.detach().flatten().double() for p in a.params])
+    a.zero_grad()
+    parts = [nonzero[0::3], nonzero[1::3], nonzero[2::3]]
+    grads = part_gradients(a, batch, xi, parts)
+    assert [g["tokens"] for g in grads] == [sum(batch.samples[i].n_resp for i in p) for p in parts]
+    g_xi, g_th = combine(grads, batch.n_tokens)
+    assert float(ref_xi.abs().sum()) > 0 and float(ref_th.abs().sum()) > 0
+    # float32 sums in another order: the relative L2 error of the vectors (not of their tiny entries)
+    assert float((g_xi - ref_xi).norm() / ref_xi.norm()) < 1e-5
+    assert float((g_th - ref_th).norm() / ref_th.norm()) < 1e-5
+    # one part alone is not the replay (distinct rows): the estimate carries sampling noise
+    assert not torch.allclose(grads[0]["xi"], ref_xi, rtol=1e-2)
+
+
+def test_copies_of_one_row_make_every_part_the_replay(tmp_path):
+    """Every part of rows that are copies of one row has the whole batch's per-token gradient, so its
+    ratio estimate (factor T_A / T) is the replay's S_hat and m_hat, and the halves agree exactly."""
+    tr, batch, xi = _trainer_batch(tmp_path)
+    row = next(s for s in batch.samples if s.adv != 0.0)
+    zero = [dataclasses.replace(s, adv=0.0) for s in batch.samples if s is not row][:3]
+    dup = Batch([dataclasses.replace(row) for _ in range(4)] + zero)
+    grads = part_gradients(tr.actor, dup, xi, [[0], [1], [2], [3]])
+    c = 4 * row.n_resp / dup.n_tokens
+    full_xi, full_th = combine(grads, dup.n_tokens)
+    full = (full_xi.pow(2), float(full_th.pow(2).sum()))
+    got = batch_agreement(grads, full, c, MethodConfig(name="sprpo"))
+    assert got["part_vs_replay"]["S_spearman"] == pytest.approx(1.0, abs=1e-3)
+    assert got["part_vs_replay"]["S_rel_l2"] < 1e-4 and got["part_vs_replay"]["m_hat_rel_diff"] < 1e-4
+    assert got["half_vs_half"]["S_rel_l2"] < 1e-4 and got["half_vs_half"]["sigma_rel_l2"] < 1e-4
+
+
+def test_ema_agreement_is_exact_for_the_same_measurements_and_moves_otherwise():
+    shape = (3, 8)
+    cfg = MethodConfig(name="sprpo")
+    run, same, other = (make_method(cfg, shape, 0) for _ in range(3))
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        d = torch.randn(shape, generator=g, dtype=torch.float64)
+        run.record(d, 2.0)
+        same.record(d.clone(), 2.0)
+        other.record(torch.randn(shape, generator=g, dtype=torch.float64), 2.0)
+    exact = ema_agreement(run, same)
+    assert exact["S_bar_spearman"] == 1.0 and exact["S_bar_rel_l2"] == 0.0 and exact["sigma_rel_l2"] == 0.0
+    moved = ema_agreement(run, other)
+    assert moved["S_bar_spearman"] < 0.9 and moved["sigma_rel_l2"] > 0.01
+
+
+def test_bench_estimates_runs_a_real_sprpo_run_and_saves_each_iteration(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPRPO_HOME", str(tmp_path))
+    real = E.build_batch
+    monkeypatch.setattr(E, "build_batch", lambda eps, *a, **kw: real(_signal(eps), *a, **kw))
+    saved = []
+    res = bench_estimates("smoke", "alfworld", iterations=2, parts=2, save=lambda r: saved.append(json.dumps(r)))
+    assert len(res["iterations"]) == 2 and len(saved) == 2
+    first, second = res["iterations"]
+    assert first["replay_vs_previous_spearman"] is None and second["replay_vs_previous_spearman"] is not None
+    for row in res["iterations"]:
+        assert row["rows_nonzero_adv"] >= 2 and row["replay_s"] > 0
+        assert -1 <= row["part_vs_replay"]["S_spearman"] <= 1 and row["half_vs_half"]["S_rel_l2"] > 0
+    assert res["summary"]["measured"] == 2 and res["summary"]["ema_last"] == second["ema"]
+    with pytest.raises(ValueError, match="--parts"):
+        bench_estimates("smoke", "alfworld", iterations=1, parts=1)
+
+
+def test_cli_writes_the_record(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPRPO_HOME", str(tmp_path))
+    real = E.build_batch
+    monkeypatch.setattr(E, "build_batch", lambda eps, *a, **kw: real(_signal(eps), *a, **kw))
+    out = tmp_path / "est.json"
+    assert main(["estimates", "--profile", "smoke", "--env", "alfworld", "--iterations", "1", "--parts", "2",
+                 "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["bench"] == "estimates" and "partial" not in rec and rec["results"]["summary"]["measured"] == 1
+    text = section(rec, out)  # the report's table: one row per iteration, then the means
+    row = rec["results"]["iterations"][0]
+    assert f"| 0 | {row['rows_nonzero_adv']} | {row['replay_s']} | {row['part_vs_replay']['S_spearman']} |" in text
+    assert "Means over 1 batches" in text
