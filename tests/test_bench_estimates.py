@@ -4,6 +4,7 @@ of one row every part and every half is the replay exactly; a shadow method fed 
 records agrees with it exactly; and the bench runs end to end on the smoke profile."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 
@@ -12,12 +13,22 @@ import torch
 
 import sprpo_lib.bench.estimates as E
 from sprpo_lib.bench.cli import main
-from sprpo_lib.bench.estimates import batch_agreement, bench_estimates, combine, ema_agreement, part_gradients
+from sprpo_lib.bench.estimates import (
+    batch_agreement,
+    bench_estimates,
+    combine,
+    ema_agreement,
+    part_gradients,
+    record_parts,
+    split_rows,
+)
 from sprpo_lib.bench.report import section
+from sprpo_lib.bench.suite import rel_l2
 from sprpo_lib.core.actor import SURROGATE
 from sprpo_lib.core.batch import Batch, build_batch
 from sprpo_lib.core.methods import MethodConfig, grad_leaf, make_method
-from sprpo_lib.train.trainer import Trainer, load_config
+from sprpo_lib.train.config import load_config
+from sprpo_lib.train.trainer import Trainer
 
 
 def _signal(eps):
@@ -55,8 +66,37 @@ def test_parts_sum_to_the_whole_replay(tmp_path):
     # float32 sums in another order: the relative L2 error of the vectors (not of their tiny entries)
     assert float((g_xi - ref_xi).norm() / ref_xi.norm()) < 1e-5
     assert float((g_th - ref_th).norm() / ref_th.norm()) < 1e-5
-    # one part alone is not the replay (distinct rows): the estimate carries sampling noise
-    assert not torch.allclose(grads[0]["xi"], ref_xi, rtol=1e-2)
+
+
+def test_the_bench_records_what_sprpo_update_records_under_replay_frac_1_and_1_over_parts(tmp_path):
+    """The run's method gets line 7's full replay and the shadow the ``replay_frac = 1/parts`` replay
+    (same rows, same factor), each checked against ``SPrPO.update`` itself from the same state."""
+    tr, batch, xi = _trainer_batch(tmp_path)  # after one update: restore to a snapshot taken here
+    snap = ([p.detach().clone() for p in tr.actor.params], copy.deepcopy(tr.actor.opt.state_dict()))
+
+    def restore():
+        with torch.no_grad():
+            for p, v in zip(tr.actor.params, snap[0]):
+                p.copy_(v)
+        tr.actor.opt.load_state_dict(copy.deepcopy(snap[1]))
+
+    ref = {}
+    for frac in (1.0, 0.5):
+        restore()
+        m = make_method(MethodConfig(name="sprpo", replay_frac=frac), tr.shape)
+        m.update(tr.actor, batch.without_old(), 1, xi)
+        ref[frac] = (m.S_hat.clone(), m.m_hat)
+    restore()
+    fresh = batch.without_old()
+    tr.actor.ppo_update(fresh, xi)
+    split, c = split_rows(fresh, 2, 0, 1)
+    nonzero = [i for i, s in enumerate(fresh.samples) if s.adv != 0.0]
+    assert sorted(i for p in split for i in p) == nonzero and len(split) == 2  # disjoint, every row once
+    run, shadow = (make_method(MethodConfig(name="sprpo"), tr.shape) for _ in range(2))
+    record_parts(run, shadow, part_gradients(tr.actor, fresh, xi, split), c, fresh.n_tokens)
+    for got, (S, m) in ((run, ref[1.0]), (shadow, ref[0.5])):
+        assert rel_l2(got.S_hat, S) < 1e-4 and got.m_hat == pytest.approx(m, rel=1e-4)
+    assert rel_l2(shadow.S_hat, run.S_hat) > 1e-3  # half of distinct rows is an estimate, not the replay
 
 
 def test_copies_of_one_row_make_every_part_the_replay(tmp_path):
@@ -102,11 +142,12 @@ def test_bench_estimates_runs_a_real_sprpo_run_and_saves_each_iteration(tmp_path
     first, second = res["iterations"]
     assert first["replay_vs_previous_spearman"] is None and second["replay_vs_previous_spearman"] is not None
     for row in res["iterations"]:
-        assert row["rows_nonzero_adv"] >= 2 and row["replay_s"] > 0
+        assert row["rows_nonzero_adv"] >= 2 and row["parts"] == 2 and row["replay_parts_s"] >= row["part0_s"] >= 0
         assert -1 <= row["part_vs_replay"]["S_spearman"] <= 1 and row["half_vs_half"]["S_rel_l2"] > 0
     assert res["summary"]["measured"] == 2 and res["summary"]["ema_last"] == second["ema"]
-    with pytest.raises(ValueError, match="--parts"):
-        bench_estimates("smoke", "alfworld", iterations=1, parts=1)
+    for bad in (1, 3):
+        with pytest.raises(ValueError, match="--parts"):
+            bench_estimates("smoke", "alfworld", iterations=1, parts=bad)
 
 
 def test_cli_writes_the_record(tmp_path, monkeypatch):
@@ -120,5 +161,6 @@ def test_cli_writes_the_record(tmp_path, monkeypatch):
     assert rec["bench"] == "estimates" and "partial" not in rec and rec["results"]["summary"]["measured"] == 1
     text = section(rec, out)  # the report's table: one row per iteration, then the means
     row = rec["results"]["iterations"][0]
-    assert f"| 0 | {row['rows_nonzero_adv']} | {row['replay_s']} | {row['part_vs_replay']['S_spearman']} |" in text
+    assert (f"| 0 | {row['rows_nonzero_adv']} | {row['replay_parts_s']} ({row['part0_s']}) | "
+            f"{row['part_vs_replay']['S_spearman']} |") in text
     assert "Means over 1 batches" in text

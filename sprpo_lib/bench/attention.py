@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from sprpo_lib.bench.suite import prefill_rate, rollout_batch
+from sprpo_lib.bench.suite import prefill_rate, rel_l2, rollout_batch
 from sprpo_lib.core.actor import SURROGATE
 from sprpo_lib.core.batch import Batch
 from sprpo_lib.core.methods import grad_leaf
@@ -131,10 +131,6 @@ def _g(x: float) -> float:
     return float(f"{x:.5g}")
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
-
-
 def time_signatures(counts: Counter, masks: dict, gflops: float, repeats: int = 3,
                     backends: tuple[str, ...] = BACKENDS, progress: bool = True) -> dict:
     """Every recorded signature timed per backend, totals over the calls the pass made against
@@ -156,7 +152,7 @@ def time_signatures(counts: Counter, masks: dict, gflops: float, repeats: int = 
         ref = got[backends[0]]
         for b in backends[1:]:
             pairs = [(got[b]["out"], ref["out"])] + list(zip(got[b]["grads"] or (), ref["grads"] or ()))
-            diff[b] = max(diff[b], *(_rel(x, y) for x, y in pairs))
+            diff[b] = max(diff[b], *(rel_l2(x, y) for x, y in pairs))
         secs = {b: got[b]["forward_s"] + got[b]["backward_s"] for b in backends}
         best = min(secs, key=secs.get)
         wins[best] += 1

@@ -2,32 +2,48 @@
 the noise the full replay (Alg. 1 line 7) gives, over the batches of a real run?
 
 ``bench train`` compares one batch's S_hat, but sigma is drawn from S-bar, an EMA of S_hat over
-iterations (``MethodConfig.scale="energy"``), and one batch's S_hat is mostly batch noise: in the
-committed ``cpu`` runs consecutive replays rank the channels with Spearman 0.20-0.30.  So this
+iterations (``MethodConfig.scale="energy"``), and one batch's S_hat moves a lot between batches: in
+the committed ``cpu`` runs consecutive replays rank the channels with Spearman 0.20-0.30.  So this
 bench runs ``iterations`` of SPrPO (rollout under its own sigma, line 6's PPO update, line 7 at
-theta_{k+1} under xi_k) and runs line 7's replay as ``parts`` disjoint random parts of the rows
-with a non-zero advantage.  Their token-weighted sum is the replay's gradient (the same sum in
-another order), which advances the run's method: the run is an SPrPO run.  Each part alone is a
-``replay_frac = 1/parts`` estimate (:func:`sprpo_lib.core.methods.replay_rows`' ratio estimate).
+theta_{k+1} under xi_k) and runs line 7's replay as ``parts`` disjoint parts of the rows with a
+non-zero advantage: the first is the subset ``replay_frac = 1/parts`` replays
+(:func:`sprpo_lib.core.methods.replay_rows`, same rows, same factor), the rest split at random.
+Their token-weighted sum is the replay's gradient (the same sum in another order), which the run's
+method records: the run is an SPrPO run.  A shadow SPrPO records the first part's ratio estimate:
+what a ``replay_frac = 1/parts`` run records on these batches.
 
-Per batch: every part against the replay, one half of the rows against the other, and the replay
-against the previous iteration's (how much S_hat moves between batches).  Through the EMAs: a
-shadow SPrPO fed the first part each iteration (what a run with ``replay_frac = 1/parts`` records
-on these batches) against the run's own method: S-bar's rank correlation and the relative L2 of
-the sigma each would draw next."""
+Per batch: each part's ratio estimate against the replay, one half of the parts against the other,
+and the replay against the previous iteration's (another batch, theta and xi: how much S_hat moves
+in a run).  Through the EMAs: the shadow's S-bar and next sigma against the run's, beside the run's
+own sigma step."""
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable, Sequence
 
 import torch
 
-from sprpo_lib.bench.suite import estimate_agreement
+from sprpo_lib.bench.suite import estimate_agreement, rel_l2
 from sprpo_lib.core.actor import SURROGATE, Actor
 from sprpo_lib.core.batch import Batch, build_batch
-from sprpo_lib.core.methods import Method, grad_leaf, make_method, rank_correlation
+from sprpo_lib.core.methods import Method, grad_leaf, make_method, rank_correlation, replay_rows
 from sprpo_lib.train.config import load_config
 from sprpo_lib.train.trainer import Trainer, run_folder
+
+
+def split_rows(batch: Batch, parts: int, seed: int, k: int) -> tuple[list[list[int]], float]:
+    """``(parts, c)``: indices into ``batch.samples`` of the rows with a non-zero advantage in up to
+    ``parts`` disjoint parts, the first the subset ``replay_rows(batch, 1/parts, seed, k)`` replays,
+    the others the remaining rows split at random (a stream of their own); ``c`` is that subset's
+    ratio-estimate factor (T_A / T)."""
+    sub, c = replay_rows(batch, 1 / parts, seed, k)
+    pos = {id(s): i for i, s in enumerate(batch.samples)}
+    first = [pos[id(s)] for s in sub.samples]
+    rest = [i for i, s in enumerate(batch.samples) if s.adv != 0.0 and i not in set(first)]
+    random.Random(f"estimates/{seed}/{k}").shuffle(rest)
+    others = [sorted(rest[j::parts - 1]) for j in range(parts - 1)]
+    return [p for p in [first, *others] if p], c
 
 
 def part_gradients(actor: Actor, batch: Batch, xi: torch.Tensor, parts: Sequence[Sequence[int]]) -> list[dict]:
@@ -59,53 +75,65 @@ def combine(grads: Sequence[dict], total_tokens: int) -> tuple[torch.Tensor, tor
     return sum(wi * g["xi"] for wi, g in zip(w, grads)), sum(wi * g["theta"] for wi, g in zip(w, grads))
 
 
+def record_parts(run: Method, shadow: Method, grads: list[dict], c: float, total_tokens: int) -> None:
+    """Line 7's ``record`` for both methods: the run gets the replay (the parts' token-weighted
+    sum), the shadow the first part's ratio estimate (``c`` times its gradient), as
+    ``SPrPO.update`` passes them under ``replay_frac`` 1 and ``1/parts``."""
+    g_xi, g_th = combine(grads, total_tokens)
+    run.record(g_xi, float(g_th.pow(2).sum()))
+    shadow.record(c * grads[0]["xi"], c * c * float(grads[0]["theta"].pow(2).sum()))
+
+
 def _stat(g_xi: torch.Tensor, g_th: torch.Tensor, c: float = 1.0) -> tuple[torch.Tensor, float]:
-    """``(S_hat, m_hat)`` of a gradient, scaled by the ratio-estimate factor ``c``."""
+    """``(S_hat, m_hat)`` of a gradient scaled by the ratio-estimate factor ``c``."""
     return (c * g_xi).pow(2), float((c * g_th).pow(2).sum())
 
 
 def _mean(rows: list[dict]) -> dict:
-    return {k: round(sum(r[k] for r in rows) / len(rows), 4) for k in rows[0]} if rows else {}
+    """Field by field mean of dicts of numbers (unrounded)."""
+    return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]} if rows else {}
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Relative L2 of ``b`` against ``a``."""
-    return float((b.double() - a.double()).norm() / a.double().norm().clamp_min(1e-30))
+def _rounded(d: dict) -> dict:
+    return {k: round(v, 4) for k, v in d.items()}
 
 
 def ema_agreement(run: Method, shadow: Method) -> dict:
     """The shadow method's S-bar and next sigma against the run's (what the next rollout draws)."""
-    s_run, s_sh = run.sigma(), shadow.sigma()
     return {"S_bar_spearman": round(rank_correlation(run.S_bar, shadow.S_bar), 4),
-            "S_bar_rel_l2": round(_rel(run.S_bar, shadow.S_bar), 4),
-            "sigma_rel_l2": round(_rel(s_run, s_sh), 4),
+            "S_bar_rel_l2": round(rel_l2(shadow.S_bar, run.S_bar), 4),
+            "sigma_rel_l2": round(rel_l2(shadow.sigma(), run.sigma()), 4),
             "s_k_run": round(run.last.get("s_k", 1.0), 4), "s_k_shadow": round(shadow.last.get("s_k", 1.0), 4)}
 
 
 def batch_agreement(grads: list[dict], full: tuple[torch.Tensor, float], c: float, mcfg) -> dict:
-    """One batch: each part's ratio estimate against the replay (mean over parts), and the first
-    half of the parts against the second half (each a ratio estimate of half the rows)."""
+    """One batch: each part's ratio estimate against the replay (mean over the parts), and the
+    first half of the parts against the second (each a ratio estimate of about half the rows; an
+    even number of parts)."""
     parts = [estimate_agreement(full, _stat(g["xi"], g["theta"], c), mcfg) for g in grads]
     half = len(grads) // 2
     halves = [_stat(*combine(gs, sum(g["tokens"] for g in gs)), c) for gs in (grads[:half], grads[half:])]
-    return {"part_vs_replay": _mean(parts), "half_vs_half": estimate_agreement(halves[0], halves[1], mcfg)}
+    return {"part_vs_replay": _rounded(_mean(parts)), "half_vs_half": estimate_agreement(halves[0], halves[1], mcfg)}
 
 
 def bench_estimates(profile: str = "cpu", env: str = "webshop", iterations: int = 6, parts: int = 4,
                     overrides: Sequence[str] | None = None, save: Callable[[dict], None] | None = None) -> dict:
     """``iterations`` SPrPO iterations whose line 7 runs as ``parts`` disjoint parts (module doc);
-    per iteration its timings, the per-batch agreements and the EMA agreement; ``summary``: their
-    means over the iterations measured, the last iteration's EMA agreement.  ``save(result)`` is
-    called after each iteration (a killed run keeps what it measured)."""
-    if parts < 2:
-        raise ValueError(f"bench estimates --parts: expected at least 2 (each part is a 1/parts replay), got {parts}")
+    per iteration its seconds (``replay_parts_s``: the parts' backwards together, ``part0_s``: the
+    first part's, what a ``1/parts`` replay costs), the per-batch agreements and the EMA agreement;
+    ``summary``: means over the iterations measured and the last EMA agreement.  ``save(result)``
+    runs after each iteration (a killed run keeps what it measured)."""
+    if parts < 2 or parts % 2:
+        raise ValueError(f"bench estimates --parts: expected an even number >= 2 (each part is a 1/parts replay; "
+                         f"halves of the parts are compared), got {parts}")
     if iterations < 1:
         raise ValueError(f"bench estimates --iterations: expected at least 1, got {iterations}")
     cfg = load_config(profile, list(overrides or []) + [f"env.name={env}", "method.name=sprpo",
                                                         "method.sensitivity=replay", "method.replay_frac=1.0"])
-    if cfg.update.loss.loss_agg_mode != "token-mean":
-        raise ValueError("bench estimates: the ratio estimate needs update.loss.loss_agg_mode=token-mean, "
-                         f"got {cfg.update.loss.loss_agg_mode!r}")
+    if cfg.update.loss.loss_agg_mode != "token-mean" or cfg.method.scale != "energy":
+        raise ValueError("bench estimates: needs update.loss.loss_agg_mode=token-mean (the ratio estimate) and "
+                         f"method.scale=energy (sigma from S-bar), got {cfg.update.loss.loss_agg_mode!r} and "
+                         f"{cfg.method.scale!r}")
     tr = Trainer(cfg, run_folder(cfg), progress=True)
     run, shadow = tr.method, make_method(cfg.method, tr.shape, cfg.seed)
     res: dict = {"profile": profile, "env": env, "overrides": list(overrides or []), "dtype": tr.dtype,
@@ -116,35 +144,34 @@ def bench_estimates(profile: str = "cpu", env: str = "webshop", iterations: int 
             t0 = time.perf_counter()
             eps, xi, rst = tr.collect(k)
             batch, _ = build_batch(eps, cfg.update.adv, cfg.update.estimator)
-            nonzero = [i for i, s in enumerate(batch.samples) if s.adv != 0.0]
-            row = {"k": k, "rows": len(batch.samples), "rows_nonzero_adv": len(nonzero), "tokens": batch.n_tokens,
+            n = sum(1 for s in batch.samples if s.adv != 0.0)
+            row = {"k": k, "rows": len(batch.samples), "rows_nonzero_adv": n, "tokens": batch.n_tokens,
                    "success": round(sum(e.success for e in eps) / max(1, len(eps)), 4),
                    "rollout_s": round(rst["rollout_s"], 2)}
             t1 = time.perf_counter()
-            tr.actor.ppo_update(batch, xi)  # Alg. 1 line 6: theta_{k+1}
-            row["update_s"] = round(time.perf_counter() - t1, 2)
-            if not nonzero:  # no signal: line 7 measures zeros, which the method skips (MethodConfig.scale)
-                res["iterations"].append({**row, "skipped": "no row with A != 0"})
+            if not n:  # no signal: the method's own update, whose replay measures zeros (the energy rule skips them)
+                tr.update(batch, xi, k)
+                res["iterations"].append({**row, "update_s": round(time.perf_counter() - t1, 2),
+                                          "skipped": "no row with A != 0"})
                 continue
-            n_parts = min(parts, len(nonzero))
-            perm = torch.randperm(len(nonzero), generator=torch.Generator().manual_seed(cfg.seed * 7919 + k))
-            split = [sorted(nonzero[i] for i in perm[j::n_parts].tolist()) for j in range(n_parts)]
+            tr.actor.ppo_update(batch, xi)  # line 6: theta_{k+1}
+            row["update_s"] = round(time.perf_counter() - t1, 2)
+            split, c = split_rows(batch, parts, cfg.seed, k)
             grads = part_gradients(tr.actor, batch, xi, split)  # line 7, in parts
-            row["replay_s"] = round(sum(g["seconds"] for g in grads), 2)
-            c = sum(batch.samples[i].n_resp for i in nonzero) / max(1, batch.n_tokens)  # replay_rows' factor
-            full = _stat(*combine(grads, batch.n_tokens))
+            row.update(parts=len(split), part0_rows=len(split[0]), replay_parts_s=round(sum(g["seconds"] for g in grads), 2),
+                       part0_s=round(grads[0]["seconds"], 2))
             sigma_before = run.sigma()
-            run.record(full[0], full[1])  # the run advances as under the full replay
-            shadow.record(*_stat(grads[0]["xi"], grads[0]["theta"], c))  # ... and the shadow as under replay_frac
-            if n_parts >= 2:
+            record_parts(run, shadow, grads, c, batch.n_tokens)
+            full = (run.S_hat, run.m_hat)
+            if len(split) == parts:  # enough rows for every part
                 row.update(batch_agreement(grads, full, c, cfg.method))
             row["replay_vs_previous_spearman"] = (round(rank_correlation(previous, full[0]), 4)
                                                   if previous is not None else None)
             previous = full[0]
-            row["ema"] = {**ema_agreement(run, shadow), "sigma_step_rel_l2": round(_rel(sigma_before, run.sigma()), 4)}
+            row["ema"] = {**ema_agreement(run, shadow), "sigma_step_rel_l2": round(rel_l2(run.sigma(), sigma_before), 4)}
             row["iteration_s"] = round(time.perf_counter() - t0, 2)
             res["iterations"].append(row)
-            print(f"[estimates] {env} k={k}: {row['rows_nonzero_adv']} rows, replay {row['replay_s']} s; part vs replay "
+            print(f"[estimates] {env} k={k}: {n} rows, replay in parts {row['replay_parts_s']} s; part vs replay "
                   f"Spearman {row.get('part_vs_replay', {}).get('S_spearman')}, half vs half "
                   f"{row.get('half_vs_half', {}).get('S_spearman')}, replay vs previous "
                   f"{row['replay_vs_previous_spearman']}; EMA: S-bar Spearman {row['ema']['S_bar_spearman']}, sigma "
@@ -159,22 +186,26 @@ def bench_estimates(profile: str = "cpu", env: str = "webshop", iterations: int 
 
 
 def summarize(rows: list[dict]) -> dict:
-    """Means over the measured iterations of the per-batch agreements, the last EMA agreement, and
-    the share of line 7's seconds a ``1/parts`` replay would take (its mean part)."""
+    """Means over the measured iterations: the per-batch agreements, the EMA's sigma difference and
+    the run's own sigma step, and the seconds; the last iteration's EMA agreement."""
     done = [r for r in rows if "ema" in r]
     if not done:
         return {"measured": 0}
     prev = [r["replay_vs_previous_spearman"] for r in done if r["replay_vs_previous_spearman"] is not None]
+
+    def avg(key: str, sub: str | None = None) -> float:
+        vals = [r[key] if sub is None else r[key][sub] for r in done]
+        return round(sum(vals) / len(vals), 4)
+
     return {"measured": len(done),
-            "part_vs_replay": _mean([r["part_vs_replay"] for r in done if "part_vs_replay" in r]),
-            "half_vs_half": _mean([r["half_vs_half"] for r in done if "half_vs_half" in r]),
+            "part_vs_replay": _rounded(_mean([r["part_vs_replay"] for r in done if "part_vs_replay" in r])),
+            "half_vs_half": _rounded(_mean([r["half_vs_half"] for r in done if "half_vs_half" in r])),
             "replay_vs_previous_spearman": round(sum(prev) / len(prev), 4) if prev else None,
-            "ema_last": done[-1]["ema"],
-            "ema_sigma_rel_l2_mean": round(sum(r["ema"]["sigma_rel_l2"] for r in done) / len(done), 4),
-            "sigma_step_rel_l2_mean": round(sum(r["ema"]["sigma_step_rel_l2"] for r in done) / len(done), 4),
-            "replay_s_mean": round(sum(r["replay_s"] for r in done) / len(done), 2),
-            "update_s_mean": round(sum(r["update_s"] for r in done) / len(done), 2),
-            "rollout_s_mean": round(sum(r["rollout_s"] for r in done) / len(done), 2)}
+            "ema_last": done[-1]["ema"], "ema_sigma_rel_l2_mean": avg("ema", "sigma_rel_l2"),
+            "sigma_step_rel_l2_mean": avg("ema", "sigma_step_rel_l2"),
+            "rollout_s_mean": avg("rollout_s"), "update_s_mean": avg("update_s"),
+            "replay_parts_s_mean": avg("replay_parts_s"), "part0_s_mean": avg("part0_s")}
 
 
-__all__ = ["batch_agreement", "bench_estimates", "combine", "ema_agreement", "part_gradients", "summarize"]
+__all__ = ["batch_agreement", "bench_estimates", "combine", "ema_agreement", "part_gradients", "record_parts",
+           "split_rows", "summarize"]

@@ -285,18 +285,18 @@ def _estimates_rows(res: dict) -> list[str]:
     lines = [(f"{res.get('env')} `{res.get('profile')}`{_overrides_text(res)}, {res.get('dtype')}: SPrPO iterations whose "
               f"line 7 replay runs as {res.get('parts')} disjoint parts (each a `method.replay_frac={res.get('replay_frac')}` "
               "replay). S_hat Spearman: per batch, a part against the replay (mean over parts), one half of the rows "
-              "against the other, the replay against the previous iteration's; through the EMAs, the S-bar of a method "
+              "against the other, the replay against the previous iteration's (another batch, theta and xi); through the EMAs, the S-bar of a method "
               "fed one part per iteration against the run's, and the relative L2 of the sigma each draws next, beside "
               "the run's own sigma step.\n"),
-             ("| k | rows A != 0 | replay s | part vs replay | half vs half | replay vs previous | S-bar Spearman | "
+             ("| k | rows A != 0 | replay s: all parts (first part) | part vs replay | half vs half | replay vs previous | S-bar Spearman | "
               "sigma rel. L2 | run's sigma step |"), "|---|---|---|---|---|---|---|---|---|"]
     for r in res.get("iterations") or []:
         if "ema" not in r:
             lines.append(f"| {r['k']} | {r['rows_nonzero_adv']} | - | skipped: {r.get('skipped')} | | | | | |")
             continue
         part, half, ema = r.get("part_vs_replay") or {}, r.get("half_vs_half") or {}, r["ema"]
-        lines.append(f"| {r['k']} | {r['rows_nonzero_adv']} | {r['replay_s']} | {part.get('S_spearman', '-')} | "
-                     f"{half.get('S_spearman', '-')} | {r['replay_vs_previous_spearman'] or '-'} | {ema['S_bar_spearman']} | "
+        lines.append(f"| {r['k']} | {r['rows_nonzero_adv']} | {r['replay_parts_s']} ({r['part0_s']}) | {part.get('S_spearman', '-')} | "
+                     f"{half.get('S_spearman', '-')} | {'-' if r['replay_vs_previous_spearman'] is None else r['replay_vs_previous_spearman']} | {ema['S_bar_spearman']} | "
                      f"{ema['sigma_rel_l2']} | {ema['sigma_step_rel_l2']} |")
     sm = res.get("summary") or {}
     if sm.get("measured"):
@@ -306,7 +306,8 @@ def _estimates_rows(res: dict) -> list[str]:
                      f"half Spearman {hh.get('S_spearman')}; replay vs previous {sm.get('replay_vs_previous_spearman')}. "
                      f"Sigma relative L2 through the EMAs {sm.get('ema_sigma_rel_l2_mean')} (the run's own step "
                      f"{sm.get('sigma_step_rel_l2_mean')}). Seconds per iteration: rollout {sm.get('rollout_s_mean')}, "
-                     f"update {sm.get('update_s_mean')}, replay {sm.get('replay_s_mean')}.")
+                     f"update {sm.get('update_s_mean')}, replay in parts {sm.get('replay_parts_s_mean')} (the first part "
+                     f"alone, what a 1/parts replay costs: {sm.get('part0_s_mean')}).")
     return lines
 
 

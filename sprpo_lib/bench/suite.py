@@ -581,6 +581,11 @@ def prefill_rate(config, dtype: str) -> float:
     return hw.probe_matmul(hw.linear_shapes(config), dtypes=(dtype,))[dtype]["gflops_by_rows"][str(hw.PREFILL_ROWS)]
 
 
+def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative L2 difference of ``x`` from ``ref`` (float64)."""
+    return float((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
+
+
 def estimate_agreement(replay: tuple, estimate: tuple, mcfg: MethodConfig) -> dict:
     """An estimate of Alg. 1 line 7's ``(S_hat, m_hat)`` against the replay's on the same batch:
     Spearman and Pearson (of log S) correlations, relative L2 error of S_hat, relative difference of
@@ -592,9 +597,9 @@ def estimate_agreement(replay: tuple, estimate: tuple, mcfg: MethodConfig) -> di
     sig_o, _ = energy_sigma(S_o, mcfg.alpha, mcfg.rho, mcfg.sigma_max, mcfg.s_quantile)
     return {"S_spearman": round(rank_correlation(S_r, S_o), 4),
             "log_S_pearson": round(float(torch.corrcoef(torch.stack([ls_r, ls_o]))[0, 1]), 4),
-            "S_rel_l2": round(float((S_o - S_r).norm() / S_r.norm()), 4),
+            "S_rel_l2": round(rel_l2(S_o, S_r), 4),
             "m_hat_rel_diff": round(abs(m_o - m_r) / max(abs(m_r), 1e-30), 4),
-            "sigma_rel_l2": round(float((sig_o - sig_r).norm() / sig_r.norm()), 4)}
+            "sigma_rel_l2": round(rel_l2(sig_o, sig_r), 4)}
 
 
 def shape_config(model: str = "smollm2-135m"):
