@@ -22,7 +22,7 @@ from sprpo_lib.bench.estimates import (
     record_parts,
     split_rows,
 )
-from sprpo_lib.bench.report import section
+from sprpo_lib.bench.report import headline, section
 from sprpo_lib.bench.suite import rel_l2
 from sprpo_lib.core.actor import SURROGATE
 from sprpo_lib.core.batch import Batch, build_batch
@@ -164,3 +164,4 @@ def test_cli_writes_the_record(tmp_path, monkeypatch):
     assert (f"| 0 | {row['rows_nonzero_adv']} | {row['replay_parts_s']} ({row['part0_s']}) | "
             f"{row['part_vs_replay']['S_spearman']} |") in text
     assert "Means over 1 batches" in text
+    assert f"Spearman {row['part_vs_replay']['S_spearman']} per batch" in headline(rec)

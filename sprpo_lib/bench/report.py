@@ -343,6 +343,13 @@ def headline(record: dict) -> str | None:
         return (out + "; iteration x Vanilla: " + ", ".join(ratios)
                 + (f" (every phase at its floor: {', '.join(at)})" if at else "")
                 + (f"; fused kernels: Vanilla's update {fused['vanilla']}x the eager one's" if "vanilla" in fused else ""))
+    if name == "estimates" and (res.get("summary") or {}).get("measured"):
+        sm = res["summary"]
+        return (f"{res.get('env')}: a {res.get('replay_frac')} replay's S_hat against line 7's replay, Spearman "
+                f"{sm['part_vs_replay'].get('S_spearman')} per batch (halves of one batch "
+                f"{sm['half_vs_half'].get('S_spearman')}, consecutive replays {sm['replay_vs_previous_spearman']}); "
+                f"after {sm['measured']} iterations its sigma differs from the replay's by a relative L2 of "
+                f"{sm['ema_last']['sigma_rel_l2']} (the run's own last step {sm['ema_last']['sigma_step_rel_l2']})")
     if name == "gpu":
         peaks = [f"{env} peak {rows['peak_cuda_gib']} GiB" for env, rows in res.items()
                  if isinstance(rows, dict) and "peak_cuda_gib" in rows]

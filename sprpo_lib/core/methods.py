@@ -121,6 +121,12 @@ class MethodConfig:
             the replay's (half the rows: 0.47), m_hat was off by a relative 5.0 (1.4), and the sigma
             it implies differed by a relative L2 of 1.0: per-row gradients mostly cancel in the
             batch mean, so a subset's is dominated by their variance.  Hence the default of 1.
+            Nor does the EMA behind sigma close the gap: ``sprpo-bench estimates`` feeds a shadow
+            method a quarter's estimate on each batch of a real run, and its sigma stays further
+            from the replay's than the run's own sigma moves in an iteration (the records in
+            ``figures/bench_*.md``): the replay's own halves of one batch rank the channels with a
+            Spearman of about 0.3, so the replay itself is a noisy measurement that a share of it
+            cannot reproduce.
     """
 
     name: str = "vanilla"
