@@ -40,7 +40,8 @@ def split_rows(batch: Batch, parts: int, seed: int, k: int) -> tuple[list[list[i
     sub, c = replay_rows(batch, 1 / parts, seed, k)
     pos = {id(s): i for i, s in enumerate(batch.samples)}
     first = [pos[id(s)] for s in sub.samples]
-    rest = [i for i, s in enumerate(batch.samples) if s.adv != 0.0 and i not in set(first)]
+    taken = set(first)
+    rest = [i for i, s in enumerate(batch.samples) if s.adv != 0.0 and i not in taken]
     random.Random(f"estimates/{seed}/{k}").shuffle(rest)
     others = [sorted(rest[j::parts - 1]) for j in range(parts - 1)]
     return [p for p in [first, *others] if p], c
