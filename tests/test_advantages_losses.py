@@ -33,6 +33,7 @@ from sprpo_lib.core.losses import (
     register_policy_loss,
     token_entropy,
     token_logprobs,
+    token_logprobs_entropy,
 )
 
 EPS = 1e-6
@@ -432,6 +433,34 @@ def test_token_logprobs_and_entropy_against_plain_python():
     torch.testing.assert_close(ent, torch.tensor([[_ref_entropy(z) for z in row] for row in LOGITS]),
                                atol=1e-6, rtol=0)
     assert float(ent[0, 1]) == pytest.approx(math.log(3))
+
+
+def test_logprobs_and_entropy_from_one_softmax_match_each_function():
+    """token_logprobs_entropy: the plain-python values, float32 out of bfloat16, and in float64
+    gradients against finite differences and against the two functions' own graphs, a -inf
+    logit included (no NaN, its terms 0)."""
+    lp, ent = token_logprobs_entropy(torch.tensor(LOGITS), torch.tensor(TARGETS))
+    ref = [[_ref_logprob(LOGITS[b][t], TARGETS[b][t]) for t in range(2)] for b in range(2)]
+    torch.testing.assert_close(lp, torch.tensor(ref), atol=1e-6, rtol=0)
+    torch.testing.assert_close(ent, torch.tensor([[_ref_entropy(z) for z in row] for row in LOGITS]),
+                               atol=1e-6, rtol=0)
+    lp16, ent16 = token_logprobs_entropy(torch.tensor(LOGITS, dtype=torch.bfloat16), torch.tensor(TARGETS))
+    assert lp16.dtype == ent16.dtype == torch.float32
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(2, 3, 7, dtype=torch.float64, generator=g)
+    t = torch.randint(0, 7, (2, 3), generator=g)
+    assert torch.autograd.gradcheck(lambda x: token_logprobs_entropy(x, t), (z.clone().requires_grad_(),))
+    z[0, 1, :3] = float("-inf")  # masked vocabulary entries, never a target
+    t[0, 1] = 5
+    w = torch.randn(2, 3, dtype=torch.float64, generator=g)
+    grads = []
+    for fused in (True, False):
+        x = z.clone().requires_grad_()
+        lp, ent = token_logprobs_entropy(x, t) if fused else (token_logprobs(x, t), token_entropy(x))
+        assert torch.isfinite(lp).all() and torch.isfinite(ent).all()
+        grads.append(torch.autograd.grad((w * lp).sum() - 0.3 * ent.sum(), x)[0])
+    assert torch.isfinite(grads[0]).all()
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-12, atol=1e-12)
 
 
 def test_token_logprobs_float32_from_bf16_and_masked_vocab():

@@ -1,7 +1,7 @@
-"""Shared-prefix passes (update.prefix_min): each prefix several rows share is computed
-once, and the gradient of every parameter, of xi and of the channel gain, and every
-log-prob, equals the reference path that computes each row whole (float32, tiny models,
-both paths in one run)."""
+"""Shared-prefix passes (update.prefix_min, with update.fused_lora and update.fused_entropy):
+each prefix several rows share is computed once, and the gradient of every parameter, of xi
+and of the channel gain, and every log-prob, equals the reference path that computes each
+row whole (float32, tiny models, both paths in one run)."""
 from __future__ import annotations
 
 import itertools
@@ -42,6 +42,9 @@ def _grouped_batch(seed: int = 0) -> Batch:
 
 
 def _actor(model, prefix_min: int, **kw) -> Actor:
+    """The profile's passes (``prefix_min > 0``, fused LoRA linears and entropy) or the reference."""
+    kw.setdefault("fused_lora", prefix_min > 0)
+    kw.setdefault("fused_entropy", prefix_min > 0)
     params = [p for p in model.parameters() if p.requires_grad]
     return Actor(model, 0, torch.optim.Adam(params, lr=1e-3), micro_batch=2, prefix_min=prefix_min,
                  loss_cfg=PPOLossConfig(entropy_coeff=0.01), **kw)

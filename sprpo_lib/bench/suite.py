@@ -438,9 +438,10 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
                 methods: tuple[str, ...] | None = None) -> dict:
     """Seconds per iteration by phase for Vanilla, SPrPO (Alg. 1 line 7's replay, and the
     one-pass estimate) and SAM on one rollout batch, each phase against its FLOP floor, for
-    the profile's passes (``shared``: shared prefixes of ``update.prefix_min``, and with
-    ``update.reuse_frozen`` steps that start at the lowest LoRA layer) and the reference
-    (``whole``: every row whole, every layer at every step), side by side; ``fused``: the shared
+    the profile's passes (``shared``: shared prefixes of ``update.prefix_min``, with
+    ``update.reuse_frozen`` steps that start at the lowest LoRA layer, ``update.fused_lora`` and
+    ``update.fused_entropy``) and the reference (``whole``: every row whole, every layer at every
+    step, peft's LoRA forward, log-probs and entropy apart), side by side; ``fused``: the shared
     passes with ``update.fused_kernels`` (RMSNorm, SwiGLU and the rotary embedding compiled; the
     ``shared`` and ``whole`` passes run eagerly whatever the profile says).
 
@@ -506,14 +507,20 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     times = {(path, v): {"update_s": [], "sensitivity_s": [], "ppo_steps": [], "update_float32": []}
              for path in paths for v in variants}
     states: dict[tuple[str, str], tuple] = {}
-    for path in paths:  # untimed warm-up of both layouts (first-call allocations), on a few rows
+    lora, entropy = a.fused_lora, a.fused_entropy
+
+    def use(path: str) -> None:  # the actor's pass settings for one path
         a.prefix_min, a.reuse_frozen, a.fused_kernels = prefix_min[path], reuse[path], path == "fused"
+        a.fused_lora, a.fused_entropy = lora and path != "whole", entropy and path != "whole"
+
+    for path in paths:  # untimed warm-up of both layouts (first-call allocations), on a few rows
+        use(path)
         tr.method = make_method(variants["sprpo"], tr.shape, cfg.seed)
         tr.update(Batch(batch.without_old().samples[:2 * a.micro_batch]), xi, 0)
     bar = progress_bar(total=repeats * len(paths) * len(variants), desc="bench train: updates", unit="update")
     for _ in range(repeats):  # minutes each on a real batch: the bar names the one running and the last one's time
         for path in paths:
-            a.prefix_min, a.reuse_frozen, a.fused_kernels = prefix_min[path], reuse[path], path == "fused"
+            use(path)
             for name, mcfg in variants.items():
                 bar.set_postfix_str(f"{path} {name}", refresh=True)
                 with torch.no_grad():

@@ -23,10 +23,19 @@ import torch
 
 from sprpo_lib.core import metrics as MK
 from sprpo_lib.core.batch import Batch, MicroBatch
-from sprpo_lib.core.losses import PPOLossConfig, agg_loss, get_policy_loss, kl_penalty, token_entropy, token_logprobs
+from sprpo_lib.core.losses import (
+    PPOLossConfig,
+    agg_loss,
+    get_policy_loss,
+    kl_penalty,
+    token_entropy,
+    token_logprobs,
+    token_logprobs_entropy,
+)
 from sprpo_lib.core.perturb import FFNChannels, below_resolution, float32_compute
 from sprpo_lib.model.fused import fused_kernels
 from sprpo_lib.model.layers import checkpointed_layers, decoder_layers, from_layer, lowest_trainable_layer
+from sprpo_lib.model.lora import fused_lora
 
 SURROGATE = frozenset({"surrogate"})
 TRAIN = frozenset({"surrogate", "entropy", "kl"})
@@ -90,13 +99,21 @@ class Actor:
         fused_kernels: the passes run RMSNorm, SwiGLU and the rotary embedding as compiled
             fused kernels (:func:`sprpo_lib.model.fused.fused_kernels`); same results up to
             float rounding.  ``False``: eager PyTorch (the reference path).
+        fused_lora: the passes compute each adapted linear as one fused function
+            (:class:`sprpo_lib.model.lora.LoraLinear`: the adapter's output accumulated into
+            the base's, no separate scale and add); same results up to float rounding.
+            ``False``: peft's forward (the reference path).
+        fused_entropy: a pass with the entropy bonus takes the log-probs and the entropy from
+            one softmax (:func:`sprpo_lib.core.losses.token_logprobs_entropy`); same results up
+            to float rounding.  ``False``: the two functions' own graphs (the reference path).
     """
 
     def __init__(self, model, pad_id: int, opt: torch.optim.Optimizer, *, grad_clip: float = 1.0,
                  loss_name: str = "ppo_dual_clip", loss_cfg: PPOLossConfig | None = None, micro_batch: int = 8,
                  kl_coef: float = 0.0, kl_type: str = "low_var_kl", mini_batch: int | None = None, epochs: int = 1,
                  skip_zero_adv: bool = True, prefix_min: int = 16, micro_batch_tokens: int | None = None,
-                 grad_checkpointing: bool = False, reuse_frozen: bool = True, fused_kernels: bool = False):
+                 grad_checkpointing: bool = False, reuse_frozen: bool = True, fused_kernels: bool = False,
+                 fused_lora: bool = True, fused_entropy: bool = True):
         self.model, self.pad_id, self.opt = model, pad_id, opt
         self.params = [p for g in opt.param_groups for p in g["params"]]
         self.grad_clip = grad_clip
@@ -112,6 +129,8 @@ class Actor:
         self.grad_checkpointing = grad_checkpointing
         self.reuse_frozen = reuse_frozen
         self.fused_kernels = fused_kernels
+        self.fused_lora = fused_lora
+        self.fused_entropy = fused_entropy
         self._frozen: dict[int, torch.Tensor] | None = None  # per sample: hidden states below the trainable layers
         self._first_layer = 0  # the layer the current pass starts at (from kept hidden states: > 0)
         self.fc = FFNChannels(model)
@@ -198,7 +217,7 @@ class Actor:
             handle = decoder_layers(self.model)[start].register_forward_pre_hook(grab, with_kwargs=True)
         try:
             with (from_layer(self.model, start) if frozen == "use" else nullcontext(),
-                  fused_kernels(self.model, self.fused_kernels)):
+                  fused_kernels(self.model, self.fused_kernels), fused_lora(self.model, self.fused_lora)):
                 self._first_layer = start if frozen == "use" else 0
                 yield from self._passes(batch, sort, on_prefix, frozen, keep)
         finally:
@@ -350,7 +369,11 @@ class Actor:
               checkpointed_layers(self.model, self.grad_checkpointing)):
             for mb, logits in self.passes(rows, self.sort_micro_batches, prefix_side if split else None,
                                           frozen="use" if use_frozen else None):
-                logp = token_logprobs(logits, mb.tgt)
+                if need_ent and self.fused_entropy:
+                    logp, ent_tok = token_logprobs_entropy(logits, mb.tgt)
+                else:
+                    logp = token_logprobs(logits, mb.tgt)
+                    ent_tok = token_entropy(logits) if need_ent else None
                 old = mb.field("old_logp")
                 if old is None:
                     mb.store("old_logp", logp)
@@ -359,7 +382,7 @@ class Actor:
                 loss = pg if "surrogate" in terms else torch.zeros((), device=pg.device, dtype=pg.dtype)
                 reg = torch.zeros((), device=pg.device, dtype=pg.dtype)
                 if need_ent:
-                    ent = agg_loss(token_entropy(logits), mb.mask, self.loss_cfg.loss_agg_mode)
+                    ent = agg_loss(ent_tok, mb.mask, self.loss_cfg.loss_agg_mode)
                     reg = reg - self.loss_cfg.entropy_coeff * ent
                     st["entropy"] = ent.item()
                 if need_kl:

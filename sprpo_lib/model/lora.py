@@ -1,14 +1,19 @@
 """LoRA adapters with peft (App. B "Base model and optimization": all attention and FFN
-projections, rank/alpha 64/64), on every layer or only the last ones; and their files:
-saved atomically (safetensors), checked whole before loading, merged for deployment."""
+projections, rank/alpha 64/64), on every layer or only the last ones; the adapted linear as
+one fused function for the training passes (``update.fused_lora``); and their files: saved
+atomically (safetensors), checked whole before loading, merged for deployment."""
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
 
 from sprpo_lib.infra.io import CorruptFileError, atomic_dir, read_json, read_safetensors
 from sprpo_lib.model.layers import decoder_layers
@@ -98,6 +103,102 @@ def merge_lora(policy: Policy) -> Policy:
     if hasattr(policy.model, "merge_and_unload"):
         policy.model = policy.model.merge_and_unload()
     return policy
+
+
+# ----------------------------------------------------------------------------- fused adapted linear
+class LoraLinear(torch.autograd.Function):
+    """``y = x W^T + b + s (x A^T) B^T``, the adapted linear peft computes as four ops (the base
+    linear, ``lora_A``, ``lora_B``, ``* s``) and an add, here as two matmuls into one output.
+
+    peft's form writes and reads the output-sized tensors three more times per call (the
+    scaled adapter output, the sum, and in the backward the gradient times ``s``) and adds
+    the two input gradients in a separate pass; on a CPU at SmolLM2's width those
+    elementwise passes over ``[tokens, 1536]`` cost about as much as the adapter's own
+    matmuls.  Here the adapter accumulates into the base output (``addmm_``) and its input
+    gradient into the base's.  The arithmetic runs in ``x``'s dtype (peft rounds the adapter
+    to its weights' dtype first): the same function up to float rounding.  First-order
+    only (no double backward: ``once_differentiable`` says so if one is asked)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, a, b, scaling: float):
+        shape, dt = x.shape, x.dtype
+        x2 = x.reshape(-1, shape[-1])
+        a_, b_ = a.to(dt), b.to(dt)
+        h = x2 @ a_.t()  # [tokens, r]
+        y = x2 @ weight.t() if bias is None else torch.addmm(bias, x2, weight.t())
+        y.addmm_(h, b_.t(), alpha=scaling)
+        ctx.save_for_backward(x2, weight, a_, b_, h)
+        ctx.scaling, ctx.shape, ctx.dtypes = scaling, shape, (a.dtype, b.dtype, None if bias is None else bias.dtype)
+        return y.view(*shape[:-1], y.shape[-1])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        x2, weight, a, b, h = ctx.saved_tensors
+        s = ctx.scaling
+        need_x, need_w, need_bias, need_a, need_b = ctx.needs_input_grad[:5]
+        g = grad.reshape(-1, grad.shape[-1])
+        gh = (g @ b).mul_(s) if need_x or need_a else None  # dL/dh, [tokens, r]
+        dx = dw = dbias = da = db = None
+        if need_x:
+            dx = g @ weight
+            dx.addmm_(gh, a)
+            dx = dx.view(ctx.shape)
+        if need_w:
+            dw = (g.t() @ x2).to(weight.dtype)
+        if need_bias:
+            dbias = g.sum(0).to(ctx.dtypes[2])
+        if need_a:
+            da = (gh.t() @ x2).to(ctx.dtypes[0])
+        if need_b:
+            db = (g.t() @ h).mul_(s).to(ctx.dtypes[1])
+        return dx, dw, dbias, da, db, None
+
+
+def _plain_adapter(m: nn.Module) -> str | None:
+    """The one active adapter of peft LoRA layer ``m`` when :class:`LoraLinear` computes exactly
+    what peft would (one unmerged adapter without dropout, DoRA/variant or bias, on a plain
+    ``nn.Linear`` without hooks); ``None`` otherwise (peft's own forward runs)."""
+    base = getattr(m, "base_layer", None)
+    if (type(base) is not nn.Linear or base._forward_hooks or base._forward_pre_hooks or m.disable_adapters
+            or m.merged or getattr(m, "fan_in_fan_out", False) or len(m.active_adapters) != 1):
+        return None
+    n = m.active_adapters[0]
+    if (n not in m.lora_A or n in getattr(m, "lora_variant", {}) or getattr(m, "use_dora", {}).get(n)
+            or not isinstance(m.lora_dropout[n], nn.Identity) or m.lora_B[n].bias is not None):
+        return None
+    return n
+
+
+def _fused_forward(m: nn.Module):
+    def forward(x, *args, **kwargs):
+        n = None if args or kwargs else _plain_adapter(m)
+        if n is None or x.dtype != m.base_layer.weight.dtype:
+            return type(m).forward(m, x, *args, **kwargs)
+        return LoraLinear.apply(x, m.base_layer.weight, m.base_layer.bias, m.lora_A[n].weight, m.lora_B[n].weight,
+                                float(m.scaling[n]))
+
+    return forward
+
+
+@contextmanager
+def fused_lora(model: nn.Module, on: bool = True) -> Iterator[int]:
+    """Inside the block every peft LoRA ``Linear`` of ``model`` computes as :class:`LoraLinear`
+    whenever that is exactly its function (:func:`_plain_adapter`, checked at every call, so
+    a block that disables the adapter still gets peft's path); yields how many layers were
+    patched.  Instances are patched (their ``forward``; module hooks still fire) and restored
+    on exit; a layer patched by an enclosing block is left to it."""
+    patched = []
+    if on:
+        for m in model.modules():
+            if hasattr(m, "lora_A") and hasattr(m, "base_layer") and "forward" not in m.__dict__:
+                m.forward = _fused_forward(m)
+                patched.append(m)
+    try:
+        yield len(patched)
+    finally:
+        for m in patched:
+            del m.forward
 
 
 # ----------------------------------------------------------------------------- adapter files
