@@ -90,6 +90,17 @@ def test_bench_report_writes_one_file_per_machine_and_the_readme_block(tmp_path)
     # a record measured under config overrides says so, in its table's heading and in the README line
     assert "webshop `cpu` batch (update.micro_batch=16):" in md
     assert "webshop (update.micro_batch=16) update 25.19 s (7.37x its floor); iteration x Vanilla: SPrPO 2.0" in text
+    # a second report over the same records leaves every machine's files and manifests alone;
+    # a changed record rewrites that machine's alone
+    manifest = out / "bench_amd-epyc-avx512-bf16.md.manifest.json"
+    manifest.write_text(manifest.read_text().replace('"date"', '"date_was"'))
+    assert report(bench, out, readme) == [] and '"date_was"' in manifest.read_text()
+    (bench / "churn.json").write_text(json.dumps({"bench": "churn", "date": "2026-11-26", "wall_s": 9.0,
+                                                  "results": {**churn, "hangs": 1}}))
+    assert [p.name for p in report(bench, out, readme)] == ["bench_intel-xeon-processor-amx.md",
+                                                            "bench_intel-xeon-processor-amx.json"]
+    assert "| 1000 | 2000 | 1 | 0 |" in (out / "bench_intel-xeon-processor-amx.md").read_text()
+    assert '"date_was"' in manifest.read_text()
 
 
 def test_stage_table_keeps_recorded_compute_this_machine_does_not_hold(tmp_path):
