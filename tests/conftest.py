@@ -88,6 +88,47 @@ def lora_policy(spec: str):
     return pol
 
 
+def adapted_policy(spec: str, layers: int | None = None, dropout: float = 0.0):
+    """A float32 tiny policy with LoRA (rank 4, alpha 8) on the last ``layers`` layers (all:
+    None), its B matrices moved off zero so the adapters take part in every gradient."""
+    from sprpo_lib.model.lora import lora_on_last_layers
+
+    pol = load_policy(spec, seed=0, dtype="float32")
+    add_lora(pol, lora_on_last_layers(pol.model, LoraSettings(rank=4, alpha=8, dropout=dropout), layers), seed=0)
+    with torch.no_grad():
+        for n, p in pol.model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
+    return pol
+
+
+def head_sharing_batch():
+    """Two tasks' rows sharing a head (a prefix pass has work), advantages of both signs and 0."""
+    from sprpo_lib.core.batch import Batch, Sample
+
+    g = torch.Generator().manual_seed(0)
+    tok = lambda n: torch.randint(3, 250, (n,), generator=g).tolist()
+    heads = [tok(20), tok(24)]
+    adv = [1.0, -0.5, 0.0, 0.7, -1.2]
+    return Batch([Sample(heads[i % 2] + tok(3 + i) + tok(4), 4, adv[i % 5]) for i in range(8)])
+
+
+def assert_same_pass(new: tuple, ref: tuple, stats: tuple[str, ...] = ("loss",)) -> None:
+    """Two runs of one training pass, each ``(parameter grads, dL/dxi, dL/du, log-probs, stats)``:
+    every gradient within 1e-5 relative (SPrPO's S_hat and SAM's g included), every log-prob
+    within 1e-5, the named statistics within 1e-5 relative; the reference's gradients non-zero."""
+    from sprpo_lib.bench.suite import rel_l2
+
+    (g1, x1, u1, lp1, st1), (g0, x0, u0, lp0, st0) = new, ref
+    assert all(float(g.abs().sum()) > 0 for g in g0)
+    assert all(rel_l2(a, b) < 1e-5 for a, b in zip(g1, g0, strict=True))
+    assert rel_l2(x1, x0) < 1e-5 and rel_l2(u1, u0) < 1e-5
+    for a, b in zip(lp1, lp0, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    for k in stats:
+        assert st1[k] == pytest.approx(st0[k], rel=1e-5, abs=1e-7)
+
+
 def same_tokens(a, b) -> int:
     return sum(x.response_ids == y.response_ids and x.prompt_ids == y.prompt_ids and x.text == y.text
                for x, y in zip(a, b))

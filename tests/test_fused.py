@@ -9,42 +9,19 @@ import sys
 
 import pytest
 import torch
+from conftest import adapted_policy, assert_same_pass, head_sharing_batch
 
+from sprpo_lib.bench.suite import rel_l2
 from sprpo_lib.core.actor import TRAIN, Actor
-from sprpo_lib.core.batch import Batch, Sample
 from sprpo_lib.core.losses import PPOLossConfig
 from sprpo_lib.core.methods import grad_leaf
 from sprpo_lib.core.perturb import FFNChannels
 from sprpo_lib.model import fused
 from sprpo_lib.model.fused import fused_kernels, fused_kernels_available, rms_norm, swiglu
 from sprpo_lib.model.load import load_policy
-from sprpo_lib.model.lora import LoraSettings, add_lora, lora_on_last_layers
 
 pytestmark = pytest.mark.skipif(not fused_kernels_available(torch.float32)[0],
                                 reason="torch.compile does not build here: " + fused_kernels_available()[1])
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
-
-
-def _batch() -> Batch:
-    """Two tasks' rows sharing a head (a prefix pass has work), advantages of both signs and 0."""
-    g = torch.Generator().manual_seed(0)
-    tok = lambda n: torch.randint(3, 250, (n,), generator=g).tolist()
-    heads = [tok(20), tok(24)]
-    adv = [1.0, -0.5, 0.0, 0.7, -1.2]
-    return Batch([Sample(heads[i % 2] + tok(3 + i) + tok(4), 4, adv[i % 5]) for i in range(8)])
-
-
-def _policy(spec: str):
-    pol = load_policy(spec, seed=0, dtype="float32")
-    add_lora(pol, lora_on_last_layers(pol.model, LoraSettings(rank=4, alpha=8), None), seed=0)
-    with torch.no_grad():  # LoRA B starts at 0: move it so the adapter takes part
-        for n, p in pol.model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
-    return pol
 
 
 def test_the_restated_equations_are_the_models_own(tiny_spec):
@@ -61,8 +38,8 @@ def test_the_restated_equations_are_the_models_own(tiny_spec):
 
 @pytest.mark.parametrize("prefix_min,ck", [(0, False), (4, False), (4, True)])
 def test_fused_passes_give_the_reference_gradients(tiny_spec, prefix_min, ck):
-    pol = _policy(tiny_spec)
-    batch = _batch()
+    pol = adapted_policy(tiny_spec)
+    batch = head_sharing_batch()
     xi0 = 0.1 * torch.randn(FFNChannels(pol.model).shape, generator=torch.Generator().manual_seed(2))
     out, calls = {}, []
     mlp = next(m for m in pol.model.modules() if hasattr(m, "gate_proj"))
@@ -80,19 +57,13 @@ def test_fused_passes_give_the_reference_gradients(tiny_spec, prefix_min, ck):
         out[on] = ([p.grad.clone() for p in actor.params], xi.grad.clone(), gain.grad.clone(), lp, st)
         actor.zero_grad()
     assert any(calls) and not all(calls)  # the fused pass ran the patched MLP, the eager one did not
-    (g0, x0, u0, lp0, st0), (g1, x1, u1, lp1, st1) = out[False], out[True]
-    assert all(float(g.abs().sum()) > 0 for g in g0)
-    assert all(_rel(a, b) < 1e-5 for a, b in zip(g1, g0))
-    assert _rel(x1, x0) < 1e-5 and _rel(u1, u0) < 1e-5  # SPrPO's S_hat and SAM's g
-    for a, b in zip(lp1, lp0):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
-    assert st1["loss"] == pytest.approx(st0["loss"], rel=1e-5, abs=1e-7)
+    assert_same_pass(out[True], out[False])
 
 
 def test_one_forward_two_gradients_under_fused_kernels(tiny_spec):
     """SPrPO's one-pass estimate keeps the graph for a second gradient (split_regularisers):
     the fused pass gives the eager pass's surrogate gradient and side gradients."""
-    pol = _policy(tiny_spec)
+    pol = adapted_policy(tiny_spec)
     out = {}
     for on in (False, True):
         params = [p for p in pol.model.parameters() if p.requires_grad]
@@ -100,11 +71,11 @@ def test_one_forward_two_gradients_under_fused_kernels(tiny_spec):
                       loss_cfg=PPOLossConfig(entropy_coeff=0.01), fused_kernels=on)
         xi = grad_leaf(torch.full(actor.shape, 0.05), actor)
         actor.zero_grad()
-        actor.backward(_batch(), xi, terms=TRAIN, split_regularisers=True)
+        actor.backward(head_sharing_batch(), xi, terms=TRAIN, split_regularisers=True)
         out[on] = ([p.grad.clone() for p in actor.params], xi.grad.clone(), [g.clone() for g in actor.side_grads])
         actor.zero_grad()
     for a, b in zip(out[True][0] + [out[True][1]] + out[True][2], out[False][0] + [out[False][1]] + out[False][2]):
-        assert _rel(a, b) < 1e-5
+        assert rel_l2(a, b) < 1e-5
 
 
 def test_the_block_restores_the_model_and_nests(tiny_spec):

@@ -7,38 +7,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import adapted_policy, assert_same_pass, head_sharing_batch
 from torch import nn
 
+from sprpo_lib.bench.suite import rel_l2
 from sprpo_lib.core.actor import TRAIN, Actor
-from sprpo_lib.core.batch import Batch, Sample
 from sprpo_lib.core.losses import PPOLossConfig
 from sprpo_lib.core.methods import grad_leaf
 from sprpo_lib.core.perturb import FFNChannels
-from sprpo_lib.model.load import load_policy
-from sprpo_lib.model.lora import LoraLinear, LoraSettings, add_lora, fused_lora, lora_on_last_layers
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
-
-
-def _policy(spec: str, layers: int | None = None, dropout: float = 0.0):
-    pol = load_policy(spec, seed=0, dtype="float32")
-    add_lora(pol, lora_on_last_layers(pol.model, LoraSettings(rank=4, alpha=12, dropout=dropout), layers), seed=0)
-    with torch.no_grad():  # LoRA B starts at 0: move it so the adapter takes part
-        for n, p in pol.model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
-    return pol
-
-
-def _batch() -> Batch:
-    """Two tasks' rows sharing a head (a prefix pass has work), advantages of both signs and 0."""
-    g = torch.Generator().manual_seed(0)
-    tok = lambda n: torch.randint(3, 250, (n,), generator=g).tolist()
-    heads = [tok(20), tok(24)]
-    adv = [1.0, -0.5, 0.0, 0.7, -1.2]
-    return Batch([Sample(heads[i % 2] + tok(3 + i) + tok(4), 4, adv[i % 5]) for i in range(8)])
+from sprpo_lib.model.lora import LoraLinear, fused_lora
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -73,13 +50,13 @@ def test_a_bfloat16_adapter_under_float32_compute_keeps_its_dtype():
     assert a.grad.dtype == torch.bfloat16 and bb.grad.dtype == torch.bfloat16
     a32, b32 = a.detach().float().requires_grad_(), bb.detach().float().requires_grad_()
     (x.detach() @ w.T + 2.0 * (x.detach() @ a32.T) @ b32.T).square().sum().backward()
-    assert _rel(a.grad.float(), a32.grad) < 1e-2 and _rel(bb.grad.float(), b32.grad) < 1e-2
+    assert rel_l2(a.grad.float(), a32.grad) < 1e-2 and rel_l2(bb.grad.float(), b32.grad) < 1e-2
 
 
 @pytest.mark.parametrize("prefix_min,layers", [(0, None), (4, None), (4, 1)])
 def test_fused_passes_give_peft_gradients(tiny_spec, prefix_min, layers):
-    pol = _policy(tiny_spec, layers)
-    batch = _batch()
+    pol = adapted_policy(tiny_spec, layers)
+    batch = head_sharing_batch()
     xi0 = 0.1 * torch.randn(FFNChannels(pol.model).shape, generator=torch.Generator().manual_seed(2))
     out, calls = {}, []
     real = LoraLinear.apply
@@ -100,14 +77,7 @@ def test_fused_passes_give_peft_gradients(tiny_spec, prefix_min, layers):
         out[on] = ([p.grad.clone() for p in actor.params], xi.grad.clone(), gain.grad.clone(), lp, st)
         actor.zero_grad()
     assert calls and all(calls)  # the fused passes ran LoraLinear, peft's did not
-    (g0, x0, u0, lp0, st0), (g1, x1, u1, lp1, st1) = out[False], out[True]
-    assert all(float(g.abs().sum()) > 0 for g in g0)
-    assert all(_rel(a, b) < 1e-5 for a, b in zip(g1, g0))
-    assert _rel(x1, x0) < 1e-5 and _rel(u1, u0) < 1e-5  # SPrPO's S_hat and SAM's g
-    for a, b in zip(lp1, lp0):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
-    for k in ("loss", "kl", "entropy"):
-        assert st1[k] == pytest.approx(st0[k], rel=1e-5, abs=1e-7)
+    assert_same_pass(out[True], out[False], ("loss", "kl", "entropy"))
 
 
 def test_peft_forward_runs_where_the_fused_one_would_differ(tiny_spec, monkeypatch):
@@ -116,14 +86,14 @@ def test_peft_forward_runs_where_the_fused_one_would_differ(tiny_spec, monkeypat
     used = []
     real = LoraLinear.apply
     monkeypatch.setattr(LoraLinear, "apply", lambda *t: (used.append(1), real(*t))[1])
-    pol = _policy(tiny_spec, dropout=0.5)
+    pol = adapted_policy(tiny_spec, dropout=0.5)
     pol.model.eval()  # dropout off in eval, but peft's module is still a Dropout: not fused
     with torch.no_grad():
         ref = pol.model(input_ids=ids).logits
         with fused_lora(pol.model) as n:
             assert n == 7 * pol.model.config.num_hidden_layers
             assert torch.equal(pol.model(input_ids=ids).logits, ref) and not used
-    pol = _policy(tiny_spec)
+    pol = adapted_policy(tiny_spec)
     with torch.no_grad():
         with pol.model.disable_adapter():
             base = pol.model(input_ids=ids).logits
@@ -137,7 +107,7 @@ def test_peft_forward_runs_where_the_fused_one_would_differ(tiny_spec, monkeypat
 
 
 def test_the_block_restores_the_model_and_nests(tiny_spec):
-    pol = _policy(tiny_spec, layers=1)
+    pol = adapted_policy(tiny_spec, layers=1)
     patched = lambda: [m for m in pol.model.modules() if "forward" in m.__dict__]
     with fused_lora(pol.model) as n:
         assert n == 7 and len(patched()) == 7  # q, k, v, o, gate, up, down of the one adapted layer
