@@ -115,9 +115,12 @@ class LoraLinear(torch.autograd.Function):
     the two input gradients in a separate pass; on a CPU at SmolLM2's width those
     elementwise passes over ``[tokens, 1536]`` cost about as much as the adapter's own
     matmuls.  Here the adapter accumulates into the base output (``addmm_``) and its input
-    gradient into the base's.  The arithmetic runs in ``x``'s dtype (peft rounds the adapter
-    to its weights' dtype first): the same function up to float rounding.  First-order
-    only (no double backward: ``once_differentiable`` says so if one is asked)."""
+    gradient into the base's.  The arithmetic runs in ``x``'s dtype, where peft runs the
+    adapter in its weights' dtype: in a bfloat16 model with float32 adapters the adapter's
+    matmuls here round at bfloat16's resolution, as the base output does (the parameters,
+    their gradients and the optimizer stay float32), and the logits and LoRA gradients are as
+    close to the float32 model's as peft's; in float32 the same function up to float rounding.  First-order only (no double backward: ``once_differentiable`` says so
+    if one is asked)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, a, b, scaling: float):
