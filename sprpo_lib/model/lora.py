@@ -119,8 +119,9 @@ class LoraLinear(torch.autograd.Function):
     adapter in its weights' dtype: in a bfloat16 model with float32 adapters the adapter's
     matmuls here round at bfloat16's resolution, as the base output does (the parameters,
     their gradients and the optimizer stay float32), and the logits and LoRA gradients are as
-    close to the float32 model's as peft's; in float32 the same function up to float rounding.  First-order only (no double backward: ``once_differentiable`` says so
-    if one is asked)."""
+    close to the float32 model's as peft's; in float32 the same function up to float
+    rounding.  First-order only (no double backward: ``once_differentiable`` says so if one
+    is asked)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, a, b, scaling: float):
@@ -159,8 +160,8 @@ class LoraLinear(torch.autograd.Function):
 
 
 def _plain_adapter(m: nn.Module) -> str | None:
-    """The one active adapter of peft LoRA layer ``m`` when :class:`LoraLinear` computes exactly
-    what peft would (one unmerged adapter without dropout, DoRA/variant or bias, on a plain
+    """The one active adapter of peft LoRA layer ``m`` when :class:`LoraLinear` computes the
+    function peft would (one unmerged adapter without dropout, DoRA/variant or bias, on a plain
     ``nn.Linear`` without hooks); ``None`` otherwise (peft's own forward runs)."""
     base = getattr(m, "base_layer", None)
     if (type(base) is not nn.Linear or base._forward_hooks or base._forward_pre_hooks or m.disable_adapters
