@@ -51,6 +51,10 @@ def test_runs_compares_seconds_and_learning_against_hand_counts(tmp_path, monkey
     assert v["extra_ratio"] is None and s["extra_ratio"] == pytest.approx(0.5)
     assert s["update_ratio"] == pytest.approx(0.6)  # the replay is not counted in the update
     assert v["first_rollout_same"] and not s["first_rollout_same"]  # sprpo's first success differs
+    # iteration 0 ran the same batch on both sides: its own update ratio; sprpo's did not: none
+    assert v["first_batch"] == {"update_s": [12.0, 5.0], "update_ratio": 0.417,
+                                "extra_s": [0.0, 0.0], "extra_ratio": None}
+    assert s["first_batch"] is None
     assert not v["same_curves"] and not s["same_curves"]
     assert v["before"]["success"] == [0.25, 0.25] and v["after"]["success"] == [0.25, 0.5]
     hv = v["heldout"]
@@ -63,6 +67,7 @@ def test_runs_compares_seconds_and_learning_against_hand_counts(tmp_path, monkey
     text = section(rec, out)
     assert "configs differ in update.prefix_min 0 -> 16, update.reuse_frozen False -> True." in text
     assert "| vanilla | 25.0 -> 12.0 (0.48x) |" in text and "40.0 -> 80.0%, +40.0 pp" in text
+    assert "| yes: 12.0 -> 5.0 (0.417x) |" in text and "| 10.0 -> 5.0 (0.5x) | no |" in text
     assert "vanilla 0.48x, sprpo 0.5x" in headline(rec)
     # the same runs on both sides: no config difference, every held-out task alike (said, not a 0-width interval)
     assert bench_main(["runs", "--profile", "smoke", "--methods", "vanilla", "--before", str(after),

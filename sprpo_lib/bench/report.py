@@ -201,15 +201,19 @@ def _runs_rows(res: dict) -> list[str]:
               f"(before) against `{res.get('after_root')}` (after), {_diff_text(res)}. "
               f"Held-out success of the final policies, pooled over the methods ({pooled.get('tasks')} paired "
               f"tasks): {_heldout_text(pooled) if pooled else '-'}.\n"),
-             ("| method | iteration s | update s | update s / row | extra pass s | same first rollout | "
-              "rollout success per iteration | held-out success |"), "|---|---|---|---|---|---|---|---|"]
+             ("| method | iteration s | update s | update s / row | extra pass s | same first rollout: its update "
+              "(and extra pass) s | rollout success per iteration | held-out success |"), "|---|---|---|---|---|---|---|---|"]
     for m, r in _in_method_order(res.get("methods") or {}):
         b, a = r["before"], r["after"]
         extra = f"{b['extra_s']} -> {a['extra_s']} ({r['extra_ratio']}x)" if r.get("extra_ratio") else "-"
         curve = " / ".join(",".join(f"{v:g}" for v in p["success"]) for p in (b, a))
+        fb = r.get("first_batch")
+        first = "no" if not fb else ("yes: " + " -> ".join(map(str, fb["update_s"])) + f" ({fb['update_ratio']}x)"
+                                     + (f"; {' -> '.join(map(str, fb['extra_s']))} ({fb['extra_ratio']}x)"
+                                        if fb.get("extra_ratio") else ""))
         lines.append(f"| {m} | {b['iteration_s']} -> {a['iteration_s']} ({r['iteration_ratio']}x) | {b['update_s']} -> "
                      f"{a['update_s']} ({r['update_ratio']}x) | {b['update_s_per_sample']} -> {a['update_s_per_sample']} "
-                     f"({r['update_per_sample_ratio']}x) | {extra} | {'yes' if r['first_rollout_same'] else 'no'} | "
+                     f"({r['update_per_sample_ratio']}x) | {extra} | {first} | "
                      f"{curve} | {_heldout_text(r['heldout'])} |")
     return lines
 

@@ -5,8 +5,9 @@ per step row, and whether the two learned alike.
 
 "Alike" is read off the runs themselves: the config keys that differ between the two (the
 levers, nothing else), whether iteration 0 played the same rollout (same samples, tokens,
-success and score: the same policy and seeds), the per-iteration success and valid-action
-rates, and the held-out evaluation of the final policies on the same tasks with the same
+success and score: the same policy and seeds), iteration 0's update and extra pass
+seconds when it did (the one batch both sides ran, so its ratio is free of the later batches'
+differences), the per-iteration success and valid-action rates, and the held-out evaluation of the final policies on the same tasks with the same
 generation seed: a paired bootstrap over tasks of after minus before (percentage points,
 its 95% interval and the smallest difference it detects with 80% power, MDE80), and the
 tasks solved by one side only with the exact sign test.  The interval carries task
@@ -65,6 +66,17 @@ def _phases(run: Path, m: pd.DataFrame) -> dict:
             "commit": info.get("commit"), "cpu_model": (info.get("dtype_probe") or {}).get("key", {}).get("cpu_model")}
 
 
+def _first_batch(mb: pd.DataFrame, ma: pd.DataFrame) -> dict:
+    """Iteration 0's update and extra-pass seconds before and after, and their ratios: the
+    same rollout batch from the same policy on both sides."""
+    out = {}
+    for key, col in (("update", "update_s"), ("extra", "sensitivity_s")):
+        b, a = (float(m[col].iloc[0]) if col in m else 0.0 for m in (mb, ma))
+        out[f"{key}_s"] = [round(b, 2), round(a, 2)]
+        out[f"{key}_ratio"] = round(a / b, 3) if b > 0 else None
+    return out
+
+
 def _heldout(before: Sequence[Path], after: Sequence[Path], unit: tuple[str, ...]) -> dict:
     """After minus before on the final policies' held-out episodes, paired by ``unit``."""
     frames = []
@@ -96,6 +108,7 @@ def bench_runs(profile: str, env: str, methods: Sequence[str], seed: int, before
         mb, ma = load_metrics([b]), load_metrics([a])
         pb, pa = _phases(b, mb), _phases(a, ma)
         first = {k: [mb[k].iloc[0], ma[k].iloc[0]] for k in FIRST_ROLLOUT_KEYS}
+        same_first = all(math.isclose(float(x), float(y), rel_tol=1e-9) for x, y in first.values())
         for k, v in config_diff(b, a).items():
             diffs.setdefault(k, v)
         out["methods"][m] = {
@@ -105,7 +118,8 @@ def bench_runs(profile: str, env: str, methods: Sequence[str], seed: int, before
             "extra_ratio": round(pa["extra_s"] / pb["extra_s"], 3) if pb["extra_s"] > 0 else None,
             "update_per_sample_ratio": round(pa["update_s_per_sample"] / pb["update_s_per_sample"], 3),
             "same_curves": pb["success"] == pa["success"] and pb["valid_rate"] == pa["valid_rate"],
-            "first_rollout_same": all(math.isclose(float(x), float(y), rel_tol=1e-9) for x, y in first.values()),
+            "first_rollout_same": same_first,
+            "first_batch": _first_batch(mb, ma) if same_first else None,
             "success_mean": [round(sum(p["success"]) / len(p["success"]), 4) for p in (pb, pa)],
             "heldout": _heldout([b], [a], ("env", "split", "task_index")),
         }
