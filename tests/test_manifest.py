@@ -21,6 +21,8 @@ def test_git_commit_dirty_flag_ignores_figure_outputs(tmp_path):
     (tmp_path / "figures" / "a.csv").write_text("1\n")
     (tmp_path / "code.py").write_text("x = 1\n")
     (tmp_path / "README.md").write_text("<!-- results:begin -->1<!-- results:end -->\n")
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "README.md").write_text("<!-- bench:begin -->1<!-- bench:end -->\n")
     git("add", "-A")
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
     clean = git_commit(tmp_path)
@@ -28,6 +30,8 @@ def test_git_commit_dirty_flag_ignores_figure_outputs(tmp_path):
     (tmp_path / "figures" / "a.csv").write_text("2\n")  # a rewritten output
     assert git_commit(tmp_path) == clean
     (tmp_path / "README.md").write_text("<!-- results:begin -->2<!-- results:end -->\n")  # its generated blocks
+    assert git_commit(tmp_path) == clean
+    (tmp_path / "lib" / "README.md").write_text("<!-- bench:begin -->2<!-- bench:end -->\n")  # the library's bench block
     assert git_commit(tmp_path) == clean
     (tmp_path / "code.py").write_text("x = 2\n")  # changed code
     assert git_commit(tmp_path) == clean + "+dirty"

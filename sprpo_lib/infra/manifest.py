@@ -18,10 +18,10 @@ NOT_A_CHECKOUT = "unknown (not a git checkout)"
 
 def git_commit(repo: str | Path | None = None) -> str:
     """Commit of the code that produced a result (``+dirty`` if tracked files other than
-    the outputs, ``figures/`` and the README with its generated blocks, have changes).  Only a
-    repository whose top level is the checkout holding the package counts: a copy unpacked
-    inside another repository would otherwise record that repository's commit.  Elsewhere
-    :data:`NOT_A_CHECKOUT`."""
+    the outputs, ``figures/`` and the READMEs with their generated blocks (the top level's and
+    the library's bench block), have changes).  Only a repository whose top level is the
+    checkout holding the package counts: a copy unpacked inside another repository would
+    otherwise record that repository's commit.  Elsewhere :data:`NOT_A_CHECKOUT`."""
     repo = Path(repo or package_checkout()).resolve()
     try:
         top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=repo, capture_output=True, text=True,
@@ -33,9 +33,9 @@ def git_commit(repo: str | Path | None = None) -> str:
         ).stdout.strip()
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)figures",
-             ":(exclude)README.md"],
+             ":(exclude,glob)**/README.md"],
             cwd=repo, capture_output=True, text=True,
-        ).stdout.strip()  # rewritten outputs (figures/, README.md) do not make the code that wrote them dirty
+        ).stdout.strip()  # rewritten outputs (figures/, READMEs) do not make the code that wrote them dirty
         return sha + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return NOT_A_CHECKOUT
