@@ -6,8 +6,9 @@ per step row, and whether the two learned alike.
 "Alike" is read off the runs themselves: the config keys that differ between the two (the
 levers, nothing else), whether iteration 0 played the same rollout (same samples, tokens,
 success and score: the same policy and seeds), iteration 0's update and extra pass
-seconds when it did (the one batch both sides ran, so its ratio is free of the later batches'
-differences), the per-iteration success and valid-action rates, and the held-out evaluation of the final policies on the same tasks with the same
+seconds when it did (the one batch both sides ran, so its ratio is free of the later
+batches' differences), the per-iteration success and valid-action rates, and the held-out
+evaluation of the final policies on the same tasks with the same
 generation seed: a paired bootstrap over tasks of after minus before (percentage points,
 its 95% interval and the smallest difference it detects with 80% power, MDE80), and the
 tasks solved by one side only with the exact sign test.  The interval carries task
