@@ -387,6 +387,11 @@ def test_phase_rows_price_each_pass_at_its_dtype_and_bound_the_ratio_at_the_floo
     assert f"all at their floors (what the methods' work alone costs): SAM {out['sam_over_vanilla_at_floors']}x" in text
     assert headline({"bench": "train", "results": res}).endswith(
         f"(every phase at its floor: SAM {out['sam_over_vanilla_at_floors']})")
+    assert "whole path's FLOPs" not in text  # no reference path in the record: no ratio to it
+    # with a reference path of twice the FLOPs and 1.5x the seconds: FLOP ratio 0.5, measured 0.667
+    whole = {"vanilla": {**out["vanilla"], "update_floor_s": 2 * van, "update_s": 4.5}}
+    text = "\n".join(SUMMARIES["train"]({**res, "whole": whole}))
+    assert "Vanilla's shared-pass update is 0.5x the whole path's FLOPs" in text and "(measured: 0.667x)" in text
 
 
 def test_estimate_agreement_against_hand_values():
