@@ -5,6 +5,7 @@
     sprpo-bench train [--profile cpu] [--env webshop] [key=value ...]
     sprpo-bench attention [--profile cpu] [--env webshop]   # the replay's attention calls per SDPA backend
     sprpo-bench estimates [--env webshop] [--iterations 6] [--parts 4]   # a 1/parts replay against line 7's, over a run
+    sprpo-bench allocator [--env webshop] [--rounds 3]   # the passes under glibc's malloc settings, then tuned
     sprpo-bench machine [--model smollm2-135m]
     sprpo-bench generate [--model smollm2-135m] [--prompts 16] [--engines hf_generator,hf,openvino]
     sprpo-bench eval [--engines hf:float32,hf:bfloat16,openvino,openvino:auto:prefix_caching=false] [--episodes 64]
@@ -26,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from sprpo_lib.bench.allocator import METHODS as ALLOCATOR_METHODS
+from sprpo_lib.bench.allocator import bench_allocator
 from sprpo_lib.bench.attention import bench_attention
 from sprpo_lib.bench.estimates import bench_estimates
 from sprpo_lib.bench.gpu import METHODS, bench_gpu
@@ -43,7 +46,7 @@ from sprpo_lib.bench.suite import (
     bench_train,
     bench_update,
 )
-from sprpo_lib.infra.hardware import machine_info
+from sprpo_lib.infra.hardware import ALLOCATORS, machine_info, set_allocator
 from sprpo_lib.infra.io import atomic_write_json
 from sprpo_lib.infra.manifest import git_commit
 from sprpo_lib.infra.paths import project_path, runs_dir
@@ -107,6 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     es.add_argument("--iterations", type=int, default=6)
     es.add_argument("--parts", type=int, default=4, help="disjoint parts of the rows (each a 1/parts replay)")
     es.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. seed=1")
+    al = sub.add_parser("allocator", help="each method's update and extra pass on one rollout batch under glibc's own "
+                        "malloc settings, then tuned (hardware.set_allocator), in one process: seconds, page faults")
+    al.add_argument("--profile", default="cpu")
+    al.add_argument("--env", default="webshop")
+    al.add_argument("--rounds", type=int, default=3, help="timed updates per method and side (median)")
+    al.add_argument("--methods", default=",".join(ALLOCATOR_METHODS))
+    al.add_argument("overrides", nargs="*", help="dotted config overrides")
     m = sub.add_parser("machine", help="matmul GFLOP/s per dtype at a model's shapes, bandwidth, prefill floor")
     m.add_argument("--model", default="smollm2-135m", help="shapes from this model's config (weights not loaded)")
     m.add_argument("--context", type=int, default=500, help="prompt length for the FLOPs per token")
@@ -175,8 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--before", required=True, help="runs folder of the reference side, e.g. runs/cpu/levers_off")
     w.add_argument("--after", required=True, help="runs folder of the other side, e.g. runs/cpu/train")
-    for sp in (p, e, t, at, es, m, g, u, v, q, c, x, w):
+    for sp in (p, e, t, at, es, al, m, g, u, v, q, c, x, w):
         sp.add_argument("--threads", type=int, default=2, help="torch threads (set explicitly: 2 cores here)")
+        if sp is not al:  # that one measures both
+            sp.add_argument("--allocator", choices=ALLOCATORS, default="tuned",
+                            help="glibc malloc settings (hardware.set_allocator; 'default': glibc as it is)")
         sp.add_argument("--out", type=Path, help="JSON path (default runs/bench/<what>.json)")
     r = sub.add_parser("report", help="runs/bench/*.json as figures/bench_<machine>.md and the README's bench block")
     r.add_argument("--dir", type=Path, default=None, help="benchmark JSON folder (default runs/bench/)")
@@ -186,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
             print(path)
         return 0
     torch.set_num_threads(args.threads)
+    if args.what != "allocator":
+        set_allocator(args.allocator)
     t0, commit = time.time(), git_commit()  # the code that runs (files edited during a long run do not count)
     out = project_path(args.out) if args.out else runs_dir("bench", f"{args.what}.json")
 
@@ -224,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.what == "estimates":
         res = bench_estimates(args.profile, args.env, args.iterations, args.parts, args.overrides,
                               save=lambda r: atomic_write_json(out, record(r, partial=True)))
+    elif args.what == "allocator":
+        res = bench_allocator(args.profile, args.env, args.rounds, tuple(args.methods.split(",")), args.overrides)
     elif args.what == "attention":
         res = bench_attention(args.profile, args.env, args.repeats, args.overrides)
     elif args.what == "envs":

@@ -28,6 +28,7 @@ from sprpo_lib.bench.suite import estimate_agreement, rel_l2
 from sprpo_lib.core.actor import SURROGATE, Actor
 from sprpo_lib.core.batch import Batch, build_batch
 from sprpo_lib.core.methods import Method, grad_leaf, make_method, rank_correlation, replay_rows
+from sprpo_lib.infra import hardware as hw
 from sprpo_lib.train.config import load_config
 from sprpo_lib.train.trainer import Trainer, run_folder
 
@@ -129,8 +130,8 @@ def bench_estimates(profile: str = "cpu", env: str = "webshop", iterations: int 
                          f"halves of the parts are compared), got {parts}")
     if iterations < 1:
         raise ValueError(f"bench estimates --iterations: expected at least 1, got {iterations}")
-    cfg = load_config(profile, list(overrides or []) + [f"env.name={env}", "method.name=sprpo",
-                                                        "method.sensitivity=replay", "method.replay_frac=1.0"])
+    cfg = load_config(profile, [hw.allocator_override(), *(overrides or []), f"env.name={env}", "method.name=sprpo",
+                                "method.sensitivity=replay", "method.replay_frac=1.0"])
     if cfg.update.loss.loss_agg_mode != "token-mean" or cfg.method.scale != "energy":
         raise ValueError("bench estimates: needs update.loss.loss_agg_mode=token-mean (the ratio estimate) and "
                          f"method.scale=energy (sigma from S-bar), got {cfg.update.loss.loss_agg_mode!r} and "

@@ -24,7 +24,6 @@ GPU.  A leaf: nothing in the library imports it.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import gc
 import importlib.util
@@ -40,7 +39,7 @@ from pathlib import Path
 import torch
 
 from sprpo_lib.agent.engines import ENGINES, GenerationConfig, close_engine, make_engine
-from sprpo_lib.bench.suite import sync_device, webshop_prompts
+from sprpo_lib.bench.suite import restore_point, sync_device, webshop_prompts
 from sprpo_lib.core.batch import build_batch
 from sprpo_lib.core.methods import make_method
 from sprpo_lib.infra import hardware as hw
@@ -115,7 +114,8 @@ def generation(policy, engines: tuple[str, ...], batch: int, new_tokens: int, ba
 
 def trainer(profile: str, env: str, overrides: list[str]) -> Trainer:
     """The bench's Trainer for one environment: no warm start, a scratch run folder."""
-    cfg = load_config(profile, [f"env.name={env}", "method.name=sprpo", "warm_start=false", *overrides])
+    cfg = load_config(profile, [hw.allocator_override(), f"env.name={env}", "method.name=sprpo", "warm_start=false",
+                                *overrides])
     return Trainer(cfg, Path(tempfile.mkdtemp(prefix=f"sprpo-bench-gpu-{env}-")), progress=True)
 
 
@@ -139,16 +139,12 @@ def iterations(tr: Trainer, methods: tuple[str, ...], res: dict, saved: Callable
                       **{f"rollout_{k}": v for k, v in hw.peak_memory(dev).items()}}
     _say(cfg.env.name, "rollout", res["rollout"])
     saved()
-    params0 = [p.detach().clone() for p in a.params]
-    opt0 = copy.deepcopy(a.opt.state_dict())
+    restore = restore_point(a)
     for name in methods:
         if time.perf_counter() > deadline:
             res[name] = {"skipped": "deadline"}
             continue
-        with torch.no_grad():
-            for p, v in zip(a.params, params0):
-                p.copy_(v)
-        a.opt.load_state_dict(copy.deepcopy(opt0))
+        restore()
         tr.method = make_method(dataclasses.replace(cfg.method, name=name), tr.shape, cfg.seed)
         xi = tr.method.rollout_xi(0)  # the method's own (None for Vanilla and SAM)
         hw.reset_peak_memory(dev)

@@ -322,8 +322,29 @@ def _estimates_rows(res: dict) -> list[str]:
     return lines
 
 
+def _allocator_rows(res: dict) -> list[str]:
+    """``bench allocator``: each method's passes under glibc's own malloc settings and tuned, one process."""
+    lines = [(f"{res.get('env')} `{res.get('profile')}`{_overrides_text(res)} batch of {res.get('samples')} rows, "
+              f"{res.get('dtype')}: each method's update and extra pass from one adapter state, {res.get('rounds')} "
+              "rounds under glibc's malloc settings as the process started, then as many tuned "
+              "(`hardware.set_allocator`); medians, the page faults and kernel seconds of both passes.\n"),
+             "| method | update s: default -> tuned | extra pass s | minor page faults | kernel s |",
+             "|---|---|---|---|---|"]
+    d, t, ratio = res.get("default") or {}, res.get("tuned") or {}, res.get("tuned_over_default") or {}
+    for m, r in _in_method_order(ratio):
+        extra = (f"{d[m]['sensitivity_s']} -> {t[m]['sensitivity_s']} ({r['sensitivity_s']}x)"
+                 if "sensitivity_s" in r else "-")
+        lines.append(f"| {m} | {d[m]['update_s']} -> {t[m]['update_s']} ({r['update_s']}x) | {extra} | "
+                     f"{d[m]['minor_faults']:.0f} -> {t[m]['minor_faults']:.0f} | {d[m]['kernel_s']} -> {t[m]['kernel_s']} |")
+    if "peak_rss_mib" in d and "peak_rss_mib" in t:
+        lines.append(f"\nPeak resident memory: {d['peak_rss_mib']} MiB after the default rounds, {t['peak_rss_mib']} MiB "
+                     "after the tuned ones.")
+    return lines
+
+
 SUMMARIES = {"eval": _eval_rows, "churn": _churn_rows, "machine": _machine_rows, "train": _train_rows, "gpu": _gpu_rows,
-             "runs": _runs_rows, "attention": _attention_rows, "estimates": _estimates_rows}
+             "runs": _runs_rows, "attention": _attention_rows, "estimates": _estimates_rows,
+             "allocator": _allocator_rows}
 
 
 def headline(record: dict) -> str | None:
@@ -388,6 +409,10 @@ def headline(record: dict) -> str | None:
         return (f"{res.get('env')} replay's attention (flash) {fl['total_s']} s = {res.get('flash_share_of_replay')} of "
                 f"the replay, {fl['over_floor']}x its FLOP floor, backward {fl['backward_over_forward']}x its forward; "
                 f"the fastest backend per shape {res.get('fastest_over_first')}x flash's")
+    if name == "allocator" and isinstance(res.get("tuned_over_default"), dict):
+        return (f"{res.get('env')} passes with the tuned malloc settings, tuned / default: "
+                + ", ".join(f"{m} update {r['update_s']}x" + (f", extra pass {r['sensitivity_s']}x" if "sensitivity_s" in r else "")
+                            for m, r in _in_method_order(res["tuned_over_default"])))
     if name == "machine":
         return ", ".join(f"{d} {g} GFLOP/s" for d, g in res.get("prefill_gflops", {}).items()) + " prefill matmul"
     return None

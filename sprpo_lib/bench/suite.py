@@ -419,11 +419,26 @@ def method_passes(batch, depth: int, layers: int, regularised: bool, skip_zero_a
     return out
 
 
+def restore_point(actor):
+    """A function that puts ``actor``'s trainable parameters and optimizer state back to
+    what they are now: every method measured on one batch starts from the same adapter."""
+    params0 = [p.detach().clone() for p in actor.params]
+    opt0 = copy.deepcopy(actor.opt.state_dict())
+
+    def restore() -> None:
+        with torch.no_grad():
+            for p, v in zip(actor.params, params0):
+                p.copy_(v)
+        actor.opt.load_state_dict(copy.deepcopy(opt0))
+
+    return restore
+
+
 def rollout_batch(profile: str, env: str, overrides: Sequence[str] | None = None) -> tuple:
     """``(trainer, batch, episodes, xi, rollout stats, setup seconds)``: one RL rollout batch of the
     profile (:meth:`Trainer.collect` at iteration 0, under SPrPO's initial xi), its environments
     closed; the setup seconds are the model load and warm start (built when not cached)."""
-    cfg = load_config(profile, list(overrides or []) + [f"env.name={env}", "method.name=sprpo"])
+    cfg = load_config(profile, [hw.allocator_override(), *(overrides or []), f"env.name={env}", "method.name=sprpo"])
     t0 = time.perf_counter()
     tr = Trainer(cfg, run_folder(cfg), progress=True)
     setup_s = time.perf_counter() - t0
@@ -502,8 +517,7 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
         variants = {k: v for k, v in variants.items() if k in {"vanilla", "sprpo", *methods}}
     prefix_min = {"shared": cfg.update.prefix_min or 16, "whole": 0}
     prefix_min["fused"] = prefix_min["shared"]
-    params0 = [p.detach().clone() for p in a.params]
-    opt0 = copy.deepcopy(a.opt.state_dict())
+    restore = restore_point(a)
     times = {(path, v): {"update_s": [], "sensitivity_s": [], "ppo_steps": [], "update_float32": []}
              for path in paths for v in variants}
     states: dict[tuple[str, str], tuple] = {}
@@ -523,10 +537,7 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
             use(path)
             for name, mcfg in variants.items():
                 bar.set_postfix_str(f"{path} {name}", refresh=True)
-                with torch.no_grad():
-                    for p, v in zip(a.params, params0):
-                        p.copy_(v)
-                a.opt.load_state_dict(copy.deepcopy(opt0))
+                restore()
                 tr.method = make_method(mcfg, tr.shape, cfg.seed)
                 st = tr.update(batch.without_old(), xi if name.startswith("sprpo") else None, 0)
                 if name.startswith("sprpo"):

@@ -71,7 +71,7 @@ def write_manifest(
     try:  # CPU model and instruction set: where the numbers (and timings) were made
         manifest["host"].update({k: v for k, v in machine_info().items() if k in ("cpu_model", "capability", "cpu_class",
                                                                                 "isa_limits", "logical_cpus",
-                                                                                "torch_threads")})
+                                                                                "torch_threads", "allocator")})
     except Exception:  # noqa: BLE001 - a manifest is never lost for want of CPU details
         pass
     if extra:

@@ -30,6 +30,7 @@ from sprpo_lib.agent.prompt import AgentConfig
 from sprpo_lib.core.advantages import AdvantageConfig
 from sprpo_lib.core.losses import KL_ESTIMATORS, PPOLossConfig
 from sprpo_lib.core.methods import MethodConfig
+from sprpo_lib.infra.hardware import ALLOCATORS
 from sprpo_lib.infra.io import NOT_A_KEY, OMIT_AT_DEFAULT, key_fields
 from sprpo_lib.infra.tracking import check_loggers
 from sprpo_lib.model.lora import LoraSettings
@@ -190,12 +191,17 @@ class TrainConfig:
     ``eval_every``: also score the policy on those ``eval_tasks`` held-out tasks after
     every N-th iteration (verl's ``trainer.test_freq``; 0: only the final policy), written
     to ``heldout/iter_<k>/``: the learning curve, paired with the warm start's ``eval.json``
-    (same tasks, seed and temperature); it does not change the training itself."""
+    (same tasks, seed and temperature); it does not change the training itself.
+    ``allocator``: glibc malloc settings for the run's process
+    (:func:`sprpo_lib.infra.hardware.set_allocator`: ``tuned`` keeps freed activation memory
+    mapped instead of page-faulting it in again every pass; ``default``: glibc as it is); speed
+    only, not part of the run's identity."""
 
     profile: str = "paper"
     iterations: int = 200
     seed: int = 0
     threads: int | None = None
+    allocator: str = field(default="tuned", metadata=NOT_A_KEY)
     out_dir: str | None = None
     log_episodes: bool = True
     warm_start: bool = False
@@ -212,6 +218,9 @@ class TrainConfig:
 
     def __post_init__(self):
         self.logger = check_loggers(self.logger)
+        if self.allocator not in ALLOCATORS:
+            raise ValueError(f"allocator={self.allocator!r}: expected one of {ALLOCATORS} ('tuned': keep freed "
+                             "activation memory mapped, the default; 'default': glibc's own malloc settings)")
         if self.iterations < 1:
             raise ValueError(f"iterations={self.iterations}: expected at least 1 RL iteration; to score the starting "
                              "policy without training use sprpo-train --warm-start-only or sprpo-eval")

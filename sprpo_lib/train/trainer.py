@@ -42,7 +42,7 @@ from sprpo_lib.core.actor import Actor
 from sprpo_lib.core.batch import build_batch
 from sprpo_lib.core.methods import make_method
 from sprpo_lib.core.perturb import xi_stats
-from sprpo_lib.infra.hardware import peak_memory, reset_peak_memory
+from sprpo_lib.infra.hardware import peak_memory, reset_peak_memory, set_allocator
 from sprpo_lib.infra.io import JsonLines, atomic_dir, atomic_write_json, atomic_write_text, file_lock, read_cached
 from sprpo_lib.infra.manifest import git_commit
 from sprpo_lib.infra.paths import project_path, runs_dir
@@ -69,6 +69,7 @@ class Trainer:
         self.progress = progress
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
+        set_allocator(cfg.allocator)
         self.out = Path(out)
         # the environment first: missing or damaged data is one error before the model loads
         factory = partial(make_pool, cfg.env.name, cfg.env.data_dir, cfg.env.seed)
