@@ -6,6 +6,7 @@
     sprpo-bench attention [--profile cpu] [--env webshop]   # the replay's attention calls per SDPA backend
     sprpo-bench estimates [--env webshop] [--iterations 6] [--parts 4]   # a 1/parts replay against line 7's, over a run
     sprpo-bench allocator [--env webshop] [--rounds 3]   # the passes under glibc's malloc settings, then tuned
+    sprpo-bench ops [--env webshop]   # one update's time by op class, each against its roofline
     sprpo-bench machine [--model smollm2-135m]
     sprpo-bench generate [--model smollm2-135m] [--prompts 16] [--engines hf_generator,hf,openvino]
     sprpo-bench eval [--engines hf:float32,hf:bfloat16,openvino,openvino:auto:prefix_caching=false] [--episodes 64]
@@ -32,6 +33,7 @@ from sprpo_lib.bench.allocator import bench_allocator
 from sprpo_lib.bench.attention import bench_attention
 from sprpo_lib.bench.estimates import bench_estimates
 from sprpo_lib.bench.gpu import METHODS, bench_gpu
+from sprpo_lib.bench.ops import bench_ops
 from sprpo_lib.bench.report import report
 from sprpo_lib.bench.runs import bench_runs
 from sprpo_lib.bench.suite import (
@@ -117,6 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     al.add_argument("--rounds", type=int, default=3, help="timed updates per method and side (median)")
     al.add_argument("--methods", default=",".join(ALLOCATOR_METHODS))
     al.add_argument("overrides", nargs="*", help="dotted config overrides")
+    op = sub.add_parser("ops", help="Vanilla's update on one rollout batch, every op timed where it runs: seconds by "
+                        "class (matmul, attention, memory, views) against each class's roofline, the eager bound")
+    op.add_argument("--profile", default="cpu")
+    op.add_argument("--env", default="webshop")
+    op.add_argument("overrides", nargs="*", help="dotted config overrides")
     m = sub.add_parser("machine", help="matmul GFLOP/s per dtype at a model's shapes, bandwidth, prefill floor")
     m.add_argument("--model", default="smollm2-135m", help="shapes from this model's config (weights not loaded)")
     m.add_argument("--context", type=int, default=500, help="prompt length for the FLOPs per token")
@@ -185,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--before", required=True, help="runs folder of the reference side, e.g. runs/cpu/levers_off")
     w.add_argument("--after", required=True, help="runs folder of the other side, e.g. runs/cpu/train")
-    for sp in (p, e, t, at, es, al, m, g, u, v, q, c, x, w):
+    for sp in (p, e, t, at, es, al, op, m, g, u, v, q, c, x, w):
         sp.add_argument("--threads", type=int, default=2, help="torch threads (set explicitly: 2 cores here)")
         if sp is not al:  # that one measures both
             sp.add_argument("--allocator", choices=ALLOCATORS, default="tuned",
@@ -241,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
                               save=lambda r: atomic_write_json(out, record(r, partial=True)))
     elif args.what == "allocator":
         res = bench_allocator(args.profile, args.env, args.rounds, tuple(args.methods.split(",")), args.overrides)
+    elif args.what == "ops":
+        res = bench_ops(args.profile, args.env, args.overrides)
     elif args.what == "attention":
         res = bench_attention(args.profile, args.env, args.repeats, args.overrides)
     elif args.what == "envs":

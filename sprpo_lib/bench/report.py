@@ -342,9 +342,29 @@ def _allocator_rows(res: dict) -> list[str]:
     return lines
 
 
+def _ops_rows(res: dict) -> list[str]:
+    """``bench ops``: one Vanilla update's seconds by op class, each against its roofline."""
+    lines = [(f"{res.get('env')} `{res.get('profile')}`{_overrides_text(res)} batch of {res.get('samples')} rows, "
+              f"{res.get('dtype')}, {res.get('ppo_steps')} optimizer steps: Vanilla's update {res.get('update_s')} s = "
+              f"{res.get('update_over_floor')}x its FLOP floor ({res.get('floor_s')} s); every op timed where it ran "
+              f"(the spied update took {res.get('spied_update_s')} s). Rooflines: the matmul rate probed at the model's "
+              f"shapes ({res.get('matmul_gflops')} GFLOP/s), the memory bandwidth ({res.get('bandwidth_gbs')} GB/s).\n"),
+             "| class | seconds (share of the update) | calls | work | rate (x roofline) | at the roofline s | top ops (s) |",
+             "|---|---|---|---|---|---|---|"]
+    for cls, r in (res.get("classes") or {}).items():
+        rate = f"{r['rate']} ({r['rate_over_roofline']}x)" if "rate" in r else "-"
+        top = ", ".join(f"{t['op']} {t['seconds']}" for t in r.get("top", [])[:4])
+        lines.append(f"| {cls} | {r['seconds']} ({r['share_of_wall']}) | {r['calls']} | {r['work']} {r['unit']} | {rate} | "
+                     f"{r.get('at_roofline_s', '-')} | {top} |")
+    lines.append(f"| outside the ops (Python, autograd engine) | {res.get('outside_ops_s')} | | | | 0 | |")
+    lines.append(f"\nEager bound (matmuls and memory ops at their rooflines, attention as measured, nothing outside the "
+                 f"ops): {res.get('eager_bound_s')} s = {res.get('eager_bound_over_floor')}x the FLOP floor.")
+    return lines
+
+
 SUMMARIES = {"eval": _eval_rows, "churn": _churn_rows, "machine": _machine_rows, "train": _train_rows, "gpu": _gpu_rows,
              "runs": _runs_rows, "attention": _attention_rows, "estimates": _estimates_rows,
-             "allocator": _allocator_rows}
+             "allocator": _allocator_rows, "ops": _ops_rows}
 
 
 def headline(record: dict) -> str | None:
@@ -413,6 +433,11 @@ def headline(record: dict) -> str | None:
         return (f"{res.get('env')} passes with the tuned malloc settings, tuned / default: "
                 + ", ".join(f"{m} update {r['update_s']}x" + (f", extra pass {r['sensitivity_s']}x" if "sensitivity_s" in r else "")
                             for m, r in _in_method_order(res["tuned_over_default"])))
+    if name == "ops" and isinstance(res.get("classes"), dict):
+        c = res["classes"]
+        return (f"{res.get('env')} Vanilla update {res.get('update_over_floor')}x its floor: matmuls "
+                f"{c['matmul'].get('rate_over_roofline')}x their rate, memory ops {c['memory'].get('rate_over_roofline')}x "
+                f"the bandwidth, attention {c['attention']['seconds']} s; eager bound {res.get('eager_bound_over_floor')}x the floor")
     if name == "machine":
         return ", ".join(f"{d} {g} GFLOP/s" for d, g in res.get("prefill_gflops", {}).items()) + " prefill matmul"
     return None

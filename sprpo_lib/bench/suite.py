@@ -349,6 +349,13 @@ def _floor_seconds(config, episodes, gflops: float, bandwidth_gbs: float, weight
     return prefill, decode
 
 
+def phase_flops(config, passes: list, prefix_min: int, timer: str) -> float:
+    """FLOPs of the passes one phase (``timer``: ``update_s`` or ``sensitivity_s``) of a method
+    runs (:func:`method_passes`' tuples), prefixes of at least ``prefix_min`` tokens shared."""
+    return sum(hw.train_pass_flops(config, pass_groups(rows, prefix_min), d, f)["total"]
+               for tm, rows, d, f in passes if tm == timer)
+
+
 def phase_rows(times: dict, passes: dict, config, prefix_min: int, gflops: float, rollout_s: float,
                 samples: int, generation_floor_s: float | None = None, float32_gflops: float | None = None) -> dict:
     """Per method: median seconds of its update and extra pass, each against the FLOP floor of
@@ -365,11 +372,10 @@ def phase_rows(times: dict, passes: dict, config, prefix_min: int, gflops: float
         f32 = float32_gflops and t.get("update_float32") and all(t["update_float32"])
         row = {k: round(statistics.median(v), 2) for k, v in t.items() if k != "update_float32"}
         for timer in ("update_s", "sensitivity_s"):
-            work = [hw.train_pass_flops(config, pass_groups(rows, prefix_min), d, f)["total"]
-                    for tm, rows, d, f in passes[name] if tm == timer]
+            work = phase_flops(config, passes[name], prefix_min, timer)
             if work:
                 rate = float32_gflops if f32 and timer == "update_s" else gflops
-                floor = sum(work) / (rate * 1e9)
+                floor = work / (rate * 1e9)
                 row[timer.replace("_s", "_floor_s")] = round(floor, 2)
                 row[timer.replace("_s", "_over_floor")] = round(row[timer] / floor, 2) if floor else None
         if f32:

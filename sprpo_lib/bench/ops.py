@@ -1,0 +1,147 @@
+"""``sprpo-bench ops``: where one Vanilla update on a real rollout batch spends its time, op class by
+op class, each class against its own roofline.
+
+Every ATen op the update runs (forward, backward, optimizer) is timed where it executes, below
+autograd (``TorchDispatchMode``), and sorted into:
+
+- ``matmul``: ``mm``, ``addmm``, ``bmm`` and their in-place forms (the linears, the LoRA factors,
+  the LM head): FLOPs against the matmul rate probed at the model's shapes;
+- ``attention``: the fused SDPA kernels, forward and backward: FLOPs of the full query x key
+  rectangle (masked entries included, :func:`sprpo_lib.bench.attention.attention_flops`)
+  against the same matmul rate;
+- ``memory``: every other op that writes new memory (elementwise maths, norms, copies,
+  concatenations, reductions): bytes read and written against the measured memory bandwidth;
+- ``views``: ops that return a view of their input, and bare allocations (no bytes moved).
+
+What the update spends outside the ops (Python, the autograd engine, dispatch) is its wall time,
+measured once without the spy just before, less the ops' sum.  ``eager_bound_s`` is what the
+same op-at-a-time execution would take with every matmul at the probed rate and every memory op
+at the measured bandwidth, attention as measured (no SDPA backend was faster per shape:
+``sprpo-bench attention``) and nothing outside the ops: a lower bound on an eager update, to set
+against its FLOP floor.  Operands that stay in cache can beat the bandwidth, so a memory class
+above 1.0x of it is possible, and the bound is approximate there."""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from sprpo_lib.bench.attention import BACKWARD_FLOPS, attention_flops
+from sprpo_lib.bench.suite import method_passes, phase_flops, prefill_rate, restore_point, rollout_batch
+from sprpo_lib.core.batch import Batch
+from sprpo_lib.core.methods import MethodConfig, make_method
+from sprpo_lib.infra import hardware as hw
+from sprpo_lib.model.layers import lowest_trainable_layer
+
+CLASSES = ("matmul", "attention", "memory", "views")
+ALLOCATIONS = {"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like"}
+MATMULS = {"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_"}
+ATTENTION_FORWARD = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+                     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"}
+TOP = 6  # ops listed per class
+
+
+def _tensors(x) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(x) if isinstance(t, torch.Tensor)]
+
+
+def matmul_flops(name: str, args: tuple) -> float:
+    """FLOPs of one matmul op: ``2 M K N`` (per batch entry for the batched forms)."""
+    a, b = (args[1], args[2]) if name.startswith(("addmm", "baddbmm")) else (args[0], args[1])
+    batch = a.shape[0] if a.dim() == 3 else 1
+    return 2.0 * batch * a.shape[-2] * a.shape[-1] * b.shape[-1]
+
+
+def classify(name: str, args: tuple, out) -> tuple[str, float]:
+    """``(class, work)`` of one op: FLOPs for ``matmul`` and ``attention``, bytes read and written
+    for ``memory``, 0 for ``views`` (an output sharing its input's storage)."""
+    if name in MATMULS:
+        return "matmul", matmul_flops(name, args)
+    base = name.removesuffix("_backward")
+    if base in ATTENTION_FORWARD:
+        q, k = (args[1], args[2]) if name.endswith("_backward") else (args[0], args[1])
+        f = attention_flops(tuple(q.shape), tuple(k.shape))
+        return "attention", f * (BACKWARD_FLOPS if name.endswith("_backward") else 1.0)
+    if name in ALLOCATIONS:
+        return "views", 0.0
+    ins, outs = _tensors(args), _tensors(out)
+    storages = {t.untyped_storage().data_ptr() for t in ins if t.numel()}
+    if outs and all(t.untyped_storage().data_ptr() in storages for t in outs if t.numel()) and not name.endswith("_"):
+        return "views", 0.0
+    return "memory", float(sum(t.numel() * t.element_size() for t in ins + outs))
+
+
+class OpClock(TorchDispatchMode):
+    """Times every op inside the block: ``stats[(class, op)] = [calls, seconds, work]``."""
+
+    def __init__(self):
+        super().__init__()
+        self.stats: dict = defaultdict(lambda: [0, 0.0, 0.0])
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        t0 = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        dt = time.perf_counter() - t0
+        name = func.overloadpacket.__name__
+        cls, work = classify(name, args, out)
+        s = self.stats[(cls, name)]
+        s[0] += 1
+        s[1] += dt
+        s[2] += work
+        return out
+
+
+def bench_ops(profile: str = "cpu", env: str = "webshop", overrides: list[str] | None = None) -> dict:
+    """Vanilla's update on one rollout batch of ``profile``: its wall time and FLOP floor (as
+    ``bench train``'s shared passes), then the same update again under :class:`OpClock`, per
+    class seconds, work, rate against its roofline and the top ops; ``eager_bound_s``."""
+    tr, batch, _, _, _, setup = rollout_batch(profile, env, overrides)
+    cfg, a = tr.cfg, tr.actor
+    config = tr.policy.model.config
+    restore = restore_point(a)
+    tr.method = make_method(MethodConfig(name="vanilla"), tr.shape, cfg.seed)
+    tr.update(Batch(batch.without_old().samples[:2 * a.micro_batch]), None, 0)  # untimed warm-up
+    gflops, bandwidth = prefill_rate(config, tr.dtype), hw.probe_bandwidth()
+    restore()
+    st = tr.update(batch.without_old(), None, 0)
+    wall = st["update_s"]
+    restore()
+    clock = OpClock()
+    with clock:
+        t0 = time.perf_counter()
+        tr.update(batch.without_old(), None, 0)
+        spied = time.perf_counter() - t0
+    L = int(config.num_hidden_layers)
+    depth = L - lowest_trainable_layer(tr.model)
+    regularised = bool(a.loss_cfg.entropy_coeff or a.kl_coef)
+    steps = len(batch.mini_batches(a.mini_batch)) * a.epochs
+    passes = method_passes(batch, depth, L, regularised, a.skip_zero_adv, steps, a.reuse_frozen)["vanilla"]
+    floor = phase_flops(config, passes, a.prefix_min, "update_s") / (gflops * 1e9)
+    roof = {"matmul": gflops * 1e9, "attention": gflops * 1e9, "memory": bandwidth * 1e9}
+    unit = {"matmul": "GFLOP", "attention": "GFLOP", "memory": "GB", "views": "-"}
+    classes: dict = {}
+    for cls in CLASSES:
+        ops = sorted(((name, v) for (c, name), v in clock.stats.items() if c == cls), key=lambda kv: -kv[1][1])
+        secs, work = sum(v[1] for _, v in ops), sum(v[2] for _, v in ops)
+        row = {"seconds": round(secs, 3), "calls": sum(v[0] for _, v in ops), "share_of_wall": round(secs / wall, 3),
+               "work": round(work / 1e9, 2), "unit": unit[cls],
+               "top": [{"op": name, "calls": v[0], "seconds": round(v[1], 3), "work": round(v[2] / 1e9, 2)}
+                       for name, v in ops[:TOP]]}
+        if cls in roof and secs:
+            row["rate"] = round(work / secs / 1e9, 1)
+            row["roofline"] = round(roof[cls] / 1e9, 1)
+            row["rate_over_roofline"] = round(work / secs / roof[cls], 3)
+            row["at_roofline_s"] = round(work / roof[cls], 3)
+        classes[cls] = row
+    ops_s = sum(r["seconds"] for r in classes.values())
+    bound = classes["matmul"].get("at_roofline_s", 0) + classes["memory"].get("at_roofline_s", 0) + classes["attention"]["seconds"]
+    return {"profile": profile, "env": env, "overrides": list(overrides or []), "dtype": tr.dtype,
+            "setup_s": round(setup, 2), "samples": len(batch.samples), "prefix_min": a.prefix_min,
+            "reuse_frozen": a.reuse_frozen, "ppo_steps": steps, "matmul_gflops": round(gflops, 1),
+            "bandwidth_gbs": round(bandwidth, 1), "update_s": round(wall, 3), "floor_s": round(floor, 4),
+            "update_over_floor": round(wall / floor, 2), "spied_update_s": round(spied, 2), "ops_s": round(ops_s, 2),
+            "outside_ops_s": round(max(wall - ops_s, 0.0), 2), "classes": classes, "eager_bound_s": round(bound, 2),
+            "eager_bound_over_floor": round(bound / floor, 2)}

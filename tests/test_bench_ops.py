@@ -1,0 +1,64 @@
+"""``sprpo-bench ops``: each op lands in its class with the work written out here (matmul FLOPs
+2MKN, attention's rectangle and backward factor, bytes of a memory op, nothing for a view), and
+on the smoke batch the classes' seconds add up to the spied update and the bound to its parts."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sprpo_lib.bench.attention import BACKWARD_FLOPS
+from sprpo_lib.bench.ops import CLASSES, OpClock, bench_ops
+from sprpo_lib.bench.report import SUMMARIES, headline
+
+
+def _by_op(clock: OpClock) -> dict:
+    return {name: (cls, calls, work) for (cls, name), (calls, _, work) in clock.stats.items()}
+
+
+def test_matmuls_views_and_memory_ops_carry_their_own_work():
+    a, b, bias = torch.randn(3, 4), torch.randn(4, 5), torch.randn(5)
+    x, y = torch.randn(2, 3, 4), torch.randn(2, 4, 5)
+    with OpClock() as clock:
+        a @ b
+        torch.addmm(bias, a, b)
+        torch.bmm(x, y)
+        a.t()
+        a.view(12)
+        c = a * 2.0
+        c.add_(1.0)
+    ops = _by_op(clock)
+    assert ops["mm"] == ("matmul", 1, 2 * 3 * 4 * 5)
+    assert ops["addmm"] == ("matmul", 1, 2 * 3 * 4 * 5)
+    assert ops["bmm"] == ("matmul", 1, 2 * 2 * 3 * 4 * 5)
+    assert ops["t"][0] == ops["view"][0] == "views" and ops["t"][2] == 0
+    assert ops["mul"] == ("memory", 1, 2 * 12 * 4)  # read a, write c
+    assert ops["add_"] == ("memory", 1, 2 * 12 * 4)  # in place: read and write c
+
+
+def test_attention_counts_the_rectangle_forward_and_backward_factor():
+    q = torch.randn(1, 2, 5, 8, requires_grad=True)
+    k, v = torch.randn(1, 2, 7, 8, requires_grad=True), torch.randn(1, 2, 7, 8, requires_grad=True)
+    mask = torch.ones(5, 7, dtype=torch.bool).tril(2)
+    with OpClock() as clock:
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum().backward()
+    att = {name: work for (cls, name), (_, _, work) in clock.stats.items() if cls == "attention"}
+    if not att:
+        pytest.skip("SDPA chose a non-fused backend here")
+    fwd = 4.0 * 1 * 2 * 5 * 7 * 8
+    assert sorted(att.values()) == [fwd, fwd * BACKWARD_FLOPS]
+
+
+def test_bench_ops_on_the_smoke_batch_adds_up():
+    res = bench_ops("smoke", "webshop")
+    c = res["classes"]
+    assert set(c) == set(CLASSES)
+    ops_s = sum(r["seconds"] for r in c.values())
+    assert ops_s == pytest.approx(res["ops_s"], abs=0.02) and ops_s <= res["spied_update_s"] + 0.01
+    assert c["matmul"]["work"] > 0 and c["memory"]["work"] > 0 and c["views"]["work"] == 0
+    bound = c["matmul"]["at_roofline_s"] + c["memory"]["at_roofline_s"] + c["attention"]["seconds"]
+    assert res["eager_bound_s"] == pytest.approx(bound, abs=0.02)
+    assert res["update_over_floor"] == pytest.approx(res["update_s"] / res["floor_s"], rel=0.02)
+    table = "\n".join(SUMMARIES["ops"](res))
+    assert "| matmul |" in table and "Eager bound" in table
+    assert "eager bound" in headline({"bench": "ops", "results": res})
