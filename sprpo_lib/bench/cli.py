@@ -144,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--temperatures", default="0,0.4")
     g.add_argument("--max-steps", type=int, default=3, help="prompts after 0..max-steps shopper steps")
     g.add_argument("--repeats", type=int, default=2, help="interleaved rounds (best wall time)")
+    g.add_argument("--no-prefix-caching", action="store_true",
+                   help="engines with a paged KV cache recompute every prompt each round (with --new-tokens 1: prefill alone)")
     q = sub.add_parser("prompts", help="token budget of a profile's prompts by section, per step and per episode")
     q.add_argument("--model", default="smollm2-135m", help="tokenizer of this model")
     q.add_argument("--episodes", type=int, default=16, help="demonstrator episodes, every step's prompt counted")
@@ -225,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.what == "generate":
         res = bench_generate(args.model, args.prompts, args.new_tokens, tuple(args.engines.split(",")),
                              tuple(args.dtypes.split(",")), tuple(float(x) for x in args.temperatures.split(",")),
-                             args.batch, args.max_steps, args.repeats)
+                             args.batch, args.max_steps, args.repeats, not args.no_prefix_caching)
     elif args.what == "update":
         res = bench_update(args.model, tuple(args.dtypes.split(",")), args.samples, args.prompt_len,
                            response_len=24, lora_layers=args.lora_layers or None, repeats=args.repeats)

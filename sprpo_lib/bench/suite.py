@@ -794,7 +794,7 @@ OPENVINO_ENGINES = {"openvino": None, "openvino_loop": "loop"}
 def bench_generate(model: str = "smollm2-135m", n_prompts: int = 16, new_tokens: int = 48,
                    engines: tuple[str, ...] = GENERATE_ENGINES, dtypes: tuple[str, ...] = ("float32", "bfloat16"),
                    temperatures: tuple[float, ...] = (0.0, 0.4), batch_size: int = 16, max_steps: int = 3,
-                   repeats: int = 2) -> dict:
+                   repeats: int = 2, prefix_caching: bool = True) -> dict:
     """Generation engines x dtypes side by side on the same real WebShop prompts.
 
     Per (dtype, temperature, engine): the best wall seconds of ``repeats`` interleaved
@@ -807,7 +807,10 @@ def bench_generate(model: str = "smollm2-135m", n_prompts: int = 16, new_tokens:
     engines.HFGenerator (the reference); other names come from
     :data:`sprpo_lib.agent.engines.ENGINES`, plus ``openvino_loop`` (the OpenVINO engine's own decode
     loop), computing in the policy's dtype; they are built once (conversion, load and one ``load_weights`` reload are reported
-    under ``openvino``, not timed as generation) and reset to call 0 for each run."""
+    under ``openvino``, not timed as generation) and reset to call 0 for each run.
+    ``prefix_caching=False``: engines with a paged KV cache recompute every prompt in every
+    round (with it, a round after the first finds its prompts cached); with ``new_tokens=1``
+    the wall time is then the engine's prefill alone, against the prefill floor."""
     prompts = webshop_prompts(n_prompts, max_steps)
     agent = AgentConfig(history_len=2, max_obs_chars=1000, history_obs_chars=120, echo_instruction=False)
     config = shape_config(model)
@@ -823,7 +826,8 @@ def bench_generate(model: str = "smollm2-135m", n_prompts: int = 16, new_tokens:
         for run in runs:
             dtype, temp, name = run
             pol = policies[dtype]
-            cfg = GenerationConfig(temperature=temp, max_new_tokens=new_tokens, batch_size=batch_size, seed=0)
+            cfg = GenerationConfig(temperature=temp, max_new_tokens=new_tokens, batch_size=batch_size, seed=0,
+                                   prefix_caching=prefix_caching)
             if name in OPENVINO_ENGINES:
                 if (dtype, name) not in built:
                     eng = OpenVINOEngine(pol, cfg, agent, backend=OPENVINO_ENGINES[name])
@@ -846,7 +850,8 @@ def bench_generate(model: str = "smollm2-135m", n_prompts: int = 16, new_tokens:
     for eng in built.values():
         eng.close()
     res: dict = {"model": model, "machine": hw.machine_info(), "prompts": n_prompts, "new_tokens": new_tokens,
-                 "batch_size": batch_size, "repeats": repeats, **({"openvino": ov_stats} if ov_stats else {}),
+                 "batch_size": batch_size, "repeats": repeats, "prefix_caching": prefix_caching,
+                 **({"openvino": ov_stats} if ov_stats else {}),
                  "prefill_gflops": {d: matmul[d]["gflops_by_rows"][str(hw.PREFILL_ROWS)] for d in dtypes}}
     for run in runs:
         dtype, temp, name = run
