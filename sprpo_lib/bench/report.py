@@ -438,6 +438,12 @@ def headline(record: dict) -> str | None:
         return (f"{res.get('env')} Vanilla update {res.get('update_over_floor')}x its floor: matmuls "
                 f"{c['matmul'].get('rate_over_roofline')}x their rate, memory ops {c['memory'].get('rate_over_roofline')}x "
                 f"the bandwidth, attention {c['attention']['seconds']} s; eager bound {res.get('eager_bound_over_floor')}x the floor")
+    if name == "generate":
+        alone = res.get("new_tokens") == 1 and res.get("prefix_caching") is False
+        rows = [f"`{eng}:{dtype}` T={t[1:]} {row['wall_over_prefill_floor']}x its prefill floor"
+                for dtype, temps in res.items() if dtype in ("float32", "bfloat16") and isinstance(temps, dict)
+                for t, engines in temps.items() for eng, row in engines.items() if "wall_over_prefill_floor" in row]
+        return ("; ".join(rows) + (" (one new token, no prefix cache: the prefill alone)" if alone else "")) or None
     if name == "machine":
         return ", ".join(f"{d} {g} GFLOP/s" for d, g in res.get("prefill_gflops", {}).items()) + " prefill matmul"
     return None
