@@ -10,15 +10,13 @@ after each side.  The first tuned round also pays for growing the heap once; the
 three or more rounds leaves it out."""
 from __future__ import annotations
 
-import dataclasses
 import resource
 import statistics
 import time
 from collections.abc import Sequence
 
-from sprpo_lib.bench.suite import restore_point, rollout_batch
-from sprpo_lib.core.batch import Batch
-from sprpo_lib.core.methods import MethodConfig, make_method
+from sprpo_lib.bench.suite import method_variants, restore_point, rollout_batch, warm_up
+from sprpo_lib.core.methods import make_method
 from sprpo_lib.infra import hardware as hw
 from sprpo_lib.infra.progress import progress_bar
 
@@ -44,13 +42,10 @@ def bench_allocator(profile: str = "cpu", env: str = "webshop", rounds: int = 3,
     if rounds < 1 or set(methods) - set(METHODS) or not methods:
         raise ValueError(f"bench allocator: expected rounds >= 1 and methods among {METHODS}, got {rounds}, {methods}")
     tr, batch, _, xi, _, setup = rollout_batch(profile, env, overrides)
-    cfg, a = tr.cfg, tr.actor
-    variants = {"vanilla": MethodConfig(name="vanilla"),
-                "sprpo": dataclasses.replace(cfg.method, name="sprpo", sensitivity="replay", replay_frac=1.0),
-                "sam": dataclasses.replace(cfg.method, name="sam")}
-    restore = restore_point(a)
-    tr.method = make_method(variants["sprpo"], tr.shape, cfg.seed)  # untimed warm-up (first-call allocations)
-    tr.update(Batch(batch.without_old().samples[:2 * a.micro_batch]), xi, 0)
+    cfg = tr.cfg
+    variants = method_variants(cfg.method)
+    restore = restore_point(tr.actor)
+    warm_up(tr, batch, variants["sprpo"], xi)
     res: dict = {"profile": profile, "env": env, "overrides": list(overrides or []), "dtype": tr.dtype,
                  "rounds": rounds, "samples": len(batch.samples), "setup_s": round(setup, 2)}
     bar = progress_bar(total=2 * rounds * len(methods), desc="bench allocator: updates", unit="update")

@@ -30,11 +30,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from sprpo_lib.bench.attention import BACKWARD_FLOPS, attention_flops
-from sprpo_lib.bench.suite import method_passes, phase_flops, prefill_rate, restore_point, rollout_batch
-from sprpo_lib.core.batch import Batch
-from sprpo_lib.core.methods import MethodConfig, make_method
+from sprpo_lib.bench.suite import actor_passes, phase_flops, prefill_rate, restore_point, rollout_batch, warm_up
+from sprpo_lib.core.methods import MethodConfig
 from sprpo_lib.infra import hardware as hw
-from sprpo_lib.model.layers import lowest_trainable_layer
 
 CLASSES = ("matmul", "attention", "memory", "views")
 ALLOCATIONS = {"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like"}
@@ -99,11 +97,10 @@ def bench_ops(profile: str = "cpu", env: str = "webshop", overrides: list[str] |
     ``bench train``'s shared passes), then the same update again under :class:`OpClock`, per
     class seconds, work, rate against its roofline and the top ops; ``eager_bound_s``."""
     tr, batch, _, _, _, setup = rollout_batch(profile, env, overrides)
-    cfg, a = tr.cfg, tr.actor
+    a = tr.actor
     config = tr.policy.model.config
     restore = restore_point(a)
-    tr.method = make_method(MethodConfig(name="vanilla"), tr.shape, cfg.seed)
-    tr.update(Batch(batch.without_old().samples[:2 * a.micro_batch]), None, 0)  # untimed warm-up
+    warm_up(tr, batch, MethodConfig(name="vanilla"), None)  # tr.method stays Vanilla for the timed updates
     gflops, bandwidth = prefill_rate(config, tr.dtype), hw.probe_bandwidth()
     restore()
     st = tr.update(batch.without_old(), None, 0)
@@ -114,11 +111,8 @@ def bench_ops(profile: str = "cpu", env: str = "webshop", overrides: list[str] |
         t0 = time.perf_counter()
         tr.update(batch.without_old(), None, 0)
         spied = time.perf_counter() - t0
-    L = int(config.num_hidden_layers)
-    depth = L - lowest_trainable_layer(tr.model)
-    regularised = bool(a.loss_cfg.entropy_coeff or a.kl_coef)
     steps = len(batch.mini_batches(a.mini_batch)) * a.epochs
-    passes = method_passes(batch, depth, L, regularised, a.skip_zero_adv, steps, a.reuse_frozen)["vanilla"]
+    passes = actor_passes(tr, batch, a.reuse_frozen)["vanilla"]
     floor = phase_flops(config, passes, a.prefix_min, "update_s") / (gflops * 1e9)
     roof = {"matmul": gflops * 1e9, "attention": gflops * 1e9, "memory": bandwidth * 1e9}
     unit = {"matmul": "GFLOP", "attention": "GFLOP", "memory": "GB", "views": "-"}

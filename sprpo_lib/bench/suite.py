@@ -425,6 +425,32 @@ def method_passes(batch, depth: int, layers: int, regularised: bool, skip_zero_a
     return out
 
 
+def method_variants(method: MethodConfig) -> dict[str, MethodConfig]:
+    """The methods a benchmark measures on one batch, from the profile's ``method`` section:
+    Vanilla, SPrPO with Alg. 1 line 7's full replay, SPrPO's one-pass estimate, SAM."""
+    return {"vanilla": MethodConfig(name="vanilla"),
+            "sprpo": dataclasses.replace(method, name="sprpo", sensitivity="replay", replay_frac=1.0),
+            "sprpo_one_pass": dataclasses.replace(method, name="sprpo", sensitivity="one_pass"),
+            "sam": dataclasses.replace(method, name="sam")}
+
+
+def warm_up(tr, batch, mcfg: MethodConfig, xi) -> None:
+    """One untimed update of ``mcfg`` on the first two micro-batches' rows of ``batch``: the
+    first-call allocations and kernel choices stay out of the timed updates."""
+    tr.method = make_method(mcfg, tr.shape, tr.cfg.seed)
+    tr.update(Batch(batch.without_old().samples[:2 * tr.actor.micro_batch]), xi, 0)
+
+
+def actor_passes(tr, batch, reuse_frozen: bool, subset=None) -> dict[str, list]:
+    """:func:`method_passes` for ``tr``'s model and actor settings (LoRA depth, regularisers,
+    optimizer steps per update) over ``batch``."""
+    a, L = tr.actor, int(tr.policy.model.config.num_hidden_layers)
+    regularised = bool(a.loss_cfg.entropy_coeff or a.kl_coef)
+    steps = len(batch.mini_batches(a.mini_batch)) * a.epochs
+    return method_passes(batch, L - lowest_trainable_layer(tr.model), L, regularised, a.skip_zero_adv, steps,
+                         reuse_frozen, subset)
+
+
 def restore_point(actor):
     """A function that puts ``actor``'s trainable parameters and optimizer state back to
     what they are now: every method measured on one batch starts from the same adapter."""
@@ -504,19 +530,13 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     L = int(config.num_hidden_layers)
     depth = L - lowest_trainable_layer(tr.model)
     a = tr.actor
-    regularised = bool(a.loss_cfg.entropy_coeff or a.kl_coef)
     nonzero = [s for s in batch.samples if s.adv != 0.0]
-    steps = len(batch.mini_batches(a.mini_batch)) * a.epochs
     # the shared path is the profile's own (shared prefixes, kept states below the LoRA layers);
     # the whole path is the reference: every row whole, every layer at every step
     reuse = {"shared": a.reuse_frozen, "fused": a.reuse_frozen, "whole": False}
     subset = replay_rows(batch, replay_frac, cfg.seed, 0)[0].samples if replay_frac else None
-    passes = {path: method_passes(batch, depth, L, regularised, a.skip_zero_adv, steps, reuse[path], subset)
-              for path in paths}
-    variants = {"vanilla": MethodConfig(name="vanilla"),
-                "sprpo": dataclasses.replace(cfg.method, name="sprpo", sensitivity="replay", replay_frac=1.0),
-                "sprpo_one_pass": dataclasses.replace(cfg.method, name="sprpo", sensitivity="one_pass"),
-                "sam": dataclasses.replace(cfg.method, name="sam")}
+    passes = {path: actor_passes(tr, batch, reuse[path], subset) for path in paths}
+    variants = method_variants(cfg.method)
     if replay_frac:
         variants["sprpo_subset"] = dataclasses.replace(variants["sprpo"], replay_frac=replay_frac)
     if methods is not None:
@@ -535,8 +555,7 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
 
     for path in paths:  # untimed warm-up of both layouts (first-call allocations), on a few rows
         use(path)
-        tr.method = make_method(variants["sprpo"], tr.shape, cfg.seed)
-        tr.update(Batch(batch.without_old().samples[:2 * a.micro_batch]), xi, 0)
+        warm_up(tr, batch, variants["sprpo"], xi)
     bar = progress_bar(total=repeats * len(paths) * len(variants), desc="bench train: updates", unit="update")
     for _ in range(repeats):  # minutes each on a real batch: the bar names the one running and the last one's time
         for path in paths:

@@ -162,8 +162,8 @@ def set_allocator(mode: str = "tuned") -> str:
     A pass allocates and frees activations of a few MiB each, thousands of times.  Under
     glibc's defaults the heap shrinks back to the OS whenever its free top passes the trim
     threshold, so the next pass page-faults the same memory in again: on the cpu profile's
-    WebShop update, about 140,000 faults and 1.7 s of kernel time per update (the
-    elementwise ops run at memory bandwidth, and a fault costs more than the write).
+    WebShop batch, up to 140,000-300,000 faults and 2-5 s of kernel time per update and replay
+    (how many depends on the heap's history; ``sprpo-bench allocator`` measures both settings).
     ``"tuned"`` serves every block up to 32 MiB from the heap and keeps up to 1 GiB of
     freed memory mapped, as the tuned allocators that PyTorch's CPU performance guide
     recommends (jemalloc, tcmalloc) do, without preloading a library.  ``"default"``:
