@@ -1,4 +1,4 @@
-"""Shared-prefix passes (update.prefix_min, with update.fused_lora and update.fused_entropy):
+"""Shared-prefix passes (update.prefix_min, with update.fused_lora, update.fused_entropy and update.native_gqa):
 each prefix several rows share is computed once, and the gradient of every parameter, of xi
 and of the channel gain, and every log-prob, equals the reference path that computes each
 row whole (float32, tiny models, both paths in one run)."""
@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers.integrations.sdpa_attention as hf_sdpa
 
 from sprpo_lib.core.actor import SURROGATE, TRAIN, Actor
 from sprpo_lib.core.batch import Batch, PrefixGroup, Sample, prefix_groups, shareable
@@ -42,9 +43,10 @@ def _grouped_batch(seed: int = 0) -> Batch:
 
 
 def _actor(model, prefix_min: int, **kw) -> Actor:
-    """The profile's passes (``prefix_min > 0``, fused LoRA linears and entropy) or the reference."""
+    """The profile's passes (``prefix_min > 0``, fused LoRA linears and entropy, native GQA) or the reference."""
     kw.setdefault("fused_lora", prefix_min > 0)
     kw.setdefault("fused_entropy", prefix_min > 0)
+    kw.setdefault("native_gqa", prefix_min > 0)
     params = [p for p in model.parameters() if p.requires_grad]
     return Actor(model, 0, torch.optim.Adam(params, lr=1e-3), micro_batch=2, prefix_min=prefix_min,
                  loss_cfg=PPOLossConfig(entropy_coeff=0.01), **kw)
@@ -101,6 +103,39 @@ def test_shared_prefix_gradients_equal_the_whole_row_path(tiny_spec, lora_layers
     for name in ("shared_tok", "whole_tok", "shared_ck", "whole_ck"):
         g, x, u = out[name][:3]
         assert all(_rel(a, b) < 1e-5 for a, b in zip(g, gw)) and _rel(x, xw) < 1e-5 and _rel(u, uw) < 1e-5
+
+
+@pytest.mark.parametrize("prefix_min", [0, 4])
+def test_native_gqa_passes_give_the_repeated_kv_gradients(tiny_spec, prefix_min, monkeypatch):
+    """update.native_gqa alone on and off, everything else the same: LoRA gradients, dL/dxi,
+    log-probs and the loss agree (float32, both paths in one run); the tiny models have
+    grouped-query attention (4 query heads, 2 key/value heads) and the passes are masked."""
+    pol = load_policy(tiny_spec, seed=0, dtype="float32")
+    assert pol.model.config.num_key_value_heads < pol.model.config.num_attention_heads
+    add_lora(pol, LoraSettings(rank=4, alpha=8), seed=0)
+    with torch.no_grad():
+        for n, p in pol.model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
+    batch = _grouped_batch(5)
+    xi0 = torch.randn(FFNChannels(pol.model).shape, generator=torch.Generator().manual_seed(2)) * 0.1
+    out, repeats = {}, []
+    real = hf_sdpa.repeat_kv
+    monkeypatch.setattr(hf_sdpa, "repeat_kv", lambda *a: repeats.append(on) or real(*a))
+    for on in (True, False):
+        a = _actor(pol.model, prefix_min=prefix_min, native_gqa=on)
+        xi = grad_leaf(xi0, a)
+        a.zero_grad()
+        st = a.backward(batch.without_old(), xi, terms=TRAIN)
+        out[on] = ([p.grad.clone() for p in a.params], xi.grad.clone(), a.log_probs(batch.without_old(), xi0), st)
+        a.zero_grad()
+    assert repeats and not any(repeats)  # K and V were repeated in the reference passes only
+    (g1, x1, lp1, st1), (g0, x0, lp0, st0) = out[True], out[False]
+    assert all(float(g.abs().sum()) > 0 for g in g0) and float(x0.abs().sum()) > 0
+    assert all(_rel(a, b) < 1e-5 for a, b in zip(g1, g0)) and _rel(x1, x0) < 1e-5
+    for a, b in zip(lp1, lp0):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    assert st1["loss"] == pytest.approx(st0["loss"], rel=1e-5)
 
 
 def test_surrogate_only_pass_with_skipped_rows_matches(tiny_spec):

@@ -486,9 +486,10 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     """Seconds per iteration by phase for Vanilla, SPrPO (Alg. 1 line 7's replay, and the
     one-pass estimate) and SAM on one rollout batch, each phase against its FLOP floor, for
     the profile's passes (``shared``: shared prefixes of ``update.prefix_min``, with
-    ``update.reuse_frozen`` steps that start at the lowest LoRA layer, ``update.fused_lora`` and
-    ``update.fused_entropy``) and the reference (``whole``: every row whole, every layer at every
-    step, peft's LoRA forward, log-probs and entropy apart), side by side; ``fused``: the shared
+    ``update.reuse_frozen`` steps that start at the lowest LoRA layer, ``update.fused_lora``,
+    ``update.fused_entropy`` and ``update.native_gqa``) and the reference (``whole``: every row
+    whole, every layer at every step, peft's LoRA forward, log-probs and entropy apart, K and V
+    repeated per query head), side by side; ``fused``: the shared
     passes with ``update.fused_kernels`` (RMSNorm, SwiGLU and the rotary embedding compiled; the
     ``shared`` and ``whole`` passes run eagerly whatever the profile says).
 
@@ -547,11 +548,12 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     times = {(path, v): {"update_s": [], "sensitivity_s": [], "ppo_steps": [], "update_float32": []}
              for path in paths for v in variants}
     states: dict[tuple[str, str], tuple] = {}
-    lora, entropy = a.fused_lora, a.fused_entropy
+    lora, entropy, gqa = a.fused_lora, a.fused_entropy, a.native_gqa
 
     def use(path: str) -> None:  # the actor's pass settings for one path
         a.prefix_min, a.reuse_frozen, a.fused_kernels = prefix_min[path], reuse[path], path == "fused"
         a.fused_lora, a.fused_entropy = lora and path != "whole", entropy and path != "whole"
+        a.native_gqa = gqa and path != "whole"
 
     for path in paths:  # untimed warm-up of both layouts (first-call allocations), on a few rows
         use(path)

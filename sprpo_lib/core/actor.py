@@ -34,7 +34,7 @@ from sprpo_lib.core.losses import (
 )
 from sprpo_lib.core.perturb import FFNChannels, below_resolution, float32_compute
 from sprpo_lib.model.fused import fused_kernels
-from sprpo_lib.model.layers import checkpointed_layers, decoder_layers, from_layer, lowest_trainable_layer
+from sprpo_lib.model.layers import checkpointed_layers, decoder_layers, from_layer, lowest_trainable_layer, native_gqa
 from sprpo_lib.model.lora import fused_lora
 
 SURROGATE = frozenset({"surrogate"})
@@ -106,6 +106,10 @@ class Actor:
         fused_entropy: a pass with the entropy bonus takes the log-probs and the entropy from
             one softmax (:func:`sprpo_lib.core.losses.token_logprobs_entropy`); same results up
             to float rounding.  ``False``: the two functions' own graphs (the reference path).
+        native_gqa: the passes' masked grouped-query attention reads each key/value head
+            for its query heads (:func:`sprpo_lib.model.layers.native_gqa`) on a CPU; same
+            results up to float rounding.  ``False``: transformers repeats K and V first
+            (the reference path).
     """
 
     def __init__(self, model, pad_id: int, opt: torch.optim.Optimizer, *, grad_clip: float = 1.0,
@@ -113,7 +117,7 @@ class Actor:
                  kl_coef: float = 0.0, kl_type: str = "low_var_kl", mini_batch: int | None = None, epochs: int = 1,
                  skip_zero_adv: bool = True, prefix_min: int = 16, micro_batch_tokens: int | None = None,
                  grad_checkpointing: bool = False, reuse_frozen: bool = True, fused_kernels: bool = False,
-                 fused_lora: bool = True, fused_entropy: bool = True):
+                 fused_lora: bool = True, fused_entropy: bool = True, native_gqa: bool = True):
         self.model, self.pad_id, self.opt = model, pad_id, opt
         self.params = [p for g in opt.param_groups for p in g["params"]]
         self.grad_clip = grad_clip
@@ -131,6 +135,7 @@ class Actor:
         self.fused_kernels = fused_kernels
         self.fused_lora = fused_lora
         self.fused_entropy = fused_entropy
+        self.native_gqa = native_gqa
         self._frozen: dict[int, torch.Tensor] | None = None  # per sample: hidden states below the trainable layers
         self._first_layer = 0  # the layer the current pass starts at (from kept hidden states: > 0)
         self.fc = FFNChannels(model)
@@ -217,7 +222,8 @@ class Actor:
             handle = decoder_layers(self.model)[start].register_forward_pre_hook(grab, with_kwargs=True)
         try:
             with (from_layer(self.model, start) if frozen == "use" else nullcontext(),
-                  fused_kernels(self.model, self.fused_kernels), fused_lora(self.model, self.fused_lora)):
+                  fused_kernels(self.model, self.fused_kernels), fused_lora(self.model, self.fused_lora),
+                  native_gqa(self.model, self.native_gqa)):
                 self._first_layer = start if frozen == "use" else 0
                 yield from self._passes(batch, sort, on_prefix, frozen, keep)
         finally:

@@ -1,14 +1,21 @@
 """Where a Llama/Qwen2 model keeps its parts: the gated FFN blocks perturbed in Sec. 5, the
-decoder layers, two context managers over them (activation checkpointing, running from
-one layer up), and the LM head's dense input (:func:`dense_head_input`)."""
+decoder layers, three context managers over them (activation checkpointing, running from
+one layer up, grouped-query attention without repeated keys and values), and the LM head's
+dense input (:func:`dense_head_input`)."""
 from __future__ import annotations
 
 from contextlib import contextmanager
 from typing import Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+NATIVE_GQA = "sprpo_native_gqa"  # the attention implementation :func:`native_gqa` switches to
 
 
 def ffn_modules(model: nn.Module) -> list[nn.Module]:
@@ -95,6 +102,43 @@ def from_layer(model: nn.Module, start: int) -> Iterator[None]:
         inner.layers = layers
         for i, layer in zip(idx, top):
             layer.self_attn.layer_idx = i
+
+
+def native_gqa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                         is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention, except for a masked grouped-query call of several queries
+    on a CPU: there SDPA's own ``enable_gqa`` reads each key/value head for its query heads,
+    where transformers repeats the keys and values first (its rule keeps the repeat for
+    every masked call, since masked GQA falls back to the math kernel on CUDA).  The
+    repeat is a copy of K and V per layer and a sum of their gradients in the backward."""
+    if (attention_mask is None or getattr(module, "num_key_value_groups", 1) == 1 or query.device.type != "cpu"
+            or query.shape[2] == 1 or any(kwargs.get(k) is not None for k in ("position_bias", "cache", "softcap"))):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                         scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+@contextmanager
+def native_gqa(model: nn.Module, on: bool = True) -> Iterator[bool]:
+    """Inside the block a model running transformers' ``sdpa`` attention runs
+    :func:`native_gqa_attention` (same masks; same results up to float rounding); yields
+    whether it does.  Other attention implementations, and a model an enclosing block
+    switched already, are left alone; the setting is restored on exit."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = base.config
+    if not on or getattr(config, "_attn_implementation", None) != "sdpa":
+        yield False
+        return
+    AttentionInterface.register(NATIVE_GQA, native_gqa_attention)
+    AttentionMaskInterface.register(NATIVE_GQA, sdpa_mask)
+    config._attn_implementation = NATIVE_GQA
+    try:
+        yield True
+    finally:
+        config._attn_implementation = "sdpa"
 
 
 def lowest_trainable_layer(model: nn.Module) -> int:

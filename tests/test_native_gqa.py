@@ -1,0 +1,101 @@
+"""Grouped-query attention without repeated keys and values (update.native_gqa): the attention
+function against a float64 masked softmax written out here, forward and gradients; the
+context manager switches transformers' SDPA only, restores it, and the model under it gives
+the same logits without transformers' K/V repeat."""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers.integrations.sdpa_attention as hf_sdpa
+from torch import nn
+
+import sprpo_lib.model.layers as layers
+from sprpo_lib.model.layers import NATIVE_GQA, native_gqa, native_gqa_attention
+from sprpo_lib.model.load import load_policy
+
+
+def _reference(q, k, v, keep, scale):
+    """Masked softmax attention in float64, K/V heads repeated for their query groups."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
+    s = (q.double() @ k.transpose(-1, -2)) * scale
+    s = s.masked_fill(~keep, float("-inf"))
+    return (torch.softmax(s, -1) @ v).transpose(1, 2)
+
+
+def _case(dtype, seed=0):
+    """Two rows, 6 query / 2 key-value heads, 5 new tokens after 4 prefix keys, row 0 left-padded by 2."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 6, 5, 8, generator=g, dtype=dtype, requires_grad=True)
+    k = torch.randn(2, 2, 9, 8, generator=g, dtype=dtype, requires_grad=True)
+    v = torch.randn(2, 2, 9, 8, generator=g, dtype=dtype, requires_grad=True)
+    keep = torch.ones(2, 1, 5, 9, dtype=torch.bool)
+    keep[:, :, :, 4:] = torch.ones(5, 5, dtype=torch.bool).tril()
+    keep[0, :, :, 4:6] = False  # padding keys of row 0 (its padded queries still see the prefix)
+    return q, k, v, keep
+
+
+class _Attn(nn.Module):
+    num_key_value_groups = 3
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_attention_and_its_gradients_match_a_float64_masked_softmax(dtype, tol):
+    q, k, v, keep = _case(dtype)
+    out, _ = native_gqa_attention(_Attn(), q, k, v, keep, scaling=0.3)
+    ref = _reference(q, k, v, keep, 0.3)
+    assert out.shape == (2, 5, 6, 8)
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=tol)
+    go = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    grads = torch.autograd.grad((out.double() * go).sum(), (q, k, v))
+    want = torch.autograd.grad((ref * go).sum(), (q, k, v))
+    for a, b in zip(grads, want):
+        assert float((a.double() - b).norm() / b.norm()) < tol
+
+
+def test_other_calls_go_to_transformers_sdpa(monkeypatch):
+    """No mask, one query (decoding) or one head per key/value head: transformers' function."""
+    seen = []
+    monkeypatch.setattr(hf_sdpa, "sdpa_attention_forward", lambda *a, **k: seen.append(a[4]) or ("hf", None))
+    monkeypatch.setattr(layers, "sdpa_attention_forward", hf_sdpa.sdpa_attention_forward)
+    q, k, v, keep = _case(torch.float32)
+    assert native_gqa_attention(_Attn(), q, k, v, None)[0] == "hf"
+    assert native_gqa_attention(_Attn(), q[:, :, :1], k, v, keep[:, :, :1])[0] == "hf"
+    one = _Attn()
+    one.num_key_value_groups = 1
+    assert native_gqa_attention(one, q[:, :2], k, v, keep)[0] == "hf"
+    assert len(seen) == 3
+
+
+def test_the_block_switches_sdpa_only_and_restores_it(tiny_spec, monkeypatch):
+    pol = load_policy(tiny_spec, seed=0, dtype="float32")
+    m, c = pol.model, pol.model.config
+    assert c._attn_implementation == "sdpa" and c.num_key_value_heads < c.num_attention_heads
+    ids = torch.randint(3, 200, (3, 11), generator=torch.Generator().manual_seed(0))
+    att = torch.ones_like(ids)
+    att[0, :4] = 0
+    att[2, :1] = 0
+    with torch.no_grad():
+        ref = m(input_ids=ids, attention_mask=att).logits
+    repeats = []
+    real = hf_sdpa.repeat_kv
+    monkeypatch.setattr(hf_sdpa, "repeat_kv", lambda *a: repeats.append(1) or real(*a))
+    with torch.no_grad(), native_gqa(m) as on:
+        assert on and c._attn_implementation == NATIVE_GQA
+        with native_gqa(m) as inner:  # an enclosing block's switch is left to it
+            assert not inner
+        assert c._attn_implementation == NATIVE_GQA
+        out = m(input_ids=ids, attention_mask=att).logits
+    assert c._attn_implementation == "sdpa" and not repeats
+    torch.testing.assert_close(out[att.bool()], ref[att.bool()], rtol=0, atol=1e-5)
+    with torch.no_grad():
+        m(input_ids=ids, attention_mask=att)
+    assert repeats  # outside the block transformers repeats K and V again
+    with native_gqa(m, on=False) as off:
+        assert not off and c._attn_implementation == "sdpa"
+    c._attn_implementation = "eager"
+    try:
+        with native_gqa(m) as on:
+            assert not on and c._attn_implementation == "eager"
+    finally:
+        c._attn_implementation = "sdpa"
