@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from sprpo_lib.bench.suite import bench_eval, engine_runs
+import sprpo_lib.bench.suite as suite
+from sprpo_lib.agent.engines import GenerationConfig
+from sprpo_lib.bench.report import SUMMARIES, headline
+from sprpo_lib.bench.suite import CallLog, bench_eval, engine_runs, generation_phases, prefill_replay
 
 
 def test_bench_eval_side_by_side(one_thread):
@@ -25,8 +28,6 @@ def test_bench_eval_side_by_side(one_thread):
     assert a["eval"]["prompt_tokens"] == b["eval"]["prompt_tokens"]
     assert a["eval"]["generated_tokens"] == b["eval"]["generated_tokens"]
     assert a["eval"]["least_over_prefill_floor"] == b["eval"]["least_over_prefill_floor"]
-    from sprpo_lib.bench.report import SUMMARIES, headline
-
     ev = a["eval"]
     least = f"{ev['least_over_prefill_floor']}x ({ev['prefix_cache_factor']} + {ev['decode_over_prefill_floor']})"
     table = "\n".join(SUMMARIES["eval"](r))
@@ -81,3 +82,40 @@ def test_generation_floor_by_hand():
     assert flop_bound["prompt_tokens"] == 37
     read_bound = generation_floor(config, eps, 1e9, bandwidth_gbs=1e-9, weight_bytes=3)  # 3 s per weight read
     assert read_bound["decode_floor_s"] == (5 + 2) * 3.0
+
+
+def test_call_log_and_prefill_replay_run_the_same_calls_with_one_new_token(monkeypatch):
+    """The log passes each call through unchanged; the replay builds one fresh engine with
+    max_new_tokens=1 and feeds it the logged calls in order, timing only them."""
+    log = CallLog(lambda prompts: [p.upper() for p in prompts])
+    assert log(["a", "b"]) == ["A", "B"] and log(["c"]) == ["C"]
+    assert [p for p, _ in log.calls] == [["a", "b"], ["c"]] and all(t >= 0 for _, t in log.calls)
+    built, seen, closed = [], [], []
+
+    def fake_engine(name, pol, gen, agent):
+        built.append((name, gen))
+        return lambda prompts: seen.append(list(prompts))
+
+    monkeypatch.setattr(suite, "make_engine", fake_engine)
+    monkeypatch.setattr(suite, "close_engine", closed.append)
+    gen = GenerationConfig(temperature=0.4, max_new_tokens=48, seed=3)
+    assert prefill_replay("openvino", None, gen, None, log.calls) >= 0
+    assert [(n, g.max_new_tokens, g.temperature, g.seed) for n, g in built] == [("openvino", 1, 0.4, 3)]
+    assert seen == [["a", "b"], ["c"]] and len(closed) == 1
+    # 5 s of generation, 3 of them the prefill, against a 4 s floor a cache cuts to 3 s, decoding's floor 1 s
+    assert generation_phases(3.0, 5.0, 4.0, 0.75, 1.0) == {
+        "prefill_s": 3.0, "prefill_over_floor": 0.75, "prefill_over_cached_floor": 1.0, "decode_s": 2.0,
+        "decode_over_floor": 2.0}
+
+
+def test_bench_eval_phases_split_generation_into_prefill_and_decode(one_thread):
+    r = bench_eval("smoke", "webshop", ("hf",), episodes=2, rollout=False, phases=True)
+    ev = r["hf"]["eval"]
+    assert ev["prefill_s"] > 0
+    assert ev["prefill_s"] + ev["decode_s"] == pytest.approx(ev["generate_s"], abs=0.06)  # generate_s rounded to 0.1 s
+    assert ev["prefill_over_floor"] > 0 and ev["decode_over_floor"] is not None
+    assert ev["prefill_over_cached_floor"] == pytest.approx(ev["prefill_over_floor"] / ev["prefix_cache_factor"],
+                                                            rel=0.01)
+    table = "\n".join(SUMMARIES["eval"](r))
+    assert f"| `hf` | {ev['generate_s']} s | {ev['prefill_s']} s ({ev['prefill_over_floor']}x" in table
+    assert f"its decoding {ev['decode_over_floor']}x its floor" in headline({"bench": "eval", "results": r})

@@ -165,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--episodes", type=int, default=64)
     v.add_argument("--no-rollout", action="store_true", help="skip the RL rollout batch")
     v.add_argument("--model", help="model spec (default: the profile's)")
+    v.add_argument("--phases", action="store_true",
+                   help="replay the held-out run's generation calls with one new token each: prefill and decode "
+                        "seconds, each against its floor")
     c = sub.add_parser("churn", help="openvino engines built, used and dropped N times: hangs, retries, wall time")
     c.add_argument("--model", default="tiny-llama")
     c.add_argument("--rounds", type=int, default=500, help="two engine builds per round")
@@ -235,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         res = bench_prompts(args.model, args.episodes, args.profile, args.env, args.split, args.override)
     elif args.what == "eval":
         res = bench_eval(args.profile, args.env, tuple(args.engines.split(",")), args.episodes, not args.no_rollout,
-                         args.model)
+                         args.model, args.phases)
     elif args.what == "churn":
         res = bench_churn(args.model, args.rounds, args.deadline, args.stall_every, args.stall_s)
     elif args.what == "gpu":

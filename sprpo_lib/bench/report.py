@@ -67,6 +67,15 @@ def _eval_rows(res: dict) -> list[str]:
         lines.append(f"| `{spec}` ({row.get('dtype')}) | {ev['wall_s']} s | {ev['episodes_per_min']} | "
                      f"{ev['wall_over_prefill_floor']}x | {least} | {round(100 * ev['success'], 1)}% of {ev['episodes']} | {pv} | "
                      f"{rollout} | {retries} |")
+    split = [(spec, row["eval"]) for spec, row in res.items() if isinstance(row, dict) and "prefill_s" in row.get("eval", {})]
+    if split:
+        lines += ["", "Held-out generation by phase (its calls replayed with one new token each: the prefill alone, "
+                  "the prefix cache filled as in the episodes; decode: the rest):", "",
+                  "| engine | generation | prefill (x all-token floor, x cached floor) | decode (x its floor) |",
+                  "|---|---|---|---|"]
+        lines += [f"| `{spec}` | {ev['generate_s']} s | {ev['prefill_s']} s ({ev['prefill_over_floor']}x, "
+                  f"{ev['prefill_over_cached_floor']}x) | {ev['decode_s']} s ({ev['decode_over_floor']}x) |"
+                  for spec, ev in split]
     return lines
 
 
@@ -367,15 +376,25 @@ SUMMARIES = {"eval": _eval_rows, "churn": _churn_rows, "machine": _machine_rows,
              "allocator": _allocator_rows, "ops": _ops_rows}
 
 
+def _eval_headline(spec: str, ev: dict) -> str:
+    """:func:`headline` of one engine's held-out run: its rate, wall over the prefill floor, the
+    least that can be, and with ``--phases`` its prefill and decoding against their floors."""
+    out = f"`{spec}` {ev['episodes_per_min']} held-out episodes/min, {ev['wall_over_prefill_floor']}x its prefill floor"
+    if "least_over_prefill_floor" in ev:
+        out += (f" (at least {ev['least_over_prefill_floor']}x with an unlimited prefix cache "
+                "and decoding at its floor)")
+    if "prefill_s" in ev:
+        out += (f"; its prefill {ev['prefill_over_floor']}x the floor ({ev['prefill_over_cached_floor']}x the "
+                f"cached floor), its decoding {ev['decode_over_floor']}x its floor")
+    return out
+
+
 def headline(record: dict) -> str | None:
     """One phrase of a benchmark's main numbers for the README, or None."""
     name, res = record.get("bench"), record.get("results") or {}
     if name == "eval":
-        return "; ".join(f"`{spec}` {row['eval']['episodes_per_min']} held-out episodes/min, "
-                         f"{row['eval']['wall_over_prefill_floor']}x its prefill floor"
-                         + (f" (at least {row['eval']['least_over_prefill_floor']}x with an unlimited prefix cache "
-                            "and decoding at its floor)" if "least_over_prefill_floor" in row["eval"] else "")
-                         for spec, row in res.items() if isinstance(row, dict) and "eval" in row)
+        return "; ".join(_eval_headline(spec, row["eval"]) for spec, row in res.items()
+                         if isinstance(row, dict) and "eval" in row)
     if name == "churn":
         return f"{res.get('hangs')} hangs and {res.get('retries')} retries in {res.get('builds')} engine builds"
     if name == "train" and isinstance(res.get("shared"), dict):

@@ -947,8 +947,47 @@ def engine_runs(spec: str) -> tuple[str, str, dict]:
     return name, dtype or "auto", gen
 
 
+class CallLog:
+    """A generator that records each call's prompts and wall seconds (``calls``) around ``gen``."""
+
+    def __init__(self, gen):
+        self.gen, self.calls = gen, []
+
+    def __call__(self, prompts):
+        t0 = time.perf_counter()
+        out = self.gen(prompts)
+        self.calls.append((list(prompts), time.perf_counter() - t0))
+        return out
+
+
+def prefill_replay(name: str, pol, gen: GenerationConfig, agent, calls) -> float:
+    """Seconds a fresh engine takes for the same calls with one new token each: the prefill
+    alone (the first token comes from the prefill's logits), with the prefix cache filled as
+    in the episodes (from prompts; generated tokens re-enter it only through later prompts)."""
+    eng = make_engine(name, pol, dataclasses.replace(gen, max_new_tokens=1), agent)
+    try:
+        total = 0.0
+        for prompts, _ in calls:
+            t0 = time.perf_counter()
+            eng(prompts)
+            total += time.perf_counter() - t0
+    finally:
+        close_engine(eng)
+    return total
+
+
+def generation_phases(prefill_s: float, generate_s: float, floor_s: float, cache_factor: float,
+                      decode_floor_s: float) -> dict:
+    """:func:`bench_eval`'s ``--phases`` fields: the replayed prefill against the all-token and
+    the cached prefill floor, the rest of the generation time (decoding) against its floor."""
+    dec = generate_s - prefill_s
+    return {"prefill_s": round(prefill_s, 3), "prefill_over_floor": round(prefill_s / floor_s, 3),
+            "prefill_over_cached_floor": round(prefill_s / (cache_factor * floor_s), 3),
+            "decode_s": round(dec, 3), "decode_over_floor": round(dec / decode_floor_s, 2)}
+
+
 def bench_eval(profile: str = "cpu", env: str = "webshop", engines: tuple[str, ...] = ("hf", "openvino"),
-               episodes: int = 64, rollout: bool = True, model: str | None = None) -> dict:
+               episodes: int = 64, rollout: bool = True, model: str | None = None, phases: bool = False) -> dict:
     """The ``cpu`` profile's held-out evaluation (``episodes`` held-out training tasks of
     the warm-start policy, T = 0.4, the training evaluation's tasks and seed) and one RL
     rollout batch (``tasks_per_step`` x ``group_size`` at the rollout temperature), once
@@ -959,7 +998,11 @@ def bench_eval(profile: str = "cpu", env: str = "webshop", engines: tuple[str, .
     unlimited prefix cache prefilling only the prompts' distinct prefixes
     (:func:`prefix_reuse`'s ``floor_factor``) plus the decode floor of the responses played
     (:func:`generation_floor`); and, against the first engine, the paired difference in
-    held-out success with a 95% bootstrap interval over tasks (same tasks, same seed)."""
+    held-out success with a 95% bootstrap interval over tasks (same tasks, same seed).
+    ``phases``: the held-out run's generation calls are replayed on a fresh engine with one
+    new token each (:func:`prefill_replay`): ``prefill_s`` against the prefill floor and
+    against the cached floor (the floor times ``prefix_cache_factor``), ``decode_s`` (the
+    rest of the generation time) against the decode floor."""
     overrides = {"env.name": env, **({"model.spec": model} if model else {})}
     cfg = load_config(profile, **overrides)
     agent = cfg.rollout.agent
@@ -1003,9 +1046,10 @@ def bench_eval(profile: str = "cpu", env: str = "webshop", engines: tuple[str, .
             eng = make_engine(name, pol, gen, run_agent)
             dtype = row["dtype"] = getattr(eng, "compute_dtype", dtype)  # what the engine computes in
             envs = SerialEnvs(lambda: pool)
+            log = CallLog(eng)
             t0 = time.perf_counter()
             try:
-                recs, st = run_groups(envs, tasks, group, eng, run_agent, cfg.env.max_steps, progress=False,
+                recs, st = run_groups(envs, tasks, group, log, run_agent, cfg.env.max_steps, progress=False,
                                       count_tokens=token_counter(pol.tokenizer, run_agent))
             finally:
                 envs.close()
@@ -1028,6 +1072,9 @@ def bench_eval(profile: str = "cpu", env: str = "webshop", engines: tuple[str, .
                          "engine_retries": getattr(eng, "stats", {}).get("retries", 0)}
             if what == "eval":
                 outcomes[spec] = np.array([float(r.success) for r in recs])
+                if phases:
+                    row[what].update(generation_phases(prefill_replay(name, pol, gen, run_agent, log.calls),
+                                                       sum(t for _, t in log.calls), floor, cache, decode))
         res[spec] = row
     for spec in engines[1:]:
         res[spec]["eval"]["paired_vs_" + engines[0]] = _paired_vs(outcomes[spec], outcomes[engines[0]])
