@@ -966,14 +966,9 @@ def prefill_replay(name: str, pol, gen: GenerationConfig, agent, calls) -> float
     in the episodes (from prompts; generated tokens re-enter it only through later prompts)."""
     eng = make_engine(name, pol, dataclasses.replace(gen, max_new_tokens=1), agent)
     try:
-        total = 0.0
-        for prompts, _ in calls:
-            t0 = time.perf_counter()
-            eng(prompts)
-            total += time.perf_counter() - t0
+        return sum(_timed(eng, prompts)[0] for prompts, _ in calls)
     finally:
         close_engine(eng)
-    return total
 
 
 def generation_phases(prefill_s: float, generate_s: float, floor_s: float, cache_factor: float,
