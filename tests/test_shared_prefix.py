@@ -398,7 +398,7 @@ def test_phase_rows_price_each_pass_at_its_dtype_and_bound_the_ratio_at_the_floo
     config = SimpleNamespace(num_hidden_layers=2, hidden_size=8, intermediate_size=16, num_attention_heads=2,
                              num_key_value_heads=1, vocab_size=32, head_dim=4)
     rows = [Sample(ids=list(range(10)), n_resp=4, adv=1.0)]
-    upd, extra = ("update_s", rows, 1, 2), ("sensitivity_s", rows, 2, 2)
+    upd, extra = ("update_s", rows, 1, 2, True), ("sensitivity_s", rows, 2, 2, True)
     passes = {"vanilla": [upd], "sam": [extra, upd]}
     times = {"vanilla": {"update_s": [3.0], "sensitivity_s": [0.0], "update_float32": [False]},
              "sam": {"update_s": [5.0], "sensitivity_s": [2.0], "update_float32": [True]}}
@@ -486,7 +486,8 @@ def test_bench_prices_the_old_log_prob_pass_that_mini_batches_add(tiny_spec):
 
     def counted(mini_batch) -> float:
         params = [p for p in model.parameters() if p.requires_grad]
-        actor = Actor(model, 0, torch.optim.SGD(params, lr=0.0), micro_batch=2, prefix_min=0, mini_batch=mini_batch)
+        actor = Actor(model, 0, torch.optim.SGD(params, lr=0.0), micro_batch=2, prefix_min=0, mini_batch=mini_batch,
+                      first_step_logp=False)
         with FlopCounterMode(display=False) as fc:
             st = actor.ppo_update(batch.without_old(), None)
         c = fc.get_flop_counts()["Global"]
@@ -501,13 +502,13 @@ def test_bench_prices_the_old_log_prob_pass_that_mini_batches_add(tiny_spec):
     plan1, plan2 = (method_passes(batch, 1, L, False, steps=k) for k in (1, 2))
     for m in ("vanilla", "sprpo", "sam"):
         extra = [p for p in plan2[m] if p not in plan1[m]]
-        assert [(t, len(r), d, f) for t, r, d, f in extra] == [("update_s", len(batch.samples), 0, L)]
+        assert [(t, len(r), d, f, h) for t, r, d, f, h in extra] == [("update_s", len(batch.samples), 0, L, True)]
     assert plan1["sprpo_one_pass"] == plan2["sprpo_one_pass"]
     # kept states (update.reuse_frozen): the steps' forward runs the top layer only, the rest is as before
     kept = method_passes(batch, 1, L, False, steps=2, reuse_frozen=True)
     for m in ("vanilla", "sprpo", "sam"):
-        assert [(t, d, f) for t, _, d, f in kept[m] if (t, d) == ("update_s", 1)] == [("update_s", 1, 1)]
-        assert [p for p in kept[m] if p[2:] != (1, 1)] == [p for p in plan2[m] if p[2:] != (1, L)]
+        assert [(t, d, f) for t, _, d, f, _ in kept[m] if (t, d) == ("update_s", 1)] == [("update_s", 1, 1)]
+        assert [p for p in kept[m] if p[2:4] != (1, 1)] == [p for p in plan2[m] if p[2:4] != (1, L)]
     assert method_passes(batch, 1, L, False, steps=1, reuse_frozen=True) == plan1  # one step keeps nothing
 
 
@@ -535,7 +536,7 @@ def test_kept_states_below_the_trainable_layers_give_the_reference_steps(tiny_sp
                 p.copy_(v)
         actor = Actor(pol.model, 0, torch.optim.SGD(params, lr=0.5), micro_batch=2, prefix_min=prefix_min,
                       loss_cfg=PPOLossConfig(entropy_coeff=entropy), mini_batch=5, epochs=2,
-                      grad_checkpointing=ck, reuse_frozen=reuse)
+                      grad_checkpointing=ck, reuse_frozen=reuse, first_step_logp=False)
         grads = []
         step = actor.step
 

@@ -112,7 +112,7 @@ def bench_ops(profile: str = "cpu", env: str = "webshop", overrides: list[str] |
         tr.update(batch.without_old(), None, 0)
         spied = time.perf_counter() - t0
     steps = len(batch.mini_batches(a.mini_batch)) * a.epochs
-    passes = actor_passes(tr, batch, a.reuse_frozen)["vanilla"]
+    passes = actor_passes(tr, batch, a.reuse_frozen, first_step_logp=a.first_step_logp)["vanilla"]
     floor = phase_flops(config, passes, a.prefix_min, "update_s") / (gflops * 1e9)
     roof = {"matmul": gflops * 1e9, "attention": gflops * 1e9, "memory": bandwidth * 1e9}
     unit = {"matmul": "GFLOP", "attention": "GFLOP", "memory": "GB", "views": "-"}

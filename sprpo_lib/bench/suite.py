@@ -352,8 +352,8 @@ def _floor_seconds(config, episodes, gflops: float, bandwidth_gbs: float, weight
 def phase_flops(config, passes: list, prefix_min: int, timer: str) -> float:
     """FLOPs of the passes one phase (``timer``: ``update_s`` or ``sensitivity_s``) of a method
     runs (:func:`method_passes`' tuples), prefixes of at least ``prefix_min`` tokens shared."""
-    return sum(hw.train_pass_flops(config, pass_groups(rows, prefix_min), d, f)["total"]
-               for tm, rows, d, f in passes if tm == timer)
+    return sum(hw.train_pass_flops(config, pass_groups(rows, prefix_min), d, f, head)["total"]
+               for tm, rows, d, f, head in passes if tm == timer)
 
 
 def phase_rows(times: dict, passes: dict, config, prefix_min: int, gflops: float, rollout_s: float,
@@ -398,9 +398,10 @@ def phase_rows(times: dict, passes: dict, config, prefix_min: int, gflops: float
 
 
 def method_passes(batch, depth: int, layers: int, regularised: bool, skip_zero_adv: bool = True,
-                  steps: int = 1, reuse_frozen: bool = False, subset=None) -> dict[str, list]:
+                  steps: int = 1, reuse_frozen: bool = False, subset=None, first_rows=None) -> dict[str, list]:
     """The passes each method's iteration runs over ``batch``: ``(timer, rows, layers the
-    backward reaches, layers the forward runs)``, 0 backward layers for a forward only.  The
+    backward reaches, layers the forward runs, whether it runs the LM head)``, 0 backward
+    layers for a forward only.  The
     update runs every row when a regulariser is on, else the rows with a non-zero advantage
     (``Actor.rows_with_gradient``), backward to the lowest LoRA layer (``depth``); the replay
     and SAM's channel gradient run the rows with a non-zero advantage through all ``layers``.
@@ -408,20 +409,33 @@ def method_passes(batch, depth: int, layers: int, regularised: bool, skip_zero_a
     the old log-probs of every row with a forward-only pass (verl's ``compute_log_prob``),
     and with ``reuse_frozen`` its steps run only the top ``depth`` layers (from the states
     that pass kept); the one-pass estimate takes one step on its own forward, so neither.
-    ``subset``: the rows a ``method.replay_frac`` replay runs (``sprpo_subset``)."""
+    ``subset``: the rows a ``method.replay_frac`` replay runs (``sprpo_subset``).
+    ``first_rows``: the rows whose old log-probs the first step's own forward gives
+    (``Actor.first_step_logp``): the old-log-prob pass leaves them out, or with kept states
+    runs the layers below the LoRA layers for every row and the rest of the model for the others."""
     nonzero = [s for s in batch.samples if s.adv != 0.0]
     update_rows = batch.samples if regularised or not skip_zero_adv else nonzero
     probe_rows = nonzero if skip_zero_adv else batch.samples
-    old = [("update_s", batch.samples, 0, layers)] if steps > 1 else []
     run = depth if steps > 1 and reuse_frozen and 0 < depth < layers else layers
-    step = ("update_s", update_rows, depth, run)
+    own = {id(s) for s in first_rows or ()}
+    rest = [s for s in batch.samples if id(s) not in own]
+    if steps <= 1:
+        old = []
+    elif not own:
+        old = [("update_s", batch.samples, 0, layers, True)]
+    elif run < layers:
+        old = [("update_s", batch.samples, 0, layers - depth, False), ("update_s", rest, 0, depth, True)]
+    else:
+        old = [("update_s", rest, 0, layers, True)]
+    step = ("update_s", update_rows, depth, run, True)
+    probe = ("sensitivity_s", probe_rows, layers, layers, True)
     out = {"vanilla": old + [step],
-           "sprpo": old + [step, ("sensitivity_s", probe_rows, layers, layers)],
-           "sprpo_one_pass": [("update_s", probe_rows, layers, layers)]
-           + ([("update_s", batch.samples, depth, layers)] if regularised else []),
-           "sam": [("sensitivity_s", probe_rows, layers, layers)] + old + [step]}
+           "sprpo": old + [step, probe],
+           "sprpo_one_pass": [("update_s", probe_rows, layers, layers, True)]
+           + ([("update_s", batch.samples, depth, layers, True)] if regularised else []),
+           "sam": [probe] + old + [step]}
     if subset is not None:
-        out["sprpo_subset"] = old + [step, ("sensitivity_s", subset, layers, layers)]
+        out["sprpo_subset"] = old + [step, ("sensitivity_s", subset, layers, layers, True)]
     return out
 
 
@@ -441,14 +455,17 @@ def warm_up(tr, batch, mcfg: MethodConfig, xi) -> None:
     tr.update(Batch(batch.without_old().samples[:2 * tr.actor.micro_batch]), xi, 0)
 
 
-def actor_passes(tr, batch, reuse_frozen: bool, subset=None) -> dict[str, list]:
+def actor_passes(tr, batch, reuse_frozen: bool, subset=None, first_step_logp: bool = False) -> dict[str, list]:
     """:func:`method_passes` for ``tr``'s model and actor settings (LoRA depth, regularisers,
-    optimizer steps per update) over ``batch``."""
+    optimizer steps per update) over ``batch`` (its rows without old log-probs, as an update
+    gets them)."""
     a, L = tr.actor, int(tr.policy.model.config.num_hidden_layers)
     regularised = bool(a.loss_cfg.entropy_coeff or a.kl_coef)
-    steps = len(batch.mini_batches(a.mini_batch)) * a.epochs
+    minis = batch.mini_batches(a.mini_batch)
+    steps = len(minis) * a.epochs
+    first = [s for s in minis[0].samples if id(s) in a.first_step_rows(minis[0], batch)] if first_step_logp else None
     return method_passes(batch, L - lowest_trainable_layer(tr.model), L, regularised, a.skip_zero_adv, steps,
-                         reuse_frozen, subset)
+                         reuse_frozen, subset, first)
 
 
 def restore_point(actor):
@@ -487,9 +504,10 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     one-pass estimate) and SAM on one rollout batch, each phase against its FLOP floor, for
     the profile's passes (``shared``: shared prefixes of ``update.prefix_min``, with
     ``update.reuse_frozen`` steps that start at the lowest LoRA layer, ``update.fused_lora``,
-    ``update.fused_entropy`` and ``update.native_gqa``) and the reference (``whole``: every row
-    whole, every layer at every step, peft's LoRA forward, log-probs and entropy apart, K and V
-    repeated per query head), side by side; ``fused``: the shared
+    ``update.fused_entropy``, ``update.native_gqa`` and ``update.first_step_logp``) and the
+    reference (``whole``: every row whole, every layer at every step, peft's LoRA forward,
+    log-probs and entropy apart, K and V repeated per query head, every row's old log-probs
+    from their own pass), side by side; ``fused``: the shared
     passes with ``update.fused_kernels`` (RMSNorm, SwiGLU and the rotary embedding compiled; the
     ``shared`` and ``whole`` passes run eagerly whatever the profile says).
 
@@ -536,7 +554,8 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     # the whole path is the reference: every row whole, every layer at every step
     reuse = {"shared": a.reuse_frozen, "fused": a.reuse_frozen, "whole": False}
     subset = replay_rows(batch, replay_frac, cfg.seed, 0)[0].samples if replay_frac else None
-    passes = {path: actor_passes(tr, batch, reuse[path], subset) for path in paths}
+    first_logp = a.first_step_logp
+    passes = {path: actor_passes(tr, batch, reuse[path], subset, first_logp and path != "whole") for path in paths}
     variants = method_variants(cfg.method)
     if replay_frac:
         variants["sprpo_subset"] = dataclasses.replace(variants["sprpo"], replay_frac=replay_frac)
@@ -553,7 +572,7 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     def use(path: str) -> None:  # the actor's pass settings for one path
         a.prefix_min, a.reuse_frozen, a.fused_kernels = prefix_min[path], reuse[path], path == "fused"
         a.fused_lora, a.fused_entropy = lora and path != "whole", entropy and path != "whole"
-        a.native_gqa = gqa and path != "whole"
+        a.native_gqa, a.first_step_logp = gqa and path != "whole", first_logp and path != "whole"
 
     for path in paths:  # untimed warm-up of both layouts (first-call allocations), on a few rows
         use(path)

@@ -34,7 +34,15 @@ from sprpo_lib.core.losses import (
 )
 from sprpo_lib.core.perturb import FFNChannels, below_resolution, float32_compute
 from sprpo_lib.model.fused import fused_kernels
-from sprpo_lib.model.layers import checkpointed_layers, decoder_layers, from_layer, lowest_trainable_layer, native_gqa
+from sprpo_lib.model.layers import (
+    below_layer,
+    checkpointed_layers,
+    decoder_layers,
+    from_layer,
+    has_dropout,
+    lowest_trainable_layer,
+    native_gqa,
+)
 from sprpo_lib.model.lora import fused_lora
 
 SURROGATE = frozenset({"surrogate"})
@@ -110,6 +118,14 @@ class Actor:
             for its query heads (:func:`sprpo_lib.model.layers.native_gqa`) on a CPU; same
             results up to float rounding.  ``False``: transformers repeats K and V first
             (the reference path).
+        first_step_logp: an update of several optimizer steps takes the old log-probs of the
+            rows its first step runs from that step's own forward, which is at theta_k under
+            the same xi (what :meth:`backward` does for a row without them), so the pass that
+            fills the old log-probs leaves those rows out: with ``reuse_frozen`` it runs only
+            the layers below the lowest trainable one for them (it needs their states there),
+            without it nothing.  Same old log-probs up to float rounding.  Off when the model
+            drops anything in training mode.  ``False``: every row in that pass (verl's
+            ``compute_log_prob``; the reference path).
     """
 
     def __init__(self, model, pad_id: int, opt: torch.optim.Optimizer, *, grad_clip: float = 1.0,
@@ -117,7 +133,8 @@ class Actor:
                  kl_coef: float = 0.0, kl_type: str = "low_var_kl", mini_batch: int | None = None, epochs: int = 1,
                  skip_zero_adv: bool = True, prefix_min: int = 16, micro_batch_tokens: int | None = None,
                  grad_checkpointing: bool = False, reuse_frozen: bool = True, fused_kernels: bool = False,
-                 fused_lora: bool = True, fused_entropy: bool = True, native_gqa: bool = True):
+                 fused_lora: bool = True, fused_entropy: bool = True, native_gqa: bool = True,
+                 first_step_logp: bool = True):
         self.model, self.pad_id, self.opt = model, pad_id, opt
         self.params = [p for g in opt.param_groups for p in g["params"]]
         self.grad_clip = grad_clip
@@ -136,8 +153,10 @@ class Actor:
         self.fused_lora = fused_lora
         self.fused_entropy = fused_entropy
         self.native_gqa = native_gqa
+        self.first_step_logp = first_step_logp
         self._frozen: dict[int, torch.Tensor] | None = None  # per sample: hidden states below the trainable layers
         self._first_layer = 0  # the layer the current pass starts at (from kept hidden states: > 0)
+        self._stack: torch.nn.Module | None = None  # the decoder stack below that layer (passes(frozen="below"))
         self.fc = FFNChannels(model)
         self.shape = self.fc.shape
         self.device = next(model.parameters()).device
@@ -168,13 +187,23 @@ class Actor:
         ``embeds``: the rows' hidden states at the first layer run (:func:`from_layer`)."""
         R = mb.tgt.shape[1]
         inputs = {"input_ids": mb.ids} if embeds is None else {"inputs_embeds": embeds}
+        if self._stack is not None:  # below the lowest trainable layer (passes(frozen="below")): its input
+            inputs["attention_mask"] = mb.att
+            if mb.prefix_len:
+                inputs.update(position_ids=mb.pos, past_key_values=self._cache_of(past, mb.ids.shape[0]), use_cache=True)
+            return self._stack(**inputs).last_hidden_state
         if not mb.prefix_len:
             return self.model(**inputs, attention_mask=mb.att, use_cache=False, logits_to_keep=R + 1).logits[:, :-1]
-        cache, B = prefix_cache(), mb.ids.shape[0]
+        return self.model(**inputs, attention_mask=mb.att, position_ids=mb.pos, past_key_values=self._cache_of(
+            past, mb.ids.shape[0]), use_cache=True, logits_to_keep=R + 1).logits[:, :-1]
+
+    @staticmethod
+    def _cache_of(past: list[torch.Tensor], rows: int):
+        """A :func:`prefix_cache` holding a shared prefix's keys and values for ``rows`` rows."""
+        cache = prefix_cache()
         for i in range(0, len(past), 2):
-            cache.store(past[i].expand(B, -1, -1, -1), past[i + 1].expand(B, -1, -1, -1), i // 2)
-        return self.model(**inputs, attention_mask=mb.att, position_ids=mb.pos, past_key_values=cache,
-                          use_cache=True, logits_to_keep=R + 1).logits[:, :-1]
+            cache.store(past[i].expand(rows, -1, -1, -1), past[i + 1].expand(rows, -1, -1, -1), i // 2)
+        return cache
 
     def _row_states(self, mb: MicroBatch) -> torch.Tensor:
         """``[B, T, H]``: each row's kept hidden states (:attr:`_frozen`) laid out as ``mb``'s
@@ -211,7 +240,9 @@ class Actor:
         leaves)`` runs first at a group's end (a second gradient through the same prefix).
 
         ``frozen="keep"``: store every row's hidden states at the lowest trainable layer in
-        :attr:`_frozen`; ``"use"``: start from them there (:func:`from_layer`)."""
+        :attr:`_frozen`; ``"use"``: start from them there (:func:`from_layer`); ``"below"``: run
+        the layers below it alone (:func:`below_layer`), store the states there and yield them
+        in place of logits."""
         start = lowest_trainable_layer(self.model) if frozen else 0
         keep: list[torch.Tensor] = []
         handle = None
@@ -220,14 +251,16 @@ class Actor:
                 keep.append((args[0] if args else kwargs["hidden_states"]).detach())
 
             handle = decoder_layers(self.model)[start].register_forward_pre_hook(grab, with_kwargs=True)
+        span = (from_layer(self.model, start) if frozen == "use" else below_layer(self.model, start)
+                if frozen == "below" else nullcontext())
         try:
-            with (from_layer(self.model, start) if frozen == "use" else nullcontext(),
-                  fused_kernels(self.model, self.fused_kernels), fused_lora(self.model, self.fused_lora),
+            with (span as stack, fused_kernels(self.model, self.fused_kernels), fused_lora(self.model, self.fused_lora),
                   native_gqa(self.model, self.native_gqa)):
                 self._first_layer = start if frozen == "use" else 0
+                self._stack = stack if frozen == "below" else None
                 yield from self._passes(batch, sort, on_prefix, frozen, keep)
         finally:
-            self._first_layer = 0
+            self._first_layer, self._stack = 0, None
             if handle is not None:
                 handle.remove()
 
@@ -236,8 +269,8 @@ class Actor:
         if not self.prefix_min:
             for mb in batch.micro_batches(self.micro_batch, self.pad_id, self.device, sort, self.micro_batch_tokens):
                 logits = self._logits(mb, embeds=self._row_states(mb) if use else None)
-                if frozen == "keep":
-                    self._keep_states(mb, keep.pop(), None)
+                if frozen in ("keep", "below"):
+                    self._keep_states(mb, keep.pop() if frozen == "keep" else logits, None)
                 yield mb, logits
             return
         from transformers import DynamicCache  # heavy (seconds to import): loaded on first use
@@ -252,6 +285,9 @@ class Actor:
                     h = self._frozen[id(mbs[0].samples[0])][: prefix.shape[1]]
                     cache = self.model(inputs_embeds=h[None], past_key_values=DynamicCache(), use_cache=True,
                                        logits_to_keep=1).past_key_values
+                elif frozen == "below":
+                    out = self._stack(input_ids=prefix, past_key_values=DynamicCache(), use_cache=True)
+                    cache, kept_prefix = out.past_key_values, out.last_hidden_state[0]
                 else:
                     cache = self.model(input_ids=prefix, use_cache=True, logits_to_keep=1).past_key_values
                     if frozen == "keep":
@@ -261,8 +297,8 @@ class Actor:
             self._group_leaves = leaves or []
             for mb in mbs:
                 logits = self._logits(mb, leaves, self._row_states(mb) if use else None)
-                if frozen == "keep":
-                    self._keep_states(mb, keep.pop(), kept_prefix)
+                if frozen in ("keep", "below"):
+                    self._keep_states(mb, keep.pop() if frozen == "keep" else logits, kept_prefix)
                 yield mb, logits
             if roots and on_prefix is not None:
                 on_prefix(roots, leaves)
@@ -291,6 +327,30 @@ class Actor:
         """``old_logp`` of every sample at the current parameters (theta_k) under ``xi``."""
         for s, lp in zip(batch.samples, self.log_probs(batch, xi, frozen)):
             s.old_logp = lp
+
+    @torch.no_grad()
+    def keep_states(self, batch: Batch, xi: torch.Tensor | None) -> None:
+        """Store in :attr:`_frozen` every row's hidden states at the input of the lowest
+        trainable layer under ``xi``, from the layers below it alone (no log-probs)."""
+        t0 = time.perf_counter()
+        self.model.eval()
+        self.fc.set(xi=xi)
+        with self.fc, float32_compute(self.model, below_resolution(xi, self.dtype)):
+            for _ in self.passes(batch, self.sort_micro_batches, frozen="below"):
+                pass
+        self.fc.clear()
+        self._tick(t0)
+
+    def first_step_rows(self, first: Batch, todo: Batch) -> set[int]:
+        """Ids of the rows whose old log-probs the first optimizer step (on mini-batch
+        ``first``) can take from its own forward (:attr:`first_step_logp`): the rows it runs,
+        when every one of them is among ``todo`` (the rows without old log-probs) and the model
+        drops nothing in training mode; else none."""
+        if has_dropout(self.model):
+            return set()
+        rows = self.rows_with_gradient(first, self.loss_cfg.entropy_coeff != 0 or self.kl_coef != 0)
+        ids, missing = {id(s) for s in rows.samples}, {id(s) for s in todo.samples}
+        return ids if ids and ids <= missing else set()
 
     def fill_ref_log_probs(self, batch: Batch) -> None:
         """``ref_logp``: the reference policy (adapter disabled), unperturbed (verl's ref)."""
@@ -449,15 +509,23 @@ class Actor:
     def ppo_update(self, batch: Batch, xi: torch.Tensor | None) -> dict[str, float]:
         """theta_{k+1} from theta_k on ``batch`` under ``xi`` (Alg. 1 line 6; Algs. 2-4):
         ``epochs`` passes of one optimizer step per mini-batch, against old log-probs
-        fixed at theta_k.  Returns the statistics of the first step (at theta_k) and
+        fixed at theta_k (those of the first step's rows from that step's forward:
+        :attr:`first_step_logp`).  Returns the statistics of the first step (at theta_k) and
         the number of steps."""
         minis = batch.mini_batches(self.mini_batch)
         if len(minis) * self.epochs > 1:
             start = lowest_trainable_layer(self.model)
             keep = self.reuse_frozen and 0 < start < len(decoder_layers(self.model))
             self._frozen = {} if keep else None
-            self.fill_old_log_probs(Batch([s for s in batch.samples if s.old_logp is None]), xi,
-                                    "keep" if keep else None)
+            todo = Batch([s for s in batch.samples if s.old_logp is None])
+            # their old log-probs: the first step's own forward
+            own = self.first_step_rows(minis[0], todo) if self.first_step_logp else set()
+            rest = Batch([s for s in todo.samples if id(s) not in own])
+            if keep and own:  # every row's states below the adapters, then the top layers of the rest
+                self.keep_states(todo, xi)
+                self.fill_old_log_probs(rest, xi, "use")
+            else:
+                self.fill_old_log_probs(rest, xi, "keep" if keep else None)
         first: dict[str, float] = {}
         last: dict[str, float] = {}
         try:

@@ -236,10 +236,11 @@ def prefill_flops(config, prompt_lengths: Sequence[int], lm_head: bool = True) -
 
 
 def train_pass_flops(config, groups: Sequence[tuple[int, Sequence[int], Sequence[int]]], grad_layers: int,
-                     forward_layers: int | None = None) -> dict:
-    """FLOPs of one training pass (forward through the top ``forward_layers`` decoder layers,
-    all by default, then backward through the top ``grad_layers``; 0: a forward only) over
-    rows sharing prefixes, padding left out.
+                     forward_layers: int | None = None, head: bool = True) -> dict:
+    """FLOPs of one training pass (forward through ``forward_layers`` decoder layers, all by
+    default, then backward through the top ``grad_layers``; 0: a forward only) over rows
+    sharing prefixes, padding left out; ``head=False``: a forward that stops below the LM head
+    (the states kept under the adapters).
 
     ``groups``: ``(P, row_lengths, response_lengths)`` per prefix group, each row of n
     tokens computing its tokens ``P:n`` against the group's P prefix tokens (computed
@@ -252,7 +253,7 @@ def train_pass_flops(config, groups: Sequence[tuple[int, Sequence[int], Sequence
     ``computed_tokens`` and the forward's ``linear``, ``attention`` and ``head`` parts."""
     L, P_layer = int(config.num_hidden_layers), layer_params(config)
     q, _ = _attn_dims(config)
-    head = 2 * int(config.hidden_size) * int(config.vocab_size)
+    head_w = 2 * int(config.hidden_size) * int(config.vocab_size) if head else 0
     lin = attn = logits = tokens = 0.0
     for P, lengths, responses in groups:
         tokens += P + sum(n - P for n in lengths)
@@ -261,10 +262,10 @@ def train_pass_flops(config, groups: Sequence[tuple[int, Sequence[int], Sequence
     lin = 2 * P_layer * L * tokens
     frac = min(max(int(grad_layers), 0), L) / L
     run = (L if forward_layers is None else min(max(int(forward_layers), 0), L)) / L
-    fwd = run * (lin + attn) + head * logits  # the layers below a pass's first one are not run
-    bwd = frac * (lin + 2 * attn) + (head * logits if grad_layers else 0.0)
+    fwd = run * (lin + attn) + head_w * logits  # the layers below a pass's first one are not run
+    bwd = frac * (lin + 2 * attn) + (head_w * logits if grad_layers else 0.0)
     return {"forward": fwd, "backward": bwd, "total": fwd + bwd, "computed_tokens": int(tokens),
-            "linear": run * lin, "attention": run * attn, "head": head * logits}
+            "linear": run * lin, "attention": run * attn, "head": head_w * logits}
 
 
 def decode_flops(config, context: int) -> float:

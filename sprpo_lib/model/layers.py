@@ -1,7 +1,7 @@
 """Where a Llama/Qwen2 model keeps its parts: the gated FFN blocks perturbed in Sec. 5, the
-decoder layers, three context managers over them (activation checkpointing, running from
-one layer up, grouped-query attention without repeated keys and values), and the LM head's
-dense input (:func:`dense_head_input`)."""
+decoder layers, four context managers over them (activation checkpointing, running from
+one layer up, running below one layer, grouped-query attention without repeated keys and
+values), and the LM head's dense input (:func:`dense_head_input`)."""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -104,6 +104,25 @@ def from_layer(model: nn.Module, start: int) -> Iterator[None]:
             layer.self_attn.layer_idx = i
 
 
+@contextmanager
+def below_layer(model: nn.Module, stop: int) -> Iterator[nn.Module]:
+    """Inside the block, the decoder stack (yielded: the model without its LM head) runs the
+    layers below ``stop`` alone and returns their output unnormed: its ``last_hidden_state``
+    is layer ``stop``'s input, as :func:`from_layer` takes it back (pass a cache without a
+    config).  What the actor uses to keep the states of rows whose top layers a later step
+    runs anyway.  Llama/Qwen2 layout."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = base.model
+    layers, norm = inner.layers, inner.norm
+    if not 0 < stop <= len(layers):
+        raise ValueError(f"stop must be in [1, {len(layers)}], got {stop}")
+    inner.layers, inner.norm = nn.ModuleList(list(layers)[:stop]), nn.Identity()
+    try:
+        yield inner
+    finally:
+        inner.layers, inner.norm = layers, norm
+
+
 def native_gqa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                          is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
@@ -147,6 +166,13 @@ def lowest_trainable_layer(model: nn.Module) -> int:
     layers = list(decoder_layers(model))
     return next((i for i, layer in enumerate(layers) if any(p.requires_grad for p in layer.parameters())),
                 len(layers))
+
+
+def has_dropout(model: nn.Module) -> bool:
+    """Whether the model drops anything in training mode (a dropout module or the attention's
+    ``attention_dropout``): then a training forward's log-probs are not the evaluation's."""
+    p = float(getattr(getattr(model, "config", None), "attention_dropout", 0.0) or 0.0)
+    return p > 0 or any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
 
 
 def row_major_strides(shape) -> tuple[int, ...]:

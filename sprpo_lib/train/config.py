@@ -141,7 +141,11 @@ class UpdateConfig:
     ``native_gqa``: on a CPU the passes' masked grouped-query attention reads each key/value
     head for its query heads (SDPA's ``enable_gqa``, :func:`sprpo_lib.model.layers.native_gqa`)
     where transformers copies K and V once per query head (1% of a CPU update on WebShop, 3%
-    on ALFWorld): same steps up to rounding; ``false`` keeps transformers' copy."""
+    on ALFWorld): same steps up to rounding; ``false`` keeps transformers' copy.
+    ``first_step_logp``: with several optimizer steps, the rows of the first step take their
+    old log-probs from that step's own forward at theta_k, so the pass that fills the old
+    log-probs runs only the layers below the adapters for them (with ``reuse_frozen``; without
+    it, nothing): same steps up to rounding; ``false`` fills every row first, as verl does."""
 
     lr: float = 3e-6
     betas: tuple[float, float] = (0.9, 0.999)
@@ -165,6 +169,7 @@ class UpdateConfig:
     fused_lora: bool = field(default=True, metadata=OMIT_AT_DEFAULT)
     fused_entropy: bool = field(default=True, metadata=OMIT_AT_DEFAULT)
     native_gqa: bool = field(default=True, metadata=OMIT_AT_DEFAULT)
+    first_step_logp: bool = field(default=True, metadata=OMIT_AT_DEFAULT)
 
     def __post_init__(self):
         if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:

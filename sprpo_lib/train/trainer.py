@@ -100,7 +100,8 @@ class Trainer:
                            skip_zero_adv=u.skip_zero_adv, prefix_min=u.prefix_min,
                            micro_batch_tokens=u.micro_batch_tokens, grad_checkpointing=u.grad_checkpointing,
                            reuse_frozen=u.reuse_frozen, fused_kernels=u.fused_kernels,
-                           fused_lora=u.fused_lora, fused_entropy=u.fused_entropy, native_gqa=u.native_gqa)
+                           fused_lora=u.fused_lora, fused_entropy=u.fused_entropy, native_gqa=u.native_gqa,
+                           first_step_logp=u.first_step_logp)
         self.shape = self.actor.shape
         self.method = make_method(cfg.method, self.shape, cfg.seed)
 

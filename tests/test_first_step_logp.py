@@ -1,0 +1,198 @@
+"""Old log-probs of the first optimizer step's rows from that step's own forward
+(update.first_step_logp): the update takes the reference path's steps (every row filled first)
+within 1e-5 in float32 on the tiny models, both paths in one run; the pass it saves is the one
+the bench's floor leaves out (torch's FLOP counter); and the rule stands aside where it would
+not hold."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from sprpo_lib.bench.suite import method_passes, pass_groups, phase_flops
+from sprpo_lib.core.actor import Actor
+from sprpo_lib.core.batch import Batch, Sample
+from sprpo_lib.core.losses import PPOLossConfig
+from sprpo_lib.core.perturb import FFNChannels
+from sprpo_lib.infra import hardware as hw
+from sprpo_lib.model.layers import below_layer, decoder_layers
+from sprpo_lib.model.load import load_policy
+from sprpo_lib.model.lora import LoraSettings, add_lora, lora_on_last_layers
+
+
+def _batch(seed: int) -> Batch:
+    """GiGPO-like rows: two tasks whose rows share a head (shared prefixes), advantages of both
+    signs and 0, and two rows with no partner."""
+    rng = random.Random(seed)
+    tok = lambda n: [rng.randrange(3, 250) for _ in range(n)]  # noqa: E731
+    samples = []
+    for _ in range(2):
+        head = tok(rng.randrange(16, 24))
+        for _ in range(5):
+            n = rng.randrange(3, 7)
+            samples.append(Sample(head + tok(rng.randrange(2, 9)) + tok(n), n, rng.choice([1.0, -0.6, 0.0, 0.4])))
+    samples += [Sample(tok(rng.randrange(12, 25)), 4, 0.3) for _ in range(2)]
+    rng.shuffle(samples)
+    return Batch(samples)
+
+
+def _policy(spec: str, lora_layers: int | None = 1):
+    pol = load_policy(spec, seed=0, dtype="float32")
+    add_lora(pol, lora_on_last_layers(pol.model, LoraSettings(rank=4, alpha=8), lora_layers), seed=0)
+    with torch.no_grad():  # non-zero B so that the adapters act from the first step
+        for n, p in pol.model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(n)))
+    return pol
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("prefix_min,reuse,entropy", [(0, True, 0.0), (4, True, 0.01), (4, False, 0.0),
+                                                      (0, False, 0.01)])
+def test_first_step_logp_takes_the_reference_steps(tiny_spec, prefix_min, reuse, entropy):
+    """Every step's LoRA gradient within 1e-5 relative, every row's old log-probs within 1e-5,
+    the first step's statistics alike, and the model's top layer runs fewer times (with kept
+    states the bottom one no more often): mini-batches of 5 over 12 rows, two epochs, under xi."""
+    pol = _policy(tiny_spec)
+    params = [p for p in pol.model.parameters() if p.requires_grad]
+    start = [p.detach().clone() for p in params]
+    xi = 0.1 * torch.randn(FFNChannels(pol.model).shape, generator=torch.Generator().manual_seed(3))
+    layers = decoder_layers(pol.model)
+    runs = {}
+    for own in (False, True):
+        with torch.no_grad():
+            for p, v in zip(params, start):
+                p.copy_(v)
+        actor = Actor(pol.model, 0, torch.optim.SGD(params, lr=0.5), micro_batch=2, prefix_min=prefix_min,
+                      loss_cfg=PPOLossConfig(entropy_coeff=entropy), mini_batch=5, epochs=2, reuse_frozen=reuse,
+                      first_step_logp=own)
+        grads, step = [], actor.step
+
+        def recording_step(step=step, actor=actor, grads=grads):
+            grads.append([p.grad.detach().clone() for p in actor.params])
+            step()
+
+        actor.step = recording_step
+        batch = _batch(5).without_old()
+        calls = {"top": 0, "bottom": 0}
+        hooks = [layers[-1].register_forward_hook(lambda *a: calls.__setitem__("top", calls["top"] + 1)),
+                 layers[0].register_forward_hook(lambda *a: calls.__setitem__("bottom", calls["bottom"] + 1))]
+        st = actor.ppo_update(batch, xi)
+        for h in hooks:
+            h.remove()
+        runs[own] = (grads, st, [s.old_logp for s in batch.samples], calls)
+    (g_ref, st_ref, old_ref, n_ref), (g_new, st_new, old_new, n_new) = runs[False], runs[True]
+    assert len(g_ref) == len(g_new) == 6  # 12 rows in mini-batches of 5, two epochs
+    assert all(float(g.abs().sum()) > 0 for g in g_ref[0])
+    for a, b in zip(g_new, g_ref):
+        assert all(_rel(x, y) < 1e-5 for x, y in zip(a, b))
+    assert all(o is not None for o in old_new)
+    for a, b in zip(old_new, old_ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    for k in ("pg_loss", "loss"):
+        assert st_new[k] == pytest.approx(st_ref[k], rel=1e-5, abs=1e-7)
+    assert st_new["ratio_max"] == pytest.approx(1.0, abs=1e-5)  # the first step is at theta_k
+    assert n_new["top"] < n_ref["top"]
+    assert n_new["bottom"] <= n_ref["bottom"] if reuse else n_new["bottom"] < n_ref["bottom"]
+
+
+@pytest.mark.parametrize("lora_layers", [1, None])
+def test_the_saved_forward_is_what_the_bench_floor_leaves_out(tiny_spec, lora_layers):
+    """torch's FLOP counter (linears, adapters as peft runs them, LM head) over an update of 4
+    equal rows in mini-batches of 2: with the rule the old-log-prob pass computes, for the first step's 2 rows, the layers
+    below the adapters only (LoRA on the last layer, kept states) or nothing (LoRA everywhere);
+    the difference is those rows' forward above the adapters and their LM head, which is what
+    method_passes' plan takes out of the update's floor."""
+    pol = _policy(tiny_spec, lora_layers)
+    params = [p for p in pol.model.parameters() if p.requires_grad]
+    rng = random.Random(1)
+    batch = Batch([Sample([rng.randrange(3, 250) for _ in range(14)], 5, a) for a in (1.0, -0.5, 0.7, -1.2)])
+    config = pol.model.config
+    L = int(config.num_hidden_layers)
+    depth = L if lora_layers is None else lora_layers
+
+    def counted(own: bool) -> float:
+        actor = Actor(pol.model, 0, torch.optim.SGD(params, lr=0.0), micro_batch=2, prefix_min=0, mini_batch=2,
+                      loss_cfg=PPOLossConfig(entropy_coeff=0.0), fused_lora=False, first_step_logp=own)
+        with FlopCounterMode(display=False) as fc:
+            actor.ppo_update(batch.without_old(), None)
+        c = fc.get_flop_counts()["Global"]
+        return sum(v for k, v in c.items() if str(k).split(".")[-1] in ("mm", "addmm"))
+
+    saved = counted(False) - counted(True)
+    assert saved > 0
+    first = pass_groups(batch.samples[:2], 0)
+    above = hw.train_pass_flops(config, first, 0, depth)
+    tokens = sum(len(s.ids) for s in batch.samples[:2])
+    assert saved == pytest.approx(above["linear"] + above["head"] + _adapter_flops(pol.model, depth, tokens), rel=1e-9)
+    plan = {own: method_passes(batch, depth, L, False, steps=2, reuse_frozen=True,
+                               first_rows=batch.samples[:2] if own else None)["vanilla"] for own in (False, True)}
+    floor = {own: phase_flops(config, plan[own], 0, "update_s") for own in plan}
+    assert floor[False] - floor[True] == pytest.approx(above["total"], rel=1e-9)
+
+
+def _adapter_flops(model, depth: int, tokens: int) -> float:
+    """FLOPs of the LoRA matmuls of the top ``depth`` layers' forward over ``tokens`` tokens
+    (``2 * rank * (in + out)`` per adapted linear and token), which the floor leaves out."""
+    total = 0
+    for layer in list(decoder_layers(model))[len(decoder_layers(model)) - depth:]:
+        for n, p in layer.named_parameters():
+            if "lora_A" in n or "lora_B" in n:
+                total += 2 * p.numel()
+    return float(total * tokens)
+
+
+def test_the_rule_stands_aside_where_it_would_not_hold(tiny_spec):
+    """No rows when one of the first step's rows already has old log-probs (a caller's, under
+    another xi perhaps) or the model drops anything in training mode; without a regulariser the
+    rows with a zero advantage, which the first step skips, are filled by the pass as before."""
+    pol = _policy(tiny_spec)
+    params = [p for p in pol.model.parameters() if p.requires_grad]
+    actor = Actor(pol.model, 0, torch.optim.SGD(params, lr=0.0), micro_batch=2, mini_batch=5,
+                  loss_cfg=PPOLossConfig(entropy_coeff=0.0))
+    batch = _batch(5).without_old()
+    first = batch.mini_batches(5)[0]
+    run = [s for s in first.samples if s.adv != 0.0]
+    assert 0 < len(run) < len(first.samples)
+    assert actor.first_step_rows(first, batch) == {id(s) for s in run}
+    filled = Batch([s for s in batch.samples if s is not run[0]])  # one of them already has old log-probs
+    assert actor.first_step_rows(first, filled) == set()
+    skipped = next(s for s in first.samples if s.adv == 0.0)
+    assert actor.first_step_rows(first, Batch([s for s in batch.samples if s is not skipped])) == {id(s) for s in run}
+    actor.loss_cfg = PPOLossConfig(entropy_coeff=0.01)  # a regulariser: the first step runs every row
+    assert actor.first_step_rows(first, batch) == {id(s) for s in first.samples}
+    pol.model.config.attention_dropout = 0.1
+    try:
+        assert actor.first_step_rows(first, batch) == set()
+    finally:
+        pol.model.config.attention_dropout = 0.0
+
+
+def test_below_layer_gives_the_states_the_kept_pass_holds(tiny_spec):
+    """The decoder stack below the lowest LoRA layer (below_layer) returns that layer's input,
+    the states the full pass's hook keeps, and restores the model; out-of-range stops are refused."""
+    pol = _policy(tiny_spec)
+    params = [p for p in pol.model.parameters() if p.requires_grad]
+    actor = Actor(pol.model, 0, torch.optim.SGD(params, lr=0.0), micro_batch=2, prefix_min=4)
+    batch = _batch(7).without_old()
+    actor._frozen = {}
+    actor.fill_old_log_probs(batch, None, "keep")
+    kept = dict(actor._frozen)
+    actor._frozen = {}
+    actor.keep_states(batch, None)
+    assert kept.keys() == actor._frozen.keys()
+    for k, v in kept.items():
+        torch.testing.assert_close(actor._frozen[k], v, rtol=0, atol=1e-5)
+    n = len(decoder_layers(pol.model))
+    with pytest.raises(ValueError, match="stop must be in"):
+        with below_layer(pol.model, 0):
+            pass
+    with below_layer(pol.model, n - 1) as stack:
+        assert len(stack.layers) == n - 1
+    assert len(decoder_layers(pol.model)) == n and not isinstance(pol.model.get_base_model().model.norm,
+                                                                  torch.nn.Identity)
