@@ -512,6 +512,45 @@ def test_bench_prices_the_old_log_prob_pass_that_mini_batches_add(tiny_spec):
     assert method_passes(batch, 1, L, False, steps=1, reuse_frozen=True) == plan1  # one step keeps nothing
 
 
+def _recorded_update(model, start: list[torch.Tensor], xi, batch: Batch, **kw) -> tuple:
+    """Actor.ppo_update from the trainable parameters ``start`` (SGD, micro-batches of 2,
+    mini-batches of 5, two epochs; ``kw``: the actor's other settings): every step's gradient,
+    the statistics, the old log-probs and how often the bottom and top decoder layers ran."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    with torch.no_grad():
+        for p, v in zip(params, start):
+            p.copy_(v)
+    actor = Actor(model, 0, torch.optim.SGD(params, lr=0.5), micro_batch=2, mini_batch=5, epochs=2, **kw)
+    grads, step = [], actor.step
+
+    def recording_step():
+        grads.append([p.grad.detach().clone() for p in actor.params])
+        step()
+
+    actor.step = recording_step
+    layers = decoder_layers(model)
+    calls = {"bottom": 0, "top": 0}
+    hooks = [layers[0].register_forward_hook(lambda *a: calls.__setitem__("bottom", calls["bottom"] + 1)),
+             layers[-1].register_forward_hook(lambda *a: calls.__setitem__("top", calls["top"] + 1))]
+    try:
+        st = actor.ppo_update(batch, xi)
+    finally:
+        for h in hooks:
+            h.remove()
+    return grads, st, [s.old_logp for s in batch.samples], calls
+
+
+def _adapted(spec: str):
+    """A tiny float32 policy with LoRA on its last layer, B non-zero so the adapters act at once."""
+    pol = load_policy(spec, seed=0, dtype="float32")
+    add_lora(pol, lora_on_last_layers(pol.model, LoraSettings(rank=4, alpha=8), 1), seed=0)
+    with torch.no_grad():
+        for n, p in pol.model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(n)))
+    return pol
+
+
 @pytest.mark.parametrize("prefix_min,with_xi,entropy,ck", [(0, False, 0.0, False), (4, False, 0.0, False),
                                                            (4, True, 0.01, False), (4, True, 0.0, True)])
 def test_kept_states_below_the_trainable_layers_give_the_reference_steps(tiny_spec, prefix_min, with_xi, entropy, ck):
@@ -519,40 +558,16 @@ def test_kept_states_below_the_trainable_layers_give_the_reference_steps(tiny_sp
     the lowest LoRA layer (Actor.reuse_frozen) takes the same steps as the reference path that
     runs every layer each time: every step's LoRA gradient within 1e-5 relative (float32), the
     old log-probs and the returned statistics equal, both paths in one run."""
-    pol = load_policy(tiny_spec, seed=0, dtype="float32")
-    add_lora(pol, lora_on_last_layers(pol.model, LoraSettings(rank=4, alpha=8), 1), seed=0)
-    with torch.no_grad():  # non-zero B so that the adapters act from the first step
-        for n, p in pol.model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(n)))
-    params = [p for p in pol.model.parameters() if p.requires_grad]
-    start = [p.detach().clone() for p in params]
+    pol = _adapted(tiny_spec)
+    start = [p.detach().clone() for p in pol.model.parameters() if p.requires_grad]
     L, C = FFNChannels(pol.model).shape
     xi = 0.1 * torch.randn(L, C, generator=torch.Generator().manual_seed(3)) if with_xi else None
-    runs = {}
-    for reuse in (False, True):
-        with torch.no_grad():
-            for p, v in zip(params, start):
-                p.copy_(v)
-        actor = Actor(pol.model, 0, torch.optim.SGD(params, lr=0.5), micro_batch=2, prefix_min=prefix_min,
-                      loss_cfg=PPOLossConfig(entropy_coeff=entropy), mini_batch=5, epochs=2,
-                      grad_checkpointing=ck, reuse_frozen=reuse, first_step_logp=False)
-        grads = []
-        step = actor.step
-
-        def recording_step(step=step, actor=actor, grads=grads):
-            grads.append([p.grad.detach().clone() for p in actor.params])
-            step()
-
-        actor.step = recording_step
-        batch = _grouped_batch(2).without_old()
-        calls = []
-        hook = decoder_layers(pol.model)[0].register_forward_hook(lambda *a: calls.append(1))
-        st = actor.ppo_update(batch, xi)
-        hook.remove()
-        runs[reuse] = (grads, st, [s.old_logp for s in batch.samples], len(calls))
+    runs = {reuse: _recorded_update(pol.model, start, xi, _grouped_batch(2).without_old(), prefix_min=prefix_min,
+                                    loss_cfg=PPOLossConfig(entropy_coeff=entropy), grad_checkpointing=ck,
+                                    reuse_frozen=reuse, first_step_logp=False) for reuse in (False, True)}
     (g_ref, st_ref, old_ref, n_ref), (g_new, st_new, old_new, n_new) = runs[False], runs[True]
-    assert 0 < n_new and n_ref - n_new >= 6  # the bottom layer ran in the old-log-prob pass only, not in the 6 steps
+    # the bottom layer ran in the old-log-prob pass only, not in the 6 steps
+    assert 0 < n_new["bottom"] and n_ref["bottom"] - n_new["bottom"] >= 6
     assert len(g_ref) == len(g_new) == 6  # 14 rows in mini-batches of 5, two epochs
     for a, b in zip(g_new, g_ref):
         for x, y in zip(a, b):
@@ -560,3 +575,31 @@ def test_kept_states_below_the_trainable_layers_give_the_reference_steps(tiny_sp
     for a, b in zip(old_new, old_ref):
         assert torch.equal(a, b)
     assert st_new["pg_loss"] == pytest.approx(st_ref["pg_loss"], rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.parametrize("prefix_min,reuse,entropy", [(0, True, 0.0), (4, True, 0.01), (4, False, 0.0),
+                                                      (0, False, 0.01)])
+def test_first_step_logp_takes_the_reference_steps(tiny_spec, prefix_min, reuse, entropy):
+    """update.first_step_logp on and off, everything else the same: every step's LoRA gradient
+    within 1e-5 relative, every row's old log-probs within 1e-5, the first step's statistics
+    alike (its ratio 1: it is at theta_k), and the top layer runs fewer times (with kept states
+    the bottom one no more often, without them less often), under xi, both in one run."""
+    pol = _adapted(tiny_spec)
+    start = [p.detach().clone() for p in pol.model.parameters() if p.requires_grad]
+    xi = 0.1 * torch.randn(FFNChannels(pol.model).shape, generator=torch.Generator().manual_seed(3))
+    runs = {own: _recorded_update(pol.model, start, xi, _grouped_batch(3).without_old(), prefix_min=prefix_min,
+                                  loss_cfg=PPOLossConfig(entropy_coeff=entropy), reuse_frozen=reuse,
+                                  first_step_logp=own) for own in (False, True)}
+    (g_ref, st_ref, old_ref, n_ref), (g_new, st_new, old_new, n_new) = runs[False], runs[True]
+    assert len(g_ref) == len(g_new) == 6
+    assert all(float(g.abs().sum()) > 0 for g in g_ref[0])
+    for a, b in zip(g_new, g_ref):
+        assert all(_rel(x, y) < 1e-5 for x, y in zip(a, b))
+    assert all(o is not None for o in old_new)
+    for a, b in zip(old_new, old_ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    for k in ("pg_loss", "loss"):
+        assert st_new[k] == pytest.approx(st_ref[k], rel=1e-5, abs=1e-7)
+    assert st_new["ratio_max"] == pytest.approx(1.0, abs=1e-5)
+    assert n_new["top"] < n_ref["top"]
+    assert n_new["bottom"] <= n_ref["bottom"] if reuse else n_new["bottom"] < n_ref["bottom"]

@@ -145,7 +145,8 @@ class UpdateConfig:
     ``first_step_logp``: with several optimizer steps, the rows of the first step take their
     old log-probs from that step's own forward at theta_k, so the pass that fills the old
     log-probs runs only the layers below the adapters for them (with ``reuse_frozen``; without
-    it, nothing): same steps up to rounding; ``false`` fills every row first, as verl does."""
+    it, nothing; 6% of a CPU update on WebShop, 3% on ALFWorld): same steps up to rounding;
+    ``false`` fills every row first, as verl does."""
 
     lr: float = 3e-6
     betas: tuple[float, float] = (0.9, 0.999)
