@@ -463,7 +463,8 @@ def actor_passes(tr, batch, reuse_frozen: bool, subset=None, first_step_logp: bo
     regularised = bool(a.loss_cfg.entropy_coeff or a.kl_coef)
     minis = batch.mini_batches(a.mini_batch)
     steps = len(minis) * a.epochs
-    first = [s for s in minis[0].samples if id(s) in a.first_step_rows(minis[0], batch)] if first_step_logp else None
+    own = a.first_step_rows(minis[0], batch) if first_step_logp else set()
+    first = [s for s in minis[0].samples if id(s) in own] if first_step_logp else None
     return method_passes(batch, L - lowest_trainable_layer(tr.model), L, regularised, a.skip_zero_adv, steps,
                          reuse_frozen, subset, first)
 
