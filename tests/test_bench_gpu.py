@@ -9,8 +9,9 @@ import types
 import pytest
 
 from sprpo_lib.bench import cli as bench_cli
-from sprpo_lib.bench.gpu import decode_floor_s
+from sprpo_lib.bench.gpu import decode_floor_s, full_budget_batch
 from sprpo_lib.bench.report import section
+from sprpo_lib.train.config import load_config
 
 
 def test_decode_floor_reads_weights_and_live_kv_once_per_step():
@@ -26,7 +27,8 @@ def test_gpu_bench_runs_end_to_end_at_a_tiny_shape(tmp_path, monkeypatch):
     out = tmp_path / "gpu.json"
     argv = ["gpu", "--profile", "smoke", "--envs", "webshop,nosuchenv", "--methods", "vanilla,sprpo", "--model",
             "tiny-qwen2", "--device", "cpu", "--max-steps", "2", "--batch", "4", "--new-tokens", "4", "--no-tests",
-            "--out", str(out), "rollout.tasks_per_step=1"]
+            "--out", str(out), "rollout.tasks_per_step=1",
+            "rollout.agent.max_prompt_tokens=96"]
     saved = []
     real_save = bench_cli.atomic_write_json
     monkeypatch.setattr(bench_cli, "atomic_write_json", lambda path, rec: saved.append(json.loads(json.dumps(rec))) or real_save(path, rec))
@@ -35,8 +37,11 @@ def test_gpu_bench_runs_end_to_end_at_a_tiny_shape(tmp_path, monkeypatch):
     res = rec["results"]
     # each stage saved as it ended, marked partial: generation first, then one method at a time;
     # the last write is the whole record
-    stages = [(sorted(r["results"].get("webshop", {})), "generation" in r["results"]) for r in saved[:4]]
-    assert stages == [([], True), (["rollout"], True), (["rollout", "vanilla"], True), (["rollout", "sprpo", "vanilla"], True)]
+    stages = [sorted(k for k, v in r["results"].get("webshop", {}).items() if k != "full_budget" or len(v) > 2)
+              for r in saved[:6]]
+    assert stages == [[], ["full_budget"], ["full_budget"], ["full_budget", "rollout"], ["full_budget", "rollout", "vanilla"],
+                      ["full_budget", "rollout", "sprpo", "vanilla"]]
+    assert all("generation" in r["results"] for r in saved)
     assert all(r.get("partial") for r in saved[:-1]) and "partial" not in rec and "generation" in res
     # a stage that fails is recorded with its error; the others still ran
     assert "nosuchenv" in res["nosuchenv"]["error"]
@@ -58,6 +63,12 @@ def test_gpu_bench_runs_end_to_end_at_a_tiny_shape(tmp_path, monkeypatch):
     # SPrPO's replay ran, Vanilla has none; every pass over every row (a random model earns no reward)
     assert res["webshop"]["sprpo"]["sensitivity_s"] > 0 and res["webshop"]["vanilla"]["sensitivity_s"] == 0
     assert "update.skip_zero_adv=false" in res["overrides"] and "model.spec=tiny-qwen2" in res["overrides"]
+    # before the rollout, every method's update on one micro-batch at the profile's full prompt budget
+    cfg = load_config("smoke", ["model.spec=tiny-qwen2"])
+    fb = res["webshop"]["full_budget"]
+    assert fb["rows"] == cfg.update.micro_batch and fb["tokens_per_row"] == 96 + cfg.rollout.generation.max_new_tokens
+    assert fb["vanilla"]["update_s"] > 0 and fb["sprpo"]["sensitivity_s"] > 0 == fb["vanilla"]["sensitivity_s"]
+    assert "| webshop | sprpo at the full budget update | " in section(rec, out)
     for name in ("hf", "hf-graphs"):  # the eager engine and the fixed-shape one, side by side
         gen = res["generation"][name]
         assert gen["new_tokens"] > 0 and gen["tokens_per_s"] > 0 and 0 < gen["floor_over_wall"]
@@ -69,3 +80,15 @@ def test_a_gpu_record_is_filed_under_its_gpu():
     host = {"cpu_model": "Intel(R) Xeon(R) Platinum 8480+", "cpu_class": "amx"}
     assert machine_slug(host) == "intel-xeon-platinum-8480-amx"
     assert machine_slug({**host, "gpu": "NVIDIA H200"}) == "nvidia-h200"
+
+
+def test_the_full_budget_batch_fills_the_prompt_budget_with_every_row_counted():
+    """``update.micro_batch`` rows, each a full prompt plus a full response, advantages of
+    both signs (none zero, so no pass skips a row), the same rows for the same seed."""
+    cfg = load_config("paper", ["env.name=webshop"])
+    b = full_budget_batch(cfg, 1000, seed=3)
+    assert len(b) == cfg.update.micro_batch == 16
+    assert {len(s.ids) for s in b.samples} == {4096 + 64} and {s.n_resp for s in b.samples} == {64}
+    assert sorted({s.adv for s in b.samples}) == [-1.0, 1.0] and max(max(s.ids) for s in b.samples) < 1000
+    assert [s.ids for s in full_budget_batch(cfg, 1000, seed=3).samples] == [s.ids for s in b.samples]
+    assert len(full_budget_batch(load_config("paper", ["env.name=alfworld"]), 1000).samples[0].ids) == 3072 + 64

@@ -10,7 +10,9 @@
    optimizer state, each with its own rollout xi: seconds and peak memory per phase
    (``rollout_peak_cuda_gib``, ``update_peak_cuda_gib``: the update includes SPrPO's replay
    and SAM's extra pass), against the card's memory.  One shared rollout instead of one per
-   method keeps the bench inside a GPU lease: on an H200 a rollout took 36-64 s.
+   method keeps the bench inside a GPU lease: on an H200 a rollout took 36-64 s.  Before it,
+   every method's update on one micro-batch of rows at the profile's full prompt budget
+   (``full_budget``: 4,096 / 3,072 prompt tokens), the worst case of any batch's micro-batch.
 
 A random-weight model earns no reward, so every advantage is 0 and the passes over the
 surrogate alone would skip every row (``update.skip_zero_adv``): the bench sets
@@ -40,7 +42,7 @@ import torch
 
 from sprpo_lib.agent.engines import ENGINES, GenerationConfig, close_engine, make_engine
 from sprpo_lib.bench.suite import restore_point, sync_device, webshop_prompts
-from sprpo_lib.core.batch import build_batch
+from sprpo_lib.core.batch import Batch, Sample, build_batch
 from sprpo_lib.core.methods import make_method
 from sprpo_lib.infra import hardware as hw
 from sprpo_lib.infra.paths import package_checkout
@@ -155,6 +157,43 @@ def iterations(tr: Trainer, methods: tuple[str, ...], res: dict, saved: Callable
         saved()
 
 
+def full_budget_batch(cfg, vocab: int, seed: int = 0) -> Batch:
+    """``update.micro_batch`` rows of random tokens, each at the profile's full budget: a
+    ``rollout.agent.max_prompt_tokens`` prompt and a ``max_new_tokens`` response, with
+    advantages +-1 so that every pass runs over every row."""
+    n_resp = cfg.rollout.generation.max_new_tokens
+    length = cfg.rollout.agent.max_prompt_tokens + n_resp
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (cfg.update.micro_batch, length), generator=g)
+    return Batch([Sample(row.tolist(), n_resp, 1.0 if i % 2 else -1.0) for i, row in enumerate(ids)])
+
+
+def full_budget(tr: Trainer, methods: tuple[str, ...], out: dict, saved: Callable[[], object], deadline: float) -> None:
+    """Every method's update on :func:`full_budget_batch`, from the adapter and optimizer state
+    it found (restored after each): the memory of one micro-batch at the longest prompts the
+    profile allows, which a random policy's few-step episodes do not reach.  Fills ``out`` as
+    each method ends (``saved`` after each); past ``deadline``, skipped."""
+    a, cfg, dev = tr.actor, tr.cfg, tr.actor.device
+    if cfg.rollout.agent.max_prompt_tokens is None:
+        out["skipped"] = "no prompt budget (rollout.agent.max_prompt_tokens is null)"
+        return
+    batch = full_budget_batch(cfg, int(tr.policy.model.config.vocab_size), cfg.seed)
+    out.update(rows=len(batch), tokens_per_row=len(batch.samples[0].ids))
+    restore = restore_point(a)
+    for name in methods:
+        if time.perf_counter() > deadline:
+            out[name] = {"skipped": "deadline"}
+            continue
+        tr.method = make_method(dataclasses.replace(cfg.method, name=name), tr.shape, cfg.seed)
+        hw.reset_peak_memory(dev)
+        st = tr.update(batch.without_old(), tr.method.rollout_xi(0), 0)
+        out[name] = {"update_s": st["update_s"], "sensitivity_s": st["sensitivity_s"],
+                     **{f"update_{k}": v for k, v in hw.peak_memory(dev).items()}}
+        restore()
+        _say(cfg.env.name, f"{name} at the full budget", out[name])
+        saved()
+
+
 def bench_gpu(profile: str = "paper", envs: tuple[str, ...] = ("webshop", "alfworld"), methods: tuple[str, ...] = METHODS,
               model: str = "random-qwen2.5-1.5b", device: str = "cuda", max_steps: int = 3, batch: int = 128,
               new_tokens: int = 64, run_tests: bool = True, overrides: tuple[str, ...] = (),
@@ -188,6 +227,7 @@ def bench_gpu(profile: str = "paper", envs: tuple[str, ...] = ("webshop", "alfwo
                                 (e != "vllm" or dev.type == "cuda"))
                 res["generation"] = generation(tr.policy, engines, batch, new_tokens, res["bandwidth_gbs"])
                 saved()
+            full_budget(tr, methods, rows.setdefault("full_budget", {}), saved, deadline)
             iterations(tr, methods, rows, saved, deadline)
         except Exception as err:  # noqa: BLE001 - an out-of-memory is a result: record it, run the other stages
             rows["error"] = _error(err)
@@ -196,11 +236,12 @@ def bench_gpu(profile: str = "paper", envs: tuple[str, ...] = ("webshop", "alfwo
                 tr.envs.close()
             del tr
             _release(dev)
-        peaks = [r.get(k, 0) for r in rows.values() if isinstance(r, dict)
-                 for k in ("rollout_peak_cuda_gib", "update_peak_cuda_gib")]
-        if "memory_gib" in res.get("gpu", {}) and any(peaks):
-            rows["peak_cuda_gib"] = max(peaks)
-            rows["headroom"] = round(1 - max(peaks) / res["gpu"]["memory_gib"], 3)
+        for key, phases in (("peak_cuda_gib", rows), ("full_budget_peak_cuda_gib", rows.get("full_budget", {}))):
+            peaks = [r.get(f"{p}_{m}", 0) for r in phases.values() if isinstance(r, dict)
+                     for p in ("rollout", "update") for m in ("peak_cuda_gib", "peak_cuda_reserved_gib")]
+            if "memory_gib" in res.get("gpu", {}) and any(peaks):  # the reserved peak: what the card must hold
+                rows[key] = max(peaks)
+                rows[key.replace("peak_cuda_gib", "headroom")] = round(1 - max(peaks) / res["gpu"]["memory_gib"], 3)
         saved()
     res["seconds"] = round(time.perf_counter() - t0, 1)
     return res

@@ -235,8 +235,9 @@ def _runs_rows(res: dict) -> list[str]:
 
 
 def _gpu_rows(res: dict) -> list[str]:
-    """``bench gpu``: per environment the rollout and each method's update on its batch, seconds
-    and peak memory; per engine, generation against the decode floor."""
+    """``bench gpu``: per environment the rollout and each method's update on its batch, and on a
+    micro-batch at the full prompt budget, seconds and peak memory (allocated, and held by the
+    caching allocator); per engine, generation against the decode floor."""
     gpu = res.get("gpu", {})
     tests = res.get("cuda_tests", {})
     lines = [f"{gpu.get('name', res.get('device'))} ({gpu.get('memory_gib', '?')} GiB), `{res.get('profile')}` profile, "
@@ -258,16 +259,24 @@ def _gpu_rows(res: dict) -> list[str]:
             lines.append(f"| {env} | rollout ({r['episodes']} episodes; generation {r['generate_s']} s) | "
                          f"{r['samples']} / {r['tokens']} | {r['rollout_s']} | | "
                          f"{r.get('rollout_peak_cuda_gib', r.get('rollout_peak_rss_gib'))} |")
-        for m, r in rows.items():
-            if m == "rollout" or not isinstance(r, dict):
+        fb = rows.get("full_budget") or {}
+        if "skipped" in fb:
+            lines.append(f"| {env} | full budget | skipped ({fb['skipped']}) | | | |")
+        for m, r in [*rows.items(), *((f"{m} at the full budget", r) for m, r in fb.items())]:
+            if m in ("rollout", "full_budget") or not isinstance(r, dict):
                 continue
+            size = f"{fb['rows']} x {fb['tokens_per_row']}" if m.endswith("full budget") else ""
             if "skipped" in r:
                 lines.append(f"| {env} | {m} update | skipped ({r['skipped']}) | | | |")
             else:
-                lines.append(f"| {env} | {m} update | | {r.get('update_s')} | {r.get('sensitivity_s')} | "
-                             f"{r.get('update_peak_cuda_gib', r.get('update_peak_rss_gib'))} |")
-        if "peak_cuda_gib" in rows:
-            lines.append(f"| {env} | peak | | | | {rows['peak_cuda_gib']} ({rows['headroom']:.0%} of the card free) |")
+                peak = r.get("update_peak_cuda_gib", r.get("update_peak_rss_gib"))
+                held = f" (held {r['update_peak_cuda_reserved_gib']})" if "update_peak_cuda_reserved_gib" in r else ""
+                lines.append(f"| {env} | {m} update | {size} | {r.get('update_s')} | {r.get('sensitivity_s')} | "
+                             f"{peak}{held} |")
+        for key, what in (("peak_cuda_gib", "peak, batch of the rollout"), ("full_budget_peak_cuda_gib", "peak, full budget")):
+            if key in rows:
+                free = rows[key.replace("peak_cuda_gib", "headroom")]
+                lines.append(f"| {env} | {what} (the allocator's reserve) | | | | {rows[key]} ({free:.0%} of the card free) |")
     return lines
 
 
@@ -422,8 +431,9 @@ def headline(record: dict) -> str | None:
                 f"after {sm['measured']} iterations its sigma differs from the replay's by a relative L2 of "
                 f"{sm['ema_last']['sigma_rel_l2']} (the run's own last step {sm['ema_last']['sigma_step_rel_l2']})")
     if name == "gpu":
-        peaks = [f"{env} peak {rows['peak_cuda_gib']} GiB" for env, rows in res.items()
-                 if isinstance(rows, dict) and "peak_cuda_gib" in rows]
+        peaks = [f"{env} peak {rows['peak_cuda_gib']} GiB" + (f" ({rows['full_budget_peak_cuda_gib']} GiB at the full "
+                                                              f"prompt budget)" if "full_budget_peak_cuda_gib" in rows else "")
+                 for env, rows in res.items() if isinstance(rows, dict) and "peak_cuda_gib" in rows]
         hf = (res.get("generation") or {}).get("hf", {})
         tests = res.get("cuda_tests") or {}
         return ", ".join(([f"CUDA tests {tests.get('passed', 0)} passed, {tests.get('failed', 0)} failed"] if tests else [])

@@ -475,7 +475,8 @@ def reset_peak_memory(device: str | torch.device = "cpu") -> None:
 def peak_memory(device: str | torch.device = "cpu") -> dict[str, float]:
     """GiB since :func:`reset_peak_memory`: ``peak_rss_gib`` (this process's peak resident
     set; an engine's worker process is not counted) and, on CUDA, ``peak_cuda_gib``
-    (``torch.cuda.max_memory_allocated``)."""
+    (``torch.cuda.max_memory_allocated``) and ``peak_cuda_reserved_gib`` (what the caching
+    allocator held at most: the card must hold this, fragmentation included)."""
     out: dict[str, float] = {}
     try:
         with open("/proc/self/status") as f:
@@ -489,4 +490,5 @@ def peak_memory(device: str | torch.device = "cpu") -> dict[str, float]:
     dev = torch.device(device)
     if dev.type == "cuda":
         out["peak_cuda_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 3)
+        out["peak_cuda_reserved_gib"] = round(torch.cuda.max_memory_reserved(dev) / 2**30, 3)
     return out

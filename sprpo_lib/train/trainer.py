@@ -200,7 +200,7 @@ class Trainer:
             **{f"xi_real_{k2}": v for k2, v in xi_stats(xi).items()},
             **adv_stats,
             **{k2: v for k2, v in ustats.items() if isinstance(v, (int, float))},
-            **mem,  # peak memory per phase: rollout_/update_ peak_rss_gib, and peak_cuda_gib on CUDA
+            **mem,  # peak memory per phase: rollout_/update_ peak_rss_gib; on CUDA peak_cuda_gib and peak_cuda_reserved_gib
         }
         m[MK.WALL_S] = round(time.perf_counter() - t0, 3)
         # contention check: this process's CPU seconds per wall second (about the thread count
