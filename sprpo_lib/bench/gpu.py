@@ -205,7 +205,8 @@ def bench_gpu(profile: str = "paper", envs: tuple[str, ...] = ("webshop", "alfwo
     deadline = t0 + budget_s
     dev = torch.device(device)
     res: dict = {"profile": profile, "model": model, "device": str(dev), "env_max_steps": max_steps,
-                 "budget_s": budget_s if budget_s < float("inf") else None}
+                 "budget_s": budget_s if budget_s < float("inf") else None,
+                 "reserve_per_phase": True}  # hw.reset_peak_memory empties the allocator's cache
     if dev.type == "cuda":
         props = torch.cuda.get_device_properties(dev)
         res["gpu"] = {"name": props.name, "memory_gib": round(props.total_memory / 2**30, 1)}
@@ -236,12 +237,6 @@ def bench_gpu(profile: str = "paper", envs: tuple[str, ...] = ("webshop", "alfwo
                 tr.envs.close()
             del tr
             _release(dev)
-        for key, phases in (("peak_cuda_gib", rows), ("full_budget_peak_cuda_gib", rows.get("full_budget", {}))):
-            peaks = [r.get(f"{p}_{m}", 0) for r in phases.values() if isinstance(r, dict)
-                     for p in ("rollout", "update") for m in ("peak_cuda_gib", "peak_cuda_reserved_gib")]
-            if "memory_gib" in res.get("gpu", {}) and any(peaks):  # the reserved peak: what the card must hold
-                rows[key] = max(peaks)
-                rows[key.replace("peak_cuda_gib", "headroom")] = round(1 - max(peaks) / res["gpu"]["memory_gib"], 3)
         saved()
     res["seconds"] = round(time.perf_counter() - t0, 1)
     return res

@@ -258,7 +258,9 @@ def _gpu_rows(res: dict) -> list[str]:
         if isinstance(r, dict):
             lines.append(f"| {env} | rollout ({r['episodes']} episodes; generation {r['generate_s']} s) | "
                          f"{r['samples']} / {r['tokens']} | {r['rollout_s']} | | "
-                         f"{r.get('rollout_peak_cuda_gib', r.get('rollout_peak_rss_gib'))} |")
+                         f"{r.get('rollout_peak_cuda_gib', r.get('rollout_peak_rss_gib'))}" +
+                         (f" (held {r['rollout_peak_cuda_reserved_gib']})" if "rollout_peak_cuda_reserved_gib" in r else "")
+                         + " |")
         fb = rows.get("full_budget") or {}
         if "skipped" in fb:
             lines.append(f"| {env} | full budget | skipped ({fb['skipped']}) | | | |")
@@ -270,14 +272,29 @@ def _gpu_rows(res: dict) -> list[str]:
                 lines.append(f"| {env} | {m} update | skipped ({r['skipped']}) | | | |")
             else:
                 peak = r.get("update_peak_cuda_gib", r.get("update_peak_rss_gib"))
-                held = f" (held {r['update_peak_cuda_reserved_gib']})" if "update_peak_cuda_reserved_gib" in r else ""
+                held = (f" (held {r['update_peak_cuda_reserved_gib']})" if "update_peak_cuda_reserved_gib" in r else "")
                 lines.append(f"| {env} | {m} update | {size} | {r.get('update_s')} | {r.get('sensitivity_s')} | "
                              f"{peak}{held} |")
-        for key, what in (("peak_cuda_gib", "peak, batch of the rollout"), ("full_budget_peak_cuda_gib", "peak, full budget")):
-            if key in rows:
-                free = rows[key.replace("peak_cuda_gib", "headroom")]
-                lines.append(f"| {env} | {what} (the allocator's reserve) | | | | {rows[key]} ({free:.0%} of the card free) |")
+        for what, phases in (("rollout's batch", rows), ("full budget", fb)):
+            alloc, held = gpu_peaks(phases)
+            if alloc:
+                card = gpu.get("memory_gib")
+                free = f"; {1 - alloc / card:.0%} of the card free" if card else ""
+                lines.append(f"| {env} | peak, {what} | | | | {alloc}{free}" +
+                             (f" (reserve {held})" if held and res.get("reserve_per_phase") else "") + " |")
+    if not res.get("reserve_per_phase") and envs:
+        lines.append("\n`held`: the caching allocator's reserve, which this record did not reset between stages: "
+                     "a stage's figure includes what earlier stages left cached.")
     return lines
+
+
+def gpu_peaks(phases: dict) -> tuple[float, float]:
+    """``bench gpu``: the largest ``torch.cuda.max_memory_allocated`` and reserve (GiB) over
+    these phases' rows (rollout and updates); 0 where none was measured."""
+    rows = [r for r in phases.values() if isinstance(r, dict)]
+    alloc = max((r.get(f"{p}_peak_cuda_gib", 0) for r in rows for p in ("rollout", "update")), default=0)
+    held = max((r.get(f"{p}_peak_cuda_reserved_gib", 0) for r in rows for p in ("rollout", "update")), default=0)
+    return alloc, held
 
 
 def _attention_rows(res: dict) -> list[str]:
@@ -431,9 +448,9 @@ def headline(record: dict) -> str | None:
                 f"after {sm['measured']} iterations its sigma differs from the replay's by a relative L2 of "
                 f"{sm['ema_last']['sigma_rel_l2']} (the run's own last step {sm['ema_last']['sigma_step_rel_l2']})")
     if name == "gpu":
-        peaks = [f"{env} peak {rows['peak_cuda_gib']} GiB" + (f" ({rows['full_budget_peak_cuda_gib']} GiB at the full "
-                                                              f"prompt budget)" if "full_budget_peak_cuda_gib" in rows else "")
-                 for env, rows in res.items() if isinstance(rows, dict) and "peak_cuda_gib" in rows]
+        peaks = [f"{env} peak {gpu_peaks(rows)[0]} GiB allocated ({gpu_peaks(rows.get('full_budget') or {})[0]} GiB at the "
+                 f"full prompt budget)" for env, rows in res.items()
+                 if isinstance(rows, dict) and env not in ("gpu", "cuda_tests", "generation") and gpu_peaks(rows)[0]]
         hf = (res.get("generation") or {}).get("hf", {})
         tests = res.get("cuda_tests") or {}
         return ", ".join(([f"CUDA tests {tests.get('passed', 0)} passed, {tests.get('failed', 0)} failed"] if tests else [])

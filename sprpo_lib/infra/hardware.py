@@ -459,11 +459,13 @@ def default_probe(shapes: Sequence[Shape]) -> dict:
 
 
 def reset_peak_memory(device: str | torch.device = "cpu") -> None:
-    """Start a phase whose peak memory :func:`peak_memory` reads: CUDA's peak-allocation
-    counter of ``device`` and, on Linux, this process's peak resident set (``VmHWM``,
+    """Start a phase whose peak memory :func:`peak_memory` reads: CUDA's peak counters of
+    ``device``, its allocator's cache emptied first (so that the reserved peak is this
+    phase's) and, on Linux, this process's peak resident set (``VmHWM``,
     reset through ``/proc/self/clear_refs``; elsewhere the peak stays the process's)."""
     dev = torch.device(device)
     if dev.type == "cuda":
+        torch.cuda.empty_cache()  # else the reserve of earlier phases counts in this one's
         torch.cuda.reset_peak_memory_stats(dev)
     try:
         with open("/proc/self/clear_refs", "w") as f:
