@@ -72,6 +72,11 @@ def test_gpu_bench_runs_end_to_end_at_a_tiny_shape(tmp_path, monkeypatch):
     for name in ("hf", "hf-graphs"):  # the eager engine and the fixed-shape one, side by side
         gen = res["generation"][name]
         assert gen["new_tokens"] > 0 and gen["tokens_per_s"] > 0 and 0 < gen["floor_over_wall"]
+        # the wall split: the prefill (one new token) and the decoding after it, each against its floor
+        assert 0 < gen["prefill_s"] and gen["decode_s"] == pytest.approx(gen["wall_s"] - gen["prefill_s"],
+                                                                                          abs=0.011)
+        assert gen["prefill_floor_s"] > 0 and gen["matmul_gflops"] > 0 and gen["engine_forwards"] > 0
+        assert f"`{name}` generation: " in section(rec, out) and "Prefill (one new token)" in section(rec, out)
 
 
 def test_a_gpu_record_is_filed_under_its_gpu():

@@ -13,6 +13,7 @@ from sprpo_lib.agent.engines import (
     HFGenerator,
     HFGraphEngine,
     bake_weights,
+    default_prefill_tokens,
     load_baked,
     make_engine,
     plain_copy,
@@ -88,6 +89,20 @@ def test_greedy_equals_hf_generator(tiny_spec):
     # padding waste: prefilled tokens (with padding) stay close to the real prompt tokens
     real = sum(len(g.prompt_ids) for g in got)
     assert real <= eng.stats["prefill_tokens"] < 1.1 * real
+
+
+def test_prefill_groups_follow_the_device_unless_told(tiny_spec):
+    """On a CPU a prefill forward holds ~2,048 padded tokens; on a GPU ~65,536 (launch-bound
+    below that); an explicit size wins.  Fewer, larger groups give the same tokens."""
+    pol = load_policy(tiny_spec)
+    assert default_prefill_tokens("cpu") == 2048 and default_prefill_tokens("cuda:0") == default_prefill_tokens("cuda")
+    assert default_prefill_tokens("cuda") == 65536
+    eng = HFEngine(pol, greedy())
+    assert eng.prefill_tokens == 2048 and HFEngine(pol, greedy(), prefill_tokens=300).prefill_tokens == 300
+    small, one = HFEngine(pol, greedy(), prefill_tokens=300), HFEngine(pol, greedy(), prefill_tokens=default_prefill_tokens("cuda"))
+    assert same_tokens(small(PROMPTS), one(PROMPTS)) == len(PROMPTS)
+    # the same decode steps; the GPU's size prefills each decode batch in one forward, 300 tokens in several
+    assert one.stats["decode_rows"] == small.stats["decode_rows"] and one.stats["forwards"] < small.stats["forwards"]
 
 
 def test_stop_strings_and_dropped_rows_match_hf_generator():

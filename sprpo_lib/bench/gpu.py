@@ -82,35 +82,54 @@ def decode_floor_s(config, weight_bytes: int, prompt_lens: list[int], response_l
 
 def generation(policy, engines: tuple[str, ...], batch: int, new_tokens: int, bandwidth_gbs: float) -> dict:
     """Per engine: new tokens per second on ``batch`` real WebShop prompts (greedy, at most
-    ``new_tokens`` each) and the decode floor over the wall time."""
+    ``new_tokens`` each) and the decode floor over the wall time.  The wall splits into the
+    prefill (``prefill_s``: the same prompts with one new token, against ``prefill_floor_s``,
+    their FLOPs at the matmul rate probed on the device at the model's shapes) and decoding
+    (the rest, against the decode floor)."""
     prompts = webshop_prompts(batch)
+    config, dev = policy.model.config, torch.device(policy.device)
     weight_bytes = sum(p.numel() * p.element_size() for p in policy.model.parameters())
     kv_bytes = next(policy.model.parameters()).element_size()
-    out = {}
+    dtype = str(next(policy.model.parameters()).dtype).removeprefix("torch.")
+    rate = hw.probe_matmul(hw.linear_shapes(config), dtypes=(dtype,), device=dev,
+                           rows=(8192 if dev.type == "cuda" else hw.PREFILL_ROWS,))[dtype]["gflops"]
+    out: dict = {}
     for name in engines:
         try:
-            gen = make_engine(name, policy, GenerationConfig(temperature=0.0, max_new_tokens=new_tokens, batch_size=batch))
+            gens = [make_engine(name, policy, GenerationConfig(temperature=0.0, max_new_tokens=n, batch_size=batch))
+                    for n in (new_tokens, 1)]
         except Exception as err:  # noqa: BLE001 - one engine's failure is its row; the others still run
             out[name] = {"error": _error(err)}
             continue
         try:
-            gen(prompts[:2])  # warm-up: compilation, allocator
-            sync_device(policy.device)
-            t0 = time.perf_counter()
-            res = gen(prompts)
-            sync_device(policy.device)
-            wall = time.perf_counter() - t0
+            walls, results, counts = [], [], []
+            for gen in gens:  # the whole generation, then the prefill alone (one new token)
+                gen(prompts[:2])  # warm-up: compilation, allocator
+                sync_device(dev)
+                before = dict(getattr(gen, "stats", {}))
+                t0 = time.perf_counter()
+                results.append(gen(prompts))
+                sync_device(dev)
+                walls.append(time.perf_counter() - t0)
+                counts.append({k: v - before.get(k, 0) for k, v in getattr(gen, "stats", {}).items()
+                               if isinstance(v, (int, float))})
         except Exception as err:  # noqa: BLE001 - as above
             out[name] = {"error": _error(err)}
             continue
         finally:
-            close_engine(gen)
+            for gen in gens:
+                close_engine(gen)
+        (wall, prefill), res = walls, results[0]
         tokens = sum(len(g.response_ids) for g in res)
-        floor = decode_floor_s(policy.model.config, weight_bytes, [len(g.prompt_ids) for g in res],
+        floor = decode_floor_s(config, weight_bytes, [len(g.prompt_ids) for g in res],
                                [len(g.response_ids) for g in res], bandwidth_gbs, kv_bytes)
+        prefill_floor = hw.prefill_flops(config, [len(g.prompt_ids) for g in res]) / (rate * 1e9)
         out[name] = {"batch": batch, "new_tokens": tokens, "wall_s": round(wall, 2),
                      "tokens_per_s": round(tokens / wall, 1), "decode_floor_s": round(floor, 3),
-                     "floor_over_wall": round(floor / wall, 3)}
+                     "floor_over_wall": round(floor / wall, 3), "prefill_s": round(prefill, 2),
+                     "prefill_floor_s": round(prefill_floor, 3), "decode_s": round(wall - prefill, 2),
+                     "decode_floor_over_decode": round(floor / max(wall - prefill, 1e-9), 3),
+                     "matmul_gflops": rate, **{f"engine_{k}": v for k, v in counts[0].items()}}
     return out
 
 

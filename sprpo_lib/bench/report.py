@@ -245,9 +245,13 @@ def _gpu_rows(res: dict) -> list[str]:
              f"{tests.get('passed', '-')} passed, {tests.get('failed', 0)} failed; "
              f"measured memory bandwidth {res.get('bandwidth_gbs')} GB/s.\n"]
     for name, g in (res.get("generation") or {}).items():
+        split = ("" if "prefill_s" not in g else
+                 f" Prefill (one new token) {g['prefill_s']} s against its floor {g['prefill_floor_s']} s "
+                 f"({g['matmul_gflops']} GFLOP/s); decoding {g['decode_s']} s, {g['decode_floor_over_decode']} of its floor.")
         lines.append(f"`{name}` generation: " + (f"failed: {g['error'][:200]}" if "error" in g else
                      f"{g['tokens_per_s']} new tokens/s at batch {g['batch']}, "
-                     f"{g['floor_over_wall']} of the decode floor ({g['decode_floor_s']} s against {g['wall_s']} s)."))
+                     f"{g['floor_over_wall']} of the decode floor ({g['decode_floor_s']} s against {g['wall_s']} s)."
+                     + split))
     envs = [(env, rows) for env, rows in res.items() if isinstance(rows, dict) and env not in ("gpu", "cuda_tests", "generation")]
     if envs:
         lines += ["\n| env | phase | samples / tokens | seconds | extra pass s | peak GiB |", "|---|---|---|---|---|---|"]

@@ -34,11 +34,12 @@ from sprpo_lib.agent.engines.base import (
     load_baked,
     plain_copy,
 )
-from sprpo_lib.agent.engines.hf import HFEngine, HFGenerator, HFGraphEngine
+from sprpo_lib.agent.engines.hf import HFEngine, HFGenerator, HFGraphEngine, default_prefill_tokens
 from sprpo_lib.agent.prompt import AgentConfig
 
 __all__ = ["ENGINES", "Engine", "Generation", "GenerationConfig", "Generator", "HFEngine", "HFGenerator", "HFGraphEngine",
-           "bake_weights", "call_seed", "close_engine", "cut_response", "effective_weights", "load_baked",
+           "bake_weights", "call_seed", "close_engine", "cut_response", "default_prefill_tokens", "effective_weights",
+           "load_baked",
            "make_engine", "plain_copy", "register_engine"]
 
 EngineFactory = Callable[..., Engine]

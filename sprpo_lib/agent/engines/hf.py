@@ -124,6 +124,19 @@ def _room_cache(kv: Sequence[tuple[torch.Tensor, torch.Tensor]], room: int):
     return Cache(layers=[cls(k, v, room) for k, v in kv])
 
 
+#: padded tokens per prefill forward when the engine is not told (:func:`default_prefill_tokens`)
+PREFILL_TOKENS = {"cpu": 2048, "gpu": 65536}
+
+
+def default_prefill_tokens(device: str | torch.device) -> int:
+    """Padded tokens per prefill forward on ``device``: 2,048 on a CPU (a group's activations
+    stay small); 65,536 on a GPU, where a forward is bound by its launches until it is large.
+    An H200 ran the paper profile's eager ops at ~17 us each, so 2,048-token groups (two of
+    its ~1,000-token prompts) spent more time launching than computing; 65,536 prefills 128
+    such prompts in two forwards of ~0.25 s of arithmetic each."""
+    return PREFILL_TOKENS["cpu" if torch.device(device).type == "cpu" else "gpu"]
+
+
 class HFEngine:
     """:class:`~sprpo_lib.agent.engines.HFGenerator`'s results, computed with less waste.
 
@@ -151,7 +164,8 @@ class HFEngine:
     own_weights = False  # decodes with policy.model itself (hooks and LoRA apply) until load_weights
 
     def __init__(self, policy, cfg: GenerationConfig | None = None, agent: AgentConfig | None = None,
-                 prefill_tokens: int = 2048):
+                 prefill_tokens: int | None = None):
+        prefill_tokens = default_prefill_tokens(policy.device) if prefill_tokens is None else prefill_tokens
         if prefill_tokens < 1:
             raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
         self.policy = policy
