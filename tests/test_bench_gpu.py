@@ -11,6 +11,7 @@ import pytest
 from sprpo_lib.bench import cli as bench_cli
 from sprpo_lib.bench.gpu import decode_floor_s, full_budget_batch
 from sprpo_lib.bench.report import section
+from sprpo_lib.core.batch import Batch, Sample
 from sprpo_lib.train.config import load_config
 
 
@@ -97,3 +98,16 @@ def test_the_full_budget_batch_fills_the_prompt_budget_with_every_row_counted():
     assert sorted({s.adv for s in b.samples}) == [-1.0, 1.0] and max(max(s.ids) for s in b.samples) < 1000
     assert [s.ids for s in full_budget_batch(cfg, 1000, seed=3).samples] == [s.ids for s in b.samples]
     assert len(full_budget_batch(load_config("paper", ["env.name=alfworld"]), 1000).samples[0].ids) == 3072 + 64
+
+
+def test_the_paper_profile_splits_a_full_budget_micro_batch_but_not_a_rollouts():
+    """``update.micro_batch_tokens``: 16 rows at WebShop's full budget (4,160 tokens) go in
+    micro-batches of at most 32,768 padded tokens (7 + 7 + 2 rows); 16 rows of ~1,200 tokens
+    (the H200 rollouts' batches averaged 880 and 1,208) stay one micro-batch."""
+    cfg = load_config("paper", ["env.name=webshop"])
+    full = full_budget_batch(cfg, 1000)
+    chunks = full.micro_batch_order(cfg.update.micro_batch, max_tokens=cfg.update.micro_batch_tokens)
+    assert [len(c) for c in chunks] == [7, 7, 2]
+    assert full.padded_tokens(cfg.update.micro_batch, max_tokens=cfg.update.micro_batch_tokens) == 16 * 4160
+    typical = Batch([Sample(list(range(1200 + 10 * i)), 64, 1.0) for i in range(16)])
+    assert len(typical.micro_batch_order(cfg.update.micro_batch, max_tokens=cfg.update.micro_batch_tokens)) == 1
