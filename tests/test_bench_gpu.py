@@ -40,8 +40,10 @@ def test_gpu_bench_runs_end_to_end_at_a_tiny_shape(tmp_path, monkeypatch):
     # the last write is the whole record
     stages = [sorted(k for k, v in r["results"].get("webshop", {}).items() if k != "full_budget" or len(v) > 2)
               for r in saved[:6]]
-    assert stages == [[], ["full_budget"], ["full_budget"], ["full_budget", "rollout"], ["full_budget", "rollout", "vanilla"],
-                      ["full_budget", "rollout", "sprpo", "vanilla"]]
+    assert stages == [[], ["full_budget"], ["full_budget"], ["full_budget", "rollout"],
+                      ["full_budget", "rollout", "vanilla", "warmup_s"], ["full_budget", "rollout", "sprpo", "vanilla", "warmup_s"]]
+    assert res["methods"] == ["vanilla", "sprpo"] and res["webshop"]["warmup_s"] > 0
+    assert "| webshop | Vanilla update, untimed warm-up before the rows below |" in section(rec, out)
     assert all("generation" in r["results"] for r in saved)
     assert all(r.get("partial") for r in saved[:-1]) and "partial" not in rec and "generation" in res
     # a stage that fails is recorded with its error; the others still ran
@@ -51,6 +53,7 @@ def test_gpu_bench_runs_end_to_end_at_a_tiny_shape(tmp_path, monkeypatch):
     assert bench_cli.main([*argv, "--budget-s", "0"]) == 0
     late = json.loads(out.read_text())
     assert late["results"]["webshop"]["vanilla"] == {"skipped": "deadline"} and "generation" in late["results"]
+    assert "warmup_s" not in late["results"]["webshop"]  # the warm-up keeps to the budget too
     assert "| webshop | vanilla update | skipped (deadline) |" in section(late, out)
     assert "| webshop | rollout (" in section(late, out)
     assert "Partial" in section({**late, "partial": True}, out) and "Partial" not in section(late, out)

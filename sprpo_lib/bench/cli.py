@@ -186,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     x.add_argument("--batch", type=int, default=128, help="generation batch (the paper profile's)")
     x.add_argument("--new-tokens", type=int, default=64)
     x.add_argument("--no-tests", action="store_true", help="skip tests/test_cuda.py")
+    x.add_argument("--no-warmup", action="store_true", help="time the first method's update without an untimed "
+                                                            "Vanilla update on the batch before it")
     x.add_argument("--budget-s", type=float, default=float("inf"),
                    help="start no iteration after this many seconds (the rest is recorded as skipped); default: no limit")
     x.add_argument("overrides", nargs="*", help="dotted training-config overrides")
@@ -245,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         res = bench_gpu(args.profile, tuple(args.envs.split(",")), tuple(args.methods.split(",")), args.model,
                         args.device, args.max_steps, args.batch, args.new_tokens, not args.no_tests,
                         tuple(args.overrides), save=lambda r: atomic_write_json(out, record(r, partial=True)),
-                        budget_s=args.budget_s)
+                        budget_s=args.budget_s, warmup=not args.no_warmup)
     elif args.what == "runs":
         res = bench_runs(args.profile, args.env, tuple(args.methods.split(",")), args.seed, args.before, args.after)
     elif args.what == "estimates":

@@ -265,6 +265,8 @@ def _gpu_rows(res: dict) -> list[str]:
                          f"{r.get('rollout_peak_cuda_gib', r.get('rollout_peak_rss_gib'))}" +
                          (f" (held {r['rollout_peak_cuda_reserved_gib']})" if "rollout_peak_cuda_reserved_gib" in r else "")
                          + " |")
+        if "warmup_s" in rows:
+            lines.append(f"| {env} | Vanilla update, untimed warm-up before the rows below | | {rows['warmup_s']} | | |")
         fb = rows.get("full_budget") or {}
         if "skipped" in fb:
             lines.append(f"| {env} | full budget | skipped ({fb['skipped']}) | | | |")

@@ -177,6 +177,8 @@ class Actor:
             self._timer = prev
 
     def _tick(self, t0: float) -> None:
+        if self.device.type == "cuda":  # the kernels a pass queued count in its timer, not in a later one's
+            torch.cuda.synchronize(self.device)
         self.timers[self._timer] = self.timers.get(self._timer, 0.0) + time.perf_counter() - t0
 
     # ------------------------------------------------------------------ forward
