@@ -144,6 +144,16 @@ def _say(env: str, what: str, row: dict) -> None:
     print(f"bench gpu: {env} {what}: " + ", ".join(f"{k} {v}" for k, v in row.items()), file=sys.stderr, flush=True)
 
 
+def method_update(tr: Trainer, name: str, batch: Batch) -> dict:
+    """Method ``name``'s update on ``batch`` under its own rollout xi (None for Vanilla and
+    SAM) from the actor's present state: seconds and peak memory of the phase."""
+    tr.method = make_method(dataclasses.replace(tr.cfg.method, name=name), tr.shape, tr.cfg.seed)
+    hw.reset_peak_memory(tr.actor.device)
+    st = tr.update(batch.without_old(), tr.method.rollout_xi(0), 0)
+    return {"update_s": st["update_s"], "sensitivity_s": st["sensitivity_s"],
+            **{f"update_{k}": v for k, v in hw.peak_memory(tr.actor.device).items()}}
+
+
 def iterations(tr: Trainer, methods: tuple[str, ...], res: dict, saved: Callable[[], object],
                deadline: float, warmup: bool = True) -> None:
     """One rollout (``res["rollout"]``) and every method's update on its batch (``res[method]``),
@@ -175,12 +185,7 @@ def iterations(tr: Trainer, methods: tuple[str, ...], res: dict, saved: Callable
             res[name] = {"skipped": "deadline"}
             continue
         restore()
-        tr.method = make_method(dataclasses.replace(cfg.method, name=name), tr.shape, cfg.seed)
-        xi = tr.method.rollout_xi(0)  # the method's own (None for Vanilla and SAM)
-        hw.reset_peak_memory(dev)
-        st = tr.update(batch.without_old(), xi, 0)
-        res[name] = {"update_s": st["update_s"], "sensitivity_s": st["sensitivity_s"],
-                     **{f"update_{k}": v for k, v in hw.peak_memory(dev).items()}}
+        res[name] = method_update(tr, name, batch)
         _say(cfg.env.name, name, res[name])
         saved()
 
@@ -201,22 +206,18 @@ def full_budget(tr: Trainer, methods: tuple[str, ...], out: dict, saved: Callabl
     it found (restored after each): the memory of one micro-batch at the longest prompts the
     profile allows, which a random policy's few-step episodes do not reach.  Fills ``out`` as
     each method ends (``saved`` after each); past ``deadline``, skipped."""
-    a, cfg, dev = tr.actor, tr.cfg, tr.actor.device
+    cfg = tr.cfg
     if cfg.rollout.agent.max_prompt_tokens is None:
         out["skipped"] = "no prompt budget (rollout.agent.max_prompt_tokens is null)"
         return
     batch = full_budget_batch(cfg, int(tr.policy.model.config.vocab_size), cfg.seed)
     out.update(rows=len(batch), tokens_per_row=len(batch.samples[0].ids))
-    restore = restore_point(a)
+    restore = restore_point(tr.actor)
     for name in methods:
         if time.perf_counter() > deadline:
             out[name] = {"skipped": "deadline"}
             continue
-        tr.method = make_method(dataclasses.replace(cfg.method, name=name), tr.shape, cfg.seed)
-        hw.reset_peak_memory(dev)
-        st = tr.update(batch.without_old(), tr.method.rollout_xi(0), 0)
-        out[name] = {"update_s": st["update_s"], "sensitivity_s": st["sensitivity_s"],
-                     **{f"update_{k}": v for k, v in hw.peak_memory(dev).items()}}
+        out[name] = method_update(tr, name, batch)
         restore()
         _say(cfg.env.name, f"{name} at the full budget", out[name])
         saved()

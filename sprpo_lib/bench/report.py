@@ -298,9 +298,8 @@ def gpu_peaks(phases: dict) -> tuple[float, float]:
     """``bench gpu``: the largest ``torch.cuda.max_memory_allocated`` and reserve (GiB) over
     these phases' rows (rollout and updates); 0 where none was measured."""
     rows = [r for r in phases.values() if isinstance(r, dict)]
-    alloc = max((r.get(f"{p}_peak_cuda_gib", 0) for r in rows for p in ("rollout", "update")), default=0)
-    held = max((r.get(f"{p}_peak_cuda_reserved_gib", 0) for r in rows for p in ("rollout", "update")), default=0)
-    return alloc, held
+    return tuple(max((r.get(f"{p}_{key}", 0) for r in rows for p in ("rollout", "update")), default=0)
+                 for key in ("peak_cuda_gib", "peak_cuda_reserved_gib"))
 
 
 def _attention_rows(res: dict) -> list[str]:
@@ -454,9 +453,10 @@ def headline(record: dict) -> str | None:
                 f"after {sm['measured']} iterations its sigma differs from the replay's by a relative L2 of "
                 f"{sm['ema_last']['sigma_rel_l2']} (the run's own last step {sm['ema_last']['sigma_step_rel_l2']})")
     if name == "gpu":
-        peaks = [f"{env} peak {gpu_peaks(rows)[0]} GiB allocated ({gpu_peaks(rows.get('full_budget') or {})[0]} GiB at the "
-                 f"full prompt budget)" for env, rows in res.items()
-                 if isinstance(rows, dict) and env not in ("gpu", "cuda_tests", "generation") and gpu_peaks(rows)[0]]
+        envs = {env: gpu_peaks(rows)[0] for env, rows in res.items()
+                if isinstance(rows, dict) and env not in ("gpu", "cuda_tests", "generation")}
+        peaks = [f"{env} peak {alloc} GiB allocated ({gpu_peaks(res[env].get('full_budget') or {})[0]} GiB at the full "
+                 f"prompt budget)" for env, alloc in envs.items() if alloc]
         hf = (res.get("generation") or {}).get("hf", {})
         tests = res.get("cuda_tests") or {}
         return ", ".join(([f"CUDA tests {tests.get('passed', 0)} passed, {tests.get('failed', 0)} failed"] if tests else [])
