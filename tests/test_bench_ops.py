@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from sprpo_lib.bench.attention import BACKWARD_FLOPS
-from sprpo_lib.bench.ops import CLASSES, OpClock, bench_ops
+from sprpo_lib.bench.ops import CLASSES, MATMUL_SIZES, OpClock, bench_ops
 from sprpo_lib.bench.report import SUMMARIES, headline
 
 
@@ -36,6 +36,23 @@ def test_matmuls_views_and_memory_ops_carry_their_own_work():
     assert ops["add_"] == ("memory", 1, 2 * 12 * 4)  # in place: read and write c
 
 
+def test_matmuls_are_binned_by_their_smallest_dimension():
+    """A rank-16 factor (K = 16), a weight gradient of 16 rows (M = 16), a 100-row linear and a
+    300-row one land in the bins of min(M, K, N); the bins hold every matmul's calls and FLOPs."""
+    x, w = torch.randn(300, 576), torch.randn(576, 1536)
+    lora_a, short = torch.randn(576, 16), torch.randn(100, 576)
+    with OpClock() as clock:
+        x @ lora_a  # (300 x 576) @ (576 x 16): N = 16
+        lora_a.t() @ x.t()[:, :300]  # (16 x 576) @ (576 x 300): M = 16
+        short @ w  # 100 rows
+        x @ w  # 300 rows
+    low, mid, big = (label for _, label in MATMUL_SIZES)
+    assert {k: v[0] for k, v in clock.sizes.items()} == {low: 2, mid: 1, big: 1}
+    assert clock.sizes[mid][2] == 2 * 100 * 576 * 1536 and clock.sizes[big][2] == 2 * 300 * 576 * 1536
+    mm = sum(v[2] for (cls, _), v in clock.stats.items() if cls == "matmul")
+    assert sum(v[2] for v in clock.sizes.values()) == mm
+
+
 def test_attention_counts_the_rectangle_forward_and_backward_factor():
     q = torch.randn(1, 2, 5, 8, requires_grad=True)
     k, v = torch.randn(1, 2, 7, 8, requires_grad=True), torch.randn(1, 2, 7, 8, requires_grad=True)
@@ -59,6 +76,9 @@ def test_bench_ops_on_the_smoke_batch_adds_up():
     bound = c["matmul"]["at_roofline_s"] + c["memory"]["at_roofline_s"] + c["attention"]["seconds"]
     assert res["eager_bound_s"] == pytest.approx(bound, abs=0.02)
     assert res["update_over_floor"] == pytest.approx(res["update_s"] / res["floor_s"], rel=0.02)
+    sizes = res["matmul_sizes"]
+    assert sum(r["calls"] for r in sizes) == c["matmul"]["calls"]
+    assert sum(r["gflop"] for r in sizes) == pytest.approx(c["matmul"]["work"], abs=0.01 * len(sizes) + 1e-6)
     table = "\n".join(SUMMARIES["ops"](res))
-    assert "| matmul |" in table and "Eager bound" in table
+    assert "| matmul |" in table and "Eager bound" in table and "smallest dimension" in table
     assert "eager bound" in headline({"bench": "ops", "results": res})

@@ -19,7 +19,11 @@ same op-at-a-time execution would take with every matmul at the probed rate and 
 at the measured bandwidth, attention as measured (no SDPA backend was faster per shape:
 ``sprpo-bench attention``) and nothing outside the ops: a lower bound on an eager update, to set
 against its FLOP floor.  Operands that stay in cache can beat the bandwidth, so a memory class
-above 1.0x of it is possible, and the bound is approximate there."""
+above 1.0x of it is possible, and the bound is approximate there.
+
+The matmuls are also split by their smallest dimension (:data:`MATMUL_SIZES`): the adapters'
+rank-16 factors and their gradients, and the rows of a short own part, run far below the rate
+probed at the model's shapes, which is the rate of the large ones."""
 from __future__ import annotations
 
 import time
@@ -40,17 +44,30 @@ MATMULS = {"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_"}
 ATTENTION_FORWARD = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
                      "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"}
 TOP = 6  # ops listed per class
+#: bins of a matmul's smallest dimension (rows M, inner K, columns N): ``(upper bound, label)``
+MATMUL_SIZES = ((64, "<= 64 (low-rank factors, short rows)"), (255, "65-255"), (None, ">= 256"))
 
 
 def _tensors(x) -> list[torch.Tensor]:
     return [t for t in tree_leaves(x) if isinstance(t, torch.Tensor)]
 
 
+def _operands(name: str, args: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    return (args[1], args[2]) if name.startswith(("addmm", "baddbmm")) else (args[0], args[1])
+
+
 def matmul_flops(name: str, args: tuple) -> float:
     """FLOPs of one matmul op: ``2 M K N`` (per batch entry for the batched forms)."""
-    a, b = (args[1], args[2]) if name.startswith(("addmm", "baddbmm")) else (args[0], args[1])
+    a, b = _operands(name, args)
     batch = a.shape[0] if a.dim() == 3 else 1
     return 2.0 * batch * a.shape[-2] * a.shape[-1] * b.shape[-1]
+
+
+def matmul_size(name: str, args: tuple) -> str:
+    """The :data:`MATMUL_SIZES` label of one matmul op by ``min(M, K, N)``."""
+    a, b = _operands(name, args)
+    small = min(a.shape[-2], a.shape[-1], b.shape[-1])
+    return next(label for bound, label in MATMUL_SIZES if bound is None or small <= bound)
 
 
 def classify(name: str, args: tuple, out) -> tuple[str, float]:
@@ -73,11 +90,13 @@ def classify(name: str, args: tuple, out) -> tuple[str, float]:
 
 
 class OpClock(TorchDispatchMode):
-    """Times every op inside the block: ``stats[(class, op)] = [calls, seconds, work]``."""
+    """Times every op inside the block: ``stats[(class, op)] = [calls, seconds, work]``, and the
+    matmuls again by size: ``sizes[label] = [calls, seconds, FLOPs]`` (:func:`matmul_size`)."""
 
     def __init__(self):
         super().__init__()
         self.stats: dict = defaultdict(lambda: [0, 0.0, 0.0])
+        self.sizes: dict = defaultdict(lambda: [0, 0.0, 0.0])
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         t0 = time.perf_counter()
@@ -85,10 +104,10 @@ class OpClock(TorchDispatchMode):
         dt = time.perf_counter() - t0
         name = func.overloadpacket.__name__
         cls, work = classify(name, args, out)
-        s = self.stats[(cls, name)]
-        s[0] += 1
-        s[1] += dt
-        s[2] += work
+        for s in (self.stats[(cls, name)], *([self.sizes[matmul_size(name, args)]] if cls == "matmul" else [])):
+            s[0] += 1
+            s[1] += dt
+            s[2] += work
         return out
 
 
@@ -130,6 +149,9 @@ def bench_ops(profile: str = "cpu", env: str = "webshop", overrides: list[str] |
             row["rate_over_roofline"] = round(work / secs / roof[cls], 3)
             row["at_roofline_s"] = round(work / roof[cls], 3)
         classes[cls] = row
+    sizes = [{"size": label, "calls": v[0], "seconds": round(v[1], 3), "gflop": round(v[2] / 1e9, 2),
+              "rate_over_roofline": round(v[2] / v[1] / roof["matmul"], 3) if v[1] else None}
+             for label, v in ((label, clock.sizes[label]) for _, label in MATMUL_SIZES) if v[0]]
     ops_s = sum(r["seconds"] for r in classes.values())
     bound = classes["matmul"].get("at_roofline_s", 0) + classes["memory"].get("at_roofline_s", 0) + classes["attention"]["seconds"]
     return {"profile": profile, "env": env, "overrides": list(overrides or []), "dtype": tr.dtype,
@@ -137,5 +159,5 @@ def bench_ops(profile: str = "cpu", env: str = "webshop", overrides: list[str] |
             "reuse_frozen": a.reuse_frozen, "ppo_steps": steps, "matmul_gflops": round(gflops, 1),
             "bandwidth_gbs": round(bandwidth, 1), "update_s": round(wall, 3), "floor_s": round(floor, 4),
             "update_over_floor": round(wall / floor, 2), "spied_update_s": round(spied, 2), "ops_s": round(ops_s, 2),
-            "outside_ops_s": round(max(wall - ops_s, 0.0), 2), "classes": classes, "eager_bound_s": round(bound, 2),
+            "outside_ops_s": round(max(wall - ops_s, 0.0), 2), "classes": classes, "matmul_sizes": sizes, "eager_bound_s": round(bound, 2),
             "eager_bound_over_floor": round(bound / floor, 2)}

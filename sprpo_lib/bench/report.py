@@ -399,6 +399,12 @@ def _ops_rows(res: dict) -> list[str]:
     lines.append(f"| outside the ops (Python, autograd engine) | {res.get('outside_ops_s')} | | | | 0 | |")
     lines.append(f"\nEager bound (matmuls and memory ops at their rooflines, attention as measured, nothing outside the "
                  f"ops): {res.get('eager_bound_s')} s = {res.get('eager_bound_over_floor')}x the FLOP floor.")
+    if res.get("matmul_sizes"):
+        lines += ["\nMatmuls by their smallest dimension (rows, inner or columns):\n",
+                  "| smallest dimension | seconds (share of the matmuls) | calls | GFLOP | x roofline |", "|---|---|---|---|---|"]
+        total = sum(r["seconds"] for r in res["matmul_sizes"]) or 1.0
+        lines += [f"| {r['size']} | {r['seconds']} ({round(r['seconds'] / total, 3)}) | {r['calls']} | {r['gflop']} | "
+                  f"{r['rate_over_roofline']} |" for r in res["matmul_sizes"]]
     return lines
 
 
