@@ -408,6 +408,17 @@ def _ops_rows(res: dict) -> list[str]:
     return lines
 
 
+def _thin_matmuls(res: dict) -> str:
+    """``bench ops`` headline tail: the share of matmul time in the lowest size bin, and its rate."""
+    sizes = res.get("matmul_sizes") or []
+    total = sum(r["seconds"] for r in sizes)
+    if not sizes or not total or not sizes[0]["size"].startswith("<="):
+        return ""
+    low = sizes[0]
+    return (f"; matmuls with a dimension {low['size'].split(' (')[0]} {round(low['seconds'] / total, 3)} of the matmul "
+            f"time at {low['rate_over_roofline']}x the rate")
+
+
 SUMMARIES = {"eval": _eval_rows, "churn": _churn_rows, "machine": _machine_rows, "train": _train_rows, "gpu": _gpu_rows,
              "runs": _runs_rows, "attention": _attention_rows, "estimates": _estimates_rows,
              "allocator": _allocator_rows, "ops": _ops_rows}
@@ -495,7 +506,8 @@ def headline(record: dict) -> str | None:
         c = res["classes"]
         return (f"{res.get('env')} Vanilla update {res.get('update_over_floor')}x its floor: matmuls "
                 f"{c['matmul'].get('rate_over_roofline')}x their rate, memory ops {c['memory'].get('rate_over_roofline')}x "
-                f"the bandwidth, attention {c['attention']['seconds']} s; eager bound {res.get('eager_bound_over_floor')}x the floor")
+                f"the bandwidth, attention {c['attention']['seconds']} s; eager bound {res.get('eager_bound_over_floor')}x the floor"
+                + _thin_matmuls(res))
     if name == "generate":
         alone = res.get("new_tokens") == 1 and res.get("prefix_caching") is False
         rows = [f"`{eng}:{dtype}` T={t[1:]} {row['wall_over_prefill_floor']}x its prefill floor"
