@@ -104,7 +104,8 @@ class OpClock(TorchDispatchMode):
         dt = time.perf_counter() - t0
         name = func.overloadpacket.__name__
         cls, work = classify(name, args, out)
-        for s in (self.stats[(cls, name)], *([self.sizes[matmul_size(name, args)]] if cls == "matmul" else [])):
+        tallies = [self.stats[(cls, name)]] + ([self.sizes[matmul_size(name, args)]] if cls == "matmul" else [])
+        for s in tallies:
             s[0] += 1
             s[1] += dt
             s[2] += work

@@ -402,20 +402,25 @@ def _ops_rows(res: dict) -> list[str]:
     if res.get("matmul_sizes"):
         lines += ["\nMatmuls by their smallest dimension (rows, inner or columns):\n",
                   "| smallest dimension | seconds (share of the matmuls) | calls | GFLOP | x roofline |", "|---|---|---|---|---|"]
-        total = sum(r["seconds"] for r in res["matmul_sizes"]) or 1.0
-        lines += [f"| {r['size']} | {r['seconds']} ({round(r['seconds'] / total, 3)}) | {r['calls']} | {r['gflop']} | "
-                  f"{r['rate_over_roofline']} |" for r in res["matmul_sizes"]]
+        lines += [f"| {r['size']} | {r['seconds']} ({share}) | {r['calls']} | {r['gflop']} | {r['rate_over_roofline']} |"
+                  for r, share in zip(res["matmul_sizes"], _size_shares(res))]
     return lines
+
+
+def _size_shares(res: dict) -> list[float]:
+    """``bench ops``: each matmul size bin's share of the matmuls' seconds."""
+    sizes = res.get("matmul_sizes") or []
+    total = sum(r["seconds"] for r in sizes) or 1.0
+    return [round(r["seconds"] / total, 3) for r in sizes]
 
 
 def _thin_matmuls(res: dict) -> str:
     """``bench ops`` headline tail: the share of matmul time in the lowest size bin, and its rate."""
     sizes = res.get("matmul_sizes") or []
-    total = sum(r["seconds"] for r in sizes)
-    if not sizes or not total or not sizes[0]["size"].startswith("<="):
+    if not sizes or not sizes[0]["size"].startswith("<=") or not sum(r["seconds"] for r in sizes):
         return ""
     low = sizes[0]
-    return (f"; matmuls with a dimension {low['size'].split(' (')[0]} {round(low['seconds'] / total, 3)} of the matmul "
+    return (f"; matmuls with a dimension {low['size'].split(' (')[0]} {_size_shares(res)[0]} of the matmul "
             f"time at {low['rate_over_roofline']}x the rate")
 
 
