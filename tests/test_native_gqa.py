@@ -10,8 +10,9 @@ import transformers.integrations.sdpa_attention as hf_sdpa
 from torch import nn
 
 import sprpo_lib.model.layers as layers
-from sprpo_lib.model.layers import NATIVE_GQA, native_gqa, native_gqa_attention
+from sprpo_lib.model.layers import NATIVE_GQA, matmul_attention, native_gqa, native_gqa_attention
 from sprpo_lib.model.load import load_policy
+from sprpo_lib.train.config import UpdateConfig
 
 
 def _reference(q, k, v, keep, scale):
@@ -99,3 +100,62 @@ def test_the_block_switches_sdpa_only_and_restores_it(tiny_spec, monkeypatch):
             assert not on and c._attn_implementation == "eager"
     finally:
         c._attn_implementation = "sdpa"
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_matmul_attention_and_its_gradients_match_a_float64_masked_softmax(dtype, tol):
+    """update.attention=matmul: the stacked query heads of each key/value head against it,
+    with a padding mask, and a causal call whose mask transformers skipped (None)."""
+    q, k, v, keep = _case(dtype)
+    causal = torch.ones(5, 9, dtype=torch.bool).tril(4)[None, None].expand(2, 1, 5, 9)
+    for mask, want_mask in ((keep, keep), (None, causal)):
+        out, _ = matmul_attention(_Attn(), q, k, v, mask, scaling=0.3)
+        ref = _reference(q, k, v, want_mask, 0.3)
+        assert out.shape == (2, 5, 6, 8) and out.dtype == dtype
+        assert float((out.double() - ref).detach().norm() / ref.detach().norm()) < tol
+        go = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        grads = torch.autograd.grad((out.double() * go).sum(), (q, k, v))
+        want = torch.autograd.grad((ref * go).sum(), (q, k, v))
+        for a, b in zip(grads, want):
+            assert float((a.double() - b).norm() / b.norm()) < tol
+
+
+def test_matmul_attention_sends_other_calls_to_sdpa(monkeypatch):
+    """One query (decoding) or dropout: the SDPA path, never the matmuls."""
+    seen = []
+    monkeypatch.setattr(layers, "native_gqa_attention", lambda *a, **k: seen.append(a[1].shape) or ("sdpa", None))
+    q, k, v, keep = _case(torch.float32)
+    assert matmul_attention(_Attn(), q[:, :, :1], k, v, keep[:, :, :1])[0] == "sdpa"
+    assert matmul_attention(_Attn(), q, k, v, keep, dropout=0.1)[0] == "sdpa"
+    assert len(seen) == 2
+
+
+@pytest.mark.parametrize("kernel,fp32_calls,bf16_calls", [("auto", "sdpa", "matmul"), ("matmul", "matmul", "matmul"),
+                                                          ("sdpa", "sdpa", "sdpa")])
+def test_the_attention_kernel_is_chosen_per_call_by_dtype(tiny_spec, monkeypatch, kernel, fp32_calls, bf16_calls):
+    """``auto`` runs the matmuls for a 16-bit call only, so a 16-bit model's pass cast to float32
+    (SAM's xi below bfloat16's resolution) keeps SDPA; the model's logits stay the same."""
+    seen = []
+    real_mm, real_sdpa = layers.matmul_attention, layers.native_gqa_attention
+    monkeypatch.setattr(layers, "matmul_attention", lambda *a, **k: seen.append("matmul") or real_mm(*a, **k))
+    monkeypatch.setattr(layers, "native_gqa_attention", lambda *a, **k: seen.append("sdpa") or real_sdpa(*a, **k))
+    ids = torch.randint(3, 200, (2, 9), generator=torch.Generator().manual_seed(0))
+    att = torch.ones_like(ids)
+    att[0, :3] = 0
+    for dtype, want in ((torch.float32, fp32_calls), (torch.bfloat16, bf16_calls)):
+        m = load_policy(tiny_spec, seed=0, dtype="float32").model.to(dtype)
+        with torch.no_grad():
+            ref = m(input_ids=ids, attention_mask=att).logits.float()
+            seen.clear()
+            with native_gqa(m, kernel=kernel) as on:
+                out = m(input_ids=ids, attention_mask=att).logits.float()
+        assert on and seen and set(seen) == {want}, (dtype, seen)
+        tol = 1e-5 if dtype == torch.float32 else 0.15
+        torch.testing.assert_close(out[att.bool()], ref[att.bool()], rtol=0, atol=tol)
+
+
+def test_a_bad_attention_kernel_is_one_clear_error():
+    with pytest.raises(ValueError, match=r"update.attention='flash'.*auto, sdpa, matmul"):
+        UpdateConfig(attention="flash")
+    with pytest.raises(ValueError, match="update.attention"), native_gqa(nn.Linear(2, 2), kernel="flash"):
+        pass

@@ -138,6 +138,34 @@ def test_native_gqa_passes_give_the_repeated_kv_gradients(tiny_spec, prefix_min,
     assert st1["loss"] == pytest.approx(st0["loss"], rel=1e-5)
 
 
+@pytest.mark.parametrize("prefix_min", [0, 4])
+def test_matmul_attention_passes_give_the_sdpa_gradients(tiny_spec, prefix_min):
+    """update.attention=matmul against sdpa, everything else the same: LoRA gradients, dL/dxi,
+    log-probs and the loss agree (float32, both paths in one run, masked grouped-query calls)."""
+    pol = load_policy(tiny_spec, seed=0, dtype="float32")
+    add_lora(pol, LoraSettings(rank=4, alpha=8), seed=0)
+    with torch.no_grad():
+        for n, p in pol.model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
+    batch = _grouped_batch(6)
+    xi0 = torch.randn(FFNChannels(pol.model).shape, generator=torch.Generator().manual_seed(2)) * 0.1
+    out = {}
+    for kernel in ("matmul", "sdpa"):
+        a = _actor(pol.model, prefix_min=prefix_min, attention=kernel)
+        xi = grad_leaf(xi0, a)
+        a.zero_grad()
+        st = a.backward(batch.without_old(), xi, terms=TRAIN)
+        out[kernel] = ([p.grad.clone() for p in a.params], xi.grad.clone(), a.log_probs(batch.without_old(), xi0), st)
+        a.zero_grad()
+    (g1, x1, lp1, st1), (g0, x0, lp0, st0) = out["matmul"], out["sdpa"]
+    assert all(float(g.abs().sum()) > 0 for g in g0) and float(x0.abs().sum()) > 0
+    assert all(_rel(a, b) < 1e-5 for a, b in zip(g1, g0)) and _rel(x1, x0) < 1e-5
+    for a, b in zip(lp1, lp0):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    assert st1["loss"] == pytest.approx(st0["loss"], rel=1e-5)
+
+
 def test_surrogate_only_pass_with_skipped_rows_matches(tiny_spec):
     """SPrPO's replay shape: surrogate alone, zero-advantage rows skipped, xi leaf."""
     pol = load_policy(tiny_spec, seed=0, dtype="float32")
@@ -348,17 +376,17 @@ def test_a_token_budget_bounds_every_micro_batch_of_several_rows(seed):
 
 
 def test_bench_train_reports_each_phase_against_its_floor():
-    """bench train on the smoke profile: every method on the three passes (whole rows, shared
-    prefixes, shared prefixes with fused kernels), each phase with its floor, the shared layout
-    computing fewer positions than the whole rows."""
+    """bench train on the smoke profile: every method on the four passes (whole rows, shared
+    prefixes, those with SDPA's attention, those with fused kernels), each phase with its floor,
+    the shared layout computing fewer positions than the whole rows."""
     from sprpo_lib.bench.report import section
     from sprpo_lib.bench.suite import bench_train
 
     res = bench_train("smoke", "webshop", repeats=1, overrides=["rollout.tasks_per_step=2"], replay_frac=0.5,
-                      paths=("shared", "whole", "fused"))
+                      paths=("shared", "whole", "sdpa", "fused"))
     tok = res["tokens"]
     assert tok["shared_computed"] < tok["whole_computed"] and tok["prefix_groups"] >= 1
-    for path in ("shared", "whole", "fused"):
+    for path in ("shared", "whole", "sdpa", "fused"):
         for m in ("vanilla", "sprpo", "sprpo_one_pass", "sam"):
             row = res[path][m]
             assert row["update_floor_s"] > 0 and row["update_over_floor"] > 0
@@ -369,10 +397,12 @@ def test_bench_train_reports_each_phase_against_its_floor():
     assert tok["trie_limit"] <= tok["shared_computed"] - tok["shared_padding"]
     assert res["rollout"]["floor_s"] > 0
     assert set(res["whole_over_shared"]) == {"vanilla", "sprpo", "sprpo_one_pass", "sam", "sprpo_subset"}
-    assert set(res["fused_over_shared"]) == set(res["whole_over_shared"])
+    assert set(res["fused_over_shared"]) == set(res["whole_over_shared"]) == set(res["sdpa_over_shared"])
+    assert set(res["sdpa_extra_over_shared"]) == {"sprpo", "sam", "sprpo_subset"} and res["attention"] == "auto"
     assert res["fused"]["vanilla"]["update_floor_s"] == res["shared"]["vanilla"]["update_floor_s"]  # same work
     table = section({"bench": "train", "results": res}, Path("train.json"))
     assert "| fused | vanilla |" in table and "Fused kernels" in table
+    assert "| sdpa | vanilla |" in table and "SDPA's attention (update.attention=sdpa)" in table
     assert res["replay_frac"] == 0.5 and res["replay_rows"] <= max(1, res["samples_nonzero_adv"])
     # the generation floor covers every episode the rollout played, refill rounds included
     assert res["rollout"]["rounds"] >= 1 and res["rollout"]["episodes_played"] >= res["episodes"]
@@ -382,7 +412,7 @@ def test_bench_train_reports_each_phase_against_its_floor():
     assert len(res["matmul_gflops_probes"]) == 2 and res["matmul_gflops"] == max(res["matmul_gflops_probes"])
     with pytest.raises(ValueError, match="sprpo_subset needs --replay-frac"):
         bench_train("smoke", "webshop", methods=("sprpo_subset",))
-    with pytest.raises(ValueError, match="--paths: expected some of whole,shared,fused"):
+    with pytest.raises(ValueError, match="--paths: expected some of whole,shared,sdpa,fused"):
         bench_train("smoke", "webshop", paths=("shared", "fast"))
 
 

@@ -107,9 +107,9 @@ def _flat_rows(res, prefix: str = "") -> list[str]:
 
 
 TRAIN_METHODS = ("vanilla", "sprpo", "sprpo_one_pass", "sprpo_subset", "sam")
-#: ``bench train``'s passes, in table order: the reference, the profile's shared prefixes, and those
-#: with fused kernels (update.fused_kernels)
-TRAIN_PATHS = ("whole", "shared", "fused")
+#: ``bench train``'s passes, in table order: the reference, the profile's shared prefixes, those
+#: with SDPA's attention (update.attention=sdpa) and those with fused kernels (update.fused_kernels)
+TRAIN_PATHS = ("whole", "shared", "sdpa", "fused")
 
 
 def _overrides_text(res: dict) -> str:
@@ -179,6 +179,12 @@ def _train_rows(res: dict) -> list[str]:
         lines.append("\nFused kernels (update.fused_kernels: RMSNorm, SwiGLU, rotary compiled): update seconds "
                      "over the eager shared passes' (below 1: faster): "
                      + ", ".join(f"{m} {v}x" for m, v in res["fused_over_shared"].items()) + ".")
+    if isinstance(res.get("sdpa_over_shared"), dict):
+        lines.append(f"\nSDPA's attention (update.attention=sdpa) against the profile's ({res.get('attention')}, "
+                     f"{res.get('dtype')}): update seconds over the shared passes' (above 1: SDPA slower): "
+                     + ", ".join(f"{m} {v}x" for m, v in res["sdpa_over_shared"].items())
+                     + "; extra pass: " + (", ".join(f"{m} {v}x" for m, v in (res.get("sdpa_extra_over_shared") or {}).items())
+                                           or "none") + ".")
     for key, what in (("one_pass_vs_replay", "One-pass"),
                       ("subset_vs_replay", f"Subset ({res.get('replay_rows')} rows, replay_frac {res.get('replay_frac')})")):
         cmp = res.get(key)

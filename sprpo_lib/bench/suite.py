@@ -553,7 +553,7 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     nonzero = [s for s in batch.samples if s.adv != 0.0]
     # the shared path is the profile's own (shared prefixes, kept states below the LoRA layers);
     # the whole path is the reference: every row whole, every layer at every step
-    reuse = {"shared": a.reuse_frozen, "fused": a.reuse_frozen, "whole": False}
+    reuse = {"shared": a.reuse_frozen, "sdpa": a.reuse_frozen, "fused": a.reuse_frozen, "whole": False}
     subset = replay_rows(batch, replay_frac, cfg.seed, 0)[0].samples if replay_frac else None
     first_logp = a.first_step_logp
     passes = {path: actor_passes(tr, batch, reuse[path], subset, first_logp and path != "whole") for path in paths}
@@ -563,17 +563,18 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     if methods is not None:
         variants = {k: v for k, v in variants.items() if k in {"vanilla", "sprpo", *methods}}
     prefix_min = {"shared": cfg.update.prefix_min or 16, "whole": 0}
-    prefix_min["fused"] = prefix_min["shared"]
+    prefix_min["fused"] = prefix_min["sdpa"] = prefix_min["shared"]
     restore = restore_point(a)
     times = {(path, v): {"update_s": [], "sensitivity_s": [], "ppo_steps": [], "update_float32": []}
              for path in paths for v in variants}
     states: dict[tuple[str, str], tuple] = {}
-    lora, entropy, gqa = a.fused_lora, a.fused_entropy, a.native_gqa
+    lora, entropy, gqa, attention = a.fused_lora, a.fused_entropy, a.native_gqa, a.attention
 
     def use(path: str) -> None:  # the actor's pass settings for one path
         a.prefix_min, a.reuse_frozen, a.fused_kernels = prefix_min[path], reuse[path], path == "fused"
         a.fused_lora, a.fused_entropy = lora and path != "whole", entropy and path != "whole"
         a.native_gqa, a.first_step_logp = gqa and path != "whole", first_logp and path != "whole"
+        a.attention = "sdpa" if path in ("whole", "sdpa") else attention
 
     for path in paths:  # untimed warm-up of both layouts (first-call allocations), on a few rows
         use(path)
@@ -629,6 +630,12 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     if {"shared", "whole"} <= set(paths):
         res["whole_over_shared"] = {n: round(res["whole"][n]["update_s"] / res["shared"][n]["update_s"], 2)
                                     for n in variants}
+    if {"shared", "sdpa"} <= set(paths):
+        res["sdpa_over_shared"] = {n: round(res["sdpa"][n]["update_s"] / res["shared"][n]["update_s"], 3)
+                                   for n in variants}
+        res["sdpa_extra_over_shared"] = {n: round(res["sdpa"][n]["sensitivity_s"] / res["shared"][n]["sensitivity_s"], 3)
+                                         for n in variants if res["shared"][n].get("sensitivity_s")}
+        res["attention"] = attention
     if {"shared", "fused"} <= set(paths):
         res["fused_over_shared"] = {n: round(res["fused"][n]["update_s"] / res["shared"][n]["update_s"], 3)
                                     for n in variants}

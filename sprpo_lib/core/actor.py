@@ -36,6 +36,7 @@ from sprpo_lib.core.perturb import FFNChannels, below_resolution, float32_comput
 from sprpo_lib.model.fused import fused_kernels
 from sprpo_lib.model.layers import (
     below_layer,
+    check_attention_kernel,
     checkpointed_layers,
     decoder_layers,
     from_layer,
@@ -118,6 +119,11 @@ class Actor:
             for its query heads (:func:`sprpo_lib.model.layers.native_gqa`) on a CPU; same
             results up to float rounding.  ``False``: transformers repeats K and V first
             (the reference path).
+        attention: ``"auto"`` (default) computes the passes' 16-bit attention as two matmuls
+            and a float32 softmax (:func:`sprpo_lib.model.layers.matmul_attention`), where on a
+            CPU PyTorch's fused kernel is the slower, and float32 attention with SDPA;
+            ``"matmul"`` always the matmuls; ``"sdpa"``: SDPA (the reference path).  Same
+            results up to float rounding.
         first_step_logp: an update of several optimizer steps takes the old log-probs of the
             rows its first step runs from that step's own forward, which is at theta_k under
             the same xi (what :meth:`backward` does for a row without them), so the pass that
@@ -134,7 +140,7 @@ class Actor:
                  skip_zero_adv: bool = True, prefix_min: int = 16, micro_batch_tokens: int | None = None,
                  grad_checkpointing: bool = False, reuse_frozen: bool = True, fused_kernels: bool = False,
                  fused_lora: bool = True, fused_entropy: bool = True, native_gqa: bool = True,
-                 first_step_logp: bool = True):
+                 first_step_logp: bool = True, attention: str = "auto"):
         self.model, self.pad_id, self.opt = model, pad_id, opt
         self.params = [p for g in opt.param_groups for p in g["params"]]
         self.grad_clip = grad_clip
@@ -153,6 +159,7 @@ class Actor:
         self.fused_lora = fused_lora
         self.fused_entropy = fused_entropy
         self.native_gqa = native_gqa
+        self.attention = check_attention_kernel(attention)  # a bad name fails here, not in the first pass
         self.first_step_logp = first_step_logp
         self._frozen: dict[int, torch.Tensor] | None = None  # per sample: hidden states below the trainable layers
         self._first_layer = 0  # the layer the current pass starts at (from kept hidden states: > 0)
@@ -257,7 +264,7 @@ class Actor:
                 if frozen == "below" else nullcontext())
         try:
             with (span as stack, fused_kernels(self.model, self.fused_kernels), fused_lora(self.model, self.fused_lora),
-                  native_gqa(self.model, self.native_gqa)):
+                  native_gqa(self.model, self.native_gqa, self.attention)):
                 self._first_layer = start if frozen == "use" else 0
                 self._stack = stack if frozen == "below" else None
                 yield from self._passes(batch, sort, on_prefix, frozen, keep)

@@ -1,7 +1,7 @@
 """Where a Llama/Qwen2 model keeps its parts: the gated FFN blocks perturbed in Sec. 5, the
 decoder layers, four context managers over them (activation checkpointing, running from
 one layer up, running below one layer, grouped-query attention without repeated keys and
-values), and the LM head's dense input (:func:`dense_head_input`)."""
+values, by SDPA or by two matmuls), and the LM head's dense input (:func:`dense_head_input`)."""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -16,6 +16,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NATIVE_GQA = "sprpo_native_gqa"  # the attention implementation :func:`native_gqa` switches to
+ATTENTION_KERNELS = ("auto", "sdpa", "matmul")  # update.attention
 
 
 def ffn_modules(model: nn.Module) -> list[nn.Module]:
@@ -140,18 +141,80 @@ def native_gqa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
     return out.transpose(1, 2).contiguous(), None
 
 
+def matmul_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """Attention of several queries on a CPU as two batched matmuls and a float32 softmax
+    (transformers' eager equation), grouped-query without repeating K and V: the query
+    heads that share a key/value head are stacked as one matrix against it.  On a CPU
+    without AMX, PyTorch's fused kernel runs a 16-bit model's attention, its backward
+    above all, far below the matmul rate (``sprpo-bench attention``); the matmuls here run
+    at it.  Other calls (one query, dropout, extra arguments) go to
+    :func:`native_gqa_attention`."""
+    b, h, t, d = query.shape
+    hk, tk = key.shape[1], key.shape[2]
+    if (query.device.type != "cpu" or t == 1 or h % hk or dropout
+            or any(kwargs.get(k) is not None for k in ("position_bias", "cache", "softcap"))):
+        return native_gqa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                    is_causal=is_causal, **kwargs)
+    if attention_mask is None:  # transformers skipped the mask of a causal call without padding
+        if not (getattr(module, "is_causal", True) if is_causal is None else is_causal):
+            attention_mask = torch.ones(1, 1, t, tk, dtype=torch.bool, device=query.device)
+        else:
+            attention_mask = torch.ones(t, tk, dtype=torch.bool, device=query.device).tril(tk - t)[None, None]
+    g = h // hk  # query head i reads key/value head i // g (transformers' repeat_kv)
+    q = (query * (d ** -0.5 if scaling is None else scaling)).reshape(b, hk, g * t, d)
+    scores = torch.matmul(q, key.transpose(-1, -2)).view(b, hk, g, t, tk)
+    mask = attention_mask[:, :, None]  # [B, 1, 1, T, Tk]: the same for the g stacked heads
+    scores = (scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool
+              else scores + mask)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(value.dtype)
+    out = torch.matmul(probs.view(b, hk, g * t, tk), value)
+    return out.view(b, h, t, d).transpose(1, 2).contiguous(), None
+
+
+def check_attention_kernel(kernel: str) -> str:
+    """``kernel`` when it names an ``update.attention`` choice; one clear error otherwise."""
+    if kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"update.attention={kernel!r}: expected one of {', '.join(ATTENTION_KERNELS)} "
+                         "('auto': two matmuls for a 16-bit model on a CPU, SDPA otherwise)")
+    return kernel
+
+
+def _attention_fn(kernel: str, gqa: bool):
+    """The attention function :func:`native_gqa` installs: ``"sdpa"`` SDPA (its own GQA with
+    ``gqa``); ``"matmul"`` :func:`matmul_attention`; ``"auto"`` :func:`matmul_attention` for a
+    16-bit call (a CPU without AMX runs the fused kernel far below the matmul rate there;
+    in float32 the fused kernel is the faster), SDPA otherwise: decided per call, so a
+    16-bit model's pass that runs in float32 (:func:`sprpo_lib.core.perturb.float32_compute`)
+    keeps SDPA."""
+    sdpa = native_gqa_attention if gqa else sdpa_attention_forward
+    if kernel == "sdpa":
+        return sdpa
+
+    def attend(module, query, key, value, attention_mask, **kwargs):
+        if kernel == "matmul" or query.dtype in (torch.bfloat16, torch.float16):
+            return matmul_attention(module, query, key, value, attention_mask, **kwargs)
+        return sdpa(module, query, key, value, attention_mask, **kwargs)
+
+    return attend
+
+
 @contextmanager
-def native_gqa(model: nn.Module, on: bool = True) -> Iterator[bool]:
+def native_gqa(model: nn.Module, on: bool = True, kernel: str = "sdpa") -> Iterator[bool]:
     """Inside the block a model running transformers' ``sdpa`` attention runs
-    :func:`native_gqa_attention` (same masks; same results up to float rounding); yields
-    whether it does.  Other attention implementations, and a model an enclosing block
-    switched already, are left alone; the setting is restored on exit."""
+    :func:`native_gqa_attention` (``on``), and with ``kernel`` ``"matmul"`` or ``"auto"``
+    :func:`matmul_attention` where :func:`_attention_fn` says (same masks; same results up to
+    float rounding); yields whether the model's attention was switched.  Other attention
+    implementations, and a model an enclosing block switched already, are left alone; the
+    setting is restored on exit."""
+    check_attention_kernel(kernel)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = base.config
-    if not on or getattr(config, "_attn_implementation", None) != "sdpa":
+    if not (on or kernel != "sdpa") or getattr(config, "_attn_implementation", None) != "sdpa":
         yield False
         return
-    AttentionInterface.register(NATIVE_GQA, native_gqa_attention)
+    AttentionInterface.register(NATIVE_GQA, _attention_fn(kernel, on))
     AttentionMaskInterface.register(NATIVE_GQA, sdpa_mask)
     config._attn_implementation = NATIVE_GQA
     try:

@@ -33,6 +33,7 @@ from sprpo_lib.core.methods import MethodConfig
 from sprpo_lib.infra.hardware import ALLOCATORS
 from sprpo_lib.infra.io import NOT_A_KEY, OMIT_AT_DEFAULT, key_fields
 from sprpo_lib.infra.tracking import check_loggers
+from sprpo_lib.model.layers import check_attention_kernel
 from sprpo_lib.model.lora import LoraSettings
 from sprpo_lib.warmstart.sft import SFTConfig
 
@@ -142,6 +143,12 @@ class UpdateConfig:
     head for its query heads (SDPA's ``enable_gqa``, :func:`sprpo_lib.model.layers.native_gqa`)
     where transformers copies K and V once per query head (1% of a CPU update on WebShop, 3%
     on ALFWorld): same steps up to rounding; ``false`` keeps transformers' copy.
+    ``attention``: ``auto`` computes a 16-bit pass's attention as two matmuls and a float32
+    softmax (:func:`sprpo_lib.model.layers.matmul_attention`, the stacked query heads of a
+    key/value head against it): on a CPU PyTorch's fused kernel runs 16-bit attention far
+    below the matmul rate (``sprpo-bench attention``), while in float32 it is the faster, so
+    float32 keeps SDPA; same steps up to rounding; ``sdpa`` always SDPA, ``matmul`` always
+    the matmuls.
     ``first_step_logp``: with several optimizer steps, the rows of the first step take their
     old log-probs from that step's own forward at theta_k, so the pass that fills the old
     log-probs runs only the layers below the adapters for them (with ``reuse_frozen``; without
@@ -171,11 +178,13 @@ class UpdateConfig:
     fused_entropy: bool = field(default=True, metadata=OMIT_AT_DEFAULT)
     native_gqa: bool = field(default=True, metadata=OMIT_AT_DEFAULT)
     first_step_logp: bool = field(default=True, metadata=OMIT_AT_DEFAULT)
+    attention: str = field(default="auto", metadata=OMIT_AT_DEFAULT)
 
     def __post_init__(self):
         if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
             raise ValueError(f"update.micro_batch_tokens must be >= 1 or null (rows alone decide), got "
                              f"{self.micro_batch_tokens}; e.g. update.micro_batch_tokens=16384")
+        check_attention_kernel(self.attention)
         if self.prefix_min < 0:
             raise ValueError(f"update.prefix_min must be >= 0 (0 computes every row whole), got {self.prefix_min}")
         if self.ppo_mini_batch_size is not None and self.ppo_mini_batch_size < 1:

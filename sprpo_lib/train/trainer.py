@@ -101,7 +101,7 @@ class Trainer:
                            micro_batch_tokens=u.micro_batch_tokens, grad_checkpointing=u.grad_checkpointing,
                            reuse_frozen=u.reuse_frozen, fused_kernels=u.fused_kernels,
                            fused_lora=u.fused_lora, fused_entropy=u.fused_entropy, native_gqa=u.native_gqa,
-                           first_step_logp=u.first_step_logp)
+                           first_step_logp=u.first_step_logp, attention=u.attention)
         self.shape = self.actor.shape
         self.method = make_method(cfg.method, self.shape, cfg.seed)
 
