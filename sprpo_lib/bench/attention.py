@@ -7,7 +7,9 @@ its own mask.  It is then timed, forward and backward apart, with each backend:
 
 - ``flash``: PyTorch's default on CPU;
 - ``math``: PyTorch's reference SDPA;
-- ``eager``: transformers' matmul-softmax-matmul, ``attn_implementation="eager"``.
+- ``eager``: transformers' matmul-softmax-matmul, ``attn_implementation="eager"``;
+- ``matmul``: the same equation with the query heads of each key/value head stacked against it
+  (:func:`sprpo_lib.model.layers.matmul_attention`, ``update.attention``'s choice for 16-bit passes).
 
 The totals say how much of the replay is attention, how far it is from the matmul rate, and
 what picking the fastest backend per shape would save."""
@@ -29,8 +31,9 @@ from sprpo_lib.core.actor import SURROGATE
 from sprpo_lib.core.batch import Batch
 from sprpo_lib.core.methods import grad_leaf
 from sprpo_lib.infra.progress import progress_bar
+from sprpo_lib.model.layers import matmul_attention
 
-BACKENDS = ("flash", "math", "eager")
+BACKENDS = ("flash", "math", "eager", "matmul")
 #: FLOPs of an attention backward over its forward: S = QK^T recomputed, dV, dP, dQ, dK (5 matmuls
 #: against the forward's 2), as FlashAttention-2 counts them.
 BACKWARD_FLOPS = 2.5
@@ -77,6 +80,9 @@ def attend(backend: str, q, k, v, mask, causal: bool, gqa: bool, scale: float | 
         with sdpa_kernel(kind):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
                                                   enable_gqa=gqa)
+    if backend == "matmul":  # builds the causal mask itself where the call has none
+        module = SimpleNamespace(is_causal=causal)
+        return matmul_attention(module, q, k, v, mask, scaling=scale)[0].transpose(1, 2)
     if backend != "eager":
         raise ValueError(f"attention backend {backend!r}: expected one of {', '.join(BACKENDS)}")
     # heavy (seconds to import): loaded on first use
@@ -183,7 +189,8 @@ def bench_attention(profile: str = "cpu", env: str = "webshop", repeats: int = 3
     with a non-zero advantage (Alg. 1 line 7, the profile's passes) timed with its attention calls
     recorded, then every call signature timed per backend (:func:`time_signatures`).  The floor
     prices attention's FLOPs at the matmul rate of the model's linears (:func:`prefill_rate`), the
-    rate the update's and the replay's floors in ``bench train`` use."""
+    rate the update's and the replay's floors in ``bench train`` use.  The replay runs with SDPA
+    (``update.attention=sdpa``), whose calls are the ones recorded."""
     tr, batch, _, xi, _, _ = rollout_batch(profile, env, overrides)
     rows = [s for s in batch.samples if s.adv != 0.0]
     if not rows:
@@ -199,9 +206,13 @@ def bench_attention(profile: str = "cpu", env: str = "webshop", repeats: int = 3
         a.zero_grad()
         return time.perf_counter() - t0
 
-    replay(rows[: 2 * a.micro_batch])  # untimed warm-up (first-call allocations)
-    with record_calls() as (counts, masks):
-        replay_s = replay(rows)
+    kernel, a.attention = a.attention, "sdpa"  # every call through SDPA, where it is recorded
+    try:
+        replay(rows[: 2 * a.micro_batch])  # untimed warm-up (first-call allocations)
+        with record_calls() as (counts, masks):
+            replay_s = replay(rows)
+    finally:
+        a.attention = kernel
     gflops = prefill_rate(tr.policy.model.config, tr.dtype)
     res = time_signatures(counts, masks, gflops, repeats)
     flash = res["backends"]["flash"]["total_s"]
