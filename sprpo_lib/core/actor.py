@@ -120,7 +120,7 @@ class Actor:
             results up to float rounding.  ``False``: transformers repeats K and V first
             (the reference path).
         attention: ``"auto"`` (default) computes the passes' 16-bit attention as two matmuls
-            and a float32 softmax (:func:`sprpo_lib.model.layers.matmul_attention`), where on a
+            and a softmax accumulated in float32 (:func:`sprpo_lib.model.layers.matmul_attention`), where on a
             CPU PyTorch's fused kernel is the slower, and float32 attention with SDPA;
             ``"matmul"`` always the matmuls; ``"sdpa"``: SDPA (the reference path).  Same
             results up to float rounding.

@@ -144,8 +144,9 @@ def native_gqa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
 def matmul_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                      is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """Attention of several queries on a CPU as two batched matmuls and a float32 softmax
-    (transformers' eager equation), grouped-query without repeating K and V: the query
+    """Attention of several queries on a CPU as two batched matmuls and a softmax (transformers'
+    eager equation; PyTorch's softmax kernel accumulates a 16-bit row in float32, so its output
+    equals transformers' float32 softmax rounded back), grouped-query without repeating K and V: the query
     heads that share a key/value head are stacked as one matrix against it.  On a CPU
     without AMX, PyTorch's fused kernel runs a 16-bit model's attention, its backward
     above all, far below the matmul rate (``sprpo-bench attention``); the matmuls here run
@@ -166,9 +167,11 @@ def matmul_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     q = (query * (d ** -0.5 if scaling is None else scaling)).reshape(b, hk, g * t, d)
     scores = torch.matmul(q, key.transpose(-1, -2)).view(b, hk, g, t, tk)
     mask = attention_mask[:, :, None]  # [B, 1, 1, T, Tk]: the same for the g stacked heads
-    scores = (scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool
-              else scores + mask)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(value.dtype)
+    if mask.dtype == torch.bool:  # in place: the product's own buffer (its backward needs q and k only)
+        scores.masked_fill_(~mask, torch.finfo(scores.dtype).min)
+    else:
+        scores.add_(mask)
+    probs = torch.softmax(scores, dim=-1)  # 16-bit rows accumulate in float32 inside the kernel
     out = torch.matmul(probs.view(b, hk, g * t, tk), value)
     return out.view(b, h, t, d).transpose(1, 2).contiguous(), None
 

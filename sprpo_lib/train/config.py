@@ -143,8 +143,8 @@ class UpdateConfig:
     head for its query heads (SDPA's ``enable_gqa``, :func:`sprpo_lib.model.layers.native_gqa`)
     where transformers copies K and V once per query head (1% of a CPU update on WebShop, 3%
     on ALFWorld): same steps up to rounding; ``false`` keeps transformers' copy.
-    ``attention``: ``auto`` computes a 16-bit pass's attention as two matmuls and a float32
-    softmax (:func:`sprpo_lib.model.layers.matmul_attention`, the stacked query heads of a
+    ``attention``: ``auto`` computes a 16-bit pass's attention as two matmuls and a softmax
+    accumulated in float32 (:func:`sprpo_lib.model.layers.matmul_attention`, the stacked query heads of a
     key/value head against it): on a CPU PyTorch's fused kernel runs 16-bit attention far
     below the matmul rate (``sprpo-bench attention``), while in float32 it is the faster, so
     float32 keeps SDPA; same steps up to rounding; ``sdpa`` always SDPA, ``matmul`` always
