@@ -36,6 +36,16 @@ def _case(dtype, seed=0):
     return q, k, v, keep
 
 
+def _assert_same_gradients(out, ref, inputs, tol):
+    """The gradients of ``out`` and of the float64 ``ref`` for one random output gradient agree
+    within ``tol`` (relative L2) for every input."""
+    go = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    grads = torch.autograd.grad((out.double() * go).sum(), inputs, retain_graph=True)
+    want = torch.autograd.grad((ref * go).sum(), inputs, retain_graph=True)
+    for a, b in zip(grads, want):
+        assert float((a.double() - b).norm() / b.norm()) < tol
+
+
 class _Attn(nn.Module):
     num_key_value_groups = 3
 
@@ -47,11 +57,7 @@ def test_attention_and_its_gradients_match_a_float64_masked_softmax(dtype, tol):
     ref = _reference(q, k, v, keep, 0.3)
     assert out.shape == (2, 5, 6, 8)
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=tol)
-    go = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    grads = torch.autograd.grad((out.double() * go).sum(), (q, k, v))
-    want = torch.autograd.grad((ref * go).sum(), (q, k, v))
-    for a, b in zip(grads, want):
-        assert float((a.double() - b).norm() / b.norm()) < tol
+    _assert_same_gradients(out, ref, (q, k, v), tol)
 
 
 def test_other_calls_go_to_transformers_sdpa(monkeypatch):
@@ -113,11 +119,7 @@ def test_matmul_attention_and_its_gradients_match_a_float64_masked_softmax(dtype
         ref = _reference(q, k, v, want_mask, 0.3)
         assert out.shape == (2, 5, 6, 8) and out.dtype == dtype
         assert float((out.double() - ref).detach().norm() / ref.detach().norm()) < tol
-        go = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-        grads = torch.autograd.grad((out.double() * go).sum(), (q, k, v))
-        want = torch.autograd.grad((ref * go).sum(), (q, k, v))
-        for a, b in zip(grads, want):
-            assert float((a.double() - b).norm() / b.norm()) < tol
+        _assert_same_gradients(out, ref, (q, k, v), tol)
 
 
 def test_matmul_attention_sends_other_calls_to_sdpa(monkeypatch):

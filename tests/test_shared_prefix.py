@@ -105,65 +105,64 @@ def test_shared_prefix_gradients_equal_the_whole_row_path(tiny_spec, lora_layers
         assert all(_rel(a, b) < 1e-5 for a, b in zip(g, gw)) and _rel(x, xw) < 1e-5 and _rel(u, uw) < 1e-5
 
 
-@pytest.mark.parametrize("prefix_min", [0, 4])
-def test_native_gqa_passes_give_the_repeated_kv_gradients(tiny_spec, prefix_min, monkeypatch):
-    """update.native_gqa alone on and off, everything else the same: LoRA gradients, dL/dxi,
-    log-probs and the loss agree (float32, both paths in one run); the tiny models have
-    grouped-query attention (4 query heads, 2 key/value heads) and the passes are masked."""
+def _adapted_tiny(tiny_spec):
+    """A tiny float32 policy with LoRA whose B factors are non-zero (so every gradient is)."""
     pol = load_policy(tiny_spec, seed=0, dtype="float32")
-    assert pol.model.config.num_key_value_heads < pol.model.config.num_attention_heads
     add_lora(pol, LoraSettings(rank=4, alpha=8), seed=0)
     with torch.no_grad():
         for n, p in pol.model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
+    return pol
+
+
+def _train_pass(a: Actor, batch: Batch, xi0: torch.Tensor) -> tuple:
+    """One training pass of ``a``: LoRA gradients, dL/dxi, the log-probs and the stats."""
+    xi = grad_leaf(xi0, a)
+    a.zero_grad()
+    st = a.backward(batch.without_old(), xi, terms=TRAIN)
+    out = ([p.grad.clone() for p in a.params], xi.grad.clone(), a.log_probs(batch.without_old(), xi0), st)
+    a.zero_grad()
+    return out
+
+
+def _assert_same_pass(got: tuple, want: tuple) -> None:
+    """Two passes' gradients, dL/dxi, log-probs and loss agree within 1e-5 (float32); none is zero."""
+    (g1, x1, lp1, st1), (g0, x0, lp0, st0) = got, want
+    assert all(float(g.abs().sum()) > 0 for g in g0) and float(x0.abs().sum()) > 0
+    assert all(_rel(a, b) < 1e-5 for a, b in zip(g1, g0)) and _rel(x1, x0) < 1e-5
+    for a, b in zip(lp1, lp0):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    assert st1["loss"] == pytest.approx(st0["loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("prefix_min", [0, 4])
+def test_native_gqa_passes_give_the_repeated_kv_gradients(tiny_spec, prefix_min, monkeypatch):
+    """update.native_gqa alone on and off, everything else the same: LoRA gradients, dL/dxi,
+    log-probs and the loss agree (float32, both paths in one run); the tiny models have
+    grouped-query attention (4 query heads, 2 key/value heads) and the passes are masked."""
+    pol = _adapted_tiny(tiny_spec)
+    assert pol.model.config.num_key_value_heads < pol.model.config.num_attention_heads
     batch = _grouped_batch(5)
     xi0 = torch.randn(FFNChannels(pol.model).shape, generator=torch.Generator().manual_seed(2)) * 0.1
     out, repeats = {}, []
     real = hf_sdpa.repeat_kv
     monkeypatch.setattr(hf_sdpa, "repeat_kv", lambda *a: repeats.append(on) or real(*a))
     for on in (True, False):
-        a = _actor(pol.model, prefix_min=prefix_min, native_gqa=on)
-        xi = grad_leaf(xi0, a)
-        a.zero_grad()
-        st = a.backward(batch.without_old(), xi, terms=TRAIN)
-        out[on] = ([p.grad.clone() for p in a.params], xi.grad.clone(), a.log_probs(batch.without_old(), xi0), st)
-        a.zero_grad()
+        out[on] = _train_pass(_actor(pol.model, prefix_min=prefix_min, native_gqa=on), batch, xi0)
     assert repeats and not any(repeats)  # K and V were repeated in the reference passes only
-    (g1, x1, lp1, st1), (g0, x0, lp0, st0) = out[True], out[False]
-    assert all(float(g.abs().sum()) > 0 for g in g0) and float(x0.abs().sum()) > 0
-    assert all(_rel(a, b) < 1e-5 for a, b in zip(g1, g0)) and _rel(x1, x0) < 1e-5
-    for a, b in zip(lp1, lp0):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
-    assert st1["loss"] == pytest.approx(st0["loss"], rel=1e-5)
+    _assert_same_pass(out[True], out[False])
 
 
 @pytest.mark.parametrize("prefix_min", [0, 4])
 def test_matmul_attention_passes_give_the_sdpa_gradients(tiny_spec, prefix_min):
     """update.attention=matmul against sdpa, everything else the same: LoRA gradients, dL/dxi,
     log-probs and the loss agree (float32, both paths in one run, masked grouped-query calls)."""
-    pol = load_policy(tiny_spec, seed=0, dtype="float32")
-    add_lora(pol, LoraSettings(rank=4, alpha=8), seed=0)
-    with torch.no_grad():
-        for n, p in pol.model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
+    pol = _adapted_tiny(tiny_spec)
     batch = _grouped_batch(6)
     xi0 = torch.randn(FFNChannels(pol.model).shape, generator=torch.Generator().manual_seed(2)) * 0.1
-    out = {}
-    for kernel in ("matmul", "sdpa"):
-        a = _actor(pol.model, prefix_min=prefix_min, attention=kernel)
-        xi = grad_leaf(xi0, a)
-        a.zero_grad()
-        st = a.backward(batch.without_old(), xi, terms=TRAIN)
-        out[kernel] = ([p.grad.clone() for p in a.params], xi.grad.clone(), a.log_probs(batch.without_old(), xi0), st)
-        a.zero_grad()
-    (g1, x1, lp1, st1), (g0, x0, lp0, st0) = out["matmul"], out["sdpa"]
-    assert all(float(g.abs().sum()) > 0 for g in g0) and float(x0.abs().sum()) > 0
-    assert all(_rel(a, b) < 1e-5 for a, b in zip(g1, g0)) and _rel(x1, x0) < 1e-5
-    for a, b in zip(lp1, lp0):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
-    assert st1["loss"] == pytest.approx(st0["loss"], rel=1e-5)
+    out = {k: _train_pass(_actor(pol.model, prefix_min=prefix_min, attention=k), batch, xi0) for k in ("matmul", "sdpa")}
+    _assert_same_pass(out["matmul"], out["sdpa"])
 
 
 def test_surrogate_only_pass_with_skipped_rows_matches(tiny_spec):
