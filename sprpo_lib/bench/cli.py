@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--replay-frac", type=float, default=None,
                    help="also SPrPO whose replay runs this share of the rows (method.replay_frac), against the full replay")
     t.add_argument("--methods", default=None,
-                   help="measure only these besides vanilla and sprpo, comma-separated: sprpo_one_pass, sam, sprpo_subset")
+                   help="measure only these besides vanilla and sprpo, comma-separated: sprpo_one_pass, sam, sprpo_subset "
+                        "('': vanilla and sprpo alone)")
     t.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. rollout.tasks_per_step=4")
     at = sub.add_parser("attention", help="the attention calls of one S_hat replay on a rollout batch, timed per SDPA "
                         "backend (flash, math, eager) against their FLOP floor")
@@ -263,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         res = bench_envs(args.episodes, args.model or None, args.tasks, args.group, args.max_steps)
     else:
         res = bench_train(args.profile, args.env, args.repeats, args.overrides, tuple(args.paths.split(",")),
-                          args.replay_frac, None if args.methods is None else tuple(args.methods.split(",")))
+                          args.replay_frac, None if args.methods is None else tuple(m for m in args.methods.split(",") if m))
     rec = record(res)
     atomic_write_json(out, rec)
     print(f"bench {args.what} ({rec['commit'][:12]}, {rec['wall_s']} s) -> {out}")
