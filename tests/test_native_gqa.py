@@ -111,10 +111,13 @@ def test_the_block_switches_sdpa_only_and_restores_it(tiny_spec, monkeypatch):
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 def test_matmul_attention_and_its_gradients_match_a_float64_masked_softmax(dtype, tol):
     """update.attention=matmul: the stacked query heads of each key/value head against it,
-    with a padding mask, and a causal call whose mask transformers skipped (None)."""
+    with a padding mask whose prefix keys every query sees (only the own keys are filled), one
+    where a query does not see a prefix key, and a causal call whose mask transformers skipped (None)."""
     q, k, v, keep = _case(dtype)
     causal = torch.ones(5, 9, dtype=torch.bool).tril(4)[None, None].expand(2, 1, 5, 9)
-    for mask, want_mask in ((keep, keep), (None, causal)):
+    hidden = keep.clone()
+    hidden[1, 0, 2, 0] = False  # a prefix key one query does not see: the whole product takes the fill
+    for mask, want_mask in ((keep, keep), (hidden, hidden), (None, causal)):
         out, _ = matmul_attention(_Attn(), q, k, v, mask, scaling=0.3)
         ref = _reference(q, k, v, want_mask, 0.3)
         assert out.shape == (2, 5, 6, 8) and out.dtype == dtype

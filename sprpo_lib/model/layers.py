@@ -168,7 +168,10 @@ def matmul_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     scores = torch.matmul(q, key.transpose(-1, -2)).view(b, hk, g, t, tk)
     mask = attention_mask[:, :, None]  # [B, 1, 1, T, Tk]: the same for the g stacked heads
     if mask.dtype == torch.bool:  # in place: the product's own buffer (its backward needs q and k only)
-        scores.masked_fill_(~mask, torch.finfo(scores.dtype).min)
+        lead = tk - t  # keys before the queries' own (a shared prefix): when every query sees them,
+        own = lead > 0 and bool(mask[..., :lead].all())  # only the queries' own keys take the fill
+        fill, keep = (scores[..., lead:], mask[..., lead:]) if own else (scores, mask)
+        fill.masked_fill_(~keep, torch.finfo(scores.dtype).min)
     else:
         scores.add_(mask)
     probs = torch.softmax(scores, dim=-1)  # 16-bit rows accumulate in float32 inside the kernel
