@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from sprpo_lib.core.perturb import FFNChannels, dropout_mask, perturbed, sample_xi
+from sprpo_lib.core.perturb import ChannelScale, FFNChannels, dropout_mask, perturbed, sample_xi
 from sprpo_lib.model.layers import ffn_modules
 from sprpo_lib.model.lora import add_lora
 
@@ -159,8 +159,8 @@ def test_works_with_peft_lora(tiny):
 
 def test_bfloat16_noise_is_not_quantised_away():
     """In bf16 models a noise of 3e-3 (below bf16's resolution near 1) still changes h:
-    inference computes h + h*xi (error within one bf16 ulp of the exact product), the
-    differentiable path multiplies in float32 and rounds once."""
+    inference computes h + h*xi (error within one bf16 ulp of the exact product), and the
+    differentiable path (ChannelScale) the same, bit for bit."""
     from sprpo_lib.model.load import load_policy
 
     pol = load_policy("tiny-qwen2", dtype="bfloat16")
@@ -179,9 +179,8 @@ def test_bfloat16_noise_is_not_quantised_away():
     assert torch.all((fast.double() - exact).abs() <= ulp)
     assert (fast != base).float().mean() > 0.3  # 1 + 3e-3 in bf16 would be exactly 1.0
     fc.set(xi=torch.full(fc.shape, 3e-3).requires_grad_(True))
-    with fc:
-        slow = fc.layer_hook(0)(None, (base,))[0]
-    assert torch.equal(slow, (base.float() * torch.tensor(1.003)).to(torch.bfloat16))
+    with fc:  # with gradients: the inference path's product (ChannelScale), bit for bit
+        assert torch.equal(fc.layer_hook(0)(None, (base,))[0], fast)
     keep = torch.ones(fc.shape)
     keep[0, :5] = 0
     fc.set(xi=torch.full(fc.shape, 0.1), mask=keep)
@@ -238,3 +237,34 @@ def test_active_factor_is_the_product_of_attached_hooks():
     a.set(xi=sample_xi(0.2, (3, *a.shape), seed=1))
     with a, pytest.raises(ValueError, match="per-sequence"):
         active_factor(m)
+
+
+@pytest.mark.parametrize("per_sequence", [False, True])
+def test_channel_scale_gradients_match_finite_differences_in_float64(per_sequence):
+    """ChannelScale's backward (the 16-bit perturbed product's) is the derivative of
+    h * f: torch.autograd.gradcheck in float64, for a factor per channel and per sequence."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(2, 5, 7, dtype=torch.float64, generator=g).requires_grad_(True)
+    shape = (2, 1, 7) if per_sequence else (7,)
+    f = (1 + 0.1 * torch.randn(*shape, dtype=torch.float64, generator=g)).requires_grad_(True)
+    assert torch.autograd.gradcheck(ChannelScale.apply, (h, f))
+    torch.testing.assert_close(ChannelScale.apply(h, f), h * f, rtol=1e-15, atol=1e-15)
+
+
+def test_channel_scale_in_bfloat16_is_within_its_rounding_of_float64():
+    """In bfloat16: the forward is the inference path's h + h * (f - 1) bit for bit; dh is g * f
+    rounded once (within one bf16 ulp of the float64 product); df, the sum over 4,000 tokens
+    of g * h (signs cancelling), within 1e-5 relative of its float64 value (float32 sums)."""
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(4, 1000, 64, generator=g).bfloat16().requires_grad_(True)
+    f = (1 + 0.05 * torch.randn(64, generator=g)).requires_grad_(True)
+    up = torch.randn(4, 1000, 64, generator=g).bfloat16()
+    out = ChannelScale.apply(h, f)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, torch.addcmul(h, h, (f - 1).to(torch.bfloat16)))
+    out.backward(up)
+    exact_dh = up.double() * f.double()
+    assert torch.all((h.grad.double() - exact_dh).abs() <= torch.finfo(torch.bfloat16).eps * exact_dh.abs() + 1e-30)
+    exact_df = (up.double() * h.double()).sum((0, 1))
+    assert f.grad.dtype == torch.float32
+    assert float((f.grad.double() - exact_df).norm() / exact_df.norm()) < 1e-5

@@ -147,8 +147,8 @@ class FFNChannels:
                 f = f[:, None, :]
             if h.dtype in (torch.float32, torch.float64):
                 out = h * f.to(h.dtype)
-            else:  # bf16/fp16 with gradients: multiply in float32, round once at the cast
-                out = (h * f).to(h.dtype)
+            else:  # bf16/fp16 with gradients: the inference path's product, dL/df in float32
+                out = ChannelScale.apply(h, f)
             return (out,) + tuple(args[1:])
 
         return hook
@@ -210,6 +210,35 @@ class FFNChannels:
                 yield u
         finally:
             self._gain = prev
+
+
+class ChannelScale(torch.autograd.Function):
+    """``h * f`` for a 16-bit ``h`` (``[..., T, C]``) and a float32 factor ``f`` (``[C]`` or
+    ``[B, 1, C]``) that may require grad, formed as the inference path forms it:
+    ``h + h * (f - 1)`` in one 16-bit kernel, ``f - 1`` rounded to h's dtype (the noise to 2^-8
+    of itself, not to steps of 2^-7 as ``1 + xi`` in bf16 would be).  So a pass that
+    differentiates xi computes the same activations as the rollout and the update under that
+    xi, bit for bit.  Backward: ``dh = g * f`` rounded once; ``df = sum(g * h)`` over the
+    tokens in float32."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+        d = (f - 1.0).to(h.dtype)
+        ctx.save_for_backward(h, d)
+        ctx.f_shape, ctx.f_dtype = f.shape, f.dtype
+        return torch.addcmul(h, h, d)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        h, d = ctx.saved_tensors
+        dh = torch.addcmul(g, g, d) if ctx.needs_input_grad[0] else None
+        df = None
+        if ctx.needs_input_grad[1]:
+            prod = g.to(ctx.f_dtype) * h.to(ctx.f_dtype)
+            lead = prod.dim() - len(ctx.f_shape)
+            dims = [*range(lead), *(lead + i for i, n in enumerate(ctx.f_shape) if n == 1)]
+            df = prod.sum(dim=dims, keepdim=True).reshape(ctx.f_shape)
+        return dh, df
 
 
 def active_factor(model: nn.Module) -> torch.Tensor | None:
