@@ -411,8 +411,29 @@ def test_bench_train_reports_each_phase_against_its_floor():
     assert len(res["matmul_gflops_probes"]) == 2 and res["matmul_gflops"] == max(res["matmul_gflops_probes"])
     with pytest.raises(ValueError, match="sprpo_subset needs --replay-frac"):
         bench_train("smoke", "webshop", methods=("sprpo_subset",))
-    with pytest.raises(ValueError, match="--paths: expected some of whole,shared,sdpa,fused"):
+    with pytest.raises(ValueError, match="--paths: expected some of whole,shared,sdpa,fused,full_replay"):
         bench_train("smoke", "webshop", paths=("shared", "fast"))
+
+
+def test_bench_train_prices_the_replay_from_the_kept_graph_at_the_top_layers_forward():
+    """bench train with LoRA on the last layer and several optimizer steps: on the shared
+    passes SPrPO's update keeps the graph below the adapters (update.replay_graph_gb) and the
+    replay's floor drops the bottom layer's forward for those rows; the full_replay path
+    (update.replay_graph_gb=0) keeps none and prices every layer, side by side."""
+    from sprpo_lib.bench.report import section
+    from sprpo_lib.bench.suite import bench_train
+
+    res = bench_train("smoke", "webshop", overrides=["model.lora_layers=1", "update.ppo_mini_batch_size=2"],
+                      paths=("shared", "full_replay"), methods=())
+    assert set(res["replay_graph"]) == {"shared"}
+    g = res["replay_graph"]["shared"]
+    assert g["rows"] == g["replay_rows"] == res["samples_nonzero_adv"] > 0 and 0 < g["kept_gib"] <= g["budget_gib"]
+    shared, full = res["shared"]["sprpo"], res["full_replay"]["sprpo"]
+    assert 0 < shared["sensitivity_floor_s"] <= full["sensitivity_floor_s"]  # (method_passes' split: its own test)
+    assert shared["update_floor_s"] == full["update_floor_s"]  # the kept pass is the update's own
+    assert res["full_replay_extra_over_shared"] > 0
+    table = section({"bench": "train", "results": res}, Path("train.json"))
+    assert "| full_replay | sprpo |" in table and "update.replay_graph_gb=0" in table
 
 
 def test_phase_rows_price_each_pass_at_its_dtype_and_bound_the_ratio_at_the_floors():
@@ -539,6 +560,11 @@ def test_bench_prices_the_old_log_prob_pass_that_mini_batches_add(tiny_spec):
         assert [(t, d, f) for t, _, d, f, _ in kept[m] if (t, d) == ("update_s", 1)] == [("update_s", 1, 1)]
         assert [p for p in kept[m] if p[2:4] != (1, 1)] == [p for p in plan2[m] if p[2:4] != (1, L)]
     assert method_passes(batch, 1, L, False, steps=1, reuse_frozen=True) == plan1  # one step keeps nothing
+    # the replay from a kept graph (update.replay_graph_gb): those rows' forward runs the top layer only
+    graph = method_passes(batch, 1, L, False, steps=2, reuse_frozen=True, graph_rows={id(batch.samples[0])})
+    assert [(len(r), d, f) for t, r, d, f, _ in graph["sprpo"] if t == "sensitivity_s"] == [
+        (1, L, 1), (len(batch.samples) - 1, L, L)]
+    assert graph["vanilla"] == kept["vanilla"] and graph["sam"] == kept["sam"]
 
 
 def _recorded_update(model, start: list[torch.Tensor], xi, batch: Batch, **kw) -> tuple:

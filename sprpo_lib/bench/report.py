@@ -108,8 +108,9 @@ def _flat_rows(res, prefix: str = "") -> list[str]:
 
 TRAIN_METHODS = ("vanilla", "sprpo", "sprpo_one_pass", "sprpo_subset", "sam")
 #: ``bench train``'s passes, in table order: the reference, the profile's shared prefixes, those
-#: with SDPA's attention (update.attention=sdpa) and those with fused kernels (update.fused_kernels)
-TRAIN_PATHS = ("whole", "shared", "sdpa", "fused")
+#: with SDPA's attention (update.attention=sdpa), those with fused kernels (update.fused_kernels)
+#: and those with SPrPO's replay through every layer (update.replay_graph_gb=0)
+TRAIN_PATHS = ("whole", "shared", "sdpa", "fused", "full_replay")
 
 
 def _overrides_text(res: dict) -> str:
@@ -185,6 +186,13 @@ def _train_rows(res: dict) -> list[str]:
                      + ", ".join(f"{m} {v}x" for m, v in res["sdpa_over_shared"].items())
                      + "; extra pass: " + (", ".join(f"{m} {v}x" for m, v in (res.get("sdpa_extra_over_shared") or {}).items())
                                            or "none") + ".")
+    for path, g in (res.get("replay_graph") or {}).items():
+        lines.append(f"\n{path}: SPrPO's update kept the graph below the LoRA layers for {g['rows']} of the replay's "
+                     f"{g['replay_rows']} rows ({g['kept_gib']} GiB of a {g['budget_gib']} GiB budget, "
+                     "update.replay_graph_gb); their replay ran the LoRA layers and one backward through it.")
+    if "full_replay_extra_over_shared" in res:
+        lines.append(f"SPrPO's replay through every layer (update.replay_graph_gb=0) took "
+                     f"{res['full_replay_extra_over_shared']}x the seconds of the replay from the kept graph.")
     for key, what in (("one_pass_vs_replay", "One-pass"),
                       ("subset_vs_replay", f"Subset ({res.get('replay_rows')} rows, replay_frac {res.get('replay_frac')})")):
         cmp = res.get(key)

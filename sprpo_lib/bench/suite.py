@@ -398,7 +398,8 @@ def phase_rows(times: dict, passes: dict, config, prefix_min: int, gflops: float
 
 
 def method_passes(batch, depth: int, layers: int, regularised: bool, skip_zero_adv: bool = True,
-                  steps: int = 1, reuse_frozen: bool = False, subset=None, first_rows=None) -> dict[str, list]:
+                  steps: int = 1, reuse_frozen: bool = False, subset=None, first_rows=None,
+                  graph_rows=None) -> dict[str, list]:
     """The passes each method's iteration runs over ``batch``: ``(timer, rows, layers the
     backward reaches, layers the forward runs, whether it runs the LM head)``, 0 backward
     layers for a forward only.  The
@@ -412,7 +413,9 @@ def method_passes(batch, depth: int, layers: int, regularised: bool, skip_zero_a
     ``subset``: the rows a ``method.replay_frac`` replay runs (``sprpo_subset``).
     ``first_rows``: the rows whose old log-probs the first step's own forward gives
     (``Actor.first_step_logp``): the old-log-prob pass leaves them out, or with kept states
-    runs the layers below the LoRA layers for every row and the rest of the model for the others."""
+    runs the layers below the LoRA layers for every row and the rest of the model for the others.
+    ``graph_rows``: ids of the rows whose graph below the LoRA layers the update kept for the
+    replay (``Actor.replay_graph_gb``): their replay's forward runs the top ``depth`` layers only."""
     nonzero = [s for s in batch.samples if s.adv != 0.0]
     update_rows = batch.samples if regularised or not skip_zero_adv else nonzero
     probe_rows = nonzero if skip_zero_adv else batch.samples
@@ -429,8 +432,11 @@ def method_passes(batch, depth: int, layers: int, regularised: bool, skip_zero_a
         old = [("update_s", rest, 0, layers, True)]
     step = ("update_s", update_rows, depth, run, True)
     probe = ("sensitivity_s", probe_rows, layers, layers, True)
+    kept = graph_rows or set()
+    replay = [("sensitivity_s", [s for s in probe_rows if id(s) in kept], layers, depth, True),
+              ("sensitivity_s", [s for s in probe_rows if id(s) not in kept], layers, layers, True)]
     out = {"vanilla": old + [step],
-           "sprpo": old + [step, probe],
+           "sprpo": old + [step] + [p for p in replay if p[1]],
            "sprpo_one_pass": [("update_s", probe_rows, layers, layers, True)]
            + ([("update_s", batch.samples, depth, layers, True)] if regularised else []),
            "sam": [probe] + old + [step]}
@@ -455,7 +461,8 @@ def warm_up(tr, batch, mcfg: MethodConfig, xi) -> None:
     tr.update(Batch(batch.without_old().samples[:2 * tr.actor.micro_batch]), xi, 0)
 
 
-def actor_passes(tr, batch, reuse_frozen: bool, subset=None, first_step_logp: bool = False) -> dict[str, list]:
+def actor_passes(tr, batch, reuse_frozen: bool, subset=None, first_step_logp: bool = False,
+                 graph_rows=None) -> dict[str, list]:
     """:func:`method_passes` for ``tr``'s model and actor settings (LoRA depth, regularisers,
     optimizer steps per update) over ``batch`` (its rows without old log-probs, as an update
     gets them)."""
@@ -466,7 +473,7 @@ def actor_passes(tr, batch, reuse_frozen: bool, subset=None, first_step_logp: bo
     own = a.first_step_rows(minis[0], batch) if first_step_logp else set()
     first = [s for s in minis[0].samples if id(s) in own] if first_step_logp else None
     return method_passes(batch, L - lowest_trainable_layer(tr.model), L, regularised, a.skip_zero_adv, steps,
-                         reuse_frozen, subset, first)
+                         reuse_frozen, subset, first, graph_rows)
 
 
 def restore_point(actor):
@@ -553,20 +560,23 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     nonzero = [s for s in batch.samples if s.adv != 0.0]
     # the shared path is the profile's own (shared prefixes, kept states below the LoRA layers);
     # the whole path is the reference: every row whole, every layer at every step
-    reuse = {"shared": a.reuse_frozen, "sdpa": a.reuse_frozen, "fused": a.reuse_frozen, "whole": False}
+    reuse = {"shared": a.reuse_frozen, "sdpa": a.reuse_frozen, "fused": a.reuse_frozen, "full_replay": a.reuse_frozen,
+             "whole": False}
     subset = replay_rows(batch, replay_frac, cfg.seed, 0)[0].samples if replay_frac else None
     first_logp = a.first_step_logp
-    passes = {path: actor_passes(tr, batch, reuse[path], subset, first_logp and path != "whole") for path in paths}
+    graph_gb = {path: 0.0 if path in ("whole", "full_replay") else a.replay_graph_gb for path in paths}
     variants = method_variants(cfg.method)
     if replay_frac:
         variants["sprpo_subset"] = dataclasses.replace(variants["sprpo"], replay_frac=replay_frac)
     if methods is not None:
         variants = {k: v for k, v in variants.items() if k in {"vanilla", "sprpo", *methods}}
     prefix_min = {"shared": cfg.update.prefix_min or 16, "whole": 0}
-    prefix_min["fused"] = prefix_min["sdpa"] = prefix_min["shared"]
+    prefix_min["fused"] = prefix_min["sdpa"] = prefix_min["full_replay"] = prefix_min["shared"]
     restore = restore_point(a)
     times = {(path, v): {"update_s": [], "sensitivity_s": [], "ppo_steps": [], "update_float32": []}
              for path in paths for v in variants}
+    kept: dict[str, set[int]] = {path: set() for path in paths}  # the rows whose graph SPrPO's update kept
+    kept_gib: dict[str, float] = {}
     states: dict[tuple[str, str], tuple] = {}
     lora, entropy, gqa, attention = a.fused_lora, a.fused_entropy, a.native_gqa, a.attention
 
@@ -575,6 +585,7 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
         a.fused_lora, a.fused_entropy = lora and path != "whole", entropy and path != "whole"
         a.native_gqa, a.first_step_logp = gqa and path != "whole", first_logp and path != "whole"
         a.attention = "sdpa" if path in ("whole", "sdpa") else attention
+        a.replay_graph_gb = graph_gb[path]
 
     for path in paths:  # untimed warm-up of both layouts (first-call allocations), on a few rows
         use(path)
@@ -590,6 +601,8 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
                 st = tr.update(batch.without_old(), xi if name.startswith("sprpo") else None, 0)
                 if name.startswith("sprpo"):
                     states[(path, name)] = (tr.method.S_hat.clone(), tr.method.m_hat)
+                if name == "sprpo":
+                    kept[path], kept_gib[path] = set(a.graph_rows), float(f"{a.graph_bytes / 2 ** 30:.3g}")
                 for k in ("update_s", "sensitivity_s"):
                     times[(path, name)][k].append(st[k])
                 times[(path, name)]["ppo_steps"].append(st.get("ppo_steps", 1.0))
@@ -598,6 +611,8 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
                 bar.write(f"  {path} {name}: update {st['update_s']:.1f} s, extra pass {st['sensitivity_s']:.1f} s")
                 bar.update()
     bar.close()
+    passes = {path: actor_passes(tr, batch, reuse[path], subset, first_logp and path != "whole", kept[path])
+              for path in paths}
     probes.append(prefill_rate(config, tr.dtype))
     gflops = max(probes)
     ran_f32 = any(any(t["update_float32"]) for t in times.values()) and tr.dtype != "float32"
@@ -636,6 +651,12 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
         res["sdpa_extra_over_shared"] = {n: round(res["sdpa"][n]["sensitivity_s"] / res["shared"][n]["sensitivity_s"], 3)
                                          for n in variants if res["shared"][n].get("sensitivity_s")}
         res["attention"] = attention
+    if any(kept.values()):  # SPrPO's replay from the graph its update kept (update.replay_graph_gb)
+        res["replay_graph"] = {path: {"budget_gib": graph_gb[path], "kept_gib": kept_gib[path], "rows": len(kept[path]),
+                                      "replay_rows": len(nonzero)} for path in paths if kept[path]}
+    if {"shared", "full_replay"} <= set(paths):
+        res["full_replay_extra_over_shared"] = round(res["full_replay"]["sprpo"]["sensitivity_s"]
+                                                     / res["shared"]["sprpo"]["sensitivity_s"], 3)
     if {"shared", "fused"} <= set(paths):
         res["fused_over_shared"] = {n: round(res["fused"][n]["update_s"] / res["shared"][n]["update_s"], 3)
                                     for n in variants}

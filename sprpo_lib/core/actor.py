@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager, nullcontext
+from itertools import chain
 from typing import Iterator
 
 import torch
@@ -67,6 +68,29 @@ def prefix_cache():
 
     return PrefixCache()
 
+
+
+class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
+    """Within it, :attr:`nbytes` counts the storage the autograd graph saves for the
+    backward (each storage once; ``model``'s parameters, held anyway, not counted)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.nbytes = 0
+        self._skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._seen: set[int] = set()
+        super().__init__(self._pack, lambda t: t)
+
+    def __enter__(self) -> "SavedBytes":
+        super().__enter__()
+        return self
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr not in self._skip and ptr not in self._seen:
+            self._seen.add(ptr)
+            self.nbytes += st.nbytes()
+        return t
 
 class Actor:
     """Policy model + Adam over its trainable (LoRA) parameters + the FFN channels.
@@ -132,6 +156,15 @@ class Actor:
             without it nothing.  Same old log-probs up to float rounding.  Off when the model
             drops anything in training mode.  ``False``: every row in that pass (verl's
             ``compute_log_prob``; the reference path).
+        replay_graph_gb: SPrPO's replay (Alg. 1 line 7) runs at theta_{k+1} under the xi of
+            the update, and the layers below the lowest trainable one hold no trainable
+            weight, so their forward is the update's own.  With ``reuse_frozen`` and several
+            optimizer steps, the update's pass below those layers keeps its autograd graph
+            (from the replay's xi leaf) for line 7's rows, up to this many GiB of saved
+            activations (measured as the pass runs); the replay then runs the trainable
+            layers alone from those states and one backward through the kept graph.  Rows
+            beyond the budget run every layer.  Same dL/dxi and gradient up to float
+            rounding.  ``0``: the replay runs every layer (the reference path).
     """
 
     def __init__(self, model, pad_id: int, opt: torch.optim.Optimizer, *, grad_clip: float = 1.0,
@@ -140,7 +173,7 @@ class Actor:
                  skip_zero_adv: bool = True, prefix_min: int = 16, micro_batch_tokens: int | None = None,
                  grad_checkpointing: bool = False, reuse_frozen: bool = True, fused_kernels: bool = False,
                  fused_lora: bool = True, fused_entropy: bool = True, native_gqa: bool = True,
-                 first_step_logp: bool = True, attention: str = "auto"):
+                 first_step_logp: bool = True, attention: str = "auto", replay_graph_gb: float = 0.0):
         self.model, self.pad_id, self.opt = model, pad_id, opt
         self.params = [p for g in opt.param_groups for p in g["params"]]
         self.grad_clip = grad_clip
@@ -162,6 +195,12 @@ class Actor:
         self.attention = check_attention_kernel(attention)  # a bad name fails here, not in the first pass
         self.first_step_logp = first_step_logp
         self._frozen: dict[int, torch.Tensor] | None = None  # per sample: hidden states below the trainable layers
+        self.replay_graph_gb = float(replay_graph_gb)
+        self._graph: dict[int, torch.Tensor] | None = None  # per sample: those states with their graph from _graph_xi
+        self._graph_xi: torch.Tensor | None = None
+        self.graph_bytes = 0  # the saved activations the last kept graph holds
+        self.graph_rows: set[int] = set()  # ids of the samples whose graph the last update kept
+        self._link_prefix = False  # passes: a prefix's keys and values enter the rows' graph as they are
         self._first_layer = 0  # the layer the current pass starts at (from kept hidden states: > 0)
         self._stack: torch.nn.Module | None = None  # the decoder stack below that layer (passes(frozen="below"))
         self.fc = FFNChannels(model)
@@ -302,7 +341,7 @@ class Actor:
                     if frozen == "keep":
                         kept_prefix = keep.pop()[0]
                 roots = [t for layer in cache.layers for t in (layer.keys, layer.values)]
-                leaves = [t.detach().requires_grad_(t.requires_grad) for t in roots]
+                leaves = roots if self._link_prefix else [t.detach().requires_grad_(t.requires_grad) for t in roots]
             self._group_leaves = leaves or []
             for mb in mbs:
                 logits = self._logits(mb, leaves, self._row_states(mb) if use else None)
@@ -312,6 +351,8 @@ class Actor:
             if roots and on_prefix is not None:
                 on_prefix(roots, leaves)
             self._group_leaves = []
+            if self._link_prefix:  # the rows' graph holds the prefix's own
+                continue
             pairs = [(r, lf.grad) for r, lf in zip(roots, leaves or []) if r.requires_grad and lf.grad is not None]
             if pairs:  # the prefix's share of the gradient
                 torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
@@ -337,18 +378,38 @@ class Actor:
         for s, lp in zip(batch.samples, self.log_probs(batch, xi, frozen)):
             s.old_logp = lp
 
-    @torch.no_grad()
-    def keep_states(self, batch: Batch, xi: torch.Tensor | None) -> None:
+    def keep_states(self, batch: Batch, xi: torch.Tensor | None, graph_gb: float = 0.0) -> None:
         """Store in :attr:`_frozen` every row's hidden states at the input of the lowest
-        trainable layer under ``xi``, from the layers below it alone (no log-probs)."""
+        trainable layer under ``xi``, from the layers below it alone (no log-probs).
+
+        ``graph_gb > 0`` and a leaf ``xi`` that requires grad: the micro-batches keep their
+        autograd graph (in :attr:`_graph`, the states in :attr:`_frozen` detached) until its
+        saved activations reach ``graph_gb`` GiB; the rest run without one."""
         t0 = time.perf_counter()
+        graph = graph_gb > 0 and xi is not None and xi.requires_grad
+        held = SavedBytes(self.model)
         self.model.eval()
         self.fc.set(xi=xi)
-        with self.fc, float32_compute(self.model, below_resolution(xi, self.dtype)):
-            for _ in self.passes(batch, self.sort_micro_batches, frozen="below"):
-                pass
+        self._link_prefix = graph  # the rows' graph reaches xi through the prefix's own
+        try:
+            with (torch.set_grad_enabled(graph), held if graph else nullcontext(), self.fc,
+                  float32_compute(self.model, below_resolution(xi, self.dtype))):
+                for mb, _ in self.passes(batch, self.sort_micro_batches, frozen="below"):
+                    if torch.is_grad_enabled():
+                        self._graph.update({id(s): self._frozen[id(s)] for s in mb.samples})
+                        self.graph_rows.update(id(s) for s in mb.samples)
+                        if held.nbytes >= graph_gb * 2 ** 30:  # the budget: later micro-batches keep none
+                            torch.set_grad_enabled(False)
+        finally:
+            self._link_prefix = False
+            self._frozen = {k: v.detach() for k, v in self._frozen.items()}
+        self.graph_bytes += held.nbytes
         self.fc.clear()
         self._tick(t0)
+
+    def drop_graph(self) -> None:
+        """Free the graph :meth:`keep_states` kept (:attr:`replay_graph_gb`)."""
+        self._graph, self._graph_xi = None, None
 
     def first_step_rows(self, first: Batch, todo: Batch) -> set[int]:
         """Ids of the rows whose old log-probs the first optimizer step (on mini-batch
@@ -421,6 +482,13 @@ class Actor:
         # the kept states below the trainable layers serve a pass that differentiates the parameters alone
         use_frozen = (self._frozen is not None and gain is None and not (xi is not None and xi.requires_grad)
                       and all(id(s) in self._frozen for s in rows.samples))
+        runs = [(rows, "use" if use_frozen else None)]
+        graph = self._graph is not None and xi is self._graph_xi and gain is None and not split
+        if graph:  # the replay: kept rows from their states (leaves), then one backward through their graph
+            self._frozen = {id(s): self._graph[id(s)].detach().requires_grad_()
+                            for s in rows.samples if id(s) in self._graph}
+            runs = [(Batch([s for s in rows.samples if id(s) in self._frozen]), "use"),
+                    (Batch([s for s in rows.samples if id(s) not in self._frozen]), None)]
 
         def side(loss, extra=(), grads=None) -> None:  # a regulariser's gradient into side_grads
             ins = self.params + list(extra)
@@ -442,8 +510,9 @@ class Actor:
 
         with (torch.enable_grad(), self.fc, float32_compute(self.model, below_resolution(xi, self.dtype)),
               checkpointed_layers(self.model, self.grad_checkpointing)):
-            for mb, logits in self.passes(rows, self.sort_micro_batches, prefix_side if split else None,
-                                          frozen="use" if use_frozen else None):
+            for mb, logits in chain.from_iterable(
+                    self.passes(part, self.sort_micro_batches, prefix_side if split else None, frozen=frozen)
+                    for part, frozen in runs if part.samples):
                 if need_ent and self.fused_entropy:
                     logp, ent_tok = token_logprobs_entropy(logits, mb.tgt)
                 else:
@@ -478,6 +547,12 @@ class Actor:
                     ((loss + reg) * w).backward()
                 for k, v in st.items():  # the loss over the whole batch (a skipped row's is 0)
                     acc[k] = acc.get(k, 0.0) + float(v) * (w if k in ("loss", "pg_loss") else n_mb / n_rows)
+            if graph:
+                pairs = [(self._graph[k], h.grad) for k, h in self._frozen.items() if h.grad is not None]
+                self._frozen = None
+                self.drop_graph()
+                if pairs:  # the layers below the trainable ones, once for every kept row
+                    torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
         if not rows.samples:
             self._zero_gradients(xi, gain)
             acc.update(loss=0.0, pg_loss=0.0)
@@ -515,13 +590,17 @@ class Actor:
         self.opt.step()
         self.zero_grad()
 
-    def ppo_update(self, batch: Batch, xi: torch.Tensor | None) -> dict[str, float]:
+    def ppo_update(self, batch: Batch, xi: torch.Tensor | None, graph_xi: torch.Tensor | None = None) -> dict[str, float]:
         """theta_{k+1} from theta_k on ``batch`` under ``xi`` (Alg. 1 line 6; Algs. 2-4):
         ``epochs`` passes of one optimizer step per mini-batch, against old log-probs
         fixed at theta_k (those of the first step's rows from that step's forward:
         :attr:`first_step_logp`).  Returns the statistics of the first step (at theta_k) and
-        the number of steps."""
+        the number of steps.  ``graph_xi``: a leaf copy of ``xi`` that a later
+        :meth:`backward` of the surrogate on ``batch`` differentiates (SPrPO's replay): the
+        pass below the trainable layers keeps its graph for it (:attr:`replay_graph_gb`)."""
         minis = batch.mini_batches(self.mini_batch)
+        self.drop_graph()
+        self.graph_bytes, self.graph_rows = 0, set()
         if len(minis) * self.epochs > 1:
             start = lowest_trainable_layer(self.model)
             keep = self.reuse_frozen and 0 < start < len(decoder_layers(self.model))
@@ -530,7 +609,14 @@ class Actor:
             # their old log-probs: the first step's own forward
             own = self.first_step_rows(minis[0], todo) if self.first_step_logp else set()
             rest = Batch([s for s in todo.samples if id(s) not in own])
-            if keep and own:  # every row's states below the adapters, then the top layers of the rest
+            graph = graph_xi is not None and keep and self.replay_graph_gb > 0 and not has_dropout(self.model)
+            if graph:  # line 7's rows with their graph, the others' states, then the top layers
+                self._graph, self._graph_xi = {}, graph_xi
+                replayed = {id(s) for s in self.rows_with_gradient(batch, False).samples}
+                self.keep_states(Batch([s for s in todo.samples if id(s) in replayed]), graph_xi, self.replay_graph_gb)
+                self.keep_states(Batch([s for s in todo.samples if id(s) not in replayed]), xi)
+                self.fill_old_log_probs(rest, xi, "use")
+            elif keep and own:  # every row's states below the adapters, then the top layers of the rest
                 self.keep_states(todo, xi)
                 self.fill_old_log_probs(rest, xi, "use")
             else:

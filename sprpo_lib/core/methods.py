@@ -362,17 +362,20 @@ class SPrPO(Method):
     def update(self, actor: Actor, batch, k: int, xi: torch.Tensor | None) -> dict:
         if self.cfg.sensitivity == "one_pass":
             return self._update_one_pass(actor, batch, xi)
-        stats = actor.ppo_update(batch, xi)  # line 6: theta_{k+1}
-        xi_leaf = grad_leaf(xi, actor)
         if self.cfg.replay_frac < 1 and actor.loss_cfg.loss_agg_mode != "token-mean":
             raise ValueError(f"method.replay_frac < 1 estimates a token-mean surrogate; update.loss.loss_agg_mode is "
                              f"{actor.loss_cfg.loss_agg_mode!r}: set method.replay_frac=1 or update.loss.loss_agg_mode=token-mean")
-        rows, c = replay_rows(batch, self.cfg.replay_frac, self.seed, k)
-        with actor.timing(MK.SENSITIVITY_S):  # line 7: replay D_k at theta_{k+1} under xi_k
-            actor.zero_grad()
-            replay = actor.backward(rows, xi_leaf, terms=SURROGATE)
-            self.record(xi_leaf.grad * c, actor.grad_norm_sq() * c * c)
-            actor.zero_grad()
+        xi_leaf = grad_leaf(xi, actor)
+        try:  # line 6: theta_{k+1}; the layers below the adapters keep their graph for line 7 (update.replay_graph_gb)
+            stats = actor.ppo_update(batch, xi, graph_xi=xi_leaf if self.cfg.replay_frac >= 1 else None)
+            rows, c = replay_rows(batch, self.cfg.replay_frac, self.seed, k)
+            with actor.timing(MK.SENSITIVITY_S):  # line 7: replay D_k at theta_{k+1} under xi_k
+                actor.zero_grad()
+                replay = actor.backward(rows, xi_leaf, terms=SURROGATE)
+                self.record(xi_leaf.grad * c, actor.grad_norm_sq() * c * c)
+                actor.zero_grad()
+        finally:
+            actor.drop_graph()
         # the surrogate's change theta_k -> theta_{k+1} on D_k under xi_k (L = -pg_loss), the margin Corollary 1 needs
         change = stats.get("pg_loss", 0.0) - c * replay.get("pg_loss", 0.0)
         return {**stats, "replay_loss": c * replay["loss"], "surrogate_change": change,

@@ -42,7 +42,7 @@ from sprpo_lib.core.actor import Actor
 from sprpo_lib.core.batch import build_batch
 from sprpo_lib.core.methods import make_method
 from sprpo_lib.core.perturb import xi_stats
-from sprpo_lib.infra.hardware import peak_memory, reset_peak_memory, set_allocator
+from sprpo_lib.infra.hardware import keep_freed, peak_memory, reset_peak_memory, set_allocator
 from sprpo_lib.infra.io import JsonLines, atomic_dir, atomic_write_json, atomic_write_text, file_lock, read_cached
 from sprpo_lib.infra.manifest import git_commit
 from sprpo_lib.infra.paths import project_path, runs_dir
@@ -70,6 +70,8 @@ class Trainer:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         set_allocator(cfg.allocator)
+        if cfg.update.replay_graph_gb:  # the replay's kept graph, every iteration: its pages stay mapped
+            keep_freed(cfg.update.replay_graph_gb + 1)
         self.out = Path(out)
         # the environment first: missing or damaged data is one error before the model loads
         factory = partial(make_pool, cfg.env.name, cfg.env.data_dir, cfg.env.seed)
@@ -101,7 +103,8 @@ class Trainer:
                            micro_batch_tokens=u.micro_batch_tokens, grad_checkpointing=u.grad_checkpointing,
                            reuse_frozen=u.reuse_frozen, fused_kernels=u.fused_kernels,
                            fused_lora=u.fused_lora, fused_entropy=u.fused_entropy, native_gqa=u.native_gqa,
-                           first_step_logp=u.first_step_logp, attention=u.attention)
+                           first_step_logp=u.first_step_logp, attention=u.attention,
+                           replay_graph_gb=u.replay_graph_gb)
         self.shape = self.actor.shape
         self.method = make_method(cfg.method, self.shape, cfg.seed)
 
