@@ -193,6 +193,11 @@ def _train_rows(res: dict) -> list[str]:
     if "full_replay_extra_over_shared" in res:
         lines.append(f"SPrPO's replay through every layer (update.replay_graph_gb=0) took "
                      f"{res['full_replay_extra_over_shared']}x the seconds of the replay from the kept graph.")
+    if isinstance(res.get("graph_vs_full_replay"), dict):
+        cmp = res["graph_vs_full_replay"]
+        lines.append(f"Its S_hat against the replay through every layer's (the same update): Spearman "
+                     f"{cmp.get('S_spearman')}, relative L2 {cmp.get('S_rel_l2')}, m_hat relative difference "
+                     f"{cmp.get('m_hat_rel_diff')}.")
     for key, what in (("one_pass_vs_replay", "One-pass"),
                       ("subset_vs_replay", f"Subset ({res.get('replay_rows')} rows, replay_frac {res.get('replay_frac')})")):
         cmp = res.get(key)

@@ -377,6 +377,7 @@ def phase_rows(times: dict, passes: dict, config, prefix_min: int, gflops: float
                 rate = float32_gflops if f32 and timer == "update_s" else gflops
                 floor = work / (rate * 1e9)
                 row[timer.replace("_s", "_floor_s")] = round(floor, 2)
+                row[timer.replace("_s", "_gflop")] = float(f"{work / 1e9:.4g}")
                 row[timer.replace("_s", "_over_floor")] = round(row[timer] / floor, 2) if floor else None
         if f32:
             row["update_dtype"] = "float32"
@@ -598,11 +599,13 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
                 bar.set_postfix_str(f"{path} {name}", refresh=True)
                 restore()
                 tr.method = make_method(mcfg, tr.shape, cfg.seed)
-                st = tr.update(batch.without_old(), xi if name.startswith("sprpo") else None, 0)
+                fresh = batch.without_old()  # copies of the rows, in order
+                st = tr.update(fresh, xi if name.startswith("sprpo") else None, 0)
                 if name.startswith("sprpo"):
                     states[(path, name)] = (tr.method.S_hat.clone(), tr.method.m_hat)
                 if name == "sprpo":
-                    kept[path], kept_gib[path] = set(a.graph_rows), float(f"{a.graph_bytes / 2 ** 30:.3g}")
+                    kept[path] = {id(s) for s, c in zip(batch.samples, fresh.samples) if id(c) in a.graph_rows}
+                    kept_gib[path] = float(f"{a.graph_bytes / 2 ** 30:.3g}")
                 for k in ("update_s", "sensitivity_s"):
                     times[(path, name)][k].append(st[k])
                 times[(path, name)]["ppo_steps"].append(st.get("ppo_steps", 1.0))
@@ -666,6 +669,9 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     for name, key in (("sprpo_one_pass", "one_pass_vs_replay"), ("sprpo_subset", "subset_vs_replay")):
         if name in variants:
             res[key] = estimate_agreement(states[(paths[0], "sprpo")], states[(paths[0], name)], cfg.method)
+    if {"shared", "full_replay"} <= set(paths):  # the same steps: S_hat and m_hat differ by the replay's rounding
+        res["graph_vs_full_replay"] = estimate_agreement(states[("full_replay", "sprpo")], states[("shared", "sprpo")],
+                                                         cfg.method)
     return res
 
 
