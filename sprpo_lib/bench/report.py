@@ -485,7 +485,10 @@ def headline(record: dict) -> str | None:
         fused = res.get("fused_over_shared") or {}
         return (out + "; iteration x Vanilla: " + ", ".join(ratios)
                 + (f" (every phase at its floor: {', '.join(at)})" if at else "")
-                + (f"; fused kernels: Vanilla's update {fused['vanilla']}x the eager one's" if "vanilla" in fused else ""))
+                + (f"; fused kernels: Vanilla's update {fused['vanilla']}x the eager one's" if "vanilla" in fused else "")
+                + (f"; SPrPO's replay through every layer {res['full_replay_extra_over_shared']}x the one from the "
+                   f"kept graph, SPrPO {res['full_replay']['sprpo_over_vanilla']}x Vanilla there"
+                   if "full_replay_extra_over_shared" in res else ""))
     if name == "estimates" and (res.get("summary") or {}).get("measured"):
         sm = res["summary"]
         return (f"{res.get('env')}: a {res.get('replay_frac')} replay's S_hat against line 7's replay, Spearman "
