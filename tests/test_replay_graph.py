@@ -4,50 +4,17 @@ m_hat, and leaves the same adapter, as the replay through every layer (float32, 
 both paths in one run); a budget too small for every row replays the rest whole."""
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
+from conftest import adapted_policy, head_sharing_batch
 
-from sprpo_lib.core.actor import SavedBytes, Actor
-from sprpo_lib.core.batch import Batch, Sample
+from sprpo_lib.bench.suite import rel_l2
+from sprpo_lib.core.actor import Actor, SavedBytes
 from sprpo_lib.core.losses import PPOLossConfig
 from sprpo_lib.core.methods import MethodConfig, make_method
 from sprpo_lib.core.perturb import FFNChannels
 from sprpo_lib.model.layers import decoder_layers
-from sprpo_lib.model.load import load_policy
-from sprpo_lib.model.lora import LoraSettings, add_lora, lora_on_last_layers
 from sprpo_lib.train.config import UpdateConfig
-
-
-def _batch(seed: int) -> Batch:
-    """GiGPO-like rows: per task a shared head, step-0 rows with one whole prompt, later
-    rows with their own tails; advantages of both signs and some 0 (rows line 7 skips)."""
-    rng = random.Random(seed)
-    tok = lambda n: [rng.randrange(3, 250) for _ in range(n)]  # noqa: E731
-    samples = []
-    for _task in range(2):
-        head = tok(rng.randrange(18, 26))
-        first = head + tok(6)
-        for adv in (1.0, -0.5, 0.0):
-            n = rng.randrange(3, 7)
-            samples.append(Sample(first + tok(n), n, adv))
-        for adv in (0.7, -1.2, 0.4):
-            n = rng.randrange(3, 7)
-            samples.append(Sample(head + tok(rng.randrange(4, 12)) + tok(n), n, adv))
-    samples += [Sample(tok(rng.randrange(15, 30)), 4, 0.3) for _ in range(2)]
-    rng.shuffle(samples)
-    return Batch(samples)
-
-
-def _policy(spec: str, lora_layers: int):
-    pol = load_policy(spec, seed=0, dtype="float32")
-    add_lora(pol, lora_on_last_layers(pol.model, LoraSettings(rank=4, alpha=8), lora_layers), seed=0)
-    with torch.no_grad():  # B non-zero: the adapters act from the first step
-        for n, p in pol.model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(n)))
-    return pol
 
 
 def _sprpo_update(model, start, xi, graph_gb: float, prefix_min: int, entropy: float, lr: float = 0.5) -> dict:
@@ -71,7 +38,7 @@ def _sprpo_update(model, start, xi, graph_gb: float, prefix_min: int, entropy: f
     hook = decoder_layers(model)[0].register_forward_hook(
         lambda *a: bottom.__setitem__(0, bottom[0] + replaying[0]))
     try:
-        st = method.update(actor, _batch(4).without_old(), 0, xi)
+        st = method.update(actor, head_sharing_batch().without_old(), 0, xi)
     finally:
         hook.remove()
     return {"S": method.S_hat, "m": method.m_hat, "theta": [p.detach().clone() for p in params], "stats": st,
@@ -79,22 +46,18 @@ def _sprpo_update(model, start, xi, graph_gb: float, prefix_min: int, entropy: f
             "graph_after": actor._graph}  # noqa: SLF001 (the test checks it was freed)
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
-
-
 @pytest.mark.parametrize("prefix_min,entropy,lora_layers", [(4, 0.0, 1), (0, 0.01, 1), (4, 0.01, None)])
 def test_the_kept_graph_gives_the_full_replays_S_hat_and_m_hat(tiny_spec, prefix_min, entropy, lora_layers):
     """Every row kept, the first micro-batch's alone (a budget it exceeds), none (LoRA on every
     layer: nothing below the adapters): S_hat, m_hat, the replayed loss and the adapter after the
     step within 1e-5 relative of the replay through every layer."""
-    pol = _policy(tiny_spec, lora_layers)
+    pol = adapted_policy(tiny_spec, lora_layers)
     start = [p.detach().clone() for p in pol.model.parameters() if p.requires_grad]
     xi = 0.1 * torch.randn(FFNChannels(pol.model).shape, generator=torch.Generator().manual_seed(3))
     ref = _sprpo_update(pol.model, start, xi, 0.0, prefix_min, entropy)
     full = _sprpo_update(pol.model, start, xi, 100.0, prefix_min, entropy)
     part = _sprpo_update(pol.model, start, xi, 1e-9, prefix_min, entropy)  # the first micro-batch alone
-    line7_rows = sum(1 for s in _batch(4).samples if s.adv != 0)
+    line7_rows = sum(1 for s in head_sharing_batch().samples if s.adv != 0)
     assert ref["kept_rows"] == 0 and ref["bytes"] == 0
     if lora_layers is None:
         assert full["kept_rows"] == part["kept_rows"] == 0
@@ -103,9 +66,9 @@ def test_the_kept_graph_gives_the_full_replays_S_hat_and_m_hat(tiny_spec, prefix
         assert full["bytes"] > part["bytes"] > 0
     assert float(ref["S"].sum()) > 0 and ref["m"] > 0
     for run in (full, part):
-        assert _rel(run["S"], ref["S"]) < 1e-5
+        assert rel_l2(run["S"], ref["S"]) < 1e-5
         assert run["m"] == pytest.approx(ref["m"], rel=1e-5)
-        assert all(_rel(a, b) < 1e-5 for a, b in zip(run["theta"], ref["theta"]))  # line 6 unchanged
+        assert all(rel_l2(a, b) < 1e-5 for a, b in zip(run["theta"], ref["theta"]))  # line 6 unchanged
         assert run["stats"]["replay_loss"] == pytest.approx(ref["stats"]["replay_loss"], rel=1e-5, abs=1e-7)
         assert run["graph_after"] is None  # freed once the replay has read it
     # the bottom layer: every replayed row in the reference, only the rows beyond the budget with it
@@ -138,12 +101,8 @@ def test_in_bfloat16_the_kept_graph_leaves_the_update_bit_identical(tiny_spec):
     one (the perturbed product is the inference path's, perturb.ChannelScale), so line 6's steps
     and the adapter they leave are bit-identical with and without the kept graph; S_hat and
     m_hat differ by the replay's rounding alone."""
-    pol = load_policy(tiny_spec, seed=0, dtype="bfloat16")
-    add_lora(pol, lora_on_last_layers(pol.model, LoraSettings(rank=4, alpha=8), 1), seed=0)
-    with torch.no_grad():
-        for n, p in pol.model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(n)))
+    pol = adapted_policy(tiny_spec, 1)
+    pol.model.to(torch.bfloat16)
     start = [p.detach().clone() for p in pol.model.parameters() if p.requires_grad]
     xi = 0.1 * torch.randn(FFNChannels(pol.model).shape, generator=torch.Generator().manual_seed(3))
     ref = _sprpo_update(pol.model, start, xi, 0.0, 4, 0.0, lr=0.05)
@@ -151,4 +110,4 @@ def test_in_bfloat16_the_kept_graph_leaves_the_update_bit_identical(tiny_spec):
     assert kept["kept_rows"] > 0 and kept["replay_bottom"] == 0
     assert all(torch.equal(a, b) for a, b in zip(kept["theta"], ref["theta"]))
     assert float(ref["S"].sum()) > 0
-    assert _rel(kept["S"], ref["S"]) < 2e-2 and kept["m"] == pytest.approx(ref["m"], rel=2e-2)
+    assert rel_l2(kept["S"], ref["S"]) < 2e-2 and kept["m"] == pytest.approx(ref["m"], rel=2e-2)
