@@ -186,6 +186,21 @@ def _train_rows(res: dict) -> list[str]:
                      + ", ".join(f"{m} {v}x" for m, v in res["sdpa_over_shared"].items())
                      + "; extra pass: " + (", ".join(f"{m} {v}x" for m, v in (res.get("sdpa_extra_over_shared") or {}).items())
                                            or "none") + ".")
+    lines += _replay_graph_lines(res)
+    for key, what in (("one_pass_vs_replay", "One-pass"),
+                      ("subset_vs_replay", f"Subset ({res.get('replay_rows')} rows, replay_frac {res.get('replay_frac')})")):
+        cmp = res.get(key)
+        if isinstance(cmp, dict):
+            lines.append(f"\n{what} S_hat against the replay's on this batch: Spearman {cmp.get('S_spearman')}, "
+                         f"relative L2 {cmp.get('S_rel_l2')}, m_hat relative difference {cmp.get('m_hat_rel_diff')}"
+                         + (f", sigma relative L2 {cmp['sigma_rel_l2']}" if "sigma_rel_l2" in cmp else "") + ".")
+    return lines
+
+
+def _replay_graph_lines(res: dict) -> list[str]:
+    """``bench train``: SPrPO's replay from the graph its update kept (update.replay_graph_gb), its
+    seconds and S_hat against the replay through every layer (the ``full_replay`` path)."""
+    lines = []
     for path, g in (res.get("replay_graph") or {}).items():
         lines.append(f"\n{path}: SPrPO's update kept the graph below the LoRA layers for {g['rows']} of the replay's "
                      f"{g['replay_rows']} rows ({g['kept_gib']} GiB of a {g['budget_gib']} GiB budget, "
@@ -198,14 +213,15 @@ def _train_rows(res: dict) -> list[str]:
         lines.append(f"Its S_hat against the replay through every layer's (the same update): Spearman "
                      f"{cmp.get('S_spearman')}, relative L2 {cmp.get('S_rel_l2')}, m_hat relative difference "
                      f"{cmp.get('m_hat_rel_diff')}.")
-    for key, what in (("one_pass_vs_replay", "One-pass"),
-                      ("subset_vs_replay", f"Subset ({res.get('replay_rows')} rows, replay_frac {res.get('replay_frac')})")):
-        cmp = res.get(key)
-        if isinstance(cmp, dict):
-            lines.append(f"\n{what} S_hat against the replay's on this batch: Spearman {cmp.get('S_spearman')}, "
-                         f"relative L2 {cmp.get('S_rel_l2')}, m_hat relative difference {cmp.get('m_hat_rel_diff')}"
-                         + (f", sigma relative L2 {cmp['sigma_rel_l2']}" if "sigma_rel_l2" in cmp else "") + ".")
     return lines
+
+
+def _full_replay_phrase(res: dict) -> str:
+    """The headline's clause on the replay through every layer against the kept graph's, if measured."""
+    if "full_replay_extra_over_shared" not in res:
+        return ""
+    return (f"; SPrPO's replay through every layer {res['full_replay_extra_over_shared']}x the one from the "
+            f"kept graph, SPrPO {res['full_replay']['sprpo_over_vanilla']}x Vanilla there")
 
 
 def _diff_text(res: dict) -> str:
@@ -486,9 +502,7 @@ def headline(record: dict) -> str | None:
         return (out + "; iteration x Vanilla: " + ", ".join(ratios)
                 + (f" (every phase at its floor: {', '.join(at)})" if at else "")
                 + (f"; fused kernels: Vanilla's update {fused['vanilla']}x the eager one's" if "vanilla" in fused else "")
-                + (f"; SPrPO's replay through every layer {res['full_replay_extra_over_shared']}x the one from the "
-                   f"kept graph, SPrPO {res['full_replay']['sprpo_over_vanilla']}x Vanilla there"
-                   if "full_replay_extra_over_shared" in res else ""))
+                + _full_replay_phrase(res))
     if name == "estimates" and (res.get("summary") or {}).get("measured"):
         sm = res["summary"]
         return (f"{res.get('env')}: a {res.get('replay_frac')} replay's S_hat against line 7's replay, Spearman "
