@@ -69,7 +69,6 @@ def prefix_cache():
     return PrefixCache()
 
 
-
 class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
     """Within it, :attr:`nbytes` counts the storage the autograd graph saves for the
     backward (each storage once; ``model``'s parameters, held anyway, not counted)."""
@@ -91,6 +90,7 @@ class SavedBytes(torch.autograd.graph.saved_tensors_hooks):
             self._seen.add(ptr)
             self.nbytes += st.nbytes()
         return t
+
 
 class Actor:
     """Policy model + Adam over its trainable (LoRA) parameters + the FFN channels.

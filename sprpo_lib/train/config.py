@@ -161,8 +161,8 @@ class UpdateConfig:
     backward through that graph (rows beyond the budget run every layer): the same steps and,
     up to rounding, the same S_hat and m_hat; on the cpu profile's WebShop batch 51 rows keep
     8.6 GiB and the replay takes 0.62-0.67x its seconds (``sprpo-bench train --paths
-    shared,full_replay``); ``0`` replays every layer (the reference path).  The process keeps that much freed memory mapped
-    (:func:`sprpo_lib.infra.hardware.keep_freed`)."""
+    shared,full_replay``); ``0`` replays every layer (the reference path).  The process keeps
+    that much freed memory mapped (:func:`sprpo_lib.infra.hardware.keep_freed`)."""
 
     lr: float = 3e-6
     betas: tuple[float, float] = (0.9, 0.999)
