@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from sprpo_lib.bench.attention import BACKWARD_FLOPS
-from sprpo_lib.bench.ops import CLASSES, MATMUL_SIZES, OpClock, bench_ops
+from sprpo_lib.bench.ops import CLASSES, MATMUL_SIZES, ROLES, OpClock, bench_ops
 from sprpo_lib.bench.report import SUMMARIES, headline
 
 
@@ -53,6 +53,29 @@ def test_matmuls_are_binned_by_their_smallest_dimension():
     assert sum(v[2] for v in clock.sizes.values()) == mm
 
 
+def test_matmuls_are_sorted_by_role():
+    """With rank 16 and a vocabulary of 1,000: a batched matmul is attention, a product with a
+    1,000-wide side the LM head, one with a 16-wide side an adapter factor (either side, the
+    weight gradient's rows too), and the rest the model's linears, split at 256 rows."""
+    x, w, head = torch.randn(300, 576), torch.randn(576, 1536), torch.randn(576, 1000)
+    lora_a, short = torch.randn(576, 16), torch.randn(100, 576)
+    q, k = torch.randn(2, 5, 64), torch.randn(2, 64, 7)
+    with OpClock(frozenset({16}), 1000) as clock:
+        torch.bmm(q, k)
+        x @ head
+        x @ lora_a
+        lora_a.t() @ x.t()  # (16 x 576) @ (576 x 300): the factor's gradient
+        short @ w
+        x @ w
+    attention, factor, lm_head, few, many = ROLES
+    assert {k: v[0] for k, v in clock.roles.items()} == {attention: 1, lm_head: 1, factor: 2, few: 1, many: 1}
+    assert clock.roles[few][2] == 2 * 100 * 576 * 1536 and clock.roles[attention][2] == 2 * 2 * 5 * 64 * 7
+    assert sum(v[2] for v in clock.roles.values()) == sum(v[2] for v in clock.sizes.values())
+    with OpClock() as plain:  # no ranks or vocabulary given: no roles
+        x @ w
+    assert not plain.roles and sum(v[0] for v in plain.sizes.values()) == 1
+
+
 def test_attention_counts_the_rectangle_forward_and_backward_factor():
     q = torch.randn(1, 2, 5, 8, requires_grad=True)
     k, v = torch.randn(1, 2, 7, 8, requires_grad=True), torch.randn(1, 2, 7, 8, requires_grad=True)
@@ -79,8 +102,13 @@ def test_bench_ops_on_the_smoke_batch_adds_up():
     sizes = res["matmul_sizes"]
     assert sum(r["calls"] for r in sizes) == c["matmul"]["calls"]
     assert sum(r["gflop"] for r in sizes) == pytest.approx(c["matmul"]["work"], abs=0.01 * len(sizes) + 1e-6)
+    roles = res["matmul_roles"]
+    assert sum(r["calls"] for r in roles) == c["matmul"]["calls"]
+    assert sum(r["gflop"] for r in roles) == pytest.approx(c["matmul"]["work"], abs=0.01 * len(roles) + 1e-6)
+    assert any(r["role"] == ROLES[1] for r in roles) and any(r["role"] == ROLES[2] for r in roles)
     table = "\n".join(SUMMARIES["ops"](res))
     assert "| matmul |" in table and "Eager bound" in table and "smallest dimension" in table
+    assert "Matmuls by role" in table and f"| {ROLES[1]} |" in table
     line = headline({"bench": "ops", "results": res})
     assert "eager bound" in line
     assert ("of the matmul time" in line) == sizes[0]["size"].startswith("<=")

@@ -423,7 +423,8 @@ def test_bench_train_prices_the_replay_from_the_kept_graph_at_the_top_layers_for
     from sprpo_lib.bench.report import section
     from sprpo_lib.bench.suite import bench_train
 
-    res = bench_train("smoke", "webshop", overrides=["model.lora_layers=1", "update.ppo_mini_batch_size=2"],
+    res = bench_train("smoke", "webshop", overrides=["model.lora_layers=1", "update.ppo_mini_batch_size=2",
+                                                           "update.replay_graph_gb=10"],
                       paths=("shared", "full_replay"), methods=())
     assert set(res["replay_graph"]) == {"shared"}
     g = res["replay_graph"]["shared"]

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--env", default="webshop")
     t.add_argument("--repeats", type=int, default=1)
     t.add_argument("--paths", default="shared,whole",
-                   help="shared (the profile's passes: shared prefixes, kept states below the LoRA layers, fused LoRA linears and entropy, native GQA), whole (the reference: every row whole, every layer at every step, peft's LoRA forward, log-probs and entropy apart, K and V repeated, SDPA), sdpa (shared with update.attention=sdpa), fused (shared with update.fused_kernels) and/or full_replay (shared with SPrPO's replay through every layer, update.replay_graph_gb=0)")
+                   help="shared (the profile's passes: shared prefixes, kept states below the LoRA layers, fused LoRA linears and entropy, native GQA), whole (the reference: every row whole, every layer at every step, peft's LoRA forward, log-probs and entropy apart, K and V repeated, SDPA), sdpa (shared with update.attention=sdpa), fused (shared with update.fused_kernels) and/or full_replay (shared with SPrPO's replay through every layer, update.replay_graph_gb=0: against shared with update.replay_graph_gb=10 given)")
     t.add_argument("--replay-frac", type=float, default=None,
                    help="also SPrPO whose replay runs this share of the rows (method.replay_frac), against the full replay")
     t.add_argument("--methods", default=None,

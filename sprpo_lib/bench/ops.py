@@ -23,7 +23,10 @@ above 1.0x of it is possible, and the bound is approximate there.
 
 The matmuls are also split by their smallest dimension (:data:`MATMUL_SIZES`): the adapters'
 rank-16 factors and their gradients, and the rows of a short own part, run far below the rate
-probed at the model's shapes, which is the rate of the large ones."""
+probed at the model's shapes, which is the rate of the large ones.  And by role
+(:func:`matmul_role`): attention's batched matmuls, the adapters' factors, the LM head, and the
+model's linears with few rows or many, each with the seconds it spends above the roofline, so
+that the next lever goes where those seconds are."""
 from __future__ import annotations
 
 import time
@@ -70,6 +73,28 @@ def matmul_size(name: str, args: tuple) -> str:
     return next(label for bound, label in MATMUL_SIZES if bound is None or small <= bound)
 
 
+#: matmul roles (:func:`matmul_role`), in the report's order
+ROLES = ("attention (batched matmuls)", "adapter factors (a dimension = the LoRA rank)",
+         "LM head (a dimension = the vocabulary)", "model linears, < 256 rows", "model linears, >= 256 rows")
+
+
+def matmul_role(name: str, args: tuple, ranks: frozenset[int], vocab: int) -> str:
+    """The :data:`ROLES` label of one matmul op: ``bmm``/``baddbmm`` are attention (the only
+    batched matmuls of the passes); an operand dimension equal to the vocabulary size is the LM
+    head, one equal to an adapter rank in ``ranks`` an adapter factor or its gradient (a
+    micro-batch of exactly that many tokens would be counted here too); the rest are the
+    model's linears, split at 256 rows (tokens, or the output dimension of a weight gradient)."""
+    if name.startswith(("bmm", "baddbmm")):
+        return ROLES[0]
+    a, b = _operands(name, args)
+    dims = {a.shape[-2], a.shape[-1], b.shape[-1]}
+    if vocab in dims:
+        return ROLES[2]
+    if dims & ranks:
+        return ROLES[1]
+    return ROLES[3] if a.shape[-2] < 256 else ROLES[4]
+
+
 def classify(name: str, args: tuple, out) -> tuple[str, float]:
     """``(class, work)`` of one op: FLOPs for ``matmul`` and ``attention``, bytes read and written
     for ``memory``, 0 for ``views`` (an output sharing its input's storage)."""
@@ -91,12 +116,16 @@ def classify(name: str, args: tuple, out) -> tuple[str, float]:
 
 class OpClock(TorchDispatchMode):
     """Times every op inside the block: ``stats[(class, op)] = [calls, seconds, work]``, and the
-    matmuls again by size: ``sizes[label] = [calls, seconds, FLOPs]`` (:func:`matmul_size`)."""
+    matmuls again by size: ``sizes[label] = [calls, seconds, FLOPs]`` (:func:`matmul_size`), and
+    by role, ``roles[label]`` alike (:func:`matmul_role` with the adapter ``ranks`` and ``vocab``
+    given; none without them)."""
 
-    def __init__(self):
+    def __init__(self, ranks: frozenset[int] = frozenset(), vocab: int | None = None):
         super().__init__()
         self.stats: dict = defaultdict(lambda: [0, 0.0, 0.0])
         self.sizes: dict = defaultdict(lambda: [0, 0.0, 0.0])
+        self.roles: dict = defaultdict(lambda: [0, 0.0, 0.0])
+        self.ranks, self.vocab = frozenset(ranks), vocab
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         t0 = time.perf_counter()
@@ -104,7 +133,11 @@ class OpClock(TorchDispatchMode):
         dt = time.perf_counter() - t0
         name = func.overloadpacket.__name__
         cls, work = classify(name, args, out)
-        tallies = [self.stats[(cls, name)]] + ([self.sizes[matmul_size(name, args)]] if cls == "matmul" else [])
+        tallies = [self.stats[(cls, name)]]
+        if cls == "matmul":
+            tallies.append(self.sizes[matmul_size(name, args)])
+            if self.vocab is not None:
+                tallies.append(self.roles[matmul_role(name, args, self.ranks, self.vocab)])
         for s in tallies:
             s[0] += 1
             s[1] += dt
@@ -126,7 +159,8 @@ def bench_ops(profile: str = "cpu", env: str = "webshop", overrides: list[str] |
     st = tr.update(batch.without_old(), None, 0)
     wall = st["update_s"]
     restore()
-    clock = OpClock()
+    ranks = frozenset(p.shape[0] for n, p in a.model.named_parameters() if "lora_A" in n)
+    clock = OpClock(ranks, config.vocab_size)
     with clock:
         t0 = time.perf_counter()
         tr.update(batch.without_old(), None, 0)
@@ -153,6 +187,10 @@ def bench_ops(profile: str = "cpu", env: str = "webshop", overrides: list[str] |
     sizes = [{"size": label, "calls": v[0], "seconds": round(v[1], 3), "gflop": round(v[2] / 1e9, 2),
               "rate_over_roofline": round(v[2] / v[1] / roof["matmul"], 3) if v[1] else None}
              for label, v in ((label, clock.sizes[label]) for _, label in MATMUL_SIZES) if v[0]]
+    roles = [{"role": label, "calls": v[0], "seconds": round(v[1], 3), "gflop": round(v[2] / 1e9, 2),
+              "rate_over_roofline": round(v[2] / v[1] / roof["matmul"], 3) if v[1] else None,
+              "above_roofline_s": round(v[1] - v[2] / roof["matmul"], 3)}
+             for label, v in ((label, clock.roles[label]) for label in ROLES) if v[0]]
     ops_s = sum(r["seconds"] for r in classes.values())
     bound = classes["matmul"].get("at_roofline_s", 0) + classes["memory"].get("at_roofline_s", 0) + classes["attention"]["seconds"]
     return {"profile": profile, "env": env, "overrides": list(overrides or []), "dtype": tr.dtype,
@@ -160,5 +198,6 @@ def bench_ops(profile: str = "cpu", env: str = "webshop", overrides: list[str] |
             "reuse_frozen": a.reuse_frozen, "ppo_steps": steps, "matmul_gflops": round(gflops, 1),
             "bandwidth_gbs": round(bandwidth, 1), "update_s": round(wall, 3), "floor_s": round(floor, 4),
             "update_over_floor": round(wall / floor, 2), "spied_update_s": round(spied, 2), "ops_s": round(ops_s, 2),
-            "outside_ops_s": round(max(wall - ops_s, 0.0), 2), "classes": classes, "matmul_sizes": sizes, "eager_bound_s": round(bound, 2),
+            "outside_ops_s": round(max(wall - ops_s, 0.0), 2), "classes": classes, "matmul_sizes": sizes, "matmul_roles": roles,
+            "eager_bound_s": round(bound, 2),
             "eager_bound_over_floor": round(bound / floor, 2)}

@@ -439,6 +439,11 @@ def _ops_rows(res: dict) -> list[str]:
                   "| smallest dimension | seconds (share of the matmuls) | calls | GFLOP | x roofline |", "|---|---|---|---|---|"]
         lines += [f"| {r['size']} | {r['seconds']} ({share}) | {r['calls']} | {r['gflop']} | {r['rate_over_roofline']} |"
                   for r, share in zip(res["matmul_sizes"], _size_shares(res))]
+    if res.get("matmul_roles"):
+        lines += ["\nMatmuls by role (seconds above the roofline: their seconds less their GFLOP at the matmul rate):\n",
+                  "| role | seconds | calls | GFLOP | x roofline | seconds above the roofline |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['role']} | {r['seconds']} | {r['calls']} | {r['gflop']} | {r['rate_over_roofline']} | "
+                  f"{r['above_roofline_s']} |" for r in res["matmul_roles"]]
     return lines
 
 

@@ -156,13 +156,16 @@ class UpdateConfig:
     ``false`` fills every row first, as verl does.
     ``replay_graph_gb``: SPrPO's replay (Alg. 1 line 7) runs the layers below the adapters
     under the update's xi with unchanged weights, so with ``reuse_frozen`` and several
-    optimizer steps the update's pass there keeps its autograd graph for line 7's rows, up to
-    this many GiB of saved activations, and the replay runs the adapted layers alone plus one
-    backward through that graph (rows beyond the budget run every layer): the same steps and,
-    up to rounding, the same S_hat and m_hat; on the cpu profile's WebShop batch 51 rows keep
-    8.6 GiB and the replay takes 0.62-0.67x its seconds (``sprpo-bench train --paths
-    shared,full_replay``); ``0`` replays every layer (the reference path).  The process keeps
-    that much freed memory mapped (:func:`sprpo_lib.infra.hardware.keep_freed`)."""
+    optimizer steps the update's pass there can keep its autograd graph for line 7's rows, up
+    to this many GiB of saved activations, and the replay then runs the adapted layers alone
+    plus one backward through that graph (rows beyond the budget run every layer): the same
+    steps and, up to rounding, the same S_hat and m_hat.  ``0`` (the default) keeps none and
+    replays every layer.  On one batch, repeated, the replay takes 0.62-0.67x its seconds
+    (``sprpo-bench train --paths shared,full_replay update.replay_graph_gb=10``), but in cpu
+    RL runs, where each iteration's batch is new, the update that keeps the graph is as much
+    slower (first-touch of up to 15 GiB of fresh memory; ``sprpo-bench runs``): no net gain
+    there, at 3x the memory.  The process keeps that much freed memory mapped
+    (:func:`sprpo_lib.infra.hardware.keep_freed`)."""
 
     lr: float = 3e-6
     betas: tuple[float, float] = (0.9, 0.999)
@@ -188,7 +191,7 @@ class UpdateConfig:
     native_gqa: bool = field(default=True, metadata=OMIT_AT_DEFAULT)
     first_step_logp: bool = field(default=True, metadata=OMIT_AT_DEFAULT)
     attention: str = field(default="auto", metadata=OMIT_AT_DEFAULT)
-    replay_graph_gb: float = field(default=10.0, metadata=OMIT_AT_DEFAULT)
+    replay_graph_gb: float = field(default=0.0, metadata=OMIT_AT_DEFAULT)
 
     def __post_init__(self):
         if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
