@@ -439,6 +439,20 @@ def test_bench_train_prices_the_replay_from_the_kept_graph_at_the_top_layers_for
     assert "| full_replay | sprpo |" in table and "update.replay_graph_gb=0" in table
 
 
+def test_bench_train_at_the_default_keeps_no_graph_and_claims_no_graph_comparison():
+    """update.replay_graph_gb defaults to 0: both paths replay every layer, so the record holds
+    no kept graph and no graph-against-full-replay comparison (which would compare a path
+    with itself), and the report says nothing of a kept graph."""
+    from sprpo_lib.bench.report import section
+    from sprpo_lib.bench.suite import bench_train
+
+    res = bench_train("smoke", "webshop", overrides=["model.lora_layers=1", "update.ppo_mini_batch_size=2"],
+                      paths=("shared", "full_replay"), methods=())
+    assert res["shared"]["sprpo"]["sensitivity_gflop"] == res["full_replay"]["sprpo"]["sensitivity_gflop"] > 0
+    assert not {"replay_graph", "full_replay_extra_over_shared", "graph_vs_full_replay"} & set(res)
+    assert "kept the graph" not in section({"bench": "train", "results": res}, Path("train.json"))
+
+
 def test_phase_rows_price_each_pass_at_its_dtype_and_bound_the_ratio_at_the_floors():
     """Two methods run the same update passes; the one whose update ran in float32 is priced at
     the float32 rate (4x the floor at a quarter of the rate), and the at-floors ratio is

@@ -657,7 +657,10 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     if any(kept.values()):  # SPrPO's replay from the graph its update kept (update.replay_graph_gb)
         res["replay_graph"] = {path: {"budget_gib": graph_gb[path], "kept_gib": kept_gib[path], "rows": len(kept[path]),
                                       "replay_rows": len(nonzero)} for path in paths if kept[path]}
-    if {"shared", "full_replay"} <= set(paths):
+    # the kept graph against the replay through every layer: only when the shared path kept one
+    # (update.replay_graph_gb > 0 given; at the default 0 both paths replay every layer)
+    graph_pair = {"shared", "full_replay"} <= set(paths) and bool(kept["shared"])
+    if graph_pair:
         res["full_replay_extra_over_shared"] = round(res["full_replay"]["sprpo"]["sensitivity_s"]
                                                      / res["shared"]["sprpo"]["sensitivity_s"], 3)
     if {"shared", "fused"} <= set(paths):
@@ -669,7 +672,7 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     for name, key in (("sprpo_one_pass", "one_pass_vs_replay"), ("sprpo_subset", "subset_vs_replay")):
         if name in variants:
             res[key] = estimate_agreement(states[(paths[0], "sprpo")], states[(paths[0], name)], cfg.method)
-    if {"shared", "full_replay"} <= set(paths):  # the same steps: S_hat and m_hat differ by the replay's rounding
+    if graph_pair:  # the same steps: S_hat and m_hat differ by the replay's rounding
         res["graph_vs_full_replay"] = estimate_agreement(states[("full_replay", "sprpo")], states[("shared", "sprpo")],
                                                          cfg.method)
     return res
