@@ -145,6 +145,15 @@ class OpClock(TorchDispatchMode):
         return out
 
 
+def _matmul_rows(tallies: dict, labels, key: str, rate: float) -> list[dict]:
+    """One record row per label with calls (``{key: label}``, calls, seconds, GFLOP, x ``rate``
+    and the seconds above it), in ``labels``' order, labels without a call left out."""
+    return [{key: label, "calls": v[0], "seconds": round(v[1], 3), "gflop": round(v[2] / 1e9, 2),
+             "rate_over_roofline": round(v[2] / v[1] / rate, 3) if v[1] else None,
+             "above_roofline_s": round(v[1] - v[2] / rate, 3)}
+            for label, v in ((label, tallies[label]) for label in labels) if v[0]]
+
+
 def bench_ops(profile: str = "cpu", env: str = "webshop", overrides: list[str] | None = None) -> dict:
     """Vanilla's update on one rollout batch of ``profile``: its wall time and FLOP floor (as
     ``bench train``'s shared passes), then the same update again under :class:`OpClock`, per
@@ -184,13 +193,8 @@ def bench_ops(profile: str = "cpu", env: str = "webshop", overrides: list[str] |
             row["rate_over_roofline"] = round(work / secs / roof[cls], 3)
             row["at_roofline_s"] = round(work / roof[cls], 3)
         classes[cls] = row
-    sizes = [{"size": label, "calls": v[0], "seconds": round(v[1], 3), "gflop": round(v[2] / 1e9, 2),
-              "rate_over_roofline": round(v[2] / v[1] / roof["matmul"], 3) if v[1] else None}
-             for label, v in ((label, clock.sizes[label]) for _, label in MATMUL_SIZES) if v[0]]
-    roles = [{"role": label, "calls": v[0], "seconds": round(v[1], 3), "gflop": round(v[2] / 1e9, 2),
-              "rate_over_roofline": round(v[2] / v[1] / roof["matmul"], 3) if v[1] else None,
-              "above_roofline_s": round(v[1] - v[2] / roof["matmul"], 3)}
-             for label, v in ((label, clock.roles[label]) for label in ROLES) if v[0]]
+    sizes = _matmul_rows(clock.sizes, [label for _, label in MATMUL_SIZES], "size", roof["matmul"])
+    roles = _matmul_rows(clock.roles, ROLES, "role", roof["matmul"])
     ops_s = sum(r["seconds"] for r in classes.values())
     bound = classes["matmul"].get("at_roofline_s", 0) + classes["memory"].get("at_roofline_s", 0) + classes["attention"]["seconds"]
     return {"profile": profile, "env": env, "overrides": list(overrides or []), "dtype": tr.dtype,
