@@ -78,6 +78,30 @@ def test_one_forward_two_gradients_under_fused_kernels(tiny_spec):
         assert rel_l2(a, b) < 1e-5
 
 
+def test_new_row_counts_and_lengths_compile_nothing_new(tiny_spec):
+    """The kernels see rows ``[N, C]``: once each has run with and without gradients, passes of
+    other row counts and lengths (one row, one token, a ``cos`` shared by the rows) reuse the
+    graphs.  On ``[B, T, C]`` inputs a batch of one took a graph of its own for every kernel,
+    and the mixes ran them into torch._dynamo's recompile limit mid-run, eager from there on."""
+    from torch._dynamo.utils import counters
+
+    pol = adapted_policy(tiny_spec)
+    ids = torch.arange(5, 5 + 3 * 9).view(3, 9)
+
+    def passes(shapes):
+        for b, t in shapes:
+            pol.model(input_ids=ids[:b, :t]).logits.sum().backward()
+            with torch.no_grad():
+                pol.model(input_ids=ids[:b, :t], position_ids=torch.arange(t)[None])
+
+    with fused_kernels(pol.model) as on:
+        assert on
+        passes([(2, 6)])
+        before = counters["stats"]["unique_graphs"]
+        passes([(1, 6), (3, 4), (1, 9), (2, 1), (1, 1)])
+        assert counters["stats"]["unique_graphs"] == before
+
+
 def test_the_block_restores_the_model_and_nests(tiny_spec):
     pol = load_policy(tiny_spec, seed=0, dtype="float32")
     attn = next(m for m in pol.model.modules() if type(m).__name__.endswith("Attention"))

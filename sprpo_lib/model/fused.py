@@ -80,11 +80,46 @@ def _is_silu(act) -> bool:
     return isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU")
 
 
+def _rows(x: torch.Tensor, *tail: int) -> torch.Tensor:
+    """``x`` as rows ``[N, *tail]`` (default ``[N, C]``; a view where the layout allows), the
+    row count, and the leading sizes of the tensor it is a view of, marked unbacked: the
+    compiled kernels then see one graph per grad mode whatever the micro-batch's rows and
+    length.  ``torch.compile`` otherwise gives a size of 1 (one row, one token, a ``cos``
+    shared by the rows) and every equal pair of sizes a graph of its own, and after
+    ``torch._dynamo``'s recompile limit (8 per function) the kernel ran eagerly again, in the
+    middle of a run."""
+    rows = x.reshape(-1, *(tail or x.shape[-1:]))
+    for t in (rows, rows._base):
+        if t is not None:
+            for d in range(t.dim() - 1):
+                torch._dynamo.decorators.mark_unbacked(t, d)
+    return rows
+
+
+def _rotary_forward(fn):
+    """The model module's ``apply_rotary_pos_emb`` compiled, called on rows (:func:`_rows`):
+    ``q`` ``[B, H, T, D]`` as ``[B*T, H, D]`` (a view of the projection's ``[B, T, H, D]``
+    output), ``cos`` and ``sin`` ``[B or 1, T, D]`` as ``[B*T, D]`` (copied: a ``cos`` shared by
+    the rows has a stride of 0).  Other calls go to the compiled function as they are."""
+    c = compiled(fn)
+
+    def apply(q, k, cos, sin, *args, **kwargs):
+        if args or set(kwargs) - {"unsqueeze_dim"} or kwargs.get("unsqueeze_dim", 1) != 1 or q.dim() != 4 \
+                or cos.dim() != 3:
+            return c(q, k, cos, sin, *args, **kwargs)
+        (B, H, T, D), Hk = q.shape, k.shape[1]
+        cos, sin = (t.expand(B, T, D).clone(memory_format=torch.contiguous_format) for t in (cos, sin))  # own strides
+        qe, ke = c(_rows(q.transpose(1, 2), H, D), _rows(k.transpose(1, 2), Hk, D), _rows(cos), _rows(sin))
+        return qe.view(B, T, H, D).transpose(1, 2), ke.view(B, T, Hk, D).transpose(1, 2)
+
+    return _marked(apply)
+
+
 def _norm_forward(module: nn.Module):
     fn = compiled(rms_norm)
 
-    def forward(hidden_states):
-        return fn(hidden_states, module.weight, module.variance_epsilon)
+    def forward(hidden_states):  # as rows [N, H]: one graph whatever the batch (see _rows)
+        return fn(_rows(hidden_states), module.weight, module.variance_epsilon).view(hidden_states.shape)
 
     return forward
 
@@ -93,7 +128,8 @@ def _mlp_forward(module: nn.Module):
     fn = compiled(swiglu)
 
     def forward(x):
-        return module.down_proj(fn(module.gate_proj(x), module.up_proj(x)))  # down_proj's hooks still fire
+        gate, up = module.gate_proj(x), module.up_proj(x)
+        return module.down_proj(fn(_rows(gate), _rows(up)).view(gate.shape))  # down_proj's hooks still fire
 
     return forward
 
@@ -129,7 +165,7 @@ def fused_kernels(model: nn.Module, on: bool = True) -> Iterator[bool]:
             if callable(fn) and mod not in rotary and not getattr(fn, "_sprpo_fused", False):
                 rotary[mod] = mod.apply_rotary_pos_emb
     for mod, fn in rotary.items():
-        mod.apply_rotary_pos_emb = _marked(compiled(fn))
+        mod.apply_rotary_pos_emb = _rotary_forward(fn)
     try:
         yield True
     finally:
