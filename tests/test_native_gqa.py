@@ -125,6 +125,37 @@ def test_matmul_attention_and_its_gradients_match_a_float64_masked_softmax(dtype
         _assert_same_gradients(out, ref, (q, k, v), tol)
 
 
+def test_the_additive_mask_is_built_once_per_mask_and_gives_the_fill_bit_for_bit():
+    """mask_bias: every layer of a pass gets one mask object, so its additive form is built
+    once (the same tensor again), rebuilt for another mask, an in-place change or another
+    dtype; with it the 16-bit attention equals the masked-fill form bit for bit (a visible
+    score plus 0 is itself; a hidden one's probability is 0 either way), gradients too."""
+    q, k, v, keep = _case(torch.bfloat16)
+    lead, bias = layers.mask_bias(keep, 5, torch.bfloat16)
+    assert lead == 4 and bias.shape == (2, 1, 1, 5, 5)
+    assert layers.mask_bias(keep, 5, torch.bfloat16)[1] is bias
+    assert layers.mask_bias(keep.clone(), 5, torch.bfloat16)[1] is not bias
+    assert layers.mask_bias(keep, 5, torch.float32)[1].dtype == torch.float32
+    hidden = keep.clone()
+    first = layers.mask_bias(hidden, 5, torch.bfloat16)
+    hidden[1, 0, 2, 0] = False  # in place: a prefix key one query does not see
+    lead, full = layers.mask_bias(hidden, 5, torch.bfloat16)
+    assert lead == 0 and full.shape == (2, 1, 1, 5, 9) and full is not first[1]
+    assert torch.equal(full[0, 0, 0] == 0, hidden[0, 0]) and torch.equal(full[1, 0, 0] == 0, hidden[1, 0])
+
+    def filled(mask):  # the masked-fill form: the whole product, transformers' eager equation
+        s = (q * 0.3).reshape(2, 2, 15, 8) @ k.transpose(-1, -2)
+        s = s.view(2, 2, 3, 5, 9).masked_fill(~mask[:, :, None], torch.finfo(q.dtype).min)
+        return (torch.softmax(s, -1).view(2, 2, 15, 9) @ v).view(2, 6, 5, 8).transpose(1, 2)
+
+    go = torch.randn(2, 5, 6, 8, generator=torch.Generator().manual_seed(3), dtype=torch.bfloat16)
+    for mask in (keep, hidden):
+        out, want = matmul_attention(_Attn(), q, k, v, mask, scaling=0.3)[0], filled(mask)
+        assert torch.equal(out, want)
+        for a, b in zip(torch.autograd.grad((out * go).sum(), (q, k, v)), torch.autograd.grad((want * go).sum(), (q, k, v))):
+            assert torch.equal(a, b)
+
+
 def test_matmul_attention_sends_other_calls_to_sdpa(monkeypatch):
     """One query (decoding) or dropout: the SDPA path, never the matmuls."""
     seen = []
