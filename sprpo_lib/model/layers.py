@@ -4,6 +4,7 @@ one layer up, running below one layer, grouped-query attention without repeated 
 values, by SDPA or by two matmuls), and the LM head's dense input (:func:`dense_head_input`)."""
 from __future__ import annotations
 
+import functools
 import weakref
 from contextlib import contextmanager
 from typing import Iterator
@@ -142,6 +143,17 @@ def native_gqa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
     return out.transpose(1, 2).contiguous(), None
 
 
+@functools.lru_cache(maxsize=8)
+def full_mask(t: int, tk: int, causal: bool, device: torch.device) -> torch.Tensor:
+    """The boolean mask ``[1, 1, t, tk]`` of a call transformers sent without one: every key,
+    or causal over the last ``t`` keys.  One object per shape, so that :func:`mask_bias` builds
+    its additive form once for all the layers of a pass (a shared prefix's own forward);
+    read only."""
+    if not causal:
+        return torch.ones(1, 1, t, tk, dtype=torch.bool, device=device)
+    return torch.ones(t, tk, dtype=torch.bool, device=device).tril(tk - t)[None, None]
+
+
 _BIAS: dict = {}  # mask_bias's one entry: the last boolean mask's key and its additive form
 
 
@@ -183,10 +195,8 @@ def matmul_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         return native_gqa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                     is_causal=is_causal, **kwargs)
     if attention_mask is None:  # transformers skipped the mask of a causal call without padding
-        if not (getattr(module, "is_causal", True) if is_causal is None else is_causal):
-            attention_mask = torch.ones(1, 1, t, tk, dtype=torch.bool, device=query.device)
-        else:
-            attention_mask = torch.ones(t, tk, dtype=torch.bool, device=query.device).tril(tk - t)[None, None]
+        causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+        attention_mask = full_mask(t, tk, bool(causal), query.device)
     g = h // hk  # query head i reads key/value head i // g (transformers' repeat_kv)
     q = (query * (d ** -0.5 if scaling is None else scaling)).reshape(b, hk, g * t, d)
     scores = torch.matmul(q, key.transpose(-1, -2)).view(b, hk, g, t, tk)
