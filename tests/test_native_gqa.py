@@ -125,22 +125,47 @@ def test_matmul_attention_and_its_gradients_match_a_float64_masked_softmax(dtype
         _assert_same_gradients(out, ref, (q, k, v), tol)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_causal_calls_in_query_chunks_match_a_float64_masked_softmax(monkeypatch, dtype, tol):
+    """Query chunks (query_chunks, forced here by 2 queries per chunk): a causal call, padded
+    or not, behind a shared prefix or not, is computed chunk by chunk, each chunk's product
+    stopping at its last query's key, with the output and gradients of the whole masked
+    softmax; a mask where an early query sees a later key (bidirectional) stays one chunk."""
+    monkeypatch.setattr(layers, "QUERY_CHUNK", 2)
+    q, k, v, keep = _case(dtype, seed=4)
+    causal = torch.ones(5, 9, dtype=torch.bool).tril(4)[None, None].expand(2, 1, 5, 9)
+    hidden = keep.clone()
+    hidden[1, 0, 2, 0] = False  # no shared prefix: the chunks still stop at their causal end
+    both = torch.ones(2, 1, 5, 9, dtype=torch.bool)
+    for mask, want, edges in ((keep, keep, (0, 2, 5)), (hidden, hidden, (0, 2, 5)), (None, causal, (0, 2, 5)),
+                              (both, both, (0, 5))):
+        plan = layers.mask_plan(want if mask is None else mask, 5, dtype)
+        assert plan.edges == edges
+        out, _ = matmul_attention(_Attn(), q, k, v, mask, scaling=0.3)
+        ref = _reference(q, k, v, want, 0.3)
+        assert out.shape == (2, 5, 6, 8) and out.is_contiguous()
+        assert float((out.double() - ref).detach().norm() / ref.detach().norm()) < tol
+        _assert_same_gradients(out, ref, (q, k, v), tol)
+    monkeypatch.setattr(layers, "MAX_CHUNKS", 2)
+    assert layers.query_chunks(torch.ones(9, 9, dtype=torch.bool).tril()[None, None], 9) == (0, 4, 9)
+
+
 def test_the_additive_mask_is_built_once_per_mask_and_gives_the_fill_bit_for_bit():
-    """mask_bias: every layer of a pass gets one mask object, so its additive form is built
+    """mask_plan: every layer of a pass gets one mask object, so its additive form is built
     once (the same tensor again), rebuilt for another mask, an in-place change or another
     dtype; with it the 16-bit attention equals the masked-fill form bit for bit (a visible
     score plus 0 is itself; a hidden one's probability is 0 either way), gradients too."""
     q, k, v, keep = _case(torch.bfloat16)
-    lead, bias = layers.mask_bias(keep, 5, torch.bfloat16)
-    assert lead == 4 and bias.shape == (2, 1, 1, 5, 5)
-    assert layers.mask_bias(keep, 5, torch.bfloat16)[1] is bias
-    assert layers.mask_bias(keep.clone(), 5, torch.bfloat16)[1] is not bias
-    assert layers.mask_bias(keep, 5, torch.float32)[1].dtype == torch.float32
+    lead, bias, edges = layers.mask_plan(keep, 5, torch.bfloat16)
+    assert lead == 4 and bias.shape == (2, 1, 1, 5, 5) and edges == (0, 5)  # 5 queries: one chunk
+    assert layers.mask_plan(keep, 5, torch.bfloat16).bias is bias
+    assert layers.mask_plan(keep.clone(), 5, torch.bfloat16).bias is not bias
+    assert layers.mask_plan(keep, 5, torch.float32).bias.dtype == torch.float32
     hidden = keep.clone()
-    first = layers.mask_bias(hidden, 5, torch.bfloat16)
+    first = layers.mask_plan(hidden, 5, torch.bfloat16)
     hidden[1, 0, 2, 0] = False  # in place: a prefix key one query does not see
-    lead, full = layers.mask_bias(hidden, 5, torch.bfloat16)
-    assert lead == 0 and full.shape == (2, 1, 1, 5, 9) and full is not first[1]
+    lead, full, _ = layers.mask_plan(hidden, 5, torch.bfloat16)
+    assert lead == 0 and full.shape == (2, 1, 1, 5, 9) and full is not first.bias
     assert torch.equal(full[0, 0, 0] == 0, hidden[0, 0]) and torch.equal(full[1, 0, 0] == 0, hidden[1, 0])
 
     def filled(mask):  # the masked-fill form: the whole product, transformers' eager equation

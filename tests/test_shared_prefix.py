@@ -17,6 +17,7 @@ from sprpo_lib.core.batch import Batch, PrefixGroup, Sample, prefix_groups, shar
 from sprpo_lib.core.losses import PPOLossConfig
 from sprpo_lib.core.methods import grad_leaf
 from sprpo_lib.core.perturb import FFNChannels
+import sprpo_lib.model.layers as layers
 from sprpo_lib.model.layers import decoder_layers
 from sprpo_lib.model.load import load_policy
 from sprpo_lib.model.lora import LoraSettings, add_lora, lora_on_last_layers
@@ -154,15 +155,22 @@ def test_native_gqa_passes_give_the_repeated_kv_gradients(tiny_spec, prefix_min,
     _assert_same_pass(out[True], out[False])
 
 
-@pytest.mark.parametrize("prefix_min", [0, 4])
-def test_matmul_attention_passes_give_the_sdpa_gradients(tiny_spec, prefix_min):
+@pytest.mark.parametrize("prefix_min,chunk", [(0, None), (4, None), (0, 2), (4, 2)])
+def test_matmul_attention_passes_give_the_sdpa_gradients(tiny_spec, prefix_min, chunk, monkeypatch):
     """update.attention=matmul against sdpa, everything else the same: LoRA gradients, dL/dxi,
-    log-probs and the loss agree (float32, both paths in one run, masked grouped-query calls)."""
+    log-probs and the loss agree (float32, both paths in one run, masked grouped-query calls);
+    with ``chunk`` queries per chunk the causal calls run in query chunks (some did)."""
+    chunked = []
+    if chunk:
+        real = layers.query_chunks
+        monkeypatch.setattr(layers, "QUERY_CHUNK", chunk)
+        monkeypatch.setattr(layers, "query_chunks", lambda *a: chunked.append(real(*a)) or chunked[-1])
     pol = _adapted_tiny(tiny_spec)
     batch = _grouped_batch(6)
     xi0 = torch.randn(FFNChannels(pol.model).shape, generator=torch.Generator().manual_seed(2)) * 0.1
     out = {k: _train_pass(_actor(pol.model, prefix_min=prefix_min, attention=k), batch, xi0) for k in ("matmul", "sdpa")}
     _assert_same_pass(out["matmul"], out["sdpa"])
+    assert bool(chunk) == any(len(edges) > 2 for edges in chunked)
 
 
 def test_surrogate_only_pass_with_skipped_rows_matches(tiny_spec):

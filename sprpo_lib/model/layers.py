@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import weakref
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -146,7 +146,7 @@ def native_gqa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
 @functools.lru_cache(maxsize=8)
 def full_mask(t: int, tk: int, causal: bool, device: torch.device) -> torch.Tensor:
     """The boolean mask ``[1, 1, t, tk]`` of a call transformers sent without one: every key,
-    or causal over the last ``t`` keys.  One object per shape, so that :func:`mask_bias` builds
+    or causal over the last ``t`` keys.  One object per shape, so that :func:`mask_plan` builds
     its additive form once for all the layers of a pass (a shared prefix's own forward);
     read only."""
     if not causal:
@@ -154,27 +154,66 @@ def full_mask(t: int, tk: int, causal: bool, device: torch.device) -> torch.Tens
     return torch.ones(t, tk, dtype=torch.bool, device=device).tril(tk - t)[None, None]
 
 
-_BIAS: dict = {}  # mask_bias's one entry: the last boolean mask's key and its additive form
+QUERY_CHUNK = 80  # matmul_attention: at least this many queries per chunk of a causal call
+MAX_CHUNKS = 4  # and at most this many chunks
 
 
-def mask_bias(mask: torch.Tensor, t: int, dtype: torch.dtype) -> tuple[int, torch.Tensor]:
-    """``(lead, bias)``: boolean mask ``[B, 1, T, Tk]`` as an additive one ``[B, 1, 1, T, Tk -
-    lead]`` (0 where a query sees a key, ``dtype``'s least value elsewhere) over the keys from
-    ``lead`` on: ``lead = Tk - T`` when every query sees every key before its own (a shared
-    prefix), else 0.  Built once per mask: every layer of a pass gets the same mask object,
-    and the one cached entry is reused while that object lives unchanged (its identity and
-    version).  An add takes 0.75-0.8x a ``masked_fill_``'s seconds with the softmax and their
-    backward on the cpu profile's shapes, and its backward is the identity (the masked
-    entries' gradient is the softmax's exact 0 either way)."""
-    key = (mask._version, dtype, t)
-    if _BIAS.get("mask", lambda: None)() is mask and _BIAS["key"] == key:
-        return _BIAS["value"]
+class MaskPlan(NamedTuple):
+    """How :func:`matmul_attention` applies one boolean mask ``[B, 1, T, Tk]``."""
+
+    lead: int
+    """Keys every query sees (a shared prefix): their scores take no mask."""
+    bias: torch.Tensor
+    """The mask over the keys from ``lead`` on as an additive one ``[B, 1, 1, T, Tk - lead]``: 0
+    where a query sees the key, the dtype's least value elsewhere."""
+    edges: tuple[int, ...]
+    """Query chunk bounds ``0 = e_0 < ... < e_n = T``: chunk ``[e_i, e_i+1)`` sees no key from
+    ``Tk - T + e_i+1`` on (causal), so its scores stop there."""
+
+
+def query_chunks(mask: torch.Tensor, t: int) -> tuple[int, ...]:
+    """Bounds of ``min(MAX_CHUNKS, t // QUERY_CHUNK)`` equal query chunks of boolean mask
+    ``[B, 1, T, Tk]`` when each chunk sees no key after its last query's own (a causal call,
+    padded or not; checked on the mask), else ``(0, t)``.  A causal product computes about
+    half its ``T x T`` own-key scores only to mask them; chunked, the chunks' products skip
+    most of them: fwd+bwd in 0.57-0.9x the seconds of the whole product on the cpu
+    profile's shapes (T >= 160), with more calls below that."""
+    n = min(MAX_CHUNKS, t // QUERY_CHUNK)
+    if n < 2:
+        return (0, t)
+    edges, tk = tuple(round(t * i / n) for i in range(n + 1)), mask.shape[-1]
+    if any(bool(mask[..., s:e, tk - t + e:].any()) for s, e in zip(edges, edges[1:])):
+        return (0, t)
+    return edges
+
+
+_PLAN: dict = {}  # mask_plan's one entry: the last boolean mask's key and its plan
+
+
+def mask_plan(mask: torch.Tensor, t: int, dtype: torch.dtype) -> MaskPlan:
+    """The :class:`MaskPlan` of boolean mask ``[B, 1, T, Tk]``: ``lead = Tk - T`` when every
+    query sees every key before its own (a shared prefix), else 0; the additive bias over
+    the keys from there; the query chunks (:func:`query_chunks`).  Built once per mask: every
+    layer of a pass gets the same mask object, and the one cached entry is reused while that
+    object lives unchanged (its identity and version).  An add takes 0.75-0.8x a
+    ``masked_fill_``'s seconds with the softmax and their backward on the cpu profile's
+    shapes, and its backward is the identity (the masked entries' gradient is the softmax's
+    exact 0 either way)."""
+    key = (mask._version, dtype, t, QUERY_CHUNK, MAX_CHUNKS)
+    if _PLAN.get("mask", lambda: None)() is mask and _PLAN["key"] == key:
+        return _PLAN["value"]
     lead = mask.shape[-1] - t  # keys before the queries' own
     lead = lead if lead > 0 and bool(mask[..., :lead].all()) else 0
     keep = mask[..., lead:]
     bias = torch.zeros(keep.shape, dtype=dtype, device=mask.device).masked_fill_(~keep, torch.finfo(dtype).min)
-    _BIAS.update(mask=weakref.ref(mask), key=key, value=(lead, bias[:, :, None]))
-    return _BIAS["value"]
+    _PLAN.update(mask=weakref.ref(mask), key=key, value=MaskPlan(lead, bias[:, :, None], query_chunks(mask, t)))
+    return _PLAN["value"]
+
+
+def _keys_upto(x: torch.Tensor, n: int) -> torch.Tensor:
+    """``x[:, :, :n]``, or ``x`` itself when that is all of it (a whole-range slice would add
+    a zero-filled copy of its gradient in the backward)."""
+    return x if n == x.shape[2] else x[:, :, :n]
 
 
 def matmul_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -183,11 +222,12 @@ def matmul_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     """Attention of several queries on a CPU as two batched matmuls and a softmax (transformers'
     eager equation; PyTorch's softmax kernel accumulates a 16-bit row in float32, so its output
     equals transformers' float32 softmax rounded back), grouped-query without repeating K and V: the query
-    heads that share a key/value head are stacked as one matrix against it.  On a CPU
-    without AMX, PyTorch's fused kernel runs a 16-bit model's attention, its backward
-    above all, far below the matmul rate (``sprpo-bench attention``); the matmuls here run
-    at it.  Other calls (one query, dropout, extra arguments) go to
-    :func:`native_gqa_attention`."""
+    heads that share a key/value head are stacked as one matrix against it.  A boolean mask
+    is applied as its :class:`MaskPlan` says: added over the keys after a shared prefix, and a
+    causal call in query chunks that stop at their last query's key.  On a CPU without AMX,
+    PyTorch's fused kernel runs a 16-bit model's attention, its backward above all, far
+    below the matmul rate (``sprpo-bench attention``); the matmuls here run at it.  Other
+    calls (one query, dropout, extra arguments) go to :func:`native_gqa_attention`."""
     b, h, t, d = query.shape
     hk, tk = key.shape[1], key.shape[2]
     if (query.device.type != "cpu" or t == 1 or h % hk or dropout
@@ -198,16 +238,24 @@ def matmul_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
         attention_mask = full_mask(t, tk, bool(causal), query.device)
     g = h // hk  # query head i reads key/value head i // g (transformers' repeat_kv)
-    q = (query * (d ** -0.5 if scaling is None else scaling)).reshape(b, hk, g * t, d)
-    scores = torch.matmul(q, key.transpose(-1, -2)).view(b, hk, g, t, tk)
-    if attention_mask.dtype == torch.bool:  # in place: the product's own buffer (its backward needs q and k only)
-        lead, bias = mask_bias(attention_mask, t, scores.dtype)
-        scores[..., lead:].add_(bias)
-    else:
-        scores.add_(attention_mask[:, :, None])  # [B, 1, 1, T, Tk]: the same for the g stacked heads
-    probs = torch.softmax(scores, dim=-1)  # 16-bit rows accumulate in float32 inside the kernel
-    out = torch.matmul(probs.view(b, hk, g * t, tk), value)
-    return out.view(b, h, t, d).transpose(1, 2).contiguous(), None
+    q = (query * (d ** -0.5 if scaling is None else scaling)).reshape(b, hk, g, t, d)
+    plan = mask_plan(attention_mask, t, q.dtype) if attention_mask.dtype == torch.bool else None
+    edges = plan.edges if plan else (0, t)
+    outs = []
+    for s, e in zip(edges, edges[1:]):
+        kend = tk - t + e  # the chunk's last query sees no later key
+        qc = q if e - s == t else q[:, :, :, s:e]
+        scores = torch.matmul(qc.reshape(b, hk, g * (e - s), d), _keys_upto(key, kend).transpose(-1, -2))
+        scores = scores.view(b, hk, g, e - s, kend)
+        if plan:  # in place: the product's own buffer (its backward needs q and k only)
+            scores[..., plan.lead:].add_(plan.bias[..., s:e, :kend - plan.lead])
+        else:
+            scores.add_(attention_mask[:, :, None])  # [B, 1, 1, T, Tk]: the same for the g stacked heads
+        probs = torch.softmax(scores, dim=-1)  # 16-bit rows accumulate in float32 inside the kernel
+        out = torch.matmul(probs.view(b, hk, g * (e - s), kend), _keys_upto(value, kend))
+        outs.append(out.view(b, hk, g, e - s, d).permute(0, 3, 1, 2, 4))  # [B, chunk, Hk, g, D]
+    out = outs[0].contiguous() if len(outs) == 1 else torch.cat(outs, 1)
+    return out.view(b, t, h, d), None
 
 
 def check_attention_kernel(kernel: str) -> str:
