@@ -146,8 +146,10 @@ def test_causal_calls_in_query_chunks_match_a_float64_masked_softmax(monkeypatch
         assert out.shape == (2, 5, 6, 8) and out.is_contiguous()
         assert float((out.double() - ref).detach().norm() / ref.detach().norm()) < tol
         _assert_same_gradients(out, ref, (q, k, v), tol)
+    causal9 = torch.ones(9, 9, dtype=torch.bool).tril()[None, None]
+    assert layers.query_chunks(causal9, 9, 3) == (0, 3, 6, 9) and layers.query_chunks(causal9, 9, 0) == (0, 9)
     monkeypatch.setattr(layers, "MAX_CHUNKS", 2)
-    assert layers.query_chunks(torch.ones(9, 9, dtype=torch.bool).tril()[None, None], 9) == (0, 4, 9)
+    assert layers.query_chunks(causal9, 9, 2) == (0, 4, 9)
 
 
 def test_the_additive_mask_is_built_once_per_mask_and_gives_the_fill_bit_for_bit():
@@ -220,3 +222,6 @@ def test_a_bad_attention_kernel_is_one_clear_error():
         UpdateConfig(attention="flash")
     with pytest.raises(ValueError, match="update.attention"), native_gqa(nn.Linear(2, 2), kernel="flash"):
         pass
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match=r"update.attention_chunk=.*integer >= 0"):
+            UpdateConfig(attention_chunk=bad)

@@ -160,15 +160,13 @@ def test_matmul_attention_passes_give_the_sdpa_gradients(tiny_spec, prefix_min, 
     """update.attention=matmul against sdpa, everything else the same: LoRA gradients, dL/dxi,
     log-probs and the loss agree (float32, both paths in one run, masked grouped-query calls);
     with ``chunk`` queries per chunk the causal calls run in query chunks (some did)."""
-    chunked = []
-    if chunk:
-        real = layers.query_chunks
-        monkeypatch.setattr(layers, "QUERY_CHUNK", chunk)
-        monkeypatch.setattr(layers, "query_chunks", lambda *a: chunked.append(real(*a)) or chunked[-1])
+    chunked, real = [], layers.query_chunks
+    monkeypatch.setattr(layers, "query_chunks", lambda *a: chunked.append(real(*a)) or chunked[-1])
     pol = _adapted_tiny(tiny_spec)
     batch = _grouped_batch(6)
     xi0 = torch.randn(FFNChannels(pol.model).shape, generator=torch.Generator().manual_seed(2)) * 0.1
-    out = {k: _train_pass(_actor(pol.model, prefix_min=prefix_min, attention=k), batch, xi0) for k in ("matmul", "sdpa")}
+    out = {k: _train_pass(_actor(pol.model, prefix_min=prefix_min, attention=k, attention_chunk=chunk or 0), batch, xi0)
+           for k in ("matmul", "sdpa")}
     _assert_same_pass(out["matmul"], out["sdpa"])
     assert bool(chunk) == any(len(edges) > 2 for edges in chunked)
 

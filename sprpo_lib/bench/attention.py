@@ -8,7 +8,9 @@ its own mask.  It is then timed, forward and backward apart, with each backend:
 - ``flash``: PyTorch's default on CPU;
 - ``math``: PyTorch's reference SDPA;
 - ``eager``: transformers' matmul-softmax-matmul, ``attn_implementation="eager"``;
-- ``matmul``: the same equation with the query heads of each key/value head stacked against it
+- ``matmul_whole``: the same equation with the query heads of each key/value head stacked against it,
+  one product over every key (``update.attention_chunk=0``);
+- ``matmul``: that, a causal call in query chunks that stop at their last query's key
   (:func:`sprpo_lib.model.layers.matmul_attention`, ``update.attention``'s choice for 16-bit passes).
 
 The totals say how much of the replay is attention, how far it is from the matmul rate, and
@@ -33,7 +35,7 @@ from sprpo_lib.core.methods import grad_leaf
 from sprpo_lib.infra.progress import progress_bar
 from sprpo_lib.model.layers import matmul_attention
 
-BACKENDS = ("flash", "math", "eager", "matmul")
+BACKENDS = ("flash", "math", "eager", "matmul_whole", "matmul")
 #: FLOPs of an attention backward over its forward: S = QK^T recomputed, dV, dP, dQ, dK (5 matmuls
 #: against the forward's 2), as FlashAttention-2 counts them.
 BACKWARD_FLOPS = 2.5
@@ -80,9 +82,10 @@ def attend(backend: str, q, k, v, mask, causal: bool, gqa: bool, scale: float | 
         with sdpa_kernel(kind):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
                                                   enable_gqa=gqa)
-    if backend == "matmul":  # builds the causal mask itself where the call has none
+    if backend in ("matmul", "matmul_whole"):  # builds the causal mask itself where the call has none
         module = SimpleNamespace(is_causal=causal)
-        return matmul_attention(module, q, k, v, mask, scaling=scale)[0].transpose(1, 2)
+        chunk = 0 if backend == "matmul_whole" else None  # None: update.attention_chunk's default
+        return matmul_attention(module, q, k, v, mask, scaling=scale, query_chunk=chunk)[0].transpose(1, 2)
     if backend != "eager":
         raise ValueError(f"attention backend {backend!r}: expected one of {', '.join(BACKENDS)}")
     # heavy (seconds to import): loaded on first use

@@ -36,7 +36,9 @@ from sprpo_lib.core.losses import (
 from sprpo_lib.core.perturb import FFNChannels, below_resolution, float32_compute
 from sprpo_lib.model.fused import fused_kernels
 from sprpo_lib.model.layers import (
+    QUERY_CHUNK,
     below_layer,
+    check_attention_chunk,
     check_attention_kernel,
     checkpointed_layers,
     decoder_layers,
@@ -148,6 +150,10 @@ class Actor:
             CPU PyTorch's fused kernel is the slower, and float32 attention with SDPA;
             ``"matmul"`` always the matmuls; ``"sdpa"``: SDPA (the reference path).  Same
             results up to float rounding.
+        attention_chunk: the matmuls' causal calls run in query chunks of this many queries
+            (at most 4 chunks), each chunk's product stopping at its last query's key
+            (:func:`sprpo_lib.model.layers.query_chunks`); same results up to float rounding.
+            ``0``: one product over every key (the masked half computed too).
         first_step_logp: an update of several optimizer steps takes the old log-probs of the
             rows its first step runs from that step's own forward, which is at theta_k under
             the same xi (what :meth:`backward` does for a row without them), so the pass that
@@ -173,7 +179,8 @@ class Actor:
                  skip_zero_adv: bool = True, prefix_min: int = 16, micro_batch_tokens: int | None = None,
                  grad_checkpointing: bool = False, reuse_frozen: bool = True, fused_kernels: bool = False,
                  fused_lora: bool = True, fused_entropy: bool = True, native_gqa: bool = True,
-                 first_step_logp: bool = True, attention: str = "auto", replay_graph_gb: float = 0.0):
+                 first_step_logp: bool = True, attention: str = "auto", attention_chunk: int = QUERY_CHUNK,
+                 replay_graph_gb: float = 0.0):
         self.model, self.pad_id, self.opt = model, pad_id, opt
         self.params = [p for g in opt.param_groups for p in g["params"]]
         self.grad_clip = grad_clip
@@ -193,6 +200,7 @@ class Actor:
         self.fused_entropy = fused_entropy
         self.native_gqa = native_gqa
         self.attention = check_attention_kernel(attention)  # a bad name fails here, not in the first pass
+        self.attention_chunk = check_attention_chunk(attention_chunk)
         self.first_step_logp = first_step_logp
         self._frozen: dict[int, torch.Tensor] | None = None  # per sample: hidden states below the trainable layers
         self.replay_graph_gb = float(replay_graph_gb)
@@ -303,7 +311,7 @@ class Actor:
                 if frozen == "below" else nullcontext())
         try:
             with (span as stack, fused_kernels(self.model, self.fused_kernels), fused_lora(self.model, self.fused_lora),
-                  native_gqa(self.model, self.native_gqa, self.attention)):
+                  native_gqa(self.model, self.native_gqa, self.attention, self.attention_chunk)):
                 self._first_layer = start if frozen == "use" else 0
                 self._stack = stack if frozen == "below" else None
                 yield from self._passes(batch, sort, on_prefix, frozen, keep)

@@ -154,7 +154,7 @@ def full_mask(t: int, tk: int, causal: bool, device: torch.device) -> torch.Tens
     return torch.ones(t, tk, dtype=torch.bool, device=device).tril(tk - t)[None, None]
 
 
-QUERY_CHUNK = 80  # matmul_attention: at least this many queries per chunk of a causal call
+QUERY_CHUNK = 80  # matmul_attention: queries per chunk of a causal call (update.attention_chunk's default)
 MAX_CHUNKS = 4  # and at most this many chunks
 
 
@@ -171,14 +171,14 @@ class MaskPlan(NamedTuple):
     ``Tk - T + e_i+1`` on (causal), so its scores stop there."""
 
 
-def query_chunks(mask: torch.Tensor, t: int) -> tuple[int, ...]:
-    """Bounds of ``min(MAX_CHUNKS, t // QUERY_CHUNK)`` equal query chunks of boolean mask
+def query_chunks(mask: torch.Tensor, t: int, chunk: int) -> tuple[int, ...]:
+    """Bounds of ``min(MAX_CHUNKS, t // chunk)`` equal query chunks (``chunk`` 0: one) of boolean mask
     ``[B, 1, T, Tk]`` when each chunk sees no key after its last query's own (a causal call,
     padded or not; checked on the mask), else ``(0, t)``.  A causal product computes about
     half its ``T x T`` own-key scores only to mask them; chunked, the chunks' products skip
     most of them: fwd+bwd in 0.57-0.9x the seconds of the whole product on the cpu
     profile's shapes (T >= 160), with more calls below that."""
-    n = min(MAX_CHUNKS, t // QUERY_CHUNK)
+    n = min(MAX_CHUNKS, t // chunk) if chunk > 0 else 1
     if n < 2:
         return (0, t)
     edges, tk = tuple(round(t * i / n) for i in range(n + 1)), mask.shape[-1]
@@ -190,23 +190,25 @@ def query_chunks(mask: torch.Tensor, t: int) -> tuple[int, ...]:
 _PLAN: dict = {}  # mask_plan's one entry: the last boolean mask's key and its plan
 
 
-def mask_plan(mask: torch.Tensor, t: int, dtype: torch.dtype) -> MaskPlan:
+def mask_plan(mask: torch.Tensor, t: int, dtype: torch.dtype, chunk: int | None = None) -> MaskPlan:
     """The :class:`MaskPlan` of boolean mask ``[B, 1, T, Tk]``: ``lead = Tk - T`` when every
     query sees every key before its own (a shared prefix), else 0; the additive bias over
-    the keys from there; the query chunks (:func:`query_chunks`).  Built once per mask: every
+    the keys from there; the query chunks (:func:`query_chunks` of ``chunk``, default
+    ``QUERY_CHUNK``).  Built once per mask: every
     layer of a pass gets the same mask object, and the one cached entry is reused while that
     object lives unchanged (its identity and version).  An add takes 0.75-0.8x a
     ``masked_fill_``'s seconds with the softmax and their backward on the cpu profile's
     shapes, and its backward is the identity (the masked entries' gradient is the softmax's
     exact 0 either way)."""
-    key = (mask._version, dtype, t, QUERY_CHUNK, MAX_CHUNKS)
+    chunk = QUERY_CHUNK if chunk is None else chunk
+    key = (mask._version, dtype, t, chunk, MAX_CHUNKS)
     if _PLAN.get("mask", lambda: None)() is mask and _PLAN["key"] == key:
         return _PLAN["value"]
     lead = mask.shape[-1] - t  # keys before the queries' own
     lead = lead if lead > 0 and bool(mask[..., :lead].all()) else 0
     keep = mask[..., lead:]
     bias = torch.zeros(keep.shape, dtype=dtype, device=mask.device).masked_fill_(~keep, torch.finfo(dtype).min)
-    _PLAN.update(mask=weakref.ref(mask), key=key, value=MaskPlan(lead, bias[:, :, None], query_chunks(mask, t)))
+    _PLAN.update(mask=weakref.ref(mask), key=key, value=MaskPlan(lead, bias[:, :, None], query_chunks(mask, t, chunk)))
     return _PLAN["value"]
 
 
@@ -218,13 +220,15 @@ def _keys_upto(x: torch.Tensor, n: int) -> torch.Tensor:
 
 def matmul_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                     is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                     is_causal: bool | None = None, query_chunk: int | None = None,
+                     **kwargs) -> tuple[torch.Tensor, None]:
     """Attention of several queries on a CPU as two batched matmuls and a softmax (transformers'
     eager equation; PyTorch's softmax kernel accumulates a 16-bit row in float32, so its output
     equals transformers' float32 softmax rounded back), grouped-query without repeating K and V: the query
     heads that share a key/value head are stacked as one matrix against it.  A boolean mask
     is applied as its :class:`MaskPlan` says: added over the keys after a shared prefix, and a
-    causal call in query chunks that stop at their last query's key.  On a CPU without AMX,
+    causal call in query chunks that stop at their last query's key (``query_chunk`` queries
+    each, default ``QUERY_CHUNK``; 0: one chunk).  On a CPU without AMX,
     PyTorch's fused kernel runs a 16-bit model's attention, its backward above all, far
     below the matmul rate (``sprpo-bench attention``); the matmuls here run at it.  Other
     calls (one query, dropout, extra arguments) go to :func:`native_gqa_attention`."""
@@ -239,7 +243,7 @@ def matmul_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         attention_mask = full_mask(t, tk, bool(causal), query.device)
     g = h // hk  # query head i reads key/value head i // g (transformers' repeat_kv)
     q = (query * (d ** -0.5 if scaling is None else scaling)).reshape(b, hk, g, t, d)
-    plan = mask_plan(attention_mask, t, q.dtype) if attention_mask.dtype == torch.bool else None
+    plan = mask_plan(attention_mask, t, q.dtype, query_chunk) if attention_mask.dtype == torch.bool else None
     edges = plan.edges if plan else (0, t)
     outs = []
     for s, e in zip(edges, edges[1:]):
@@ -266,30 +270,38 @@ def check_attention_kernel(kernel: str) -> str:
     return kernel
 
 
-def _attention_fn(kernel: str, gqa: bool):
+def check_attention_chunk(chunk: int) -> int:
+    """``chunk`` when it is a query count for :func:`query_chunks` (0: no chunks); one clear error otherwise."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+        raise ValueError(f"update.attention_chunk={chunk!r}: expected an integer >= 0 (queries per chunk of a causal "
+                         f"attention call; 0: one product over every key), e.g. update.attention_chunk={QUERY_CHUNK}")
+    return chunk
+
+
+def _attention_fn(kernel: str, gqa: bool, chunk: int | None = None):
     """The attention function :func:`native_gqa` installs: ``"sdpa"`` SDPA (its own GQA with
     ``gqa``); ``"matmul"`` :func:`matmul_attention`; ``"auto"`` :func:`matmul_attention` for a
     16-bit call (a CPU without AMX runs the fused kernel far below the matmul rate there;
     in float32 the fused kernel is the faster), SDPA otherwise: decided per call, so a
     16-bit model's pass that runs in float32 (:func:`sprpo_lib.core.perturb.float32_compute`)
-    keeps SDPA."""
+    keeps SDPA.  ``chunk``: :func:`matmul_attention`'s ``query_chunk``."""
     sdpa = native_gqa_attention if gqa else sdpa_attention_forward
     if kernel == "sdpa":
         return sdpa
 
     def attend(module, query, key, value, attention_mask, **kwargs):
         if kernel == "matmul" or query.dtype in (torch.bfloat16, torch.float16):
-            return matmul_attention(module, query, key, value, attention_mask, **kwargs)
+            return matmul_attention(module, query, key, value, attention_mask, query_chunk=chunk, **kwargs)
         return sdpa(module, query, key, value, attention_mask, **kwargs)
 
     return attend
 
 
 @contextmanager
-def native_gqa(model: nn.Module, on: bool = True, kernel: str = "sdpa") -> Iterator[bool]:
+def native_gqa(model: nn.Module, on: bool = True, kernel: str = "sdpa", chunk: int | None = None) -> Iterator[bool]:
     """Inside the block a model running transformers' ``sdpa`` attention runs
     :func:`native_gqa_attention` (``on``), and with ``kernel`` ``"matmul"`` or ``"auto"``
-    :func:`matmul_attention` where :func:`_attention_fn` says (same masks; same results up to
+    :func:`matmul_attention` (query chunks of ``chunk``) where :func:`_attention_fn` says (same masks; same results up to
     float rounding); yields whether the model's attention was switched.  Other attention
     implementations, and a model an enclosing block switched already, are left alone; the
     setting is restored on exit."""
@@ -299,7 +311,7 @@ def native_gqa(model: nn.Module, on: bool = True, kernel: str = "sdpa") -> Itera
     if not (on or kernel != "sdpa") or getattr(config, "_attn_implementation", None) != "sdpa":
         yield False
         return
-    AttentionInterface.register(NATIVE_GQA, _attention_fn(kernel, on))
+    AttentionInterface.register(NATIVE_GQA, _attention_fn(kernel, on, chunk))
     AttentionMaskInterface.register(NATIVE_GQA, sdpa_mask)
     config._attn_implementation = NATIVE_GQA
     try:

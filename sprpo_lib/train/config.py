@@ -33,7 +33,7 @@ from sprpo_lib.core.methods import MethodConfig
 from sprpo_lib.infra.hardware import ALLOCATORS
 from sprpo_lib.infra.io import NOT_A_KEY, OMIT_AT_DEFAULT, key_fields
 from sprpo_lib.infra.tracking import check_loggers
-from sprpo_lib.model.layers import check_attention_kernel
+from sprpo_lib.model.layers import QUERY_CHUNK, check_attention_chunk, check_attention_kernel
 from sprpo_lib.model.lora import LoraSettings
 from sprpo_lib.warmstart.sft import SFTConfig
 
@@ -149,6 +149,11 @@ class UpdateConfig:
     below the matmul rate (``sprpo-bench attention``), while in float32 it is the faster, so
     float32 keeps SDPA; same steps up to rounding; ``sdpa`` always SDPA, ``matmul`` always
     the matmuls.
+    ``attention_chunk``: the matmuls run a causal call of at least twice this many queries in
+    up to 4 query chunks, each chunk's product stopping at its last query's key, so most of
+    the masked half of the own-key scores is never computed
+    (:func:`sprpo_lib.model.layers.query_chunks`): same steps up to rounding; ``0`` one
+    product over every key.
     ``first_step_logp``: with several optimizer steps, the rows of the first step take their
     old log-probs from that step's own forward at theta_k, so the pass that fills the old
     log-probs runs only the layers below the adapters for them (with ``reuse_frozen``; without
@@ -191,6 +196,7 @@ class UpdateConfig:
     native_gqa: bool = field(default=True, metadata=OMIT_AT_DEFAULT)
     first_step_logp: bool = field(default=True, metadata=OMIT_AT_DEFAULT)
     attention: str = field(default="auto", metadata=OMIT_AT_DEFAULT)
+    attention_chunk: int = field(default=QUERY_CHUNK, metadata=OMIT_AT_DEFAULT)
     replay_graph_gb: float = field(default=0.0, metadata=OMIT_AT_DEFAULT)
 
     def __post_init__(self):
@@ -198,6 +204,7 @@ class UpdateConfig:
             raise ValueError(f"update.micro_batch_tokens must be >= 1 or null (rows alone decide), got "
                              f"{self.micro_batch_tokens}; e.g. update.micro_batch_tokens=16384")
         check_attention_kernel(self.attention)
+        check_attention_chunk(self.attention_chunk)
         if not self.replay_graph_gb >= 0:
             raise ValueError(f"update.replay_graph_gb must be >= 0 (GiB of the replay's kept graph; 0: none), got "
                              f"{self.replay_graph_gb}; e.g. update.replay_graph_gb=4")

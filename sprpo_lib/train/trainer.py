@@ -103,7 +103,7 @@ class Trainer:
                            micro_batch_tokens=u.micro_batch_tokens, grad_checkpointing=u.grad_checkpointing,
                            reuse_frozen=u.reuse_frozen, fused_kernels=u.fused_kernels,
                            fused_lora=u.fused_lora, fused_entropy=u.fused_entropy, native_gqa=u.native_gqa,
-                           first_step_logp=u.first_step_logp, attention=u.attention,
+                           first_step_logp=u.first_step_logp, attention=u.attention, attention_chunk=u.attention_chunk,
                            replay_graph_gb=u.replay_graph_gb)
         self.shape = self.actor.shape
         self.method = make_method(cfg.method, self.shape, cfg.seed)
