@@ -154,7 +154,7 @@ def full_mask(t: int, tk: int, causal: bool, device: torch.device) -> torch.Tens
     return torch.ones(t, tk, dtype=torch.bool, device=device).tril(tk - t)[None, None]
 
 
-QUERY_CHUNK = 80  # matmul_attention: queries per chunk of a causal call (update.attention_chunk's default)
+QUERY_CHUNK = 160  # matmul_attention: queries per chunk of a causal call (update.attention_chunk's default)
 MAX_CHUNKS = 4  # and at most this many chunks
 
 
@@ -176,8 +176,11 @@ def query_chunks(mask: torch.Tensor, t: int, chunk: int) -> tuple[int, ...]:
     ``[B, 1, T, Tk]`` when each chunk sees no key after its last query's own (a causal call,
     padded or not; checked on the mask), else ``(0, t)``.  A causal product computes about
     half its ``T x T`` own-key scores only to mask them; chunked, the chunks' products skip
-    most of them: fwd+bwd in 0.57-0.9x the seconds of the whole product on the cpu
-    profile's shapes (T >= 160), with more calls below that."""
+    most of them.  On the cpu WebShop replay's attention calls (``sprpo-bench attention``,
+    ``matmul`` against ``matmul_whole``, side by side) chunks of 160 took 0.91x the seconds
+    overall, 0.81-1.08x per shape of T >= 320; chunks of 80 only 0.95x (losing on T of
+    300-400).  A query that sees no key at all (a left-padded row without a prefix) gets the
+    mean of its chunk's values instead of all values: no valid query reads it either way."""
     n = min(MAX_CHUNKS, t // chunk) if chunk > 0 else 1
     if n < 2:
         return (0, t)
