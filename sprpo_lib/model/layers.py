@@ -197,9 +197,9 @@ def mask_plan(mask: torch.Tensor, t: int, dtype: torch.dtype, chunk: int | None 
     """The :class:`MaskPlan` of boolean mask ``[B, 1, T, Tk]``: ``lead = Tk - T`` when every
     query sees every key before its own (a shared prefix), else 0; the additive bias over
     the keys from there; the query chunks (:func:`query_chunks` of ``chunk``, default
-    ``QUERY_CHUNK``).  Built once per mask: every
-    layer of a pass gets the same mask object, and the one cached entry is reused while that
-    object lives unchanged (its identity and version).  An add takes 0.75-0.8x a
+    ``QUERY_CHUNK``).  Built once per mask: every layer of a pass gets the same mask object,
+    and the one cached entry is reused while that object lives unchanged (its identity and
+    version).  An add takes 0.75-0.8x a
     ``masked_fill_``'s seconds with the softmax and their backward on the cpu profile's
     shapes, and its backward is the identity (the masked entries' gradient is the softmax's
     exact 0 either way)."""
