@@ -7,6 +7,7 @@
     sprpo-bench estimates [--env webshop] [--iterations 6] [--parts 4]   # a 1/parts replay against line 7's, over a run
     sprpo-bench allocator [--env webshop] [--rounds 3]   # the passes under glibc's malloc settings, then tuned
     sprpo-bench ops [--env webshop]   # one update's time by op class, each against its roofline
+    sprpo-bench grads [--env webshop] [--methods vanilla]   # the levers' gradients against the dtype's rounding
     sprpo-bench machine [--model smollm2-135m]
     sprpo-bench generate [--model smollm2-135m] [--prompts 16] [--engines hf_generator,hf,openvino]
     sprpo-bench eval [--engines hf:float32,hf:bfloat16,openvino,openvino:auto:prefix_caching=false] [--episodes 64]
@@ -33,6 +34,7 @@ from sprpo_lib.bench.allocator import bench_allocator
 from sprpo_lib.bench.attention import bench_attention
 from sprpo_lib.bench.estimates import bench_estimates
 from sprpo_lib.bench.gpu import METHODS, bench_gpu
+from sprpo_lib.bench.grads import bench_grads
 from sprpo_lib.bench.ops import bench_ops
 from sprpo_lib.bench.report import report
 from sprpo_lib.bench.runs import bench_runs
@@ -125,6 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     op.add_argument("--profile", default="cpu")
     op.add_argument("--env", default="webshop")
     op.add_argument("overrides", nargs="*", help="dotted config overrides")
+    gr = sub.add_parser("grads", help="each method's update on one rollout batch on the profile's passes and the "
+                        "reference, in the model's dtype and in float32: first gradient, parameter change and S_hat compared")
+    gr.add_argument("--profile", default="cpu")
+    gr.add_argument("--env", default="webshop")
+    gr.add_argument("--methods", default="vanilla", help="comma-separated: vanilla, sprpo, sprpo_one_pass, sam")
+    gr.add_argument("overrides", nargs="*", help="dotted config overrides")
     m = sub.add_parser("machine", help="matmul GFLOP/s per dtype at a model's shapes, bandwidth, prefill floor")
     m.add_argument("--model", default="smollm2-135m", help="shapes from this model's config (weights not loaded)")
     m.add_argument("--context", type=int, default=500, help="prompt length for the FLOPs per token")
@@ -200,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--before", required=True, help="runs folder of the reference side, e.g. runs/cpu/levers_off")
     w.add_argument("--after", required=True, help="runs folder of the other side, e.g. runs/cpu/train")
-    for sp in (p, e, t, at, es, al, op, m, g, u, v, q, c, x, w):
+    for sp in (p, e, t, at, es, al, op, gr, m, g, u, v, q, c, x, w):
         sp.add_argument("--threads", type=int, default=2, help="torch threads (set explicitly: 2 cores here)")
         if sp is not al:  # that one measures both
             sp.add_argument("--allocator", choices=ALLOCATORS, default="tuned",
@@ -258,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         res = bench_allocator(args.profile, args.env, args.rounds, tuple(args.methods.split(",")), args.overrides)
     elif args.what == "ops":
         res = bench_ops(args.profile, args.env, args.overrides)
+    elif args.what == "grads":
+        res = bench_grads(args.profile, args.env, tuple(m for m in args.methods.split(",") if m), args.overrides)
     elif args.what == "attention":
         res = bench_attention(args.profile, args.env, args.repeats, args.overrides)
     elif args.what == "envs":

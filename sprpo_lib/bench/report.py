@@ -464,9 +464,34 @@ def _thin_matmuls(res: dict) -> str:
             f"time at {low['rate_over_roofline']}x the rate")
 
 
+#: ``bench grads``' comparisons as the table names them (``{dtype}``: the model's)
+GRADS_LABELS = {"levers_float32": "profile's passes vs reference, float32", "levers": "profile's passes vs reference, {dtype}",
+                "rounding_whole": "reference: {dtype} vs float32", "rounding_shared": "profile's passes: {dtype} vs float32",
+                "run_to_run": "profile's passes, {dtype}, run twice"}
+
+
+def _grads_rows(res: dict) -> list[str]:
+    """``bench grads``: each method's first gradient and parameter change, paths and dtypes compared."""
+    lines = [(f"{res.get('env')} `{res.get('profile')}`{_overrides_text(res)} batch of {res.get('samples')} rows "
+              f"({res.get('samples_nonzero_adv')} with a non-zero advantage), {res.get('dtype')}, {res.get('lora_params')} "
+              "LoRA parameters: each method's update from one adapter state on the profile's passes and on the reference "
+              "passes (every lever off), in the model's dtype and in float32. Relative L2 differences of the first "
+              "optimizer step's LoRA gradient and of the whole update's parameter change.\n"),
+             "| method | comparison | first gradient, rel. L2 | same sign | parameter change, rel. L2 | S_hat rel. L2 (Spearman) |",
+             "|---|---|---|---|---|---|"]
+    for m, r in _in_method_order(res.get("methods") or {}):
+        for key, label in GRADS_LABELS.items():
+            if key in r:
+                c, sh = r[key], r[key].get("S_hat") or {}
+                s_text = f"{sh['S_rel_l2']} ({sh['S_spearman']})" if sh else "-"
+                lines.append(f"| {m} | {label.format(dtype=res.get('dtype'))} | {c['grad_rel_l2']} | {c['grad_sign_agree']} | "
+                             f"{c['delta_rel_l2']} | {s_text} |")
+    return lines
+
+
 SUMMARIES = {"eval": _eval_rows, "churn": _churn_rows, "machine": _machine_rows, "train": _train_rows, "gpu": _gpu_rows,
              "runs": _runs_rows, "attention": _attention_rows, "estimates": _estimates_rows,
-             "allocator": _allocator_rows, "ops": _ops_rows}
+             "allocator": _allocator_rows, "ops": _ops_rows, "grads": _grads_rows}
 
 
 def _eval_headline(spec: str, ev: dict) -> str:
@@ -482,9 +507,44 @@ def _eval_headline(spec: str, ev: dict) -> str:
     return out
 
 
+def _grads_headline(method: str, r: dict, dtype: str) -> str:
+    """:func:`headline` of one method in ``bench grads``: the paths' first gradients and parameter
+    changes apart, in float32 and in the model's dtype, beside that dtype's own rounding."""
+    lv, f32, own = r.get("levers") or {}, r.get("levers_float32"), r.get("rounding_whole")
+    return (f"{method}'s first gradient, profile's passes against the reference: "
+            + (f"{f32['grad_rel_l2']} relative L2 in float32, " if f32 else "")
+            + f"{lv.get('grad_rel_l2')} in {dtype}"
+            + (f" (the reference's own {dtype} rounding {own['grad_rel_l2']})" if own else "")
+            + f"; after the whole update {lv.get('delta_rel_l2')}" + (f" ({f32['delta_rel_l2']} in float32)" if f32 else ""))
+
+
+def _grads_headlines(res: dict) -> str | None:
+    """``bench grads``' phrase: :func:`_grads_headline` of each method."""
+    if not isinstance(res.get("methods"), dict):
+        return None
+    return f"{res.get('env')} " + "; ".join(_grads_headline(m, r, res.get("dtype")) for m, r in _in_method_order(res["methods"]))
+
+
+def _ops_headline(res: dict) -> str | None:
+    """``bench ops``' phrase: the update against its floor, each op class against its roofline."""
+    if not isinstance(res.get("classes"), dict):
+        return None
+    c = res["classes"]
+    return (f"{res.get('env')} Vanilla update {res.get('update_over_floor')}x its floor: matmuls "
+            f"{c['matmul'].get('rate_over_roofline')}x their rate, memory ops {c['memory'].get('rate_over_roofline')}x "
+            f"the bandwidth, attention {c['attention']['seconds']} s; eager bound {res.get('eager_bound_over_floor')}x the floor"
+            + _thin_matmuls(res))
+
+
+#: the benchmarks whose README phrase has its own function (the rest: in :func:`headline`)
+HEADLINES = {"grads": _grads_headlines, "ops": _ops_headline}
+
+
 def headline(record: dict) -> str | None:
     """One phrase of a benchmark's main numbers for the README, or None."""
     name, res = record.get("bench"), record.get("results") or {}
+    if name in HEADLINES:
+        return HEADLINES[name](res)
     if name == "eval":
         return "; ".join(_eval_headline(spec, row["eval"]) for spec, row in res.items()
                          if isinstance(row, dict) and "eval" in row)
@@ -548,12 +608,6 @@ def headline(record: dict) -> str | None:
         return (f"{res.get('env')} passes with the tuned malloc settings, tuned / default: "
                 + ", ".join(f"{m} update {r['update_s']}x" + (f", extra pass {r['sensitivity_s']}x" if "sensitivity_s" in r else "")
                             for m, r in _in_method_order(res["tuned_over_default"])))
-    if name == "ops" and isinstance(res.get("classes"), dict):
-        c = res["classes"]
-        return (f"{res.get('env')} Vanilla update {res.get('update_over_floor')}x its floor: matmuls "
-                f"{c['matmul'].get('rate_over_roofline')}x their rate, memory ops {c['memory'].get('rate_over_roofline')}x "
-                f"the bandwidth, attention {c['attention']['seconds']} s; eager bound {res.get('eager_bound_over_floor')}x the floor"
-                + _thin_matmuls(res))
     if name == "generate":
         alone = res.get("new_tokens") == 1 and res.get("prefix_caching") is False
         rows = [f"`{eng}:{dtype}` T={t[1:]} {row['wall_over_prefill_floor']}x its prefill floor"

@@ -477,6 +477,34 @@ def actor_passes(tr, batch, reuse_frozen: bool, subset=None, first_step_logp: bo
                          reuse_frozen, subset, first, graph_rows)
 
 
+#: the actor's pass settings that the bench paths set (``update.*`` keys of the same names)
+LEVERS = ("prefix_min", "reuse_frozen", "fused_kernels", "fused_lora", "fused_entropy", "native_gqa",
+          "first_step_logp", "attention", "replay_graph_gb")
+
+
+def path_levers(own: dict, path: str, prefix_min: int) -> dict:
+    """The actor's pass settings on one bench path, from its own (``own``: the :data:`LEVERS`
+    as the profile set them).  ``shared``: the profile's passes with shared prefixes of
+    ``prefix_min`` tokens; ``whole``: the reference (every row whole, every layer at every step,
+    peft's LoRA forward, log-probs and entropy apart, K and V repeated, SDPA, every row's old
+    log-probs from their own pass, the replay through every layer); ``sdpa``: shared with SDPA
+    attention; ``fused``: shared with ``update.fused_kernels``; ``full_replay``: shared with the
+    replay through every layer.  Only ``fused`` compiles kernels, whatever the profile says."""
+    whole = path == "whole"
+    return {"prefix_min": 0 if whole else prefix_min, "reuse_frozen": own["reuse_frozen"] and not whole,
+            "fused_kernels": path == "fused", "fused_lora": own["fused_lora"] and not whole,
+            "fused_entropy": own["fused_entropy"] and not whole, "native_gqa": own["native_gqa"] and not whole,
+            "first_step_logp": own["first_step_logp"] and not whole,
+            "attention": "sdpa" if path in ("whole", "sdpa") else own["attention"],
+            "replay_graph_gb": 0.0 if path in ("whole", "full_replay") else own["replay_graph_gb"]}
+
+
+def use_levers(actor, levers: dict) -> None:
+    """Set ``actor``'s pass settings (:func:`path_levers`)."""
+    for k, v in levers.items():
+        setattr(actor, k, v)
+
+
 def restore_point(actor):
     """A function that puts ``actor``'s trainable parameters and optimizer state back to
     what they are now: every method measured on one batch starts from the same adapter."""
@@ -561,32 +589,23 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     nonzero = [s for s in batch.samples if s.adv != 0.0]
     # the shared path is the profile's own (shared prefixes, kept states below the LoRA layers);
     # the whole path is the reference: every row whole, every layer at every step
-    reuse = {"shared": a.reuse_frozen, "sdpa": a.reuse_frozen, "fused": a.reuse_frozen, "full_replay": a.reuse_frozen,
-             "whole": False}
+    shared_min = cfg.update.prefix_min or 16
+    levers = {path: path_levers({k: getattr(a, k) for k in LEVERS}, path, shared_min) for path in paths}
     subset = replay_rows(batch, replay_frac, cfg.seed, 0)[0].samples if replay_frac else None
-    first_logp = a.first_step_logp
-    graph_gb = {path: 0.0 if path in ("whole", "full_replay") else a.replay_graph_gb for path in paths}
     variants = method_variants(cfg.method)
     if replay_frac:
         variants["sprpo_subset"] = dataclasses.replace(variants["sprpo"], replay_frac=replay_frac)
     if methods is not None:
         variants = {k: v for k, v in variants.items() if k in {"vanilla", "sprpo", *methods}}
-    prefix_min = {"shared": cfg.update.prefix_min or 16, "whole": 0}
-    prefix_min["fused"] = prefix_min["sdpa"] = prefix_min["full_replay"] = prefix_min["shared"]
     restore = restore_point(a)
     times = {(path, v): {"update_s": [], "sensitivity_s": [], "ppo_steps": [], "update_float32": []}
              for path in paths for v in variants}
     kept: dict[str, set[int]] = {path: set() for path in paths}  # the rows whose graph SPrPO's update kept
     kept_gib: dict[str, float] = {}
     states: dict[tuple[str, str], tuple] = {}
-    lora, entropy, gqa, attention = a.fused_lora, a.fused_entropy, a.native_gqa, a.attention
 
     def use(path: str) -> None:  # the actor's pass settings for one path
-        a.prefix_min, a.reuse_frozen, a.fused_kernels = prefix_min[path], reuse[path], path == "fused"
-        a.fused_lora, a.fused_entropy = lora and path != "whole", entropy and path != "whole"
-        a.native_gqa, a.first_step_logp = gqa and path != "whole", first_logp and path != "whole"
-        a.attention = "sdpa" if path in ("whole", "sdpa") else attention
-        a.replay_graph_gb = graph_gb[path]
+        use_levers(a, levers[path])
 
     for path in paths:  # untimed warm-up of both layouts (first-call allocations), on a few rows
         use(path)
@@ -614,7 +633,8 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
                 bar.write(f"  {path} {name}: update {st['update_s']:.1f} s, extra pass {st['sensitivity_s']:.1f} s")
                 bar.update()
     bar.close()
-    passes = {path: actor_passes(tr, batch, reuse[path], subset, first_logp and path != "whole", kept[path])
+    passes = {path: actor_passes(tr, batch, levers[path]["reuse_frozen"], subset, levers[path]["first_step_logp"],
+                                 kept[path])
               for path in paths}
     probes.append(prefill_rate(config, tr.dtype))
     gflops = max(probes)
@@ -628,7 +648,7 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
                  "matmul_gflops": gflops, "matmul_gflops_probes": probes,
                  **({"matmul_gflops_float32": f32_gflops} if f32_gflops else {}), "bandwidth_gbs": round(bandwidth, 1), "layers": L, "lora_layers": depth,
                  "episodes": len(eps), "samples": len(batch.samples), "samples_nonzero_adv": len(nonzero),
-                 "response_tokens": batch.n_tokens, "micro_batch": a.micro_batch, "prefix_min": prefix_min["shared"],
+                 "response_tokens": batch.n_tokens, "micro_batch": a.micro_batch, "prefix_min": shared_min,
                  **({"replay_frac": replay_frac, "replay_rows": len(subset)} if replay_frac else {}),
                  "ppo_mini_batch_size": cfg.update.ppo_mini_batch_size,
                  "rollout": {"rollout_s": round(t_roll, 2), "generate_s": round(rst["generate_s"], 2),
@@ -636,14 +656,14 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
                              "episodes_played": len(played), **gen,
                              "generate_over_floor": round(rst["generate_s"] / gen["floor_s"], 2)}}
     whole = batch.computed_tokens(a.micro_batch)
-    shared = batch.computed_tokens(a.micro_batch, prefix_min["shared"])
+    shared = batch.computed_tokens(a.micro_batch, shared_min)
     res["tokens"] = {"batch": whole["tokens"], "whole_computed": whole["computed"], "whole_padding": whole["padding"],
                      "shared_computed": shared["computed"], "shared_padding": shared["padding"],
-                     "prefix_groups": sum(1 for g in batch.prefix_plan(prefix_min["shared"]) if g.prefix),
+                     "prefix_groups": sum(1 for g in batch.prefix_plan(shared_min) if g.prefix),
                      "trie_limit": batch.trie_tokens(),
                      "shared_over_batch": round(shared["computed"] / whole["tokens"], 3)}
     for path in paths:
-        res[path] = phase_rows({n: times[(path, n)] for n in variants}, passes[path], config, prefix_min[path], gflops,
+        res[path] = phase_rows({n: times[(path, n)] for n in variants}, passes[path], config, levers[path]["prefix_min"], gflops,
                                 t_roll, len(batch.samples), gen["floor_s"], f32_gflops)
     if {"shared", "whole"} <= set(paths):
         res["whole_over_shared"] = {n: round(res["whole"][n]["update_s"] / res["shared"][n]["update_s"], 2)
@@ -653,9 +673,9 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
                                    for n in variants}
         res["sdpa_extra_over_shared"] = {n: round(res["sdpa"][n]["sensitivity_s"] / res["shared"][n]["sensitivity_s"], 3)
                                          for n in variants if res["shared"][n].get("sensitivity_s")}
-        res["attention"] = attention
+        res["attention"] = levers["shared"]["attention"]
     if any(kept.values()):  # SPrPO's replay from the graph its update kept (update.replay_graph_gb)
-        res["replay_graph"] = {path: {"budget_gib": graph_gb[path], "kept_gib": kept_gib[path], "rows": len(kept[path]),
+        res["replay_graph"] = {path: {"budget_gib": levers[path]["replay_graph_gb"], "kept_gib": kept_gib[path], "rows": len(kept[path]),
                                       "replay_rows": len(nonzero)} for path in paths if kept[path]}
     # the kept graph against the replay through every layer: only when the shared path kept one
     # (update.replay_graph_gb > 0 given; at the default 0 both paths replay every layer)
