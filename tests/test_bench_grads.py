@@ -41,6 +41,10 @@ def test_float32_paths_agree_and_a_repeat_is_exact(one_thread):
         steps = {u["optimizer_steps"] for u in r["updates"].values()}
         assert len(steps) == 1 and steps.pop() >= 1
     assert van["run_to_run"]["grad_rel_l2"] < 1e-12 and van["run_to_run"]["delta_rel_l2"] < 1e-12
+    # at theta_k in float32 the first step's ratios are 1 up to rounding: nothing clipped
+    for r in (van, sp):
+        for u in r["updates"].values():
+            assert u["first_step_clipfrac"] == 0 and u["first_step_ratio_max"] == pytest.approx(1.0, abs=1e-4)
     assert sp["levers"]["S_hat"]["S_rel_l2"] < 1e-3 and sp["levers"]["S_hat"]["S_spearman"] > 0.99
     assert set(van["updates"]) == {"shared/model", "shared/model/again", "whole/model"}
     assert sp["updates"]["shared/model"]["extra_pass_s"] > 0  # the S_hat replay ran
@@ -62,7 +66,7 @@ def test_bfloat16_rounding_separates_what_float32_does_not(one_thread, tmp_path,
     assert van["rounding_whole"]["grad_rel_l2"] > 100 * max(van["levers_float32"]["grad_rel_l2"], 1e-9)
     assert van["run_to_run"]["grad_rel_l2"] < 1e-12
     table = section(rec, Path("grads.json"))
-    assert "| vanilla | reference: bfloat16 vs float32 |" in table
+    assert "| vanilla | reference: bfloat16 vs float32 |" in table and "| vanilla | whole/float32 |" in table
     assert "in float32" in headline(rec) and "bfloat16 rounding" in headline(rec)
 
 

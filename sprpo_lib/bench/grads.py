@@ -7,7 +7,8 @@ the profile's own model and batch: each method's update runs four times from one
 optimizer state, on each path, in the model's dtype and in float32 (the frozen weights cast inside
 the update, :func:`sprpo_lib.core.perturb.float32_compute`).  Recorded per update: the LoRA
 gradient of the first optimizer step (SPrPO's under the rollout's xi, SAM's at its ascent point),
-the parameter change over the whole update, and SPrPO's S_hat and m_hat (Alg. 1 line 7).
+the parameter change over the whole update, SPrPO's S_hat and m_hat (Alg. 1 line 7), and the first
+step's clipped share of tokens and largest ratio (:data:`FIRST_STEP`).
 
 Compared: the paths in float32 (what the levers change beyond rounding: should be float32's own
 rounding), the paths in the model's dtype, and each path against its float32 twin (that path's
@@ -37,6 +38,9 @@ from sprpo_lib.infra.progress import progress_bar
 from sprpo_lib.train.config import load_config
 
 PATHS = ("shared", "whole")
+#: the first optimizer step's statistics kept per update: at theta_k the new log-probs equal the
+#: old ones up to the rounding of two passes, so a clipped token there is a rounding effect
+FIRST_STEP = ("clipfrac", "dual_clipfrac", "approx_kl", "ratio_max")
 #: ``(name, (path, precision), reference (path, precision))``; ``model``: the model's own dtype
 COMPARISONS = (("levers_float32", ("shared", "float32"), ("whole", "float32")),
                ("levers", ("shared", "model"), ("whole", "model")),
@@ -119,7 +123,8 @@ def bench_grads(profile: str = "cpu", env: str = "webshop", methods: tuple[str, 
             results[m].setdefault("updates", {})[f"{path}/{prec}" + ("/again" if k else "")] = {
                 "seconds": round(seconds, 2), "extra_pass_s": round(st["sensitivity_s"], 2),
                 "optimizer_steps": seen["steps"], "grad_norm": float(f"{float(run['grad'].norm()):.4g}"),
-                "delta_norm": float(f"{float(run['delta'].norm()):.4g}")}
+                "delta_norm": float(f"{float(run['delta'].norm()):.4g}"),
+                **{f"first_step_{k}": float(f"{st[k]:.4g}") for k in FIRST_STEP if k in st}}
             bar.write(f"  {m} {path} {prec}: update {seconds:.1f} s, {seen['steps']} optimizer steps")
             bar.update()
     finally:

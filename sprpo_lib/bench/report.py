@@ -486,6 +486,14 @@ def _grads_rows(res: dict) -> list[str]:
                 s_text = f"{sh['S_rel_l2']} ({sh['S_spearman']})" if sh else "-"
                 lines.append(f"| {m} | {label.format(dtype=res.get('dtype'))} | {c['grad_rel_l2']} | {c['grad_sign_agree']} | "
                              f"{c['delta_rel_l2']} | {s_text} |")
+    lines += ["\nEach update (path/precision): seconds with the extra pass, optimizer steps, and the first step's "
+              "tokens where the PPO clip (dual clip) is active and largest ratio, at theta_k, where new and old log-probs "
+              "differ by the rounding of two passes alone:\n",
+              "| method | update | seconds (extra pass) | steps | first step: clipped (dual) | ratio max |", "|---|---|---|---|---|---|"]
+    for m, r in _in_method_order(res.get("methods") or {}):
+        lines += [f"| {m} | {name} | {u['seconds']} ({u['extra_pass_s']}) | {u['optimizer_steps']} | "
+                  f"{u.get('first_step_clipfrac', '-')} ({u.get('first_step_dual_clipfrac', '-')}) | {u.get('first_step_ratio_max', '-')} |"
+                  for name, u in (r.get("updates") or {}).items()]
     return lines
 
 
