@@ -23,7 +23,7 @@ import time
 import torch
 
 from sprpo_lib.bench.suite import (
-    LEVERS,
+    actor_levers,
     estimate_agreement,
     method_variants,
     path_levers,
@@ -83,8 +83,8 @@ def bench_grads(profile: str = "cpu", env: str = "webshop", methods: tuple[str, 
         raise ValueError(f"bench grads: every advantage in this {env} batch is 0, so no update takes a gradient step; "
                          "run it with another seed (seed=1) or more tasks (rollout.tasks_per_step=...)")
     a = tr.actor
-    own = {k: getattr(a, k) for k in LEVERS}
-    levers = {path: path_levers(own, path, tr.cfg.update.prefix_min or 16) for path in PATHS}
+    own = actor_levers(a)
+    levers = {path: path_levers(own, path, tr.cfg.update.prefix_min) for path in PATHS}
     precisions = ("model",) if tr.dtype == "float32" else ("model", "float32")
     restore = restore_point(a)
     theta0 = flat(a.params)

@@ -482,16 +482,21 @@ LEVERS = ("prefix_min", "reuse_frozen", "fused_kernels", "fused_lora", "fused_en
           "first_step_logp", "attention", "replay_graph_gb")
 
 
+def actor_levers(actor) -> dict:
+    """``actor``'s pass settings as they are (the :data:`LEVERS`)."""
+    return {k: getattr(actor, k) for k in LEVERS}
+
+
 def path_levers(own: dict, path: str, prefix_min: int) -> dict:
-    """The actor's pass settings on one bench path, from its own (``own``: the :data:`LEVERS`
+    """The actor's pass settings on one bench path, from its own (``own``: :func:`actor_levers`
     as the profile set them).  ``shared``: the profile's passes with shared prefixes of
-    ``prefix_min`` tokens; ``whole``: the reference (every row whole, every layer at every step,
+    ``prefix_min`` tokens (``update.prefix_min``; a profile with sharing off is measured at 16); ``whole``: the reference (every row whole, every layer at every step,
     peft's LoRA forward, log-probs and entropy apart, K and V repeated, SDPA, every row's old
     log-probs from their own pass, the replay through every layer); ``sdpa``: shared with SDPA
     attention; ``fused``: shared with ``update.fused_kernels``; ``full_replay``: shared with the
     replay through every layer.  Only ``fused`` compiles kernels, whatever the profile says."""
     whole = path == "whole"
-    return {"prefix_min": 0 if whole else prefix_min, "reuse_frozen": own["reuse_frozen"] and not whole,
+    return {"prefix_min": 0 if whole else prefix_min or 16, "reuse_frozen": own["reuse_frozen"] and not whole,
             "fused_kernels": path == "fused", "fused_lora": own["fused_lora"] and not whole,
             "fused_entropy": own["fused_entropy"] and not whole, "native_gqa": own["native_gqa"] and not whole,
             "first_step_logp": own["first_step_logp"] and not whole,
@@ -589,8 +594,9 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     nonzero = [s for s in batch.samples if s.adv != 0.0]
     # the shared path is the profile's own (shared prefixes, kept states below the LoRA layers);
     # the whole path is the reference: every row whole, every layer at every step
-    shared_min = cfg.update.prefix_min or 16
-    levers = {path: path_levers({k: getattr(a, k) for k in LEVERS}, path, shared_min) for path in paths}
+    own = actor_levers(a)
+    levers = {path: path_levers(own, path, cfg.update.prefix_min) for path in paths}
+    shared_min = path_levers(own, "shared", cfg.update.prefix_min)["prefix_min"]
     subset = replay_rows(batch, replay_frac, cfg.seed, 0)[0].samples if replay_frac else None
     variants = method_variants(cfg.method)
     if replay_frac:
@@ -603,17 +609,13 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     kept: dict[str, set[int]] = {path: set() for path in paths}  # the rows whose graph SPrPO's update kept
     kept_gib: dict[str, float] = {}
     states: dict[tuple[str, str], tuple] = {}
-
-    def use(path: str) -> None:  # the actor's pass settings for one path
-        use_levers(a, levers[path])
-
     for path in paths:  # untimed warm-up of both layouts (first-call allocations), on a few rows
-        use(path)
+        use_levers(a, levers[path])
         warm_up(tr, batch, variants["sprpo"], xi)
     bar = progress_bar(total=repeats * len(paths) * len(variants), desc="bench train: updates", unit="update")
     for _ in range(repeats):  # minutes each on a real batch: the bar names the one running and the last one's time
         for path in paths:
-            use(path)
+            use_levers(a, levers[path])
             for name, mcfg in variants.items():
                 bar.set_postfix_str(f"{path} {name}", refresh=True)
                 restore()
