@@ -1,7 +1,8 @@
 """``sprpo-bench estimates`` against independent references: the parts of line 7's replay sum to
 the whole replay's gradients (float32, one backward over the whole batch); on rows that are copies
 of one row every part and every half is the replay exactly; a shadow method fed what the run
-records agrees with it exactly; and the bench runs end to end on the smoke profile."""
+records agrees with it exactly; the float32 twin of a float32 model's replay is that replay; and
+the bench runs end to end on the smoke profile, in bfloat16 with its float32 twin too."""
 from __future__ import annotations
 
 import copy
@@ -17,7 +18,9 @@ from sprpo_lib.bench.estimates import (
     batch_agreement,
     bench_estimates,
     combine,
+    dtype_agreement,
     ema_agreement,
+    float32_replay,
     part_gradients,
     record_parts,
     split_rows,
@@ -165,3 +168,53 @@ def test_cli_writes_the_record(tmp_path, monkeypatch):
             f"{row['part_vs_replay']['S_spearman']} |") in text
     assert "Means over 1 batches" in text
     assert f"Spearman {row['part_vs_replay']['S_spearman']} per batch" in headline(rec)
+
+
+def test_float32_twin_of_a_float32_model_is_the_replay(tmp_path):
+    """On a float32 model the twin is the replay itself: the same gradient as the parts' sum, and an
+    exact agreement (Spearman 1, S_hat total 1x); the bench refuses such a model with --float32."""
+    tr, batch, xi = _trainer_batch(tmp_path)
+    nonzero = [i for i, s in enumerate(batch.samples) if s.adv != 0.0]
+    parts = [nonzero[0::2], nonzero[1::2]]
+    grads = part_gradients(tr.actor, batch, xi, parts)
+    g32 = float32_replay(tr.actor, batch, xi, parts)
+    g_xi, g_th = combine(grads, batch.n_tokens)
+    t_xi, t_th = combine([g32], batch.n_tokens)
+    assert rel_l2(t_xi, g_xi) < 1e-5 and rel_l2(t_th, g_th) < 1e-5
+    full = (g_xi.pow(2), float(g_th.pow(2).sum()))
+    got = dtype_agreement(g32, full, batch.n_tokens, MethodConfig(name="sprpo"))
+    assert got["S_spearman"] == pytest.approx(1.0, abs=1e-3) and got["S_sum_ratio"] == pytest.approx(1.0, abs=1e-4)
+    assert got["S_rel_l2"] < 1e-4 and got["sigma_rel_l2"] < 1e-4
+
+
+def test_float32_twin_of_a_bfloat16_run(tmp_path, monkeypatch):
+    """A bfloat16 run's replay against its float32 twin: rounding moves S_hat (not exactly the twin),
+    the frozen weights are bfloat16 again after each twin, and the record's table and phrase show it."""
+    monkeypatch.setenv("SPRPO_HOME", str(tmp_path))
+    real = E.build_batch
+    monkeypatch.setattr(E, "build_batch", lambda eps, *a, **kw: real(_signal(eps), *a, **kw))
+    seen = []
+    real_twin = E.float32_replay
+
+    def spy(actor, *a, **kw):
+        out = real_twin(actor, *a, **kw)
+        seen.append({str(p.dtype) for p in actor.model.parameters() if not p.requires_grad})
+        return out
+
+    monkeypatch.setattr(E, "float32_replay", spy)
+    out = tmp_path / "est.json"
+    assert main(["estimates", "--profile", "smoke", "--env", "alfworld", "--iterations", "1", "--parts", "2",
+                 "--float32", "--out", str(out), "model.dtype=bfloat16"]) == 0
+    rec = json.loads(out.read_text())
+    res = rec["results"]
+    assert res["dtype"] == "bfloat16" and res["float32"] is True and seen == [{"torch.bfloat16"}]
+    row = res["iterations"][0]
+    d32 = row["dtype_vs_float32"]
+    assert row["float32_s"] > 0 and 0 < d32["S_rel_l2"] and -1 <= d32["S_spearman"] <= 1 and d32["S_sum_ratio"] > 0
+    assert res["summary"]["dtype_vs_float32"]["S_spearman"] == d32["S_spearman"]
+    text = section(rec, out)
+    assert f"| {row['float32_s']} | {d32['S_spearman']} ({d32['S_sum_ratio']}) |" in text
+    assert "against the same replay in float32" in text
+    assert f"the bfloat16 replay against float32's: Spearman {d32['S_spearman']}" in headline(rec)
+    with pytest.raises(ValueError, match="already runs in float32"):
+        bench_estimates("smoke", "alfworld", iterations=1, parts=2, float32=True)

@@ -4,7 +4,7 @@
     sprpo-bench envs
     sprpo-bench train [--profile cpu] [--env webshop] [key=value ...]
     sprpo-bench attention [--profile cpu] [--env webshop]   # the replay's attention calls per SDPA backend
-    sprpo-bench estimates [--env webshop] [--iterations 6] [--parts 4]   # a 1/parts replay against line 7's, over a run
+    sprpo-bench estimates [--env webshop] [--iterations 6] [--parts 4] [--float32]   # a 1/parts replay against line 7's, over a run
     sprpo-bench allocator [--env webshop] [--rounds 3]   # the passes under glibc's malloc settings, then tuned
     sprpo-bench ops [--env webshop]   # one update's time by op class, each against its roofline
     sprpo-bench grads [--env webshop] [--methods vanilla]   # the levers' gradients against the dtype's rounding
@@ -114,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     es.add_argument("--env", default="webshop")
     es.add_argument("--iterations", type=int, default=6)
     es.add_argument("--parts", type=int, default=4, help="disjoint parts of the rows (each a 1/parts replay)")
+    es.add_argument("--float32", action="store_true", help="also each batch's replay in float32 at the same theta "
+                    "(a 16-bit model): the dtype's rounding of S_hat beside the sampling noise of half the rows")
     es.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. seed=1")
     al = sub.add_parser("allocator", help="each method's update and extra pass on one rollout batch under glibc's own "
                         "malloc settings, then tuned (hardware.set_allocator), in one process: seconds, page faults")
@@ -261,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         res = bench_runs(args.profile, args.env, tuple(args.methods.split(",")), args.seed, args.before, args.after)
     elif args.what == "estimates":
         res = bench_estimates(args.profile, args.env, args.iterations, args.parts, args.overrides,
-                              save=lambda r: atomic_write_json(out, record(r, partial=True)))
+                              save=lambda r: atomic_write_json(out, record(r, partial=True)), float32=args.float32)
     elif args.what == "allocator":
         res = bench_allocator(args.profile, args.env, args.rounds, tuple(args.methods.split(",")), args.overrides)
     elif args.what == "ops":

@@ -15,7 +15,13 @@ what a ``replay_frac = 1/parts`` run records on these batches.
 Per batch: each part's ratio estimate against the replay, one half of the parts against the other,
 and the replay against the previous iteration's (another batch, theta and xi: how much S_hat moves
 in a run).  Through the EMAs: the shadow's S-bar and next sigma against the run's, beside the run's
-own sigma step."""
+own sigma step.
+
+``float32=True`` (a 16-bit model) asks the same of the model's dtype: each batch's replay runs once
+more in float32 at the same theta_{k+1}, xi and old log-probs (the frozen weights cast,
+:func:`sprpo_lib.core.perturb.float32_compute`), and a second shadow records it.  The run's replay
+against that twin is the dtype's rounding alone, set beside the sampling noise of half the rows;
+through the EMAs, the sigma a float32 replay would draw against the run's."""
 from __future__ import annotations
 
 import random
@@ -28,6 +34,7 @@ from sprpo_lib.bench.suite import estimate_agreement, rel_l2
 from sprpo_lib.core.actor import SURROGATE, Actor
 from sprpo_lib.core.batch import Batch, build_batch
 from sprpo_lib.core.methods import Method, grad_leaf, make_method, rank_correlation, replay_rows
+from sprpo_lib.core.perturb import float32_compute
 from sprpo_lib.infra import hardware as hw
 from sprpo_lib.train.config import load_config
 from sprpo_lib.train.trainer import Trainer, run_folder
@@ -68,6 +75,26 @@ def part_gradients(actor: Actor, batch: Batch, xi: torch.Tensor, parts: Sequence
                     "seconds": time.perf_counter() - t0})
     actor.zero_grad()
     return out
+
+
+def float32_replay(actor: Actor, batch: Batch, xi: torch.Tensor, parts: Sequence[Sequence[int]]) -> dict:
+    """Line 7's replay of every row of ``parts`` as one part in float32, at the actor's parameters,
+    under ``xi``, with the samples' old log-probs: the frozen 16-bit weights are cast inside the pass
+    (:func:`float32_compute`, bit-exact on the way back).  :func:`part_gradients`'s dict of that part."""
+    with float32_compute(actor.model):
+        if odd := {str(p.dtype) for p in actor.model.parameters()} - {"torch.float32"}:
+            raise RuntimeError(f"bench estimates --float32: parameters in {sorted(odd)} inside the float32 replay")
+        return part_gradients(actor, batch, xi, [sorted(i for p in parts for i in p)])[0]
+
+
+def dtype_agreement(g32: dict, full: tuple[torch.Tensor, float], total_tokens: int, mcfg) -> dict:
+    """The run's replay in the model's dtype (``full``: its S_hat and m_hat) against its float32 twin
+    (``g32``, over the same rows): :func:`estimate_agreement` with float32 as the reference, and
+    ``S_sum_ratio``, the total of S_hat over float32's (rounding noise adds its variance to every
+    squared entry, so a ratio above 1 is a bias the EMA keeps)."""
+    S32 = _stat(*combine([g32], total_tokens))
+    return {**estimate_agreement(S32, full, mcfg),
+            "S_sum_ratio": round(float(full[0].sum()) / max(float(S32[0].sum()), 1e-30), 4)}
 
 
 def combine(grads: Sequence[dict], total_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,12 +146,14 @@ def batch_agreement(grads: list[dict], full: tuple[torch.Tensor, float], c: floa
 
 
 def bench_estimates(profile: str = "cpu", env: str = "webshop", iterations: int = 6, parts: int = 4,
-                    overrides: Sequence[str] | None = None, save: Callable[[dict], None] | None = None) -> dict:
+                    overrides: Sequence[str] | None = None, save: Callable[[dict], None] | None = None,
+                    float32: bool = False) -> dict:
     """``iterations`` SPrPO iterations whose line 7 runs as ``parts`` disjoint parts (module doc);
     per iteration its seconds (``replay_parts_s``: the parts' backwards together, ``part0_s``: the
     first part's, what a ``1/parts`` replay costs), the per-batch agreements and the EMA agreement;
     ``summary``: means over the iterations measured and the last EMA agreement.  ``save(result)``
-    runs after each iteration (a killed run keeps what it measured)."""
+    runs after each iteration (a killed run keeps what it measured).  ``float32``: also the replay's
+    float32 twin (module doc): ``dtype_vs_float32``, ``ema_float32`` and ``float32_s`` per batch."""
     if parts < 2 or parts % 2:
         raise ValueError(f"bench estimates --parts: expected an even number >= 2 (each part is a 1/parts replay; "
                          f"halves of the parts are compared), got {parts}")
@@ -137,9 +166,14 @@ def bench_estimates(profile: str = "cpu", env: str = "webshop", iterations: int 
                          f"method.scale=energy (sigma from S-bar), got {cfg.update.loss.loss_agg_mode!r} and "
                          f"{cfg.method.scale!r}")
     tr = Trainer(cfg, run_folder(cfg), progress=True)
+    if float32 and tr.dtype == "float32":
+        tr.envs.close()
+        raise ValueError("bench estimates --float32: the model already runs in float32, so its replay has no float32 "
+                         "twin; drop --float32 or run a 16-bit model (model.dtype=bfloat16)")
     run, shadow = tr.method, make_method(cfg.method, tr.shape, cfg.seed)
+    shadow32 = make_method(cfg.method, tr.shape, cfg.seed) if float32 else None
     res: dict = {"profile": profile, "env": env, "overrides": list(overrides or []), "dtype": tr.dtype,
-                 "parts": parts, "replay_frac": round(1 / parts, 4), "iterations": []}
+                 "parts": parts, "replay_frac": round(1 / parts, 4), "float32": float32, "iterations": []}
     previous: torch.Tensor | None = None
     try:
         for k in range(iterations):
@@ -162,9 +196,16 @@ def bench_estimates(profile: str = "cpu", env: str = "webshop", iterations: int 
             grads = part_gradients(tr.actor, batch, xi, split)  # line 7, in parts
             row.update(parts=len(split), part0_rows=len(split[0]), replay_parts_s=round(sum(g["seconds"] for g in grads), 2),
                        part0_s=round(grads[0]["seconds"], 2))
+            g32 = float32_replay(tr.actor, batch, xi, split) if shadow32 is not None else None
             sigma_before = run.sigma()
             record_parts(run, shadow, grads, c, batch.n_tokens)
             full = (run.S_hat, run.m_hat)
+            if g32 is not None:  # the same replay in float32: the dtype's rounding alone
+                g_xi, g_th = combine([g32], batch.n_tokens)
+                shadow32.record(g_xi, float(g_th.pow(2).sum()))
+                row.update(float32_s=round(g32["seconds"], 2),
+                           dtype_vs_float32=dtype_agreement(g32, full, batch.n_tokens, cfg.method),
+                           ema_float32=ema_agreement(shadow32, run))
             if len(split) == parts:  # enough rows for every part
                 row.update(batch_agreement(grads, full, c, cfg.method))
             row["replay_vs_previous_spearman"] = (round(rank_correlation(previous, full[0]), 4)
@@ -177,7 +218,10 @@ def bench_estimates(profile: str = "cpu", env: str = "webshop", iterations: int 
                   f"Spearman {row.get('part_vs_replay', {}).get('S_spearman')}, half vs half "
                   f"{row.get('half_vs_half', {}).get('S_spearman')}, replay vs previous "
                   f"{row['replay_vs_previous_spearman']}; EMA: S-bar Spearman {row['ema']['S_bar_spearman']}, sigma "
-                  f"rel L2 {row['ema']['sigma_rel_l2']} (the run's own step {row['ema']['sigma_step_rel_l2']})", flush=True)
+                  f"rel L2 {row['ema']['sigma_rel_l2']} (the run's own step {row['ema']['sigma_step_rel_l2']})"
+                  + (f"; {tr.dtype} vs float32 replay ({row['float32_s']} s): Spearman "
+                     f"{row['dtype_vs_float32']['S_spearman']}, sigma through the EMAs rel L2 "
+                     f"{row['ema_float32']['sigma_rel_l2']}" if "dtype_vs_float32" in row else ""), flush=True)
             res["summary"] = summarize(res["iterations"])
             if save is not None:
                 save(res)
@@ -206,8 +250,11 @@ def summarize(rows: list[dict]) -> dict:
             "ema_last": done[-1]["ema"], "ema_sigma_rel_l2_mean": avg("ema", "sigma_rel_l2"),
             "sigma_step_rel_l2_mean": avg("ema", "sigma_step_rel_l2"),
             "rollout_s_mean": avg("rollout_s"), "update_s_mean": avg("update_s"),
-            "replay_parts_s_mean": avg("replay_parts_s"), "part0_s_mean": avg("part0_s")}
+            "replay_parts_s_mean": avg("replay_parts_s"), "part0_s_mean": avg("part0_s"),
+            **({"dtype_vs_float32": _rounded(_mean([r["dtype_vs_float32"] for r in done])),
+                "ema_float32_last": done[-1]["ema_float32"], "float32_s_mean": avg("float32_s")}
+               if all("dtype_vs_float32" in r for r in done) else {})}
 
 
-__all__ = ["batch_agreement", "bench_estimates", "combine", "ema_agreement", "part_gradients", "record_parts",
-           "split_rows", "summarize"]
+__all__ = ["batch_agreement", "bench_estimates", "combine", "dtype_agreement", "ema_agreement", "float32_replay",
+           "part_gradients", "record_parts", "split_rows", "summarize"]

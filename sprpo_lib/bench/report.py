@@ -367,7 +367,9 @@ def _attention_rows(res: dict) -> list[str]:
 
 def _estimates_rows(res: dict) -> list[str]:
     """``bench estimates``: per iteration of the SPrPO run, a 1/parts replay against line 7's replay
-    for that batch and through the EMAs, beside how much the replay itself moves between batches."""
+    for that batch and through the EMAs, beside how much the replay itself moves between batches;
+    with ``--float32``, the replay against its float32 twin too."""
+    f32, dt = bool(res.get("float32")), res.get("dtype")
     lines = [(f"{res.get('env')} `{res.get('profile')}`{_overrides_text(res)}, {res.get('dtype')}: SPrPO iterations whose "
               f"line 7 replay runs as {res.get('parts')} disjoint parts (each a `method.replay_frac={res.get('replay_frac')}` "
               "replay). S_hat Spearman: per batch, a part against the replay (mean over parts), one half of the rows "
@@ -375,15 +377,20 @@ def _estimates_rows(res: dict) -> list[str]:
               "fed one part per iteration against the run's, and the relative L2 of the sigma each draws next, beside "
               "the run's own sigma step.\n"),
              ("| k | rows A != 0 | replay s: all parts (first part) | part vs replay | half vs half | replay vs previous | S-bar Spearman | "
-              "sigma rel. L2 | run's sigma step |"), "|---|---|---|---|---|---|---|---|---|"]
+              "sigma rel. L2 | run's sigma step |" + (f" float32 replay s | {dt} vs float32: Spearman (S sum ratio) | "
+                                                      "sigma rel. L2 vs float32's |" if f32 else "")),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if f32 else "")]
     for r in res.get("iterations") or []:
         if "ema" not in r:
-            lines.append(f"| {r['k']} | {r['rows_nonzero_adv']} | - | skipped: {r.get('skipped')} | | | | | |")
+            lines.append(f"| {r['k']} | {r['rows_nonzero_adv']} | - | skipped: {r.get('skipped')} | | | | | |" + (" | | |" if f32 else ""))
             continue
         part, half, ema = r.get("part_vs_replay") or {}, r.get("half_vs_half") or {}, r["ema"]
+        d32 = r.get("dtype_vs_float32") or {}
         lines.append(f"| {r['k']} | {r['rows_nonzero_adv']} | {r['replay_parts_s']} ({r['part0_s']}) | {part.get('S_spearman', '-')} | "
                      f"{half.get('S_spearman', '-')} | {'-' if r['replay_vs_previous_spearman'] is None else r['replay_vs_previous_spearman']} | {ema['S_bar_spearman']} | "
-                     f"{ema['sigma_rel_l2']} | {ema['sigma_step_rel_l2']} |")
+                     f"{ema['sigma_rel_l2']} | {ema['sigma_step_rel_l2']} |"
+                     + (f" {r.get('float32_s', '-')} | {d32.get('S_spearman', '-')} ({d32.get('S_sum_ratio', '-')}) | "
+                        f"{(r.get('ema_float32') or {}).get('sigma_rel_l2', '-')} |" if f32 else ""))
     sm = res.get("summary") or {}
     if sm.get("measured"):
         pv, hh = sm.get("part_vs_replay") or {}, sm.get("half_vs_half") or {}
@@ -394,6 +401,14 @@ def _estimates_rows(res: dict) -> list[str]:
                      f"{sm.get('sigma_step_rel_l2_mean')}). Seconds per iteration: rollout {sm.get('rollout_s_mean')}, "
                      f"update {sm.get('update_s_mean')}, replay in parts {sm.get('replay_parts_s_mean')} (the first part "
                      f"alone, what a 1/parts replay costs: {sm.get('part0_s_mean')}).")
+        if d32 := sm.get("dtype_vs_float32"):
+            lines.append(f"\nThe run's {dt} replay against the same replay in float32 (same theta, xi and old log-probs), "
+                         f"means over the batches: S_hat Spearman {d32.get('S_spearman')}, relative L2 {d32.get('S_rel_l2')}, "
+                         f"S_hat total {d32.get('S_sum_ratio')}x float32's, m_hat relative difference "
+                         f"{d32.get('m_hat_rel_diff')}, one batch's sigma relative L2 {d32.get('sigma_rel_l2')}; after "
+                         f"{sm['measured']} iterations the sigma drawn from the EMAs differs by a relative L2 of "
+                         f"{sm['ema_float32_last'].get('sigma_rel_l2')}. The float32 replay took "
+                         f"{sm.get('float32_s_mean')} s per batch.")
     return lines
 
 
@@ -545,7 +560,23 @@ def _ops_headline(res: dict) -> str | None:
 
 
 #: the benchmarks whose README phrase has its own function (the rest: in :func:`headline`)
-HEADLINES = {"grads": _grads_headlines, "ops": _ops_headline}
+def _estimates_headline(res: dict) -> str | None:
+    """``bench estimates``' phrase: a 1/parts replay against line 7's, per batch and through the
+    EMAs, and (``--float32``) the replay in the model's dtype against its float32 twin."""
+    sm = res.get("summary") or {}
+    if not sm.get("measured"):
+        return None
+    return (f"{res.get('env')}: a {res.get('replay_frac')} replay's S_hat against line 7's replay, Spearman "
+            f"{sm['part_vs_replay'].get('S_spearman')} per batch (halves of one batch "
+            f"{sm['half_vs_half'].get('S_spearman')}, consecutive replays {sm['replay_vs_previous_spearman']}); "
+            f"after {sm['measured']} iterations its sigma differs from the replay's by a relative L2 of "
+            f"{sm['ema_last']['sigma_rel_l2']} (the run's own last step {sm['ema_last']['sigma_step_rel_l2']})"
+            + (f"; the {res.get('dtype')} replay against float32's: Spearman {sm['dtype_vs_float32'].get('S_spearman')} "
+               f"per batch, sigma through the EMAs {sm['ema_float32_last'].get('sigma_rel_l2')}"
+               if sm.get("dtype_vs_float32") else ""))
+
+
+HEADLINES = {"grads": _grads_headlines, "ops": _ops_headline, "estimates": _estimates_headline}
 
 
 def headline(record: dict) -> str | None:
@@ -576,13 +607,6 @@ def headline(record: dict) -> str | None:
                 + (f" (every phase at its floor: {', '.join(at)})" if at else "")
                 + (f"; fused kernels: Vanilla's update {fused['vanilla']}x the eager one's" if "vanilla" in fused else "")
                 + _full_replay_phrase(res))
-    if name == "estimates" and (res.get("summary") or {}).get("measured"):
-        sm = res["summary"]
-        return (f"{res.get('env')}: a {res.get('replay_frac')} replay's S_hat against line 7's replay, Spearman "
-                f"{sm['part_vs_replay'].get('S_spearman')} per batch (halves of one batch "
-                f"{sm['half_vs_half'].get('S_spearman')}, consecutive replays {sm['replay_vs_previous_spearman']}); "
-                f"after {sm['measured']} iterations its sigma differs from the replay's by a relative L2 of "
-                f"{sm['ema_last']['sigma_rel_l2']} (the run's own last step {sm['ema_last']['sigma_step_rel_l2']})")
     if name == "gpu":
         envs = {env: gpu_peaks(rows)[0] for env, rows in res.items()
                 if isinstance(rows, dict) and env not in ("gpu", "cuda_tests", "generation")}
