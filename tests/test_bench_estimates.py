@@ -20,6 +20,7 @@ from sprpo_lib.bench.estimates import (
     combine,
     dtype_agreement,
     ema_agreement,
+    float32_old_log_probs,
     float32_replay,
     part_gradients,
     record_parts,
@@ -207,14 +208,34 @@ def test_float32_twin_of_a_bfloat16_run(tmp_path, monkeypatch):
                  "--float32", "--out", str(out), "model.dtype=bfloat16"]) == 0
     rec = json.loads(out.read_text())
     res = rec["results"]
-    assert res["dtype"] == "bfloat16" and res["float32"] is True and seen == [{"torch.bfloat16"}]
+    assert res["dtype"] == "bfloat16" and res["float32"] is True and seen == [{"torch.bfloat16"}] * 2
     row = res["iterations"][0]
     d32 = row["dtype_vs_float32"]
     assert row["float32_s"] > 0 and 0 < d32["S_rel_l2"] and -1 <= d32["S_spearman"] <= 1 and d32["S_sum_ratio"] > 0
     assert res["summary"]["dtype_vs_float32"]["S_spearman"] == d32["S_spearman"]
+    assert 0 < row["old_logp_rounding"]["S_rel_l2"] and "old_logp_rounding" in res["summary"]
     text = section(rec, out)
     assert f"| {row['float32_s']} | {d32['S_spearman']} ({d32['S_sum_ratio']}) |" in text
     assert "against the same replay in float32" in text
     assert f"the bfloat16 replay against float32's: Spearman {d32['S_spearman']}" in headline(rec)
     with pytest.raises(ValueError, match="already runs in float32"):
         bench_estimates("smoke", "alfworld", iterations=1, parts=2, float32=True)
+
+
+def test_float32_old_log_probs_are_the_first_steps_at_theta_k(tmp_path):
+    """Recomputed at the adapter before the update, the old log-probs are the ones the update's first
+    step read (a float32 model: equal up to float32 rounding), and the actor keeps theta_{k+1}."""
+    tr = Trainer(load_config("smoke", ["method.name=sprpo"]), tmp_path / "t", progress=False)
+    eps, xi, _ = tr.collect(0)
+    batch, _ = build_batch(_signal(eps), tr.cfg.update.adv, "gigpo")
+    theta_k = [p.detach().clone() for p in tr.actor.params]
+    tr.actor.ppo_update(batch, xi)
+    theta_k1 = [p.detach().clone() for p in tr.actor.params]
+    assert any(not torch.equal(a, b) for a, b in zip(theta_k, theta_k1))
+    again = float32_old_log_probs(tr.actor, batch, xi, theta_k)
+    assert all(torch.equal(p, v) for p, v in zip(tr.actor.params, theta_k1))
+    for s, t in zip(batch.samples, again.samples):
+        assert s.old_logp is not None and t.old_logp.shape == s.old_logp.shape
+        assert float((t.old_logp - s.old_logp).abs().max()) < 1e-4
+    moved = float32_old_log_probs(tr.actor, batch, xi, theta_k1)  # at theta_{k+1}: other log-probs
+    assert max(float((t.old_logp - s.old_logp).abs().max()) for s, t in zip(batch.samples, moved.samples)) > 1e-3

@@ -17,11 +17,14 @@ and the replay against the previous iteration's (another batch, theta and xi: ho
 in a run).  Through the EMAs: the shadow's S-bar and next sigma against the run's, beside the run's
 own sigma step.
 
-``float32=True`` (a 16-bit model) asks the same of the model's dtype: each batch's replay runs once
-more in float32 at the same theta_{k+1}, xi and old log-probs (the frozen weights cast,
-:func:`sprpo_lib.core.perturb.float32_compute`), and a second shadow records it.  The run's replay
-against that twin is the dtype's rounding alone, set beside the sampling noise of half the rows;
-through the EMAs, the sigma a float32 replay would draw against the run's."""
+``float32=True`` (a 16-bit model) asks the same of the model's dtype: each batch's replay runs again
+in float32 at the same theta_{k+1} and xi (the frozen weights cast,
+:func:`sprpo_lib.core.perturb.float32_compute`), with old log-probs recomputed in float32 at theta_k
+(what a float32 run reads), and a second shadow records it.  The run's replay against that twin is
+the dtype's rounding alone, set beside the sampling noise of half the rows; through the EMAs, the
+sigma a float32 replay would draw against the run's.  A third replay, in float32 with the run's own
+old log-probs, says how much of the difference the old log-probs' rounding makes (through the
+tokens the PPO clip keeps or drops)."""
 from __future__ import annotations
 
 import random
@@ -85,6 +88,25 @@ def float32_replay(actor: Actor, batch: Batch, xi: torch.Tensor, parts: Sequence
         if odd := {str(p.dtype) for p in actor.model.parameters()} - {"torch.float32"}:
             raise RuntimeError(f"bench estimates --float32: parameters in {sorted(odd)} inside the float32 replay")
         return part_gradients(actor, batch, xi, [sorted(i for p in parts for i in p)])[0]
+
+
+def float32_old_log_probs(actor: Actor, batch: Batch, xi: torch.Tensor, theta_k: Sequence[torch.Tensor]) -> Batch:
+    """A copy of ``batch`` whose old log-probs are recomputed in float32 at ``theta_k`` (the adapter
+    before line 6) under ``xi``, what a float32 run's first step would have read; the actor's
+    parameters are put back afterwards."""
+    now = [p.detach().clone() for p in actor.params]
+    out = batch.without_old()
+    try:
+        with torch.no_grad():
+            for p, v in zip(actor.params, theta_k):
+                p.copy_(v)
+        with float32_compute(actor.model):
+            actor.fill_old_log_probs(out, xi)
+    finally:
+        with torch.no_grad():
+            for p, v in zip(actor.params, now):
+                p.copy_(v)
+    return out
 
 
 def dtype_agreement(g32: dict, full: tuple[torch.Tensor, float], total_tokens: int, mcfg) -> dict:
@@ -153,7 +175,8 @@ def bench_estimates(profile: str = "cpu", env: str = "webshop", iterations: int 
     first part's, what a ``1/parts`` replay costs), the per-batch agreements and the EMA agreement;
     ``summary``: means over the iterations measured and the last EMA agreement.  ``save(result)``
     runs after each iteration (a killed run keeps what it measured).  ``float32``: also the replay's
-    float32 twin (module doc): ``dtype_vs_float32``, ``ema_float32`` and ``float32_s`` per batch."""
+    float32 twins (module doc): ``dtype_vs_float32``, ``old_logp_rounding``, ``ema_float32`` and
+    ``float32_s`` (the float32 replay's seconds) per batch."""
     if parts < 2 or parts % 2:
         raise ValueError(f"bench estimates --parts: expected an even number >= 2 (each part is a 1/parts replay; "
                          f"halves of the parts are compared), got {parts}")
@@ -190,21 +213,27 @@ def bench_estimates(profile: str = "cpu", env: str = "webshop", iterations: int 
                 res["iterations"].append({**row, "update_s": round(time.perf_counter() - t1, 2),
                                           "skipped": "no row with A != 0"})
                 continue
+            theta_k = [p.detach().clone() for p in tr.actor.params] if shadow32 is not None else None
             tr.actor.ppo_update(batch, xi)  # line 6: theta_{k+1}
             row["update_s"] = round(time.perf_counter() - t1, 2)
             split, c = split_rows(batch, parts, cfg.seed, k)
             grads = part_gradients(tr.actor, batch, xi, split)  # line 7, in parts
             row.update(parts=len(split), part0_rows=len(split[0]), replay_parts_s=round(sum(g["seconds"] for g in grads), 2),
                        part0_s=round(grads[0]["seconds"], 2))
-            g32 = float32_replay(tr.actor, batch, xi, split) if shadow32 is not None else None
+            if shadow32 is not None:  # float32 replays: with the run's old log-probs, then with float32's at theta_k
+                g32_old = float32_replay(tr.actor, batch, xi, split)
+                b32 = float32_old_log_probs(tr.actor, batch, xi, theta_k)
+                g32 = float32_replay(tr.actor, b32, xi, split)
             sigma_before = run.sigma()
             record_parts(run, shadow, grads, c, batch.n_tokens)
             full = (run.S_hat, run.m_hat)
-            if g32 is not None:  # the same replay in float32: the dtype's rounding alone
+            if shadow32 is not None:  # the same replay in float32: the dtype's rounding alone
                 g_xi, g_th = combine([g32], batch.n_tokens)
                 shadow32.record(g_xi, float(g_th.pow(2).sum()))
                 row.update(float32_s=round(g32["seconds"], 2),
                            dtype_vs_float32=dtype_agreement(g32, full, batch.n_tokens, cfg.method),
+                           old_logp_rounding=dtype_agreement(g32, _stat(*combine([g32_old], batch.n_tokens)),
+                                                             batch.n_tokens, cfg.method),
                            ema_float32=ema_agreement(shadow32, run))
             if len(split) == parts:  # enough rows for every part
                 row.update(batch_agreement(grads, full, c, cfg.method))
@@ -252,9 +281,10 @@ def summarize(rows: list[dict]) -> dict:
             "rollout_s_mean": avg("rollout_s"), "update_s_mean": avg("update_s"),
             "replay_parts_s_mean": avg("replay_parts_s"), "part0_s_mean": avg("part0_s"),
             **({"dtype_vs_float32": _rounded(_mean([r["dtype_vs_float32"] for r in done])),
+                "old_logp_rounding": _rounded(_mean([r["old_logp_rounding"] for r in done])),
                 "ema_float32_last": done[-1]["ema_float32"], "float32_s_mean": avg("float32_s")}
                if all("dtype_vs_float32" in r for r in done) else {})}
 
 
-__all__ = ["batch_agreement", "bench_estimates", "combine", "dtype_agreement", "ema_agreement", "float32_replay",
-           "part_gradients", "record_parts", "split_rows", "summarize"]
+__all__ = ["batch_agreement", "bench_estimates", "combine", "dtype_agreement", "ema_agreement", "float32_old_log_probs",
+           "float32_replay", "part_gradients", "record_parts", "split_rows", "summarize"]

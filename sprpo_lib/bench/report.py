@@ -402,10 +402,13 @@ def _estimates_rows(res: dict) -> list[str]:
                      f"update {sm.get('update_s_mean')}, replay in parts {sm.get('replay_parts_s_mean')} (the first part "
                      f"alone, what a 1/parts replay costs: {sm.get('part0_s_mean')}).")
         if d32 := sm.get("dtype_vs_float32"):
-            lines.append(f"\nThe run's {dt} replay against the same replay in float32 (same theta, xi and old log-probs), "
+            lines.append(f"\nThe run's {dt} replay against the same replay in float32 (same theta and xi, old log-probs in "
+                         "float32 at theta_k), "
                          f"means over the batches: S_hat Spearman {d32.get('S_spearman')}, relative L2 {d32.get('S_rel_l2')}, "
                          f"S_hat total {d32.get('S_sum_ratio')}x float32's, m_hat relative difference "
-                         f"{d32.get('m_hat_rel_diff')}, one batch's sigma relative L2 {d32.get('sigma_rel_l2')}; after "
+                         f"{d32.get('m_hat_rel_diff')}, one batch's sigma relative L2 {d32.get('sigma_rel_l2')} (a float32 "
+                         f"replay with the run's {dt} old log-probs: Spearman "
+                         f"{(sm.get('old_logp_rounding') or {}).get('S_spearman')}); after "
                          f"{sm['measured']} iterations the sigma drawn from the EMAs differs by a relative L2 of "
                          f"{sm['ema_float32_last'].get('sigma_rel_l2')}. The float32 replay took "
                          f"{sm.get('float32_s_mean')} s per batch.")
