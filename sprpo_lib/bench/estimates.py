@@ -119,6 +119,23 @@ def dtype_agreement(g32: dict, full: tuple[torch.Tensor, float], total_tokens: i
             "S_sum_ratio": round(float(full[0].sum()) / max(float(S32[0].sum()), 1e-30), 4)}
 
 
+def float32_twins(actor: Actor, batch: Batch, xi: torch.Tensor, parts: Sequence[Sequence[int]],
+                  theta_k: Sequence[torch.Tensor], full: tuple[torch.Tensor, float], run: Method, shadow32: Method) -> dict:
+    """The run's replay (``full``, at the actor's theta_{k+1}) against its float32 twins (module doc):
+    ``shadow32`` records the twin with float32 old log-probs at ``theta_k``; returned are that twin's
+    seconds, its agreement with the run's replay, the twin with the run's old log-probs against it
+    (``old_logp_rounding``) and the EMAs' agreement (``ema_float32``, float32's the reference)."""
+    g32_old = float32_replay(actor, batch, xi, parts)
+    g32 = float32_replay(actor, float32_old_log_probs(actor, batch, xi, theta_k), xi, parts)
+    g_xi, g_th = combine([g32], batch.n_tokens)
+    shadow32.record(g_xi, float(g_th.pow(2).sum()))
+    with_run_old = _stat(*combine([g32_old], batch.n_tokens))
+    return {"float32_s": round(g32["seconds"], 2),
+            "dtype_vs_float32": dtype_agreement(g32, full, batch.n_tokens, shadow32.cfg),
+            "old_logp_rounding": dtype_agreement(g32, with_run_old, batch.n_tokens, shadow32.cfg),
+            "ema_float32": ema_agreement(shadow32, run)}
+
+
 def combine(grads: Sequence[dict], total_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dL/dxi, grad_theta)`` of the token mean over ``total_tokens`` from parts' own token means:
     the sum of each part's gradient weighted by its share of the tokens."""
@@ -220,21 +237,11 @@ def bench_estimates(profile: str = "cpu", env: str = "webshop", iterations: int 
             grads = part_gradients(tr.actor, batch, xi, split)  # line 7, in parts
             row.update(parts=len(split), part0_rows=len(split[0]), replay_parts_s=round(sum(g["seconds"] for g in grads), 2),
                        part0_s=round(grads[0]["seconds"], 2))
-            if shadow32 is not None:  # float32 replays: with the run's old log-probs, then with float32's at theta_k
-                g32_old = float32_replay(tr.actor, batch, xi, split)
-                b32 = float32_old_log_probs(tr.actor, batch, xi, theta_k)
-                g32 = float32_replay(tr.actor, b32, xi, split)
             sigma_before = run.sigma()
             record_parts(run, shadow, grads, c, batch.n_tokens)
             full = (run.S_hat, run.m_hat)
             if shadow32 is not None:  # the same replay in float32: the dtype's rounding alone
-                g_xi, g_th = combine([g32], batch.n_tokens)
-                shadow32.record(g_xi, float(g_th.pow(2).sum()))
-                row.update(float32_s=round(g32["seconds"], 2),
-                           dtype_vs_float32=dtype_agreement(g32, full, batch.n_tokens, cfg.method),
-                           old_logp_rounding=dtype_agreement(g32, _stat(*combine([g32_old], batch.n_tokens)),
-                                                             batch.n_tokens, cfg.method),
-                           ema_float32=ema_agreement(shadow32, run))
+                row.update(float32_twins(tr.actor, batch, xi, split, theta_k, full, run, shadow32))
             if len(split) == parts:  # enough rows for every part
                 row.update(batch_agreement(grads, full, c, cfg.method))
             row["replay_vs_previous_spearman"] = (round(rank_correlation(previous, full[0]), 4)
@@ -287,4 +294,4 @@ def summarize(rows: list[dict]) -> dict:
 
 
 __all__ = ["batch_agreement", "bench_estimates", "combine", "dtype_agreement", "ema_agreement", "float32_old_log_probs",
-           "float32_replay", "part_gradients", "record_parts", "split_rows", "summarize"]
+           "float32_replay", "float32_twins", "part_gradients", "record_parts", "split_rows", "summarize"]
