@@ -20,8 +20,8 @@ from sprpo_lib.bench.estimates import (
     combine,
     dtype_agreement,
     ema_agreement,
-    float32_old_log_probs,
     float32_replay,
+    old_log_probs_at,
     part_gradients,
     record_parts,
     split_rows,
@@ -222,7 +222,7 @@ def test_float32_twin_of_a_bfloat16_run(tmp_path, monkeypatch):
         bench_estimates("smoke", "alfworld", iterations=1, parts=2, float32=True)
 
 
-def test_float32_old_log_probs_are_the_first_steps_at_theta_k(tmp_path):
+def test_old_log_probs_at_theta_k_are_the_first_steps(tmp_path):
     """Recomputed at the adapter before the update, the old log-probs are the ones the update's first
     step read (a float32 model: equal up to float32 rounding), and the actor keeps theta_{k+1}."""
     tr = Trainer(load_config("smoke", ["method.name=sprpo"]), tmp_path / "t", progress=False)
@@ -232,10 +232,10 @@ def test_float32_old_log_probs_are_the_first_steps_at_theta_k(tmp_path):
     tr.actor.ppo_update(batch, xi)
     theta_k1 = [p.detach().clone() for p in tr.actor.params]
     assert any(not torch.equal(a, b) for a, b in zip(theta_k, theta_k1))
-    again = float32_old_log_probs(tr.actor, batch, xi, theta_k)
+    again = old_log_probs_at(tr.actor, batch, xi, theta_k)
     assert all(torch.equal(p, v) for p, v in zip(tr.actor.params, theta_k1))
     for s, t in zip(batch.samples, again.samples):
         assert s.old_logp is not None and t.old_logp.shape == s.old_logp.shape
         assert float((t.old_logp - s.old_logp).abs().max()) < 1e-4
-    moved = float32_old_log_probs(tr.actor, batch, xi, theta_k1)  # at theta_{k+1}: other log-probs
+    moved = old_log_probs_at(tr.actor, batch, xi, theta_k1)  # at theta_{k+1}: other log-probs
     assert max(float((t.old_logp - s.old_logp).abs().max()) for s, t in zip(batch.samples, moved.samples)) > 1e-3

@@ -277,6 +277,61 @@ def test_replay_frac_is_a_ratio_estimate_of_the_whole_batch(tmp_path):
             MethodConfig(name="sprpo", replay_frac=bad)
 
 
+def _float32_log_probs(tr, batch, xi):
+    """Each sample's response log-probs in float32, one sample at a time without padding: an
+    independent re-computation of the old log-probs a float32 pass reads."""
+    from sprpo_lib.core.perturb import float32_compute
+
+    a = tr.actor
+    a.fc.set(xi=xi.to(a.fc.dtype))
+    out = []
+    with torch.no_grad(), a.fc, float32_compute(tr.model):
+        for s in batch.samples:
+            logits = a.model(input_ids=torch.tensor([s.ids]), use_cache=False).logits[0, -s.n_resp - 1:-1]
+            out.append(token_logprobs(logits.float(), torch.tensor(s.ids[-s.n_resp:])))
+    a.fc.clear()
+    return out
+
+
+def test_replay_float32_measures_line_7_in_float32_on_a_bfloat16_model(tmp_path):
+    """``method.replay_float32``: on a bf16 model line 7's S_hat and m_hat match a float32 sample-by-
+    sample re-computation of L_k at theta_{k+1} (the same bf16 weights and xi, old log-probs of
+    theta_k in float32), where the bf16 replay does not; the update itself is unchanged (it keeps
+    its own old log-probs) and the frozen weights stay bf16."""
+    from sprpo_lib.core.methods import MethodConfig, make_method
+    from sprpo_lib.core.perturb import float32_compute
+    from sprpo_lib.infra.io import key_fields
+
+    tr = _trainer(tmp_path, "method.name=sprpo", "model.dtype=bfloat16")
+    assert tr.dtype == "bfloat16"
+    batch, xi = _batch(tr)
+    old32 = _float32_log_probs(tr, batch, xi)  # at theta_k
+    snap = _snapshot(tr)
+    got = {}
+    for f32 in (True, False):
+        _restore(tr, snap)
+        m = make_method(MethodConfig(name="sprpo", replay_float32=f32), tr.shape)
+        st = m.update(tr.actor, batch.without_old(), 0, xi)
+        got[f32] = (m.S_hat.clone(), m.m_hat, [p.detach().clone() for p in tr.actor.params], st)
+        assert all(p.dtype == torch.bfloat16 for p in tr.model.parameters() if not p.requires_grad)
+    assert all(torch.equal(a, b) for a, b in zip(got[True][2], got[False][2]))  # the same theta_{k+1}
+    assert got[True][3]["pg_loss"] == got[False][3]["pg_loss"]
+    ref_batch = Batch([dataclasses.replace(s, old_logp=o) for s, o in zip(batch.samples, old32)])
+    with float32_compute(tr.model):
+        d_xi, m_ref = _direct_surrogate_grads(tr, ref_batch, xi)
+    S_ref = d_xi.double().pow(2)
+
+    def err(S):
+        return float((S - S_ref).norm() / S_ref.norm())
+
+    assert float(S_ref.sum()) > 0 and err(got[True][0]) < 1e-5
+    assert got[True][1] == pytest.approx(m_ref, rel=1e-5)
+    assert err(got[False][0]) > 20 * err(got[True][0])
+    assert "replay_float32" not in key_fields(MethodConfig()) and key_fields(MethodConfig(replay_float32=True))["replay_float32"]
+    with pytest.raises(ValueError, match="method.replay_float32"):
+        MethodConfig(name="sprpo", sensitivity="one_pass", replay_float32=True)
+
+
 def test_statistics_exclude_the_entropy_bonus(tmp_path):
     """SAM's channel gradient and one-pass S_hat / m_hat are of L_k alone (Alg. 4 line 3,
     Alg. 1 line 7): the same with entropy_coeff 0.05 as with 0."""

@@ -20,11 +20,11 @@ own sigma step.
 ``float32=True`` (a 16-bit model) asks the same of the model's dtype: each batch's replay runs again
 in float32 at the same theta_{k+1} and xi (the frozen weights cast,
 :func:`sprpo_lib.core.perturb.float32_compute`), with old log-probs recomputed in float32 at theta_k
-(what a float32 run reads), and a second shadow records it.  The run's replay against that twin is
-the dtype's rounding alone, set beside the sampling noise of half the rows; through the EMAs, the
-sigma a float32 replay would draw against the run's.  A third replay, in float32 with the run's own
-old log-probs, says how much of the difference the old log-probs' rounding makes (through the
-tokens the PPO clip keeps or drops)."""
+(what a float32 run reads, and what ``method.replay_float32`` measures), and a second shadow
+records it.  The run's replay against that twin is the dtype's rounding alone, set beside the
+sampling noise of half the rows; through the EMAs, the sigma a float32 replay would draw against
+the run's.  A third replay, in float32 with the run's own old log-probs, says how much of the
+difference the old log-probs' rounding makes (through the tokens the PPO clip keeps or drops)."""
 from __future__ import annotations
 
 import random
@@ -36,7 +36,14 @@ import torch
 from sprpo_lib.bench.suite import estimate_agreement, rel_l2
 from sprpo_lib.core.actor import SURROGATE, Actor
 from sprpo_lib.core.batch import Batch, build_batch
-from sprpo_lib.core.methods import Method, grad_leaf, make_method, rank_correlation, replay_rows
+from sprpo_lib.core.methods import (
+    Method,
+    float32_old_log_probs,
+    grad_leaf,
+    make_method,
+    rank_correlation,
+    replay_rows,
+)
 from sprpo_lib.core.perturb import float32_compute
 from sprpo_lib.infra import hardware as hw
 from sprpo_lib.train.config import load_config
@@ -90,23 +97,20 @@ def float32_replay(actor: Actor, batch: Batch, xi: torch.Tensor, parts: Sequence
         return part_gradients(actor, batch, xi, [sorted(i for p in parts for i in p)])[0]
 
 
-def float32_old_log_probs(actor: Actor, batch: Batch, xi: torch.Tensor, theta_k: Sequence[torch.Tensor]) -> Batch:
-    """A copy of ``batch`` whose old log-probs are recomputed in float32 at ``theta_k`` (the adapter
-    before line 6) under ``xi``, what a float32 run's first step would have read; the actor's
-    parameters are put back afterwards."""
+def old_log_probs_at(actor: Actor, batch: Batch, xi: torch.Tensor, theta_k: Sequence[torch.Tensor]) -> Batch:
+    """A copy of ``batch`` with old log-probs computed in float32 at ``theta_k`` (the adapter before
+    line 6) under ``xi``, as ``method.replay_float32`` computes them before its update
+    (:func:`sprpo_lib.core.methods.float32_old_log_probs`); the actor's parameters are put back."""
     now = [p.detach().clone() for p in actor.params]
-    out = batch.without_old()
     try:
         with torch.no_grad():
             for p, v in zip(actor.params, theta_k):
                 p.copy_(v)
-        with float32_compute(actor.model):
-            actor.fill_old_log_probs(out, xi)
+        return float32_old_log_probs(actor, batch, xi)
     finally:
         with torch.no_grad():
             for p, v in zip(actor.params, now):
                 p.copy_(v)
-    return out
 
 
 def dtype_agreement(g32: dict, full: tuple[torch.Tensor, float], total_tokens: int, mcfg) -> dict:
@@ -126,7 +130,7 @@ def float32_twins(actor: Actor, batch: Batch, xi: torch.Tensor, parts: Sequence[
     seconds, its agreement with the run's replay, the twin with the run's old log-probs against it
     (``old_logp_rounding``) and the EMAs' agreement (``ema_float32``, float32's the reference)."""
     g32_old = float32_replay(actor, batch, xi, parts)
-    g32 = float32_replay(actor, float32_old_log_probs(actor, batch, xi, theta_k), xi, parts)
+    g32 = float32_replay(actor, old_log_probs_at(actor, batch, xi, theta_k), xi, parts)
     g_xi, g_th = combine([g32], batch.n_tokens)
     shadow32.record(g_xi, float(g_th.pow(2).sum()))
     with_run_old = _stat(*combine([g32_old], batch.n_tokens))
@@ -293,5 +297,5 @@ def summarize(rows: list[dict]) -> dict:
                if all("dtype_vs_float32" in r for r in done) else {})}
 
 
-__all__ = ["batch_agreement", "bench_estimates", "combine", "dtype_agreement", "ema_agreement", "float32_old_log_probs",
-           "float32_replay", "float32_twins", "part_gradients", "record_parts", "split_rows", "summarize"]
+__all__ = ["batch_agreement", "bench_estimates", "combine", "dtype_agreement", "ema_agreement", "float32_replay",
+           "float32_twins", "old_log_probs_at", "part_gradients", "record_parts", "split_rows", "summarize"]

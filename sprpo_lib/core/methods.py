@@ -28,14 +28,14 @@ draws the same perturbations as an uninterrupted one.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from sprpo_lib.core import metrics as MK
 from sprpo_lib.core.actor import SURROGATE, TRAIN, Actor
 from sprpo_lib.core.batch import Batch
-from sprpo_lib.core.perturb import sample_xi
+from sprpo_lib.core.perturb import float32_compute, sample_xi
 from sprpo_lib.infra.io import OMIT_AT_DEFAULT
 from sprpo_lib.infra.registry import Registry
 
@@ -127,6 +127,16 @@ class MethodConfig:
             ``figures/bench_*.md``): the replay's own halves of one batch rank the channels with a
             Spearman of about 0.3, so the replay itself is a noisy measurement that a share of it
             cannot reproduce.
+        replay_float32: line 7 of a 16-bit model in float32: theta_k's log-probs (computed before
+            line 6, :func:`float32_old_log_probs`) and the replay at theta_{k+1} run with the frozen
+            weights cast (:func:`sprpo_lib.core.perturb.float32_compute`); line 6's update is
+            unchanged.  ``False`` (default): the model's dtype, as a bf16 GPU run measures it.
+            Rounding is a noise of its own here: ``sprpo-bench estimates --float32`` compares
+            each batch's bf16 replay with this float32 one at the same theta_{k+1} over a run
+            (records in ``figures/bench_*.md``; on the ``cpu`` WebShop batches, Spearman of S_hat
+            about 0.6, against 0.3 for half the rows against the other half).  The float32 pass
+            costs about 1.5x the bf16 replay on a CPU without AMX, and no run has yet shown that it
+            changes learning, hence the default.
     """
 
     name: str = "vanilla"
@@ -148,6 +158,7 @@ class MethodConfig:
     p: float = 1.0
     ref_after: int = 0
     replay_frac: float = field(default=1.0, metadata=OMIT_AT_DEFAULT)
+    replay_float32: bool = field(default=False, metadata=OMIT_AT_DEFAULT)
 
     def __post_init__(self):
         METHODS.get(self.name)  # an unknown name lists the valid ones
@@ -163,6 +174,9 @@ class MethodConfig:
             raise ValueError(f"method.s_lo <= 1 <= method.s_hi (both > 0), method.ref_after >= 0 and method.m_clip "
                              f"0 or > 1 expected, got {self.s_lo}, {self.s_hi}, {self.ref_after}, {self.m_clip}; e.g. "
                              "method.s_lo=0.5 method.s_hi=1.5 method.ref_after=0 method.m_clip=3")
+        if self.replay_float32 and self.sensitivity != "replay":
+            raise ValueError("method.replay_float32 runs line 7's replay in float32, and method.sensitivity="
+                             f"{self.sensitivity!r} has no replay: set method.sensitivity=replay or method.replay_float32=false")
         if not 0 < self.replay_frac <= 1:
             raise ValueError(f"method.replay_frac must be in (0, 1] (the share of rows line 7 replays), "
                              f"got {self.replay_frac}; e.g. method.replay_frac=0.25")
@@ -366,10 +380,14 @@ class SPrPO(Method):
             raise ValueError(f"method.replay_frac < 1 estimates a token-mean surrogate; update.loss.loss_agg_mode is "
                              f"{actor.loss_cfg.loss_agg_mode!r}: set method.replay_frac=1 or update.loss.loss_agg_mode=token-mean")
         xi_leaf = grad_leaf(xi, actor)
+        f32 = self.cfg.replay_float32 and actor.dtype != torch.float32
+        measured = float32_old_log_probs(actor, batch, xi) if f32 else batch  # line 7's L_k: theta_k's log-probs
+        kept = self.cfg.replay_frac >= 1 and not f32  # a kept graph is in the model's dtype
         try:  # line 6: theta_{k+1}; the layers below the adapters keep their graph for line 7 (update.replay_graph_gb)
-            stats = actor.ppo_update(batch, xi, graph_xi=xi_leaf if self.cfg.replay_frac >= 1 else None)
-            rows, c = replay_rows(batch, self.cfg.replay_frac, self.seed, k)
-            with actor.timing(MK.SENSITIVITY_S):  # line 7: replay D_k at theta_{k+1} under xi_k
+            stats = actor.ppo_update(batch, xi, graph_xi=xi_leaf if kept else None)
+            rows, c = replay_rows(measured, self.cfg.replay_frac, self.seed, k)
+            # line 7: replay D_k at theta_{k+1} under xi_k (in float32 under method.replay_float32)
+            with actor.timing(MK.SENSITIVITY_S), float32_compute(actor.model, f32):
                 actor.zero_grad()
                 replay = actor.backward(rows, xi_leaf, terms=SURROGATE)
                 self.record(xi_leaf.grad * c, actor.grad_norm_sq() * c * c)
@@ -452,6 +470,16 @@ class SPrPO(Method):
             e, log = self.cfg.ema, self.cfg.m_stat == "log"
             x = math.log(self.m_bar) if log else self.m_bar
             self.m_acc, self.m_sum = x * (1 - e ** self.n_measured), x * self.n_measured
+
+
+def float32_old_log_probs(actor: Actor, batch: Batch, xi: torch.Tensor) -> Batch:
+    """``method.replay_float32``: a copy of ``batch`` whose old log-probs are computed in float32 at
+    the actor's parameters (theta_k, before line 6) under ``xi``, for line 7's replay; the update keeps
+    the batch's own (its first step's, in the model's dtype, so nothing clips at theta_k by rounding).
+    Timed as line 7's (``sensitivity_s``)."""
+    with actor.timing(MK.SENSITIVITY_S), float32_compute(actor.model):
+        lps = actor.log_probs(batch, xi)
+    return Batch([replace(s, old_logp=lp) for s, lp in zip(batch.samples, lps)])
 
 
 def replay_rows(batch: Batch, frac: float, seed: int, k: int) -> tuple[Batch, float]:
