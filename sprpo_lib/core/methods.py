@@ -136,8 +136,10 @@ class MethodConfig:
             (records in ``figures/bench_*.md``).  On the ``cpu`` batches (WebShop, ALFWorld) the
             two ranked the channels with a Spearman of 0.61 and 0.81 (half the rows against the
             other half: 0.31 and 0.39), and after 6 and 4 iterations the sigma drawn from the EMAs
-            differed by a relative L2 of 0.33 in both (the run's own last step: 0.15 and 0.37);
-            about half of it comes from the old log-probs' rounding.  A float32 replay
+            differed by a relative L2 of 0.33 in both (the run's own last step: 0.15 and 0.37).
+            A float32 replay that kept the bf16 old log-probs agreed with this one only to a
+            Spearman of 0.77 in both: much of the difference is the old log-probs' rounding,
+            through the tokens the PPO clip drops, hence both passes here.  A float32 replay
             costs 1.7-2.1x the bf16 one on a CPU without AMX (``sprpo-bench grads``, the same
             batches), plus the float32 forward at theta_k, and no run has yet shown that it changes
             learning, hence the default.
