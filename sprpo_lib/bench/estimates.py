@@ -117,7 +117,7 @@ def dtype_agreement(g32: dict, full: tuple[torch.Tensor, float], total_tokens: i
     """The run's replay in the model's dtype (``full``: its S_hat and m_hat) against its float32 twin
     (``g32``, over the same rows): :func:`estimate_agreement` with float32 as the reference, and
     ``S_sum_ratio``, the total of S_hat over float32's (rounding noise adds its variance to every
-    squared entry, so a ratio above 1 is a bias the EMA keeps)."""
+    squared entry: a ratio above 1 over many batches would be a bias the EMA keeps)."""
     S32 = _stat(*combine([g32], total_tokens))
     return {**estimate_agreement(S32, full, mcfg),
             "S_sum_ratio": round(float(full[0].sum()) / max(float(S32[0].sum()), 1e-30), 4)}

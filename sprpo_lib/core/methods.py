@@ -387,11 +387,12 @@ class SPrPO(Method):
                              f"{actor.loss_cfg.loss_agg_mode!r}: set method.replay_frac=1 or update.loss.loss_agg_mode=token-mean")
         xi_leaf = grad_leaf(xi, actor)
         f32 = self.cfg.replay_float32 and actor.dtype != torch.float32
-        measured = float32_old_log_probs(actor, batch, xi) if f32 else batch  # line 7's L_k: theta_k's log-probs
+        rows, c = replay_rows(batch, self.cfg.replay_frac, self.seed, k)  # the batch's own samples
+        if f32:  # line 7's L_k reads theta_k's log-probs: computed in float32 now, for the replayed rows alone
+            rows = float32_old_log_probs(actor, rows, xi)
         kept = self.cfg.replay_frac >= 1 and not f32  # a kept graph is in the model's dtype
         try:  # line 6: theta_{k+1}; the layers below the adapters keep their graph for line 7 (update.replay_graph_gb)
             stats = actor.ppo_update(batch, xi, graph_xi=xi_leaf if kept else None)
-            rows, c = replay_rows(measured, self.cfg.replay_frac, self.seed, k)
             # line 7: replay D_k at theta_{k+1} under xi_k (in float32 under method.replay_float32)
             with actor.timing(MK.SENSITIVITY_S), float32_compute(actor.model, f32):
                 actor.zero_grad()
