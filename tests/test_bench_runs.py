@@ -69,6 +69,10 @@ def test_runs_compares_seconds_and_learning_against_hand_counts(tmp_path, monkey
     assert "| vanilla | 25.0 -> 12.0 (0.48x) |" in text and "40.0 -> 80.0%, +40.0 pp" in text
     assert "| yes: 12.0 -> 5.0 (0.417x) |" in text and "| 10.0 -> 5.0 (0.5x) | no |" in text
     assert "vanilla 0.48x, sprpo 0.5x" in headline(rec)
+    # a record from before first_batch existed: its first rollouts' match is still reported
+    del v["first_batch"], s["first_batch"]
+    text = section(rec, out)
+    assert "| - | yes | 0.25,0.25 / 0.25,0.5 |" in text and "| 10.0 -> 5.0 (0.5x) | no |" in text
     # the same runs on both sides: no config difference, every held-out task alike (said, not a 0-width interval)
     assert bench_main(["runs", "--profile", "smoke", "--methods", "vanilla", "--before", str(after),
                        "--after", str(after), "--out", str(out)]) == 0

@@ -259,7 +259,8 @@ def _runs_rows(res: dict) -> list[str]:
         extra = f"{b['extra_s']} -> {a['extra_s']} ({r['extra_ratio']}x)" if r.get("extra_ratio") else "-"
         curve = " / ".join(",".join(f"{v:g}" for v in p["success"]) for p in (b, a))
         fb = r.get("first_batch")
-        first = "no" if not fb else ("yes: " + " -> ".join(map(str, fb["update_s"])) + f" ({fb['update_ratio']}x)"
+        # a record from before ``first_batch`` existed says only whether the first rollouts matched
+        first = ("yes" if r.get("first_rollout_same") else "no") if not fb else ("yes: " + " -> ".join(map(str, fb["update_s"])) + f" ({fb['update_ratio']}x)"
                                      + (f"; {' -> '.join(map(str, fb['extra_s']))} ({fb['extra_ratio']}x)"
                                         if fb.get("extra_ratio") else ""))
         lines.append(f"| {m} | {b['iteration_s']} -> {a['iteration_s']} ({r['iteration_ratio']}x) | {b['update_s']} -> "
