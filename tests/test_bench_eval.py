@@ -59,11 +59,12 @@ def test_bench_eval_agent_setting_changes_the_prompt(one_thread):
 
 
 def test_generation_floor_by_hand():
-    """Decode steps follow the environment steps: step 0 has two live episodes whose longest
-    response is 5 tokens (5 decode steps at the longer context, 12), step 1 one episode of
-    2 tokens (context 15).  FLOP-bound (endless bandwidth) each decode step costs its live
-    episodes' FLOPs; bandwidth-bound each costs one read of every weight.  Prefill counts
-    every prompt token once."""
+    """Decode steps follow the environment steps: step 0 has two live episodes (prompts of 10
+    and 12 tokens generating 3 and 5: 3 decode steps with both, 2 with the second alone),
+    step 1 one episode (prompt 15, 2 tokens).  FLOP-bound (endless bandwidth) each decode
+    step costs its live episodes' FLOPs at their own context; bandwidth-bound each reads
+    every weight and the live episodes' KV cache (prompt and tokens so far) once.  Prefill
+    counts every prompt token once."""
     from sprpo_lib.agent.rollout import EpisodeRecord, StepRecord
     from sprpo_lib.bench.suite import generation_floor, shape_config
     from sprpo_lib.infra import hardware as hw
@@ -75,13 +76,18 @@ def test_generation_floor_by_hand():
            EpisodeRecord("webshop", "test", 1, "b", 1, 0, "", [step(0, 12, 5)])]
     config = shape_config("tiny-qwen2")
     rate = 1e-6  # GFLOP/s: 1,000 FLOPs per second
-    flop_bound = generation_floor(config, eps, rate, bandwidth_gbs=1e9, weight_bytes=1)
-    want = (5 * 2 * hw.decode_flops(config, 12) + 2 * hw.decode_flops(config, 15)) / 1e3
+    flop_bound = generation_floor(config, eps, rate, bandwidth_gbs=1e9, weight_bytes=1, kv_bytes=2)
+    f = lambda c: hw.decode_flops(config, c)  # noqa: E731
+    want = (sum(f(10 + s) + f(12 + s) for s in range(3)) + f(15) + f(16) + f(12 + 3) + f(12 + 4)) / 1e3
     assert flop_bound["decode_floor_s"] == round(want, 2)
     assert flop_bound["prefill_floor_s"] == round(hw.prefill_flops(config, [10, 15, 12]) / 1e3, 2)
     assert flop_bound["prompt_tokens"] == 37
-    read_bound = generation_floor(config, eps, 1e9, bandwidth_gbs=1e-9, weight_bytes=3)  # 3 s per weight read
-    assert read_bound["decode_floor_s"] == (5 + 2) * 3.0
+    # 1 byte/s: 3 bytes of weights per step, and per cached position K and V of every KV head in every layer
+    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * (config.hidden_size // config.num_attention_heads) * 2
+    assert hw.kv_bytes_per_token(config, 2) == kv
+    cached = sum(10 + s + 12 + s for s in range(3)) + (12 + 3) + (12 + 4) + 15 + 16
+    read_bound = generation_floor(config, eps, 1e9, bandwidth_gbs=1e-9, weight_bytes=3, kv_bytes=2)
+    assert read_bound["decode_floor_s"] == round((5 + 2) * 3.0 + kv * cached, 2)
 
 
 def test_call_log_and_prefill_replay_run_the_same_calls_with_one_new_token(monkeypatch):

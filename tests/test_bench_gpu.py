@@ -9,9 +9,10 @@ import types
 import pytest
 
 from sprpo_lib.bench import cli as bench_cli
-from sprpo_lib.bench.gpu import decode_floor_s, full_budget_batch
+from sprpo_lib.bench.gpu import full_budget_batch
 from sprpo_lib.bench.report import section
 from sprpo_lib.core.batch import Batch, Sample
+from sprpo_lib.infra import hardware as hw
 from sprpo_lib.train.config import load_config
 
 
@@ -20,8 +21,8 @@ def test_decode_floor_reads_weights_and_live_kv_once_per_step():
     Prompts of 10 and 20 tokens generating 2 and 1: step 0 reads 1000 + 512 * 30 bytes,
     step 1 (only the first still generating) 1000 + 512 * 11; at 1 GB/s that is 22,992 ns."""
     cfg = types.SimpleNamespace(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64)
-    assert decode_floor_s(cfg, 1000, [10, 20], [2, 1], 1.0, 4) == pytest.approx(22_992e-9)
-    assert decode_floor_s(cfg, 1000, [10], [0], 1.0, 4) == 0.0
+    assert hw.decode_floor_s(cfg, [10, 20], [2, 1], 1000, 4, 1.0) == pytest.approx(22_992e-9)
+    assert hw.decode_floor_s(cfg, [10], [0], 1000, 4, 1.0) == 0.0
 
 
 def test_gpu_bench_runs_end_to_end_at_a_tiny_shape(tmp_path, monkeypatch):

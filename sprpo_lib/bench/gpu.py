@@ -66,20 +66,6 @@ def cuda_tests(device: str, timeout_s: int = 240) -> dict:
     return {"rc": rc, **counts, "seconds": round(time.perf_counter() - t0, 1)}
 
 
-def decode_floor_s(config, weight_bytes: int, prompt_lens: list[int], response_lens: list[int], bandwidth_gbs: float,
-                   kv_bytes: int) -> float:
-    """Seconds of a batch's decode steps if each step read every weight and the KV cache of
-    every sequence still generating (its prompt and the tokens so far) once from memory."""
-    layers = int(config.num_hidden_layers)
-    heads = int(config.num_attention_heads)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-    kv_width = int(getattr(config, "num_key_value_heads", None) or heads) * head_dim
-    per_token = 2 * layers * kv_width * kv_bytes
-    total = sum(weight_bytes + per_token * sum(p + step for p, r in zip(prompt_lens, response_lens) if r > step)
-                for step in range(max(response_lens, default=0)))
-    return total / (bandwidth_gbs * 1e9)
-
-
 def generation(policy, engines: tuple[str, ...], batch: int, new_tokens: int, bandwidth_gbs: float) -> dict:
     """Per engine: new tokens per second on ``batch`` real WebShop prompts (greedy, at most
     ``new_tokens`` each) and the decode floor over the wall time.  The wall splits into the
@@ -121,8 +107,8 @@ def generation(policy, engines: tuple[str, ...], batch: int, new_tokens: int, ba
                 close_engine(gen)
         (wall, prefill), res = walls, results[0]
         tokens = sum(len(g.response_ids) for g in res)
-        floor = decode_floor_s(config, weight_bytes, [len(g.prompt_ids) for g in res],
-                               [len(g.response_ids) for g in res], bandwidth_gbs, kv_bytes)
+        floor = hw.decode_floor_s(config, [len(g.prompt_ids) for g in res], [len(g.response_ids) for g in res],
+                                  weight_bytes, kv_bytes, bandwidth_gbs)
         prefill_floor = hw.prefill_flops(config, [len(g.prompt_ids) for g in res]) / (rate * 1e9)
         out[name] = {"batch": batch, "new_tokens": tokens, "wall_s": round(wall, 2),
                      "tokens_per_s": round(tokens / wall, 1), "decode_floor_s": round(floor, 3),

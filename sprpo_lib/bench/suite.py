@@ -322,18 +322,20 @@ def pass_groups(rows, prefix_min: int) -> list[tuple[int, list[int], list[int]]]
     return [(len(g.prefix), [len(s.ids) for s in g.samples], [s.n_resp for s in g.samples]) for g in plan]
 
 
-def generation_floor(config, episodes, gflops: float, bandwidth_gbs: float, weight_bytes: int) -> dict:
+def generation_floor(config, episodes, gflops: float, bandwidth_gbs: float, weight_bytes: int, kv_bytes: int) -> dict:
     """The rollout's generation floor: every prompt token prefilled at the measured matmul
-    rate, and per environment step (one generation call over the live episodes) as many
-    decode steps as its longest response, each at least one read of every weight at the
-    measured bandwidth or its FLOPs at the matmul rate, whichever is slower."""
-    prefill, decode = _floor_seconds(config, episodes, gflops, bandwidth_gbs, weight_bytes)
+    rate, and per environment step (one generation call over the live episodes) the decode
+    steps of :func:`hardware.decode_floor_s` (each reads every weight and the KV cache of the
+    episodes still generating at the measured bandwidth, or costs its FLOPs at the matmul
+    rate, whichever is slower).  ``kv_bytes``: bytes per cached value (the engine's dtype)."""
+    prefill, decode = _floor_seconds(config, episodes, gflops, bandwidth_gbs, weight_bytes, kv_bytes)
     return {"prompt_tokens": sum(len(st.prompt_ids) for e in episodes for st in e.steps),
             "prefill_floor_s": round(prefill, 2), "decode_floor_s": round(decode, 2),
             "floor_s": round(prefill + decode, 2)}
 
 
-def _floor_seconds(config, episodes, gflops: float, bandwidth_gbs: float, weight_bytes: int) -> tuple[float, float]:
+def _floor_seconds(config, episodes, gflops: float, bandwidth_gbs: float, weight_bytes: int,
+                   kv_bytes: int) -> tuple[float, float]:
     """:func:`generation_floor`'s prefill and decode seconds, unrounded."""
     by_step: dict[int, list] = {}
     for e in episodes:
@@ -341,11 +343,9 @@ def _floor_seconds(config, episodes, gflops: float, bandwidth_gbs: float, weight
             by_step.setdefault(st.step, []).append(st)
     prompts = [len(st.prompt_ids) for e in episodes for st in e.steps]
     prefill = hw.prefill_flops(config, prompts) / (gflops * 1e9)
-    decode = 0.0
-    for steps in by_step.values():
-        ctx = max(len(st.prompt_ids) for st in steps)
-        per = max(weight_bytes / (bandwidth_gbs * 1e9), len(steps) * hw.decode_flops(config, ctx) / (gflops * 1e9))
-        decode += per * max(len(st.response_ids) for st in steps)
+    decode = sum(hw.decode_floor_s(config, [len(st.prompt_ids) for st in steps], [len(st.response_ids) for st in steps],
+                                   weight_bytes, kv_bytes, bandwidth_gbs, gflops)
+                 for steps in by_step.values())
     return prefill, decode
 
 
@@ -643,7 +643,7 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     ran_f32 = any(any(t["update_float32"]) for t in times.values()) and tr.dtype != "float32"
     f32_gflops = prefill_rate(config, "float32") if ran_f32 else None  # SAM's update below bf16's resolution
     played = eps + list(rst.get("dropped", []))  # generate_s covers every refill round's episodes
-    gen = generation_floor(config, played, gflops, bandwidth, weight_bytes)
+    gen = generation_floor(config, played, gflops, bandwidth, weight_bytes, getattr(torch, tr.dtype).itemsize)
     t_roll = rst["rollout_s"]
     res: dict = {"profile": profile, "env": env, "overrides": list(overrides or []), "dtype": tr.dtype,
                  "setup_s": round(t_setup, 2),  # model load and warm start (minutes of SFT when not cached)
@@ -1131,7 +1131,8 @@ def bench_eval(profile: str = "cpu", env: str = "webshop", engines: tuple[str, .
             wall = time.perf_counter() - t0
             lengths = [len(s.prompt_ids) for r in recs for s in r.steps]
             gen_tokens = sum(len(s.response_ids) for r in recs for s in r.steps)
-            floor, decode = _floor_seconds(config, recs, peak[dtype], bandwidth, n_params * getattr(torch, dtype).itemsize)
+            size = getattr(torch, dtype).itemsize  # weights and KV cache in the dtype the engine computes in
+            floor, decode = _floor_seconds(config, recs, peak[dtype], bandwidth, n_params * size, size)
             cache = prefix_reuse([[s.prompt_ids for s in r.steps] for r in recs])["floor_factor"]
             row[what] = {"wall_s": round(wall, 1), "generate_s": round(st["generate_s"], 1),
                          "episodes": len(recs), "episodes_per_min": round(60 * len(recs) / wall, 2),

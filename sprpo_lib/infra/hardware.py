@@ -291,6 +291,31 @@ def decode_flops(config, context: int) -> float:
     return float(2 * P * L + 4 * q * L * (context + 1) + 2 * int(config.hidden_size) * int(config.vocab_size))
 
 
+def kv_bytes_per_token(config, value_bytes: int) -> int:
+    """KV-cache bytes of one cached position: K and V of every KV head in every layer, at
+    ``value_bytes`` per value (the cache's dtype)."""
+    _, kv = _attn_dims(config)
+    return 2 * int(config.num_hidden_layers) * kv * int(value_bytes)
+
+
+def decode_floor_s(config, prompt_lens: Sequence[int], response_lens: Sequence[int], weight_bytes: int,
+                   kv_bytes: int, bandwidth_gbs: float, gflops: float | None = None) -> float:
+    """Least seconds for one batched generation call's decode steps.  At step ``s`` every
+    sequence still generating (response longer than ``s``) needs its cached positions
+    (prompt + ``s``) read once, with every weight, from memory: a batch of long prompts
+    reads far more KV cache than weights.  With ``gflops``, a step costs at least its FLOPs
+    (:func:`decode_flops` per live sequence) at that rate, whichever is slower."""
+    per_token = kv_bytes_per_token(config, kv_bytes)
+    total = 0.0
+    for step in range(max(response_lens, default=0)):
+        ctx = [p + step for p, r in zip(prompt_lens, response_lens) if r > step]
+        t = (weight_bytes + per_token * sum(ctx)) / (bandwidth_gbs * 1e9)
+        if gflops:
+            t = max(t, sum(decode_flops(config, c) for c in ctx) / (gflops * 1e9))
+        total += t
+    return total
+
+
 # ----------------------------------------------------------------------------- probes
 def _block(x: torch.Tensor, w: torch.Tensor, reps: int) -> float:
     """Seconds for ``reps`` calls of ``F.linear(x, w)``."""
