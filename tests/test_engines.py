@@ -278,6 +278,23 @@ def test_bench_generate_compares_engines_on_webshop_prompts(tmp_path):
             assert row["repeat_equal"] and row["prompt_tokens"] > 0 and row["wall_over_prefill_floor"] > 0
 
 
+def test_bench_records_default_to_one_file_per_environment(tmp_path, monkeypatch):
+    """Without --out a benchmark with --env writes runs/bench/<what>_<env>.json: a run on
+    another environment leaves the first record in place."""
+    import json
+
+    from sprpo_lib.bench import cli as bench_cli
+
+    monkeypatch.setenv("SPRPO_HOME", str(tmp_path))
+    for env in ("webshop", "alfworld"):
+        assert bench_cli.main(["prompts", "--model", "tiny-llama", "--episodes", "1", "--env", env,
+                               "--split", "test" if env == "webshop" else "valid_seen"]) == 0
+    names = sorted(p.name for p in (tmp_path / "runs" / "bench").glob("*.json"))
+    assert names == ["prompts_alfworld.json", "prompts_webshop.json"]
+    assert json.loads((tmp_path / "runs" / "bench" / "prompts_alfworld.json").read_text())["results"]["env"] == "alfworld"
+    assert bench_cli.record_name("machine", None) == "machine.json"
+
+
 def test_bench_prompts_splits_the_token_budget_by_section(tmp_path):
     import json
 

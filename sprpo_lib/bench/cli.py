@@ -18,7 +18,7 @@
     sprpo-bench runs --env webshop --before runs/cpu/levers_off --after runs/cpu/train   # finished runs compared
     sprpo-bench report   # runs/bench/*.json -> figures/bench_<machine>.md, README block
 
-Results go to ``runs/bench/<name>.json`` (``--out`` to change) and are printed as a table.
+Results go to ``runs/bench/<name>_<env>.json``, or ``<name>.json`` for a benchmark without ``--env`` (``--out`` to change), and are printed as a table.
 """
 from __future__ import annotations
 
@@ -64,6 +64,12 @@ def _print_table(res: dict, prefix: str = "") -> None:
             print(f"  {prefix + k:<40} [{len(v)} rows: see the JSON]")
         else:
             print(f"  {prefix + k:<40} {v}")
+
+
+def record_name(what: str, env: str | None) -> str:
+    """The default record file of ``sprpo-bench <what>``: one per benchmark and environment,
+    so that an ALFWorld run does not overwrite a WebShop record."""
+    return f"{what}_{env}.json" if env else f"{what}.json"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         if sp is not al:  # that one measures both
             sp.add_argument("--allocator", choices=ALLOCATORS, default="tuned",
                             help="glibc malloc settings (hardware.set_allocator; 'default': glibc as it is)")
-        sp.add_argument("--out", type=Path, help="JSON path (default runs/bench/<what>.json)")
+        sp.add_argument("--out", type=Path, help="JSON path (default runs/bench/<what>_<env>.json, or <what>.json without --env)")
     r = sub.add_parser("report", help="runs/bench/*.json as figures/bench_<machine>.md and the README's bench block")
     r.add_argument("--dir", type=Path, default=None, help="benchmark JSON folder (default runs/bench/)")
     args = ap.parse_args(argv)
@@ -227,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.what != "allocator":
         set_allocator(args.allocator)
     t0, commit = time.time(), git_commit()  # the code that runs (files edited during a long run do not count)
-    out = project_path(args.out) if args.out else runs_dir("bench", f"{args.what}.json")
+    out = project_path(args.out) if args.out else runs_dir("bench", record_name(args.what, getattr(args, "env", None)))
 
     def record(res: dict, partial: bool = False) -> dict:
         rec = {"bench": args.what, "commit": commit, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
