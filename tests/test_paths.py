@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
 import pytest
 
@@ -114,3 +115,40 @@ def test_stage_table_keeps_recorded_compute_this_machine_does_not_hold(tmp_path)
     assert "| `01_training` | not run | 213.6 min |" in got and "| `04_robustness` | not run | 46.0 min |" in got
     assert got.strip().splitlines()[-1] == "| all | 0.0 min | 259.6 min | | |"
     assert "| `01_training` | not run |  |" in stage_table("cpu", out_dir=tmp_path / "figures", runs_dir=tmp_path / "runs")
+
+
+def test_bench_readme_overview_reads_each_environments_main_records(tmp_path):
+    """The README's overview row per environment reads ``train_<env>`` or ``train`` run on it (never a
+    variant under config overrides), ``ops_<env>`` and ``eval_<env>``; SAM's ratio from the newest run
+    that timed it; "-" where nothing was measured; every record still listed in its machine's fold."""
+    from sprpo_lib.bench.report import OVERVIEW_HEADER, readme_block
+
+    amx = {"cpu_model": "Xeon", "cpu_class": "amx"}
+
+    def train(env, upd, date, overrides=(), sam=None):
+        sh = {"vanilla": {"update_s": 20.0, "update_over_floor": upd, "update_s_per_sample": 0.4, "ppo_steps": 4.0},
+              "sprpo_over_vanilla": 2.0, "sprpo_over_vanilla_at_floors": 1.5}
+        if sam:
+            sh.update(sam_over_vanilla=sam, sam_over_vanilla_at_floors=3.0)
+        return {"bench": "train", "date": date, "results": {
+            "machine": amx, "env": env, "dtype": "bfloat16", "overrides": list(overrides), "shared": sh,
+            "whole": {"vanilla": {"update_s": 40.0, "update_s_per_sample": 0.8, "ppo_steps": 4.0}}}}
+
+    ev = {"bench": "eval", "date": "2026-12-02", "results": {"machine": amx, "env": "webshop", "openvino:auto": {"eval": {
+        "episodes_per_min": 90.0, "wall_over_prefill_floor": 1.85, "least_over_prefill_floor": 1.03}}}}
+    ops = {"bench": "ops", "date": "2026-12-02", "results": {"machine": amx, "env": "webshop", "eager_bound_over_floor": 1.78}}
+    records = [(Path("train"), train("webshop", 5.87, "2026-12-01")),
+               (Path("train_mb16_webshop"), train("webshop", 7.0, "2026-12-03", ["update.micro_batch=16"], sam=9.9)),
+               (Path("train_sam_webshop"), train("webshop", 6.1, "2026-11-30", sam=2.456)),
+               (Path("train_alfworld"), train("alfworld", 5.6, "2026-12-02")),
+               (Path("ops_webshop"), ops), (Path("eval_webshop"), ev)]
+    block = readme_block([("bench_xeon-amx.md", records)])
+    assert block.startswith(OVERVIEW_HEADER)
+    assert ("| Xeon (amx) | webshop | 5.87x (eager bound 1.78x) | 0.4 / 0.8 s = 0.500x | 2.0 (1.5) | 2.456 (3.0) "
+            "| 1.85x (least 1.03x), `openvino:auto` | bfloat16 |") in block
+    assert "| Xeon (amx) | alfworld | 5.6x | 0.4 / 0.8 s = 0.500x | 2.0 (1.5) | - | - | bfloat16 |" in block
+    assert "<summary>Xeon (class amx): every record</summary>" in block and "[All tables](figures/bench_xeon-amx.md)" in block
+    assert "- `train_mb16_webshop`: webshop (update.micro_batch=16) update 20.0 s (7.0x its floor)" in block
+    # a machine with no train, ops or eval record has no overview row, and a GPU machine none at all
+    gpu = [(Path("gpu_h200"), {"bench": "gpu", "results": {"machine": {"gpu": "H200", "cpu_class": "amx"}}})]
+    assert OVERVIEW_HEADER not in readme_block([("bench_h200.md", gpu)])

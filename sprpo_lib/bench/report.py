@@ -655,6 +655,84 @@ def headline(record: dict) -> str | None:
     return None
 
 
+def main_record(records: list[tuple[Path, dict]], what: str, env: str, has: str | None = None) -> dict | None:
+    """The results of benchmark ``what`` on ``env`` that the README's overview reads: the record
+    named ``<what>_<env>`` or ``<what>``, else the newest one of that benchmark on ``env``; a
+    record measured under config overrides (a lever's variant) is never the main one.  ``has``:
+    only records whose shared path measured that ratio (SAM's, which not every train run times)."""
+    fits = [(p, r) for p, r in records if r.get("bench") == what and (r.get("results") or {}).get("env") == env
+            and not (r.get("results") or {}).get("overrides")
+            and (has is None or has in ((r.get("results") or {}).get("shared") or {}))]
+    named = [(p, r) for p, r in fits if p.stem in (f"{what}_{env}", what)]
+    pick = max(named or fits, key=lambda pr: str(pr[1].get("date", "")), default=None)
+    return pick[1]["results"] if pick else None
+
+
+OVERVIEW_HEADER = ("| machine | env | update / FLOP floor | update s/row: profile / reference path | SPrPO / Vanilla "
+                   "| SAM / Vanilla | held-out eval / prefill floor | train dtype |\n|---|---|---|---|---|---|---|---|")
+
+
+OVERVIEW_NOTE = ("Update: Vanilla's PPO update on one rollout batch of the `cpu` profile (`sprpo-bench train`), against "
+                 "its FLOP floor at the matmul rate measured in the same run; the eager bound (`sprpo-bench ops`) puts "
+                 "every op at its roofline. Seconds per row: the profile's passes against the reference path (every row "
+                 "whole, every layer at every step) in the same run. SAM: the newest such run that timed it. SPrPO and SAM: seconds per iteration over "
+                 "Vanilla's, in brackets with every phase at its floor. Held-out eval: wall over the all-token prefill "
+                 "floor for the first engine measured, in brackets the least with an unlimited prefix cache and "
+                 "decoding at its floor.")
+
+
+def _ratio_cell(sh: dict, method: str) -> str:
+    """A method's iteration over Vanilla's, with every phase at its floor in brackets."""
+    if f"{method}_over_vanilla" not in sh:
+        return "-"
+    at = sh.get(f"{method}_over_vanilla_at_floors")
+    return f"{sh[f'{method}_over_vanilla']}" + (f" ({at})" if at is not None else "")
+
+
+def overview_row(machine: dict, env: str, records: list[tuple[Path, dict]]) -> str | None:
+    """One overview line: ``env``'s main ``train``, ``ops`` and ``eval`` records on one machine
+    (:func:`main_record`), "-" where one was not measured; None when none was."""
+    train, ops, ev = (main_record(records, what, env) for what in ("train", "ops", "eval"))
+    if not (train or ops or ev):
+        return None
+    train = train or {}
+    sh, van = train.get("shared") or {}, (train.get("shared") or {}).get("vanilla") or {}
+    whole = ((train.get("whole") or {}).get("vanilla") or {}).get("update_s_per_sample")
+    floor = f"{van['update_over_floor']}x" if "update_over_floor" in van else "-"
+    if ops and ops.get("eager_bound_over_floor") is not None:
+        floor += f" (eager bound {ops['eager_bound_over_floor']}x)"
+    per_row = "-"
+    if "update_s_per_sample" in van:
+        mine = van["update_s_per_sample"]
+        per_row = f"{mine} / {whole} s = {mine / whole:.3f}x" if whole else f"{mine} s"
+        per_row += "" if "ppo_steps" in van else " (reference: rows whole only)"
+    sam = main_record(records, "train", env, has="sam_over_vanilla") or {}
+    spec, row = next(((s, r["eval"]) for s, r in (ev or {}).items() if isinstance(r, dict) and "eval" in r), (None, None))
+    held = "-" if row is None else (f"{row['wall_over_prefill_floor']}x" + (
+        f" (least {row['least_over_prefill_floor']}x)" if "least_over_prefill_floor" in row else "") + f", `{spec}`")
+    name = f"{machine.get('cpu_model', '?')} ({machine.get('cpu_class', '?')})"
+    return (f"| {name} | {env} | {floor} | {per_row} | {_ratio_cell(sh, 'sprpo')} | {_ratio_cell(sam.get('shared') or {}, 'sam')} | {held} "
+            f"| {train.get('dtype', '-')} |")
+
+
+def readme_block(machines: list[tuple[str, list[tuple[Path, dict]]]]) -> str:
+    """The README's ``bench`` block: one overview table of each CPU machine's main records per
+    environment (:func:`overview_row`), then, folded per machine, every record's :func:`headline`
+    and a link to its tables (``machines``: the tables' file name and its records)."""
+    rows, folds = [], []
+    for md_name, records in machines:
+        machine = machine_of(records[0][1])
+        if not machine.get("gpu"):
+            rows += [r for env in ("webshop", "alfworld") if (r := overview_row(machine, env, records))]
+        phrases = [f"- `{p.stem}`: {h}" for p, rec in records if (h := headline(rec))]
+        host = f"host {machine.get('cpu_model')}, " if machine.get("gpu") else ""
+        title = f"{machine.get('gpu') or machine.get('cpu_model', md_name)} ({host}class {machine.get('cpu_class', '?')})"
+        folds.append(f"<details><summary>{title}: every record</summary>\n\n[All tables](figures/{md_name}).\n\n"
+                     + "\n".join(phrases or [f"- `{p.stem}`" for p, _ in records]) + "\n\n</details>")
+    table = [OVERVIEW_HEADER + "\n" + "\n".join(rows), OVERVIEW_NOTE] if rows else []
+    return "\n\n".join(table + folds) + "\n"
+
+
 def section(record: dict, path: Path) -> str:
     """One benchmark's Markdown: its command name, date, wall time and table (and, for a run
     that was stopped before its end, that it is partial)."""
@@ -686,7 +764,7 @@ def report(bench_dir: Path | None = None, out_dir: Path | None = None, readme: P
     it (the library's page, or ``readme``).  Returns the files written."""
     t0 = time.time()
     bench_dir, out_dir = bench_dir or runs_dir("bench"), out_dir or figures_dir()
-    written, summary = [], []
+    written = []
     for slug, records in collect(bench_dir).items():
         machine = machine_of(records[0][1])
         md = (f"# Benchmarks on {machine.get('gpu') or machine.get('cpu_model', slug)}\n\nMachine: {machine_line(machine)}.\n"
@@ -701,23 +779,19 @@ def report(bench_dir: Path | None = None, out_dir: Path | None = None, readme: P
             write_manifest(path, {"sources": [str(p.name) for p, _ in records]}, None, time.time() - t0,
                            extra={"machine_of_runs": machine})
         written += list(texts)
+    machines = []
     for js_path in sorted(p for p in out_dir.glob("bench_*.json") if not p.name.endswith(".manifest.json")):
         try:
             records = [(Path(stem), rec) for stem, rec in read_json(js_path).items() if isinstance(rec, dict)]
         except (CorruptFileError, AttributeError) as err:
             log.warning("%s: skipped in the README summary (%s)", js_path, err)
             continue
-        if not records:
-            continue
-        machine = machine_of(records[0][1])
-        phrases = [f"{p.stem}: {h}" for p, rec in records if (h := headline(rec))]
-        host = f"host {machine.get('cpu_model')}, " if machine.get("gpu") else ""
-        summary.append(f"- {machine.get('gpu') or machine.get('cpu_model', js_path.stem)} ({host}class {machine.get('cpu_class', '?')}; "
-                       f"[all tables](figures/{js_path.with_suffix('.md').name})): "
-                       + "; ".join(phrases or [p.stem for p, _ in records]))
+        if records:
+            machines.append((js_path.with_suffix(".md").name, records))
+    summary = readme_block(machines)
     for page, prefix in [(readme, "")] if readme else doc_pages(project_root()):
         text = page.read_text() if page.is_file() else ""
         if "<!-- bench:begin -->" in text and summary:
             atomic_write_text(page, replace_block(text, "bench", "<!-- generated by sprpo-bench report; do not edit -->\n"
-                                                  + "\n".join(summary) + "\n", prefix=prefix))
+                                                  + summary, prefix=prefix))
     return written
