@@ -112,3 +112,28 @@ def test_bench_ops_on_the_smoke_batch_adds_up():
     line = headline({"bench": "ops", "results": res})
     assert "eager bound" in line
     assert ("of the matmul time" in line) == sizes[0]["size"].startswith("<=")
+
+
+def test_bench_ops_files_sprpos_replay_apart_from_its_update():
+    """SPrPO's update and its S_hat replay (Alg. 1 line 7) are timed apart, each op under the phase
+    the actor ran it in.  On the smoke model (adapters on every layer, one optimizer step) the two
+    phases run the same passes over the same rows, so their matmuls match call for call and FLOP
+    for FLOP; an op filed under the wrong phase would show as a difference."""
+    with pytest.raises(ValueError, match="bench ops --method: expected one of vanilla, sprpo"):
+        bench_ops("smoke", "webshop", method="sam")
+    res = bench_ops("smoke", "webshop", method="sprpo")
+    assert res["method"] == "sprpo" and res["ppo_steps"] == 1
+    up, ex = res, res["extra"]
+    for phase, name in ((up, "update"), (ex, "extra")):
+        c = phase["classes"]
+        assert sum(r["seconds"] for r in c.values()) == pytest.approx(phase["ops_s"], abs=0.02)
+        assert phase["ops_s"] <= phase[f"spied_{name}_s"] + 0.01 and phase["floor_s"] > 0
+        assert phase[f"{name}_over_floor"] == pytest.approx(phase[f"{name}_s"] / phase["floor_s"], rel=0.02)
+    assert ex["classes"]["matmul"]["calls"] == up["classes"]["matmul"]["calls"] > 0
+    assert ex["classes"]["matmul"]["work"] == pytest.approx(up["classes"]["matmul"]["work"], rel=1e-6)
+    assert ex["floor_s"] == pytest.approx(up["floor_s"], rel=1e-6)
+    table = "\n".join(SUMMARIES["ops"](res))
+    assert "SPrPO's update" in table and "SPrPO's S_hat replay (Alg. 1 line 7)" in table
+    assert table.count("Eager bound") == 2 and "share of the replay" in table
+    line = headline({"bench": "ops", "results": res})
+    assert line.startswith("webshop SPrPO update") and f"its S_hat replay {ex['extra_over_floor']}x its floor" in line

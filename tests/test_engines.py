@@ -293,6 +293,8 @@ def test_bench_records_default_to_one_file_per_environment(tmp_path, monkeypatch
     assert names == ["prompts_alfworld.json", "prompts_webshop.json"]
     assert json.loads((tmp_path / "runs" / "bench" / "prompts_alfworld.json").read_text())["results"]["env"] == "alfworld"
     assert bench_cli.record_name("machine", None) == "machine.json"
+    assert bench_cli.record_name("ops", "webshop", "sprpo") == "ops_sprpo_webshop.json"
+    assert bench_cli.record_name("ops", "webshop", "vanilla") == "ops_webshop.json"
 
 
 def test_bench_prompts_splits_the_token_budget_by_section(tmp_path):

@@ -141,7 +141,8 @@ def test_bench_readme_overview_reads_each_environments_main_records(tmp_path):
                (Path("train_mb16_webshop"), train("webshop", 7.0, "2026-12-03", ["update.micro_batch=16"], sam=9.9)),
                (Path("train_sam_webshop"), train("webshop", 6.1, "2026-11-30", sam=2.456)),
                (Path("train_alfworld"), train("alfworld", 5.6, "2026-12-02")),
-               (Path("ops_webshop"), ops), (Path("eval_webshop"), ev)]
+               (Path("ops_webshop"), ops), (Path("eval_webshop"), ev),
+               (Path("ops_sprpo_alfworld"), {**ops, "results": {**ops["results"], "env": "alfworld", "method": "sprpo"}})]
     block = readme_block([("bench_xeon-amx.md", records)])
     assert block.startswith(OVERVIEW_HEADER)
     assert ("| Xeon (amx) | webshop | 5.87x (eager bound 1.78x) | 0.4 / 0.8 s = 0.500x | 2.0 (1.5) | 2.456 (3.0) "
@@ -149,6 +150,6 @@ def test_bench_readme_overview_reads_each_environments_main_records(tmp_path):
     assert "| Xeon (amx) | alfworld | 5.6x | 0.4 / 0.8 s = 0.500x | 2.0 (1.5) | - | - | bfloat16 |" in block
     assert "<summary>Xeon (class amx): every record</summary>" in block and "[All tables](figures/bench_xeon-amx.md)" in block
     assert "- `train_mb16_webshop`: webshop (update.micro_batch=16) update 20.0 s (7.0x its floor)" in block
-    # a machine with no train, ops or eval record has no overview row, and a GPU machine none at all
+    # SPrPO's ops record is not ALFWorld's eager bound (Vanilla's); a machine with no train, ops or eval record has no row, and a GPU machine none at all
     gpu = [(Path("gpu_h200"), {"bench": "gpu", "results": {"machine": {"gpu": "H200", "cpu_class": "amx"}}})]
     assert OVERVIEW_HEADER not in readme_block([("bench_h200.md", gpu)])

@@ -35,7 +35,7 @@ from sprpo_lib.bench.attention import bench_attention
 from sprpo_lib.bench.estimates import bench_estimates
 from sprpo_lib.bench.gpu import METHODS, bench_gpu
 from sprpo_lib.bench.grads import bench_grads
-from sprpo_lib.bench.ops import bench_ops
+from sprpo_lib.bench.ops import OPS_METHODS, bench_ops
 from sprpo_lib.bench.report import report
 from sprpo_lib.bench.runs import bench_runs
 from sprpo_lib.bench.suite import (
@@ -66,9 +66,11 @@ def _print_table(res: dict, prefix: str = "") -> None:
             print(f"  {prefix + k:<40} {v}")
 
 
-def record_name(what: str, env: str | None) -> str:
+def record_name(what: str, env: str | None, method: str | None = None) -> str:
     """The default record file of ``sprpo-bench <what>``: one per benchmark and environment,
-    so that an ALFWorld run does not overwrite a WebShop record."""
+    so that an ALFWorld run does not overwrite a WebShop record, and per ``--method`` other than
+    Vanilla (``ops_sprpo_webshop.json`` beside ``ops_webshop.json``)."""
+    what = f"{what}_{method}" if method and method != "vanilla" else what
     return f"{what}_{env}.json" if env else f"{what}.json"
 
 
@@ -130,10 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     al.add_argument("--rounds", type=int, default=3, help="timed updates per method and side (median)")
     al.add_argument("--methods", default=",".join(ALLOCATOR_METHODS))
     al.add_argument("overrides", nargs="*", help="dotted config overrides")
-    op = sub.add_parser("ops", help="Vanilla's update on one rollout batch, every op timed where it runs: seconds by "
+    op = sub.add_parser("ops", help="one method's update on one rollout batch, every op timed where it runs: seconds by "
                         "class (matmul, attention, memory, views) against each class's roofline, the eager bound")
     op.add_argument("--profile", default="cpu")
     op.add_argument("--env", default="webshop")
+    op.add_argument("--method", default="vanilla", choices=OPS_METHODS,
+                    help="sprpo: its update and, apart, Alg. 1 line 7's S_hat replay")
     op.add_argument("overrides", nargs="*", help="dotted config overrides")
     gr = sub.add_parser("grads", help="each method's update on one rollout batch on the profile's passes and the "
                         "reference, in the model's dtype and in float32: first gradient, parameter change and S_hat compared")
@@ -233,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.what != "allocator":
         set_allocator(args.allocator)
     t0, commit = time.time(), git_commit()  # the code that runs (files edited during a long run do not count)
-    out = project_path(args.out) if args.out else runs_dir("bench", record_name(args.what, getattr(args, "env", None)))
+    out = project_path(args.out) if args.out else runs_dir("bench", record_name(args.what, getattr(args, "env", None),
+                                                                                   getattr(args, "method", None)))
 
     def record(res: dict, partial: bool = False) -> dict:
         rec = {"bench": args.what, "commit": commit, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -273,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.what == "allocator":
         res = bench_allocator(args.profile, args.env, args.rounds, tuple(args.methods.split(",")), args.overrides)
     elif args.what == "ops":
-        res = bench_ops(args.profile, args.env, args.overrides)
+        res = bench_ops(args.profile, args.env, args.overrides, args.method)
     elif args.what == "grads":
         res = bench_grads(args.profile, args.env, tuple(m for m in args.methods.split(",") if m), args.overrides)
     elif args.what == "attention":

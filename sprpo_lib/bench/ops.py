@@ -37,8 +37,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from sprpo_lib.bench.attention import BACKWARD_FLOPS, attention_flops
-from sprpo_lib.bench.suite import actor_passes, phase_flops, prefill_rate, restore_point, rollout_batch, warm_up
-from sprpo_lib.core.methods import MethodConfig
+from sprpo_lib.bench.suite import (
+    actor_passes,
+    method_variants,
+    phase_flops,
+    prefill_rate,
+    restore_point,
+    rollout_batch,
+    warm_up,
+)
+from sprpo_lib.core import metrics as MK
 from sprpo_lib.infra import hardware as hw
 
 CLASSES = ("matmul", "attention", "memory", "views")
@@ -114,18 +122,33 @@ def classify(name: str, args: tuple, out) -> tuple[str, float]:
     return "memory", float(sum(t.numel() * t.element_size() for t in ins + outs))
 
 
-class OpClock(TorchDispatchMode):
-    """Times every op inside the block: ``stats[(class, op)] = [calls, seconds, work]``, and the
-    matmuls again by size: ``sizes[label] = [calls, seconds, FLOPs]`` (:func:`matmul_size`), and
-    by role, ``roles[label]`` alike (:func:`matmul_role` with the adapter ``ranks`` and ``vocab``
-    given; none without them)."""
+class Tallies:
+    """One phase's op tallies, each ``[calls, seconds, work]``: ``stats[(class, op)]``, the
+    matmuls again by size, ``sizes[label]`` (:func:`matmul_size`), and by role, ``roles[label]``
+    (:func:`matmul_role`; none without the adapter ranks and vocabulary)."""
 
-    def __init__(self, ranks: frozenset[int] = frozenset(), vocab: int | None = None):
-        super().__init__()
+    def __init__(self):
         self.stats: dict = defaultdict(lambda: [0, 0.0, 0.0])
         self.sizes: dict = defaultdict(lambda: [0, 0.0, 0.0])
         self.roles: dict = defaultdict(lambda: [0, 0.0, 0.0])
+
+
+class OpClock(TorchDispatchMode):
+    """Times every op inside the block into the :class:`Tallies` of the phase running it:
+    ``parts[phase()]`` (``phase``: e.g. the actor's :attr:`~sprpo_lib.core.actor.Actor.phase`,
+    so an SPrPO update's ops and its replay's fall apart); without one, every op is in
+    ``parts["all"]``, which ``stats``, ``sizes`` and ``roles`` read.  Roles need the adapter
+    ``ranks`` and ``vocab``."""
+
+    def __init__(self, ranks: frozenset[int] = frozenset(), vocab: int | None = None, phase=None):
+        super().__init__()
+        self.parts: dict[str, Tallies] = defaultdict(Tallies)
         self.ranks, self.vocab = frozenset(ranks), vocab
+        self.phase = phase or (lambda: "all")
+
+    stats = property(lambda self: self.parts["all"].stats)
+    sizes = property(lambda self: self.parts["all"].sizes)
+    roles = property(lambda self: self.parts["all"].roles)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         t0 = time.perf_counter()
@@ -133,11 +156,12 @@ class OpClock(TorchDispatchMode):
         dt = time.perf_counter() - t0
         name = func.overloadpacket.__name__
         cls, work = classify(name, args, out)
-        tallies = [self.stats[(cls, name)]]
+        part = self.parts[self.phase()]
+        tallies = [part.stats[(cls, name)]]
         if cls == "matmul":
-            tallies.append(self.sizes[matmul_size(name, args)])
+            tallies.append(part.sizes[matmul_size(name, args)])
             if self.vocab is not None:
-                tallies.append(self.roles[matmul_role(name, args, self.ranks, self.vocab)])
+                tallies.append(part.roles[matmul_role(name, args, self.ranks, self.vocab)])
         for s in tallies:
             s[0] += 1
             s[1] += dt
@@ -154,54 +178,72 @@ def _matmul_rows(tallies: dict, labels, key: str, rate: float) -> list[dict]:
             for label, v in ((label, tallies[label]) for label in labels) if v[0]]
 
 
-def bench_ops(profile: str = "cpu", env: str = "webshop", overrides: list[str] | None = None) -> dict:
-    """Vanilla's update on one rollout batch of ``profile``: its wall time and FLOP floor (as
-    ``bench train``'s shared passes), then the same update again under :class:`OpClock`, per
-    class seconds, work, rate against its roofline and the top ops; ``eager_bound_s``."""
-    tr, batch, _, _, _, setup = rollout_batch(profile, env, overrides)
-    a = tr.actor
-    config = tr.policy.model.config
-    restore = restore_point(a)
-    warm_up(tr, batch, MethodConfig(name="vanilla"), None)  # tr.method stays Vanilla for the timed updates
-    gflops, bandwidth = prefill_rate(config, tr.dtype), hw.probe_bandwidth()
-    restore()
-    st = tr.update(batch.without_old(), None, 0)
-    wall = st["update_s"]
-    restore()
-    ranks = frozenset(p.shape[0] for n, p in a.model.named_parameters() if "lora_A" in n)
-    clock = OpClock(ranks, config.vocab_size)
-    with clock:
-        t0 = time.perf_counter()
-        tr.update(batch.without_old(), None, 0)
-        spied = time.perf_counter() - t0
-    steps = len(batch.mini_batches(a.mini_batch)) * a.epochs
-    passes = actor_passes(tr, batch, a.reuse_frozen, first_step_logp=a.first_step_logp)["vanilla"]
-    floor = phase_flops(config, passes, a.prefix_min, "update_s") / (gflops * 1e9)
-    roof = {"matmul": gflops * 1e9, "attention": gflops * 1e9, "memory": bandwidth * 1e9}
+def phase_record(t: Tallies, name: str, wall: float, spied: float, floor: float, roof: dict) -> dict:
+    """One phase's seconds by op class (``name``: ``update`` or ``extra``, the keys' prefix):
+    per class seconds, work, rate against its roofline (``roof``: FLOP/s or bytes/s per class) and
+    the top ops; the matmuls by size and role; the time outside the ops (``wall`` less their sum);
+    the eager bound against the phase's FLOP ``floor``."""
     unit = {"matmul": "GFLOP", "attention": "GFLOP", "memory": "GB", "views": "-"}
     classes: dict = {}
     for cls in CLASSES:
-        ops = sorted(((name, v) for (c, name), v in clock.stats.items() if c == cls), key=lambda kv: -kv[1][1])
+        ops = sorted(((op, v) for (c, op), v in t.stats.items() if c == cls), key=lambda kv: -kv[1][1])
         secs, work = sum(v[1] for _, v in ops), sum(v[2] for _, v in ops)
         row = {"seconds": round(secs, 3), "calls": sum(v[0] for _, v in ops), "share_of_wall": round(secs / wall, 3),
                "work": round(work / 1e9, 2), "unit": unit[cls],
-               "top": [{"op": name, "calls": v[0], "seconds": round(v[1], 3), "work": round(v[2] / 1e9, 2)}
-                       for name, v in ops[:TOP]]}
+               "top": [{"op": op, "calls": v[0], "seconds": round(v[1], 3), "work": round(v[2] / 1e9, 2)}
+                       for op, v in ops[:TOP]]}
         if cls in roof and secs:
             row["rate"] = round(work / secs / 1e9, 1)
             row["roofline"] = round(roof[cls] / 1e9, 1)
             row["rate_over_roofline"] = round(work / secs / roof[cls], 3)
             row["at_roofline_s"] = round(work / roof[cls], 3)
         classes[cls] = row
-    sizes = _matmul_rows(clock.sizes, [label for _, label in MATMUL_SIZES], "size", roof["matmul"])
-    roles = _matmul_rows(clock.roles, ROLES, "role", roof["matmul"])
     ops_s = sum(r["seconds"] for r in classes.values())
     bound = classes["matmul"].get("at_roofline_s", 0) + classes["memory"].get("at_roofline_s", 0) + classes["attention"]["seconds"]
-    return {"profile": profile, "env": env, "overrides": list(overrides or []), "dtype": tr.dtype,
-            "setup_s": round(setup, 2), "samples": len(batch.samples), "prefix_min": a.prefix_min,
-            "reuse_frozen": a.reuse_frozen, "ppo_steps": steps, "matmul_gflops": round(gflops, 1),
-            "bandwidth_gbs": round(bandwidth, 1), "update_s": round(wall, 3), "floor_s": round(floor, 4),
-            "update_over_floor": round(wall / floor, 2), "spied_update_s": round(spied, 2), "ops_s": round(ops_s, 2),
-            "outside_ops_s": round(max(wall - ops_s, 0.0), 2), "classes": classes, "matmul_sizes": sizes, "matmul_roles": roles,
-            "eager_bound_s": round(bound, 2),
-            "eager_bound_over_floor": round(bound / floor, 2)}
+    return {f"{name}_s": round(wall, 3), "floor_s": round(floor, 4), f"{name}_over_floor": round(wall / floor, 2),
+            f"spied_{name}_s": round(spied, 2), "ops_s": round(ops_s, 2), "outside_ops_s": round(max(wall - ops_s, 0.0), 2),
+            "classes": classes, "matmul_sizes": _matmul_rows(t.sizes, [label for _, label in MATMUL_SIZES], "size", roof["matmul"]),
+            "matmul_roles": _matmul_rows(t.roles, ROLES, "role", roof["matmul"]),
+            "eager_bound_s": round(bound, 2), "eager_bound_over_floor": round(bound / floor, 2)}
+
+
+#: the methods ``bench ops`` times: Vanilla's update, or SPrPO's update and its S_hat replay (Alg. 1 line 7)
+OPS_METHODS = ("vanilla", "sprpo")
+
+
+def bench_ops(profile: str = "cpu", env: str = "webshop", overrides: list[str] | None = None,
+              method: str = "vanilla") -> dict:
+    """``method``'s update on one rollout batch of ``profile``: its wall time and FLOP floor (as
+    ``bench train``'s shared passes), then the same update again under :class:`OpClock`, per
+    class seconds, work, rate against its roofline and the top ops; ``eager_bound_s``.  SPrPO
+    (under its xi): the update as Vanilla's, and line 7's replay apart (``extra``)."""
+    if method not in OPS_METHODS:
+        raise ValueError(f"bench ops --method: expected one of {', '.join(OPS_METHODS)}, got {method!r}")
+    tr, batch, _, xi, _, setup = rollout_batch(profile, env, overrides)
+    xi = xi if method == "sprpo" else None
+    a = tr.actor
+    config = tr.policy.model.config
+    restore = restore_point(a)
+    mcfg = method_variants(tr.cfg.method)[method]
+    warm_up(tr, batch, mcfg, xi)  # tr.method stays this method for the timed updates
+    gflops, bandwidth = prefill_rate(config, tr.dtype), hw.probe_bandwidth()
+    restore()
+    wall = tr.update(batch.without_old(), xi, 0)
+    restore()
+    ranks = frozenset(p.shape[0] for n, p in a.model.named_parameters() if "lora_A" in n)
+    clock = OpClock(ranks, config.vocab_size, phase=lambda: a.phase)
+    with clock:
+        spied = tr.update(batch.without_old(), xi, 0)
+    steps = len(batch.mini_batches(a.mini_batch)) * a.epochs
+    passes = actor_passes(tr, batch, a.reuse_frozen, first_step_logp=a.first_step_logp)[method]
+    roof = {"matmul": gflops * 1e9, "attention": gflops * 1e9, "memory": bandwidth * 1e9}
+    floor = {k: phase_flops(config, passes, a.prefix_min, k) / (gflops * 1e9) for k in (MK.UPDATE_S, MK.SENSITIVITY_S)}
+    out = {"profile": profile, "env": env, "overrides": list(overrides or []), "method": method, "dtype": tr.dtype,
+           "setup_s": round(setup, 2), "samples": len(batch.samples), "prefix_min": a.prefix_min,
+           "reuse_frozen": a.reuse_frozen, "ppo_steps": steps, "matmul_gflops": round(gflops, 1),
+           "bandwidth_gbs": round(bandwidth, 1),
+           **phase_record(clock.parts[MK.UPDATE_S], "update", wall[MK.UPDATE_S], spied[MK.UPDATE_S], floor[MK.UPDATE_S], roof)}
+    if method == "sprpo":
+        out["extra"] = phase_record(clock.parts[MK.SENSITIVITY_S], "extra", wall[MK.SENSITIVITY_S],
+                                    spied[MK.SENSITIVITY_S], floor[MK.SENSITIVITY_S], roof)
+    return out

@@ -437,13 +437,26 @@ def _allocator_rows(res: dict) -> list[str]:
 
 
 def _ops_rows(res: dict) -> list[str]:
-    """``bench ops``: one Vanilla update's seconds by op class, each against its roofline."""
+    """``bench ops``: one update's seconds by op class, each against its roofline; for SPrPO its
+    S_hat replay's (Alg. 1 line 7) after it, the same way."""
+    method = METHOD_DISPLAY[res.get("method", "vanilla")].label
     lines = [(f"{res.get('env')} `{res.get('profile')}`{_overrides_text(res)} batch of {res.get('samples')} rows, "
-              f"{res.get('dtype')}, {res.get('ppo_steps')} optimizer steps: Vanilla's update {res.get('update_s')} s = "
+              f"{res.get('dtype')}, {res.get('ppo_steps')} optimizer steps: {method}'s update {res.get('update_s')} s = "
               f"{res.get('update_over_floor')}x its FLOP floor ({res.get('floor_s')} s); every op timed where it ran "
               f"(the spied update took {res.get('spied_update_s')} s). Rooflines: the matmul rate probed at the model's "
               f"shapes ({res.get('matmul_gflops')} GFLOP/s), the memory bandwidth ({res.get('bandwidth_gbs')} GB/s).\n"),
-             "| class | seconds (share of the update) | calls | work | rate (x roofline) | at the roofline s | top ops (s) |",
+             *_ops_phase_rows(res, "update")]
+    extra = res.get("extra")
+    if extra:
+        lines += [(f"\n{method}'s S_hat replay (Alg. 1 line 7) {extra.get('extra_s')} s = {extra.get('extra_over_floor')}x "
+                   f"its FLOP floor ({extra.get('floor_s')} s; spied {extra.get('spied_extra_s')} s):\n"),
+                  *_ops_phase_rows(extra, "replay")]
+    return lines
+
+
+def _ops_phase_rows(res: dict, name: str) -> list[str]:
+    """``bench ops``: one phase's table by op class, its eager bound, its matmuls by size and role."""
+    lines = [f"| class | seconds (share of the {name}) | calls | work | rate (x roofline) | at the roofline s | top ops (s) |",
              "|---|---|---|---|---|---|---|"]
     for cls, r in (res.get("classes") or {}).items():
         rate = f"{r['rate']} ({r['rate_over_roofline']}x)" if "rate" in r else "-"
@@ -556,9 +569,16 @@ def _ops_headline(res: dict) -> str | None:
     """``bench ops``' phrase: the update against its floor, each op class against its roofline."""
     if not isinstance(res.get("classes"), dict):
         return None
+    method = METHOD_DISPLAY[res.get("method", "vanilla")].label
+    extra = res.get("extra")
+    return (f"{res.get('env')} {method} update {res.get('update_over_floor')}x its floor: {_ops_classes_phrase(res)}"
+            + (f"; its S_hat replay {extra['extra_over_floor']}x its floor: {_ops_classes_phrase(extra)}" if extra else ""))
+
+
+def _ops_classes_phrase(res: dict) -> str:
+    """``bench ops``: one phase's op classes against their rooflines, its eager bound, its thin matmuls."""
     c = res["classes"]
-    return (f"{res.get('env')} Vanilla update {res.get('update_over_floor')}x its floor: matmuls "
-            f"{c['matmul'].get('rate_over_roofline')}x their rate, memory ops {c['memory'].get('rate_over_roofline')}x "
+    return (f"matmuls {c['matmul'].get('rate_over_roofline')}x their rate, memory ops {c['memory'].get('rate_over_roofline')}x "
             f"the bandwidth, attention {c['attention']['seconds']} s; eager bound {res.get('eager_bound_over_floor')}x the floor"
             + _thin_matmuls(res))
 
@@ -658,10 +678,11 @@ def headline(record: dict) -> str | None:
 def main_record(records: list[tuple[Path, dict]], what: str, env: str, has: str | None = None) -> dict | None:
     """The results of benchmark ``what`` on ``env`` that the README's overview reads: the record
     named ``<what>_<env>`` or ``<what>``, else the newest one of that benchmark on ``env``; a
-    record measured under config overrides (a lever's variant) is never the main one.  ``has``:
+    record measured under config overrides (a lever's variant) or of another method than Vanilla
+    (``bench ops --method``) is never the main one.  ``has``:
     only records whose shared path measured that ratio (SAM's, which not every train run times)."""
     fits = [(p, r) for p, r in records if r.get("bench") == what and (r.get("results") or {}).get("env") == env
-            and not (r.get("results") or {}).get("overrides")
+            and not (r.get("results") or {}).get("overrides") and (r.get("results") or {}).get("method", "vanilla") == "vanilla"
             and (has is None or has in ((r.get("results") or {}).get("shared") or {}))]
     named = [(p, r) for p, r in fits if p.stem in (f"{what}_{env}", what)]
     pick = max(named or fits, key=lambda pr: str(pr[1].get("date", "")), default=None)

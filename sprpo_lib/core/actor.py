@@ -230,6 +230,12 @@ class Actor:
         finally:
             self._timer = prev
 
+    @property
+    def phase(self) -> str:
+        """The timer the passes running now add to (``update_s``, or ``sensitivity_s`` inside
+        :meth:`timing`): what ``sprpo-bench ops`` files each op under."""
+        return self._timer
+
     def _tick(self, t0: float) -> None:
         if self.device.type == "cuda":  # the kernels a pass queued count in its timer, not in a later one's
             torch.cuda.synchronize(self.device)
