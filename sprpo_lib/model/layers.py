@@ -231,9 +231,9 @@ def matmul_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     heads that share a key/value head are stacked as one matrix against it.  A boolean mask
     is applied as its :class:`MaskPlan` says: added over the keys after a shared prefix, and a
     causal call in query chunks that stop at their last query's key (``query_chunk`` queries
-    each, default ``QUERY_CHUNK``; 0: one chunk).  On a CPU without AMX,
-    PyTorch's fused kernel runs a 16-bit model's attention, its backward above all, far
-    below the matmul rate (``sprpo-bench attention``); the matmuls here run at it.  Other
+    each, default ``QUERY_CHUNK``; 0: one chunk).  On the CPUs measured, AMX included,
+    PyTorch's fused kernel runs a 16-bit model's attention, its backward above all, slower
+    than these matmuls (``sprpo-bench attention``).  Other
     calls (one query, dropout, extra arguments) go to :func:`native_gqa_attention`."""
     b, h, t, d = query.shape
     hk, tk = key.shape[1], key.shape[2]
