@@ -681,11 +681,14 @@ def main_record(records: list[tuple[Path, dict]], what: str, env: str, has: str 
     record measured under config overrides (a lever's variant) or of another method than Vanilla
     (``bench ops --method``) is never the main one.  ``has``:
     only records whose shared path measured that ratio (SAM's, which not every train run times)."""
-    fits = [(p, r) for p, r in records if r.get("bench") == what and (r.get("results") or {}).get("env") == env
-            and not (r.get("results") or {}).get("overrides") and (r.get("results") or {}).get("method", "vanilla") == "vanilla"
-            and (has is None or has in ((r.get("results") or {}).get("shared") or {}))]
-    named = [(p, r) for p, r in fits if p.stem in (f"{what}_{env}", what)]
-    pick = max(named or fits, key=lambda pr: str(pr[1].get("date", "")), default=None)
+    def fits(rec: dict) -> bool:
+        res = rec.get("results") or {}
+        return (rec.get("bench") == what and res.get("env") == env and not res.get("overrides")
+                and res.get("method", "vanilla") == "vanilla" and (has is None or has in (res.get("shared") or {})))
+
+    found = [(p, r) for p, r in records if fits(r)]
+    named = [(p, r) for p, r in found if p.stem in (f"{what}_{env}", what)]
+    pick = max(named or found, key=lambda pr: str(pr[1].get("date", "")), default=None)
     return pick[1]["results"] if pick else None
 
 
@@ -696,8 +699,8 @@ OVERVIEW_HEADER = ("| machine | env | update / FLOP floor | update s/row: profil
 OVERVIEW_NOTE = ("Update: Vanilla's PPO update on one rollout batch of the `cpu` profile (`sprpo-bench train`), against "
                  "its FLOP floor at the matmul rate measured in the same run; the eager bound (`sprpo-bench ops`) puts "
                  "every op at its roofline. Seconds per row: the profile's passes against the reference path (every row "
-                 "whole, every layer at every step) in the same run. SAM: the newest such run that timed it. SPrPO and SAM: seconds per iteration over "
-                 "Vanilla's, in brackets with every phase at its floor. Held-out eval: wall over the all-token prefill "
+                 "whole, every layer at every step) in the same run. SPrPO and SAM: seconds per iteration over "
+                 "Vanilla's, in brackets with every phase at its floor (SAM's from the newest such run that timed it). Held-out eval: wall over the all-token prefill "
                  "floor for the first engine measured, in brackets the least with an unlimited prefix cache and "
                  "decoding at its floor.")
 
@@ -717,7 +720,8 @@ def overview_row(machine: dict, env: str, records: list[tuple[Path, dict]]) -> s
     if not (train or ops or ev):
         return None
     train = train or {}
-    sh, van = train.get("shared") or {}, (train.get("shared") or {}).get("vanilla") or {}
+    sh = train.get("shared") or {}
+    van = sh.get("vanilla") or {}
     whole = ((train.get("whole") or {}).get("vanilla") or {}).get("update_s_per_sample")
     floor = f"{van['update_over_floor']}x" if "update_over_floor" in van else "-"
     if ops and ops.get("eager_bound_over_floor") is not None:
@@ -809,7 +813,7 @@ def report(bench_dir: Path | None = None, out_dir: Path | None = None, readme: P
             continue
         if records:
             machines.append((js_path.with_suffix(".md").name, records))
-    summary = readme_block(machines)
+    summary = readme_block(machines) if machines else ""
     for page, prefix in [(readme, "")] if readme else doc_pages(project_root()):
         text = page.read_text() if page.is_file() else ""
         if "<!-- bench:begin -->" in text and summary:
