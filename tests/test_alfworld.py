@@ -5,6 +5,7 @@ default run grounds about a dozen games (seconds each on a busy 2-core machine).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 import shutil
@@ -17,6 +18,7 @@ textworld = pytest.importorskip("textworld")
 
 from textworld.envs import PddlEnv  # noqa: E402
 
+from sprpo_lib.agent.envs import make_pool  # noqa: E402
 from sprpo_lib.agent.envs import alfworld_gen as gen  # noqa: E402
 from sprpo_lib.agent.envs.alfworld import AlfworldDataError, AlfworldTask, make_alfworld_pool
 from sprpo_lib.agent.envs.base import Episode, TaskHandle, TaskPool  # noqa: E402
@@ -267,7 +269,7 @@ def test_missing_data_path_gives_one_clear_error(tmp_path, monkeypatch):
             make_alfworld_pool(data_dir=path)
         msg = str(err.value)
         assert str(path) in msg and "json_2.1.1" in msg and "valid_unseen" in msg
-        assert "alfworld-download" in msg and "data_dir=None" in msg
+        assert "alfworld-download" in msg and "Without data_dir and with ALFWORLD_DATA unset" in msg
 
 
 def test_fake_real_data_folder_loads(pool, small, tmp_path):
@@ -290,6 +292,79 @@ def test_fake_real_data_folder_loads(pool, small, tmp_path):
     assert task.task_type == small.task_type and task.instruction == small.instruction
     assert task.task_id == f"valid_seen/{src.parent.name}/{src.name}"
     assert _play_expert(task.spawn()).success
+
+
+# --------------------------------------------------------------------------- the data rule
+@pytest.fixture(scope="module")
+def real_data(pool, small, tmp_path_factory) -> Path:
+    """A folder in ALFWorld's real layout: two games in ``json_2.1.1`` (one per held-out split),
+    solvable by the engine's expert, their task folders named apart from the generated games'."""
+    other = pool.open("valid_unseen", _small_game("valid_unseen", "pick_and_place_simple"))
+    root = tmp_path_factory.mktemp("alfworld_real") / "data"
+    for split, task in (("valid_seen", small), ("valid_unseen", other)):
+        shutil.copytree(Path(task.game_file).parent, root / "json_2.1.1" / split / f"real-{split}" / "trial_T0")
+    return root
+
+
+def test_alfworld_data_variable_is_honoured(real_data, tmp_path, monkeypatch):
+    monkeypatch.setenv("ALFWORLD_DATA", str(real_data))
+    real = make_pool("alfworld")
+    assert real.data_source == str(real_data.resolve())
+    assert real.splits() == {"train": 0, "valid_seen": 1, "valid_unseen": 1}
+    for split in ("valid_seen", "valid_unseen"):
+        task = real.open(split, 0)
+        assert task.task_id == f"{split}/real-{split}/trial_T0"
+        assert _play_expert(task.spawn()).success
+    # an explicit data_dir wins over the variable; unset, the generated default
+    with pytest.raises(AlfworldDataError, match="data_dir="):
+        make_pool("alfworld", tmp_path / "elsewhere")
+    monkeypatch.delenv("ALFWORLD_DATA")
+    assert make_pool("alfworld").data_source == "generated"
+
+
+def test_alfworld_data_without_games_is_one_error(real_data, tmp_path, monkeypatch, capsys):
+    from sprpo_lib.evaluate.cli import main as eval_main
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.setenv("ALFWORLD_DATA", str(empty))
+    with pytest.raises(AlfworldDataError, match=f"ALFWORLD_DATA={empty}") as err:
+        make_pool("alfworld")
+    assert "json_2.1.1/{train,valid_seen,valid_unseen}" in str(err.value) and "traj_data.json" in str(err.value)
+    assert eval_main(["--model", "tiny-qwen2", "--env", "alfworld", "--family", "gaussian", "--strength", "0.1",
+                      "--tasks", "1", "--no-progress"]) == 2
+    printed = capsys.readouterr().err
+    assert f"ALFWORLD_DATA={empty}" in printed and "Traceback" not in printed
+    (empty / "json_2.1.1" / "valid_seen").mkdir(parents=True)  # the layout's folders, no game in them
+    with pytest.raises(AlfworldDataError, match="holds no playable game"):
+        make_pool("alfworld")
+    bad = tmp_path / "bad"
+    shutil.copytree(real_data, bad)
+    game = next(bad.rglob("game.tw-pddl"))
+    game.write_text(game.read_text()[:500])  # a truncated download
+    monkeypatch.setenv("ALFWORLD_DATA", str(bad))
+    with pytest.raises(AlfworldDataError, match=f"{game} is not a whole JSON file"):
+        make_pool("alfworld")
+
+
+def test_cells_are_keyed_by_the_data_played(real_data, tmp_path, monkeypatch):
+    """A cell computed on generated games is never served for a real-data request, and the
+    variable and an explicit data_dir naming the same folder are the same data."""
+    from sprpo_lib.evaluate import EvalConfig, evaluate, missing_cells
+
+    cfg = EvalConfig(model="tiny-qwen2", env="alfworld", tasks=1, max_steps=2, max_new_tokens=8, batch_size=4,
+                     dtype="float32", cache_dir=str(tmp_path / "cache"))
+    monkeypatch.delenv("ALFWORLD_DATA", raising=False)
+    generated = evaluate(cfg, progress=False)
+    assert not missing_cells(cfg) and not generated.task_id.str.contains("real-").any()
+    monkeypatch.setenv("ALFWORLD_DATA", str(real_data))
+    assert len(missing_cells(cfg)) == 1  # not served from the generated games' cell
+    played = evaluate(cfg, progress=False)
+    assert sorted(played.task_id) == ["valid_seen/real-valid_seen/trial_T0", "valid_unseen/real-valid_unseen/trial_T0"]
+    explicit = dataclasses.replace(cfg, data_dir=str(real_data))
+    assert not missing_cells(explicit)  # the same data by another name: the same cell
+    monkeypatch.delenv("ALFWORLD_DATA")
+    assert not missing_cells(cfg)  # and the generated games' cell is still there, as it was
 
 
 # --------------------------------------------------------------------------- heavier

@@ -366,9 +366,19 @@ def test_loader_processes_products_like_the_original(real_pool):
         f", and price lower than {goal['price_upper']:.2f} dollars")
 
 
-def test_webshop_data_env_var(data_dir, monkeypatch):
+def test_webshop_data_env_var(data_dir, tmp_path, monkeypatch):
+    """The rule of both environments: an explicit data_dir, else $WEBSHOP_DATA, else generated;
+    the pool records the folder it read."""
     monkeypatch.setenv("WEBSHOP_DATA", str(data_dir))
-    assert make_webshop_pool(n_test=2).catalogue.has_asin("B000000004")
+    pool = make_webshop_pool(n_test=2)
+    assert pool.catalogue.has_asin("B000000004") and pool.data_source == str(data_dir.resolve())
+    with pytest.raises(WebShopDataError, match=f"data_dir={tmp_path / 'nowhere'}"):
+        make_webshop_pool(tmp_path / "nowhere")  # the explicit folder wins over the variable
+    monkeypatch.setenv("WEBSHOP_DATA", str(tmp_path))  # a folder without the files
+    with pytest.raises(WebShopDataError, match=f"WEBSHOP_DATA={tmp_path}: WebShop data: no complete product"):
+        make_webshop_pool()
+    monkeypatch.delenv("WEBSHOP_DATA")
+    assert make_webshop_pool().data_source == "generated"
 
 
 def test_missing_data_gives_one_clear_error(tmp_path):

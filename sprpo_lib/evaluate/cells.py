@@ -8,7 +8,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -178,14 +177,6 @@ def select_tasks(pool, env: str, splits: Sequence[str] | None = None, count: int
     if not tasks:
         raise ValueError(f"--split / EvalConfig.splits: {list(splits)} of {env!r} hold no tasks; choose other splits")
     return tasks
-
-
-def data_source(env: str, data_dir: str | None) -> str:
-    """The task pool's data: the given folder, the folder in the env variable, or the
-    offline generated default."""
-    var = {"webshop": "WEBSHOP_DATA", "alfworld": "ALFWORLD_DATA"}.get(env)
-    d = data_dir or (os.environ.get(var) if var else None)
-    return str(Path(os.path.expandvars(d)).expanduser().resolve()) if d else "generated"
 
 
 def tasks_digest(pool, tasks: Sequence[tuple[str, int]]) -> str | None:

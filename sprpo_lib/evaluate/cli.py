@@ -8,13 +8,12 @@ import sys
 
 import yaml
 
-from sprpo_lib.agent.envs import make_pool
-from sprpo_lib.agent.envs.base import DataError
+from sprpo_lib.agent.envs import DataError, make_pool
 from sprpo_lib.evaluate.calibration import build_calibration_pool, save_calibration
 from sprpo_lib.evaluate.cells import DEFAULT_CACHE
 from sprpo_lib.evaluate.sweep import EvalConfig, ModelSource, config_from_profile, config_from_run, sweep
 from sprpo_lib.infra.executor import EXECUTORS, make_executor
-from sprpo_lib.infra.io import atomic_write_text
+from sprpo_lib.infra.io import as_disk_full, atomic_write_text
 from sprpo_lib.infra.paths import project_path
 
 logger = logging.getLogger(__name__)
@@ -116,31 +115,36 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sprpo-eval: error: {err}", file=sys.stderr)
         return 2
     progress = not args.no_progress
-    if args.build_calibration:
-        if args.calibration_size < 1:
-            ap.error("--calibration-size: expected a positive number of sequences (App. C: 128)")
-        source = ModelSource(cfg, project_path(cfg.cache_dir) / "file_hashes.json")
-        pol = source.policy()
-        pool = make_pool(cfg.env, cfg.data_dir, cfg.env_seed)
-        calib = build_calibration_pool(
-            pol, pool, cfg.agent, n=args.calibration_size, temperature=cfg.temperature,
-            max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, max_steps=cfg.max_steps,
-            seed=cfg.seeds[0], engine=cfg.engine, progress=progress,
-            source={"model": cfg.model, "adapters": list(cfg.adapters), "model_identity": source.identity()})
-        save_calibration(project_path(args.build_calibration), calib)
-        print(f"calibration pool: {len(calib)} sequences, hash {calib.hash[:12]} -> {args.build_calibration}")
-        return 0
+    if args.build_calibration and args.calibration_size < 1:
+        ap.error("--calibration-size: expected a positive number of sequences (App. C: 128)")
     try:
+        if args.build_calibration:
+            source = ModelSource(cfg, project_path(cfg.cache_dir) / "file_hashes.json")
+            pool = make_pool(cfg.env, cfg.data_dir, cfg.env_seed)  # the data first: missing data fails before the model
+            calib = build_calibration_pool(
+                source.policy(), pool, cfg.agent, n=args.calibration_size, temperature=cfg.temperature,
+                max_new_tokens=cfg.max_new_tokens, batch_size=cfg.batch_size, max_steps=cfg.max_steps,
+                seed=cfg.seeds[0], engine=cfg.engine, progress=progress,
+                source={"model": cfg.model, "adapters": list(cfg.adapters), "model_identity": source.identity()})
+            save_calibration(project_path(args.build_calibration), calib)
+            print(f"calibration pool: {len(calib)} sequences, hash {calib.hash[:12]} -> {args.build_calibration}")
+            return 0
         executor = make_executor(args.executor, args.address, {"cell_cpus": args.cell_cpus,
                                                                "cell_gpus": args.cell_gpus})
         rows = sweep([cfg], progress=progress, executor=executor)
+        if args.out:
+            atomic_write_text(project_path(args.out), rows.to_csv(index=False))
     except (ValueError, DataError) as err:  # bad options found late, missing or damaged data: one message
         if args.debug:
             raise
         print(f"sprpo-eval: error: {err}", file=sys.stderr)
         return 2
-    if args.out:
-        atomic_write_text(project_path(args.out), rows.to_csv(index=False))
+    except Exception as err:  # a full disk: one line; the cells already written stay, the rest resume
+        full = as_disk_full(err, project_path(cfg.cache_dir))
+        if args.debug or full is None:
+            raise
+        print(f"sprpo-eval: error: {full}", file=sys.stderr)
+        return 1
     print(_summary(rows))
     return 0
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +16,7 @@ import pandas as pd
 import safetensors.torch as st
 
 from sprpo_lib.agent.engines import ENGINES, GenerationConfig, close_engine, make_engine
-from sprpo_lib.agent.envs import ENVIRONMENTS, make_pool
+from sprpo_lib.agent.envs import ENVIRONMENTS, data_header, make_pool
 from sprpo_lib.agent.prompt import AgentConfig, token_counter
 from sprpo_lib.agent.rollout import SerialEnvs, run_groups
 from sprpo_lib.core.compress import PAPER_LEVELS, PERTURBATIONS, fisher_scores, perturbation
@@ -32,7 +33,6 @@ from sprpo_lib.evaluate.cells import (
     CellCache,
     cell_key,
     check_strength,
-    data_source,
     dir_digest,
     episode_log,
     episode_rows,
@@ -413,7 +413,7 @@ class _CellPlan:
         self.cache = CellCache(self.store)
         self.pool = pool if pool is not None else make_pool(cfg.env, cfg.data_dir, cfg.env_seed)
         self.tasks = select_tasks(self.pool, cfg.env, cfg.splits, cfg.tasks)
-        env_fields = {"name": cfg.env, "data": data_source(cfg.env, cfg.data_dir), "seed": cfg.env_seed,
+        env_fields = {"name": cfg.env, "data": self.pool.data_source, "seed": cfg.env_seed,
                       "max_steps": cfg.max_steps or self.pool.max_steps, "tasks": [list(t) for t in self.tasks],
                       "content": tasks_digest(self.pool, self.tasks)}
         self.requested = cfg.cells()
@@ -443,6 +443,10 @@ def compute_cell(cfg: EvalConfig) -> int:
     return len(evaluate(cfg, progress=False))
 
 
+#: The data headers printed by this process (:func:`evaluate` says each once).
+_ANNOUNCED: set[str] = set()
+
+
 def evaluate(cfg: EvalConfig, *, progress: bool = True, pool=None) -> "pd.DataFrame":  # noqa: F821
     """Rows of every requested cell of ``cfg``, computing only cells missing from the cache.
 
@@ -454,6 +458,10 @@ def evaluate(cfg: EvalConfig, *, progress: bool = True, pool=None) -> "pd.DataFr
     cache, pool, tasks, calib, source, ident, keyed = (plan.cache, plan.pool, plan.tasks, plan.calib, plan.source,
                                                        plan.ident, plan.keyed)
     store, requested = plan.store, plan.requested
+    header = data_header(cfg.env, cfg.data_dir)
+    if progress and header not in _ANNOUNCED:  # the data played, once per process, after the pool opened
+        _ANNOUNCED.add(header)
+        print(header, file=sys.stderr)
     results = {c: cache.get(k, f) for c, (k, f) in keyed.items()}
     missing = [c for c, rows in results.items() if rows is None]
     bar = progress_bar(total=len(keyed), initial=len(keyed) - len(missing), desc=f"eval {cfg.env} {cfg.family}",

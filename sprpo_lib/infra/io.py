@@ -1,5 +1,6 @@
 """Files written whole and read back checked: atomic writes (a killed writer leaves the
-old file or the new one), a lock for what two processes would compute alike, an
+old file or the new one; a full disk leaves neither a partial file nor a library's error,
+but one :class:`DiskFullError`), a lock for what two processes would compute alike, an
 append-only JSON-lines log, and verified reads that raise :class:`CorruptFileError`
 instead of serving a truncated or garbage file as data.
 The bottom layer: imports nothing from the package."""
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
@@ -32,41 +34,122 @@ def _umask() -> int:
 FILE_MODE, DIR_MODE = 0o666 & ~_umask(), 0o777 & ~_umask()
 
 
+# ----------------------------------------------------------------------------- a full disk
+def _size(n: float) -> str:
+    units = ("B", "kB", "MB", "GB", "TB")
+    i = 0
+    while n >= 1000 and i < len(units) - 1:
+        n, i = n / 1000, i + 1
+    return f"{n:.0f} B" if i == 0 else f"{n:.1f} {units[i]}"
+
+
+def _existing(folder: str | Path) -> Path:
+    folder = Path(folder).absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return folder
+
+
+def _block(folder: str | Path) -> int:
+    return os.statvfs(_existing(folder)).f_frsize
+
+
+def free_bytes(folder: str | Path) -> int:
+    """Free space on the disk of ``folder`` (of its nearest existing parent)."""
+    return shutil.disk_usage(_existing(folder)).free
+
+
+def disk_full(err: BaseException | None) -> bool:
+    """Whether ``err`` (or an error it was raised from) is a write that found the disk full:
+    ``ENOSPC`` / ``EDQUOT``, or the text a library wraps it in (safetensors: "os error 28")."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(err) or "(os error 28)" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+class DiskFullError(OSError):
+    """A write found the disk full.  Its one-line message names the folder, the free space
+    there and about how much the write needed; the partial file is already gone, and the
+    same command, rerun once there is space, resumes."""
+
+    def __init__(self, folder: str | Path, need: int | None = None, files: int = 1):
+        self.folder, self.free = Path(folder), free_bytes(folder)
+        self.need = None if need is None else need + files * _block(folder)  # each file may end in a part-used block
+        needs = f"about {_size(self.need)} needed, {_size(self.free)} free" if need else f"{_size(self.free)} free"
+        super().__init__(errno.ENOSPC, f"no space left on the disk of {self.folder} ({needs}); free some space there "
+                                       "(or write elsewhere) and rerun the same command: it resumes")
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def as_disk_full(err: BaseException, folder: str | Path) -> DiskFullError | None:
+    """``err`` as the :class:`DiskFullError` a command prints (naming ``folder`` unless it
+    names its own), or None when it is not a full disk."""
+    if isinstance(err, DiskFullError):
+        return err
+    return DiskFullError(folder) if disk_full(err) else None
+
+
+@contextlib.contextmanager
+def space_checked(folder: str | Path, need: int | None = None, files: int = 1):
+    """Turn a write in the block that finds the disk full, whatever library made it, into
+    one :class:`DiskFullError` naming ``folder`` and the ``need`` bytes in ``files`` files
+    that the block writes."""
+    try:
+        yield
+    except Exception as err:
+        if not (isinstance(err, DiskFullError) or disk_full(err)) or (need is None and isinstance(err, DiskFullError)):
+            raise  # not a full disk, or an inner write's own error that knows its size
+        raise DiskFullError(folder, need, files) from err  # the outermost caller that knows the whole write
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     """Write to a temporary file in the same folder, fsync, then rename over ``path``:
-    a killed process leaves either the old file or the new one, never half of one."""
+    a killed process leaves either the old file or the new one, never half of one; a
+    full disk leaves the old one and raises :class:`DiskFullError`."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, FILE_MODE)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with space_checked(path.parent, len(data)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, FILE_MODE)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
     return path
 
 
 @contextlib.contextmanager
-def atomic_dir(path: str | Path):
+def atomic_dir(path: str | Path, need: int | None = None):
     """Build a directory under a temporary name (yielded) and rename it over ``path``
-    only when the block succeeds: a killed writer leaves the old directory or none."""
+    only when the block succeeds: a killed writer leaves the old directory or none; a
+    full disk leaves the old one and raises :class:`DiskFullError` (``need``: about how
+    many bytes the block writes, for its message)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    try:
-        yield tmp
-        os.chmod(tmp, DIR_MODE)
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with space_checked(path.parent, need):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+        try:
+            yield tmp
+            os.chmod(tmp, DIR_MODE)
+            if path.exists():
+                shutil.rmtree(path)
+            os.replace(tmp, path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -105,11 +188,24 @@ class JsonLines:
         self.path = Path(path)
 
     def append_rows(self, *rows: dict) -> None:
+        """Append whole lines; a failed append (a full disk: :class:`DiskFullError`) cuts the
+        file back to where it was, so no torn line is left for the next append to follow."""
+        data = "".join(json.dumps(r, default=str) + "\n" for r in rows).encode()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a") as f:
-            f.write("".join(json.dumps(r, default=str) + "\n" for r in rows))
-            f.flush()
-            os.fsync(f.fileno())
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE)
+        try:
+            start = os.lseek(fd, 0, os.SEEK_END)
+            with space_checked(self.path.parent, len(data)):
+                try:
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view):]
+                    os.fsync(fd)
+                except BaseException:
+                    os.ftruncate(fd, start)
+                    raise
+        finally:
+            os.close(fd)
 
     def read_rows(self) -> list[dict]:
         if not self.path.is_file():

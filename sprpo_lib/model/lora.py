@@ -58,6 +58,11 @@ def is_peft(model) -> bool:
     return hasattr(model, "peft_config")
 
 
+def adapter_nbytes(model) -> int:
+    """About the bytes of a saved adapter: its trainable tensors (what a full disk's message says is needed)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
 def save_peft(model, folder: str | Path) -> None:
     """``save_pretrained`` of a peft model (safetensors) with a deterministic
     ``adapter_config.json``: peft holds ``target_modules`` as a set and writes it in the
@@ -210,7 +215,7 @@ def fused_lora(model: nn.Module, on: bool = True) -> Iterator[int]:
 
 def save_adapter(policy: Policy, path: str | Path) -> Path:
     """Save the peft adapter (safetensors) to ``path``, replacing it atomically."""
-    with atomic_dir(path) as tmp:
+    with atomic_dir(path, adapter_nbytes(policy.model)) as tmp:
         save_peft(policy.model, tmp)
     return path
 

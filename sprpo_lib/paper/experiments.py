@@ -31,7 +31,7 @@ from typing import Mapping, Sequence
 
 import pandas as pd
 
-from sprpo_lib.agent.envs import make_pool
+from sprpo_lib.agent.envs import GENERATED, data_source, make_pool
 from sprpo_lib.core.compress import FAMILIES
 from sprpo_lib.core.methods import METHODS
 from sprpo_lib.evaluate import (
@@ -51,7 +51,7 @@ from sprpo_lib.infra.manifest import check_artifact, manifest_path
 from sprpo_lib.infra.paths import project_path
 from sprpo_lib.paper.report import run_grid
 from sprpo_lib.paper.style import METHOD_DISPLAY
-from sprpo_lib.train.config import profile_names, profile_section
+from sprpo_lib.train.config import load_config, profile_names, profile_section
 
 __all__ = ["Plan", "PLANS", "plan", "policies", "curve_rows", "calibration_pool", "robustness_rows", "landscape_rows",
            "save_rows", "load_rows", "ROW_KEEP", "METHOD_ORDER", "eval_config", "TABLE1",
@@ -236,6 +236,12 @@ def plan(profile: str, env: str, **changes) -> Plan:
 
 
 # ----------------------------------------------------------------------------- policies
+def plan_data(p: Plan) -> str:
+    """The data the plan's runs and evaluations play (:func:`sprpo_lib.agent.envs.data_source`):
+    its ``env.data_dir`` override, else the environment's variable, else ``generated``."""
+    return data_source(p.env, load_config(p.profile, list(p.overrides), **{"env.name": p.env}).env.data_dir)
+
+
 def policies(p: Plan, runs_root: str | Path | None = None, progress: bool = True) -> dict[tuple[str, int], Path]:
     """Train, resume or find every policy of the plan; ``{(method, seed): run folder}``."""
     dirs = run_grid(p.profile, p.env, p.methods, {m: list(p.seeds[m]) for m in p.methods}, list(p.overrides),
@@ -263,8 +269,10 @@ def calibration_pool(p: Plan, runs: Mapping[tuple[str, int], Path], cache_dir: s
     cfg = eval_config(p, runs[vanilla[0]], project_path(cache_dir))
     source = ModelSource(cfg, project_path(cache_dir) / "file_hashes.json")
     ident = source.identity()
+    data = data_source(cfg.env, cfg.data_dir)  # keyed where real data is used (generated pools keep their key)
     key = canonical_hash({"model": ident, "env": p.env, "n": p.calibration_size, "agent": key_fields(cfg.agent),
-                          "max_new_tokens": cfg.max_new_tokens, "max_steps": cfg.max_steps, "engine": cfg.engine})
+                          "max_new_tokens": cfg.max_new_tokens, "max_steps": cfg.max_steps, "engine": cfg.engine,
+                          **({"data": data} if data != GENERATED else {})})
     path = project_path(cache_dir) / "calibration" / f"{p.env}-{key[:16]}.json"
     if read_cached(path, load_calibration) is None:
         pool = make_pool(cfg.env, cfg.data_dir, cfg.env_seed)

@@ -20,7 +20,7 @@ from sprpo_lib.paper import results as R
 
 ALL_ENVS = ("alfworld", "webshop")
 #: What a render-only manifest keeps of the manifest of the run that computed the artifact.
-COMPUTED_KEYS = ("wall_seconds", "date", "commit", "host")
+COMPUTED_KEYS = ("wall_seconds", "date", "commit", "host", "data")
 
 
 class ResultsPage:
@@ -85,6 +85,8 @@ class ResultsPage:
     def manifests(self, artifacts: Sequence[str | Path], config: Mapping | None = None, **kw) -> list[Path]:
         """A manifest beside every artifact, with the wall time since the page started
         (:func:`write_manifests`)."""
+        if not self.render_only:  # the data the computation played (a render-only pass keeps it in "computed")
+            kw["extra"] = {**(kw.get("extra") or {}), "data": {e: X.plan_data(p) for e, p in self.plans.items()}}
         return write_manifests(artifacts, self.config() if config is None else config, self.t_start, self.render_only,
                                **kw)
 

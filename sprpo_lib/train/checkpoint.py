@@ -12,6 +12,7 @@ checkpoint left it is one error naming the file and saying how to start over.
 """
 from __future__ import annotations
 
+import io
 import logging
 import os
 import re
@@ -19,18 +20,20 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from sprpo_lib.infra.io import (
     CorruptFileError,
+    atomic_write_bytes,
     atomic_write_json,
     atomic_write_text,
     file_record,
     read_json,
     read_safetensors,
+    space_checked,
     verify_file,
 )
-from sprpo_lib.model.lora import save_peft
+from sprpo_lib.model.lora import adapter_nbytes, save_peft
 from sprpo_lib.train.config import config_dict, config_from_dict
 
 log = logging.getLogger(__name__)
@@ -40,22 +43,32 @@ _NAME = re.compile(r"^iter_(\d{5,})$")
 
 def save_checkpoint(out: Path, k: int, model, opt, method, cfg, extra: dict | None = None) -> Path:
     """Checkpoint after iteration ``k``; older checkpoints are removed except the one
-    before it (the fallback when this one does not verify)."""
+    before it (the fallback when this one does not verify).  A full disk leaves no partial
+    checkpoint behind and raises one :class:`~sprpo_lib.infra.io.DiskFullError`."""
     ck = out / "checkpoints" / f"iter_{k:05d}"
     tmp = ck.with_name(ck.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_peft(model, tmp / "adapter")
-    torch.save(opt.state_dict(), tmp / "optimizer.pt")  # tensors and numbers only: loaded with weights_only
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)  # tensors and numbers only: loaded with weights_only
     ms = method.state_dict()
-    if ms:
-        save_file({k2: v.contiguous() for k2, v in ms.items()}, str(tmp / "method.safetensors"))
-    files = {f.relative_to(tmp).as_posix(): file_record(f) for f in sorted(tmp.rglob("*")) if f.is_file()}
-    atomic_write_json(tmp / "state.json", {"iteration": k, "config": config_dict(cfg), **(extra or {}),
-                                           "files": files})
-    shutil.rmtree(ck, ignore_errors=True)
-    os.replace(tmp, ck)
-    atomic_write_text(out / "checkpoints" / "latest", ck.name + "\n")
+    method_bytes = save({k2: v.contiguous() for k2, v in ms.items()}) if ms else b""
+    need = adapter_nbytes(model) + buf.getbuffer().nbytes + len(method_bytes)
+    with space_checked(ck.parent, need, files=9):  # adapter (3 files), optimizer, method, state; 2 folders
+        try:
+            tmp.mkdir(parents=True)
+            save_peft(model, tmp / "adapter")
+            atomic_write_bytes(tmp / "optimizer.pt", buf.getvalue())
+            if ms:
+                atomic_write_bytes(tmp / "method.safetensors", method_bytes)
+            files = {f.relative_to(tmp).as_posix(): file_record(f) for f in sorted(tmp.rglob("*")) if f.is_file()}
+            atomic_write_json(tmp / "state.json", {"iteration": k, "config": config_dict(cfg), **(extra or {}),
+                                                   "files": files})
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        shutil.rmtree(ck, ignore_errors=True)
+        os.replace(tmp, ck)
+        atomic_write_text(out / "checkpoints" / "latest", ck.name + "\n")
     earlier = sorted((p for p in (out / "checkpoints").glob("iter_*") if _iteration(p) is not None
                       and _iteration(p) < k), key=_iteration)
     keep = {ck.name, earlier[-1].name} if earlier else {ck.name}

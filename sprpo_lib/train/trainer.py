@@ -33,8 +33,7 @@ from pathlib import Path
 import torch
 
 from sprpo_lib.agent.engines import close_engine, effective_weights, make_engine
-from sprpo_lib.agent.envs import make_pool
-from sprpo_lib.agent.envs.base import DataError
+from sprpo_lib.agent.envs import GENERATED, DataError, data_header, data_source, make_pool
 from sprpo_lib.agent.prompt import AgentConfig, token_counter
 from sprpo_lib.agent.rollout import EpisodeLog, ProcessEnvs, SerialEnvs, episode_groups, run_groups, score_spread
 from sprpo_lib.core import metrics as MK
@@ -43,13 +42,21 @@ from sprpo_lib.core.batch import build_batch
 from sprpo_lib.core.methods import make_method
 from sprpo_lib.core.perturb import xi_stats
 from sprpo_lib.infra.hardware import keep_freed, peak_memory, reset_peak_memory, set_allocator
-from sprpo_lib.infra.io import JsonLines, atomic_dir, atomic_write_json, atomic_write_text, file_lock, read_cached
+from sprpo_lib.infra.io import (
+    JsonLines,
+    as_disk_full,
+    atomic_dir,
+    atomic_write_json,
+    atomic_write_text,
+    file_lock,
+    read_cached,
+)
 from sprpo_lib.infra.manifest import git_commit
 from sprpo_lib.infra.paths import project_path, runs_dir
 from sprpo_lib.infra.progress import progress_bar
 from sprpo_lib.infra.tracking import Tracking
 from sprpo_lib.model.load import load_policy, resolve_device
-from sprpo_lib.model.lora import adapter_is_whole, add_lora, lora_on_last_layers, save_peft
+from sprpo_lib.model.lora import adapter_is_whole, adapter_nbytes, add_lora, lora_on_last_layers, save_peft
 from sprpo_lib.train.checkpoint import load_checkpoint, save_checkpoint
 from sprpo_lib.train.config import TrainConfig, config_dict, load_config
 from sprpo_lib.warmstart.cache import warm_start_policy
@@ -280,7 +287,7 @@ def run_folder(cfg: TrainConfig, out_dir: str | Path | None = None) -> Path:
 
 
 def _publish_adapter(model, final: Path) -> None:
-    with atomic_dir(final) as tmp:
+    with atomic_dir(final, adapter_nbytes(model)) as tmp:
         save_peft(model, tmp / "adapter")
 
 
@@ -295,6 +302,8 @@ def is_complete(cfg: TrainConfig, out: Path) -> bool:
         return False
     saved = read_cached(meta)  # a damaged config.json: not complete (train() rewrites it)
     if not isinstance(saved, dict) or saved.get("config") != config_dict(cfg):
+        return False
+    if saved.get("data", GENERATED) != data_source(cfg.env.name, cfg.env.data_dir):  # other data: not this run
         return False
     done = {row.get(MK.ITERATION) for row in JsonLines(metrics).read_rows()}
     return done == set(range(cfg.iterations)) and all(eval_is_current(e, cfg, cfg.eval_tasks) for e in evals)
@@ -312,16 +321,22 @@ def train(cfg: TrainConfig, out_dir: str | Path | None = None, fresh: bool = Fal
 
 
 def _train(cfg: TrainConfig, out: Path, fresh: bool, progress: bool) -> Path:
+    meta_path = out / "config.json"
+    old = read_cached(meta_path) if meta_path.is_file() and not fresh else None
+    old = old if isinstance(old, dict) else {}
+    source = data_source(cfg.env.name, cfg.env.data_dir)
+    if old and old.get("data", GENERATED) != source:  # a run never mixes two task pools
+        raise ValueError(f"{out} was trained on {cfg.env.name} data {old.get('data', GENERATED)}, and this command "
+                         f"would continue it on {source}; pass --out <another folder> (or --fresh to start over)")
     tr = Trainer(cfg, out, progress)
+    if progress:  # the data the run plays, once the pool has opened (a data error is one message before it)
+        print(data_header(cfg.env.name, cfg.env.data_dir), file=sys.stderr)
     if fresh and out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
-    meta_path = out / "config.json"
-    meta = {"config": config_dict(cfg), "commit": git_commit(), "dtype": tr.dtype,
+    meta = {"config": config_dict(cfg), "data": tr.pool.data_source, "commit": git_commit(), "dtype": tr.dtype,
             "dtype_probe": tr.policy.meta.get("dtype_probe"), "logger": list(cfg.logger)}
-    if meta_path.is_file():  # resumed / extended / re-entered: keep the commit the run started at
-        old = read_cached(meta_path)
-        old = old if isinstance(old, dict) else {}
+    if old:  # resumed / extended / re-entered: keep the commit the run started at
         meta["commit"] = old.get("commit", meta["commit"])
         meta["entered_at"] = list(dict.fromkeys(old.get("entered_at", []) + [git_commit()]))
     atomic_write_json(meta_path, meta)
@@ -408,6 +423,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"sprpo-train: error: {err}", file=sys.stderr)
         return 2
+    except Exception as err:  # a full disk, whichever write found it: one line, the run resumes once there is space
+        full = as_disk_full(err, run_folder(cfg, args.out))
+        if args.debug or full is None:
+            raise
+        print(f"sprpo-train: error: {full}", file=sys.stderr)
+        return 1
     print(f"done: {out}")
     return 0
 

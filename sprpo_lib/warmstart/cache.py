@@ -11,6 +11,7 @@ import logging
 import shutil
 from pathlib import Path
 
+from sprpo_lib.agent.envs import GENERATED, data_source
 from sprpo_lib.agent.prompt import AgentConfig
 from sprpo_lib.infra.io import canonical_hash, file_lock, key_fields
 from sprpo_lib.infra.paths import runs_dir
@@ -24,13 +25,16 @@ log = logging.getLogger(__name__)
 
 
 def warm_start_key(cfg, agent: AgentConfig) -> str:
-    """Hash of what the warm start depends on: base model, task pool and step limit
-    (demonstrations and the evaluation), prompt format and SFT settings; not the RL
+    """Hash of what the warm start depends on: base model, task pool (the data actually
+    used: ``data_dir``, else ``$ALFWORLD_DATA`` / ``$WEBSHOP_DATA``, else generated) and step
+    limit (demonstrations and the evaluation), prompt format and SFT settings; not the RL
     settings, so every method and seed of a profile starts from the same cached policy;
     and the demonstrator's label version where it has one (``demos.LABEL_VERSIONS``)."""
     m, e = cfg.model, cfg.env
+    source = data_source(e.name, e.data_dir)
     key = {"model": {"spec": m.spec, "dtype": m.dtype},
-           "env": {"name": e.name, "seed": e.seed, "data_dir": e.data_dir, "max_steps": e.max_steps},
+           "env": {"name": e.name, "seed": e.seed, "data_dir": None if source == GENERATED else source,
+                   "max_steps": e.max_steps},
            "agent": key_fields(agent), "sft": key_fields(cfg.sft)}
     if cfg.sft.demonstrator in LABEL_VERSIONS:
         key["labels"] = LABEL_VERSIONS[cfg.sft.demonstrator]

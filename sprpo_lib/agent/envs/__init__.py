@@ -4,9 +4,14 @@ real data (``data_dir``, or ``$WEBSHOP_DATA`` / ``$ALFWORLD_DATA``) or the offli
 default.  Modules are imported on use: ALFWorld pulls in TextWorld."""
 from __future__ import annotations
 
-from sprpo_lib.agent.envs.alfworld import make_alfworld_pool
+from sprpo_lib.agent.envs.base import GENERATED, DataError, data_header, data_source, data_vars_kept, resolve_data_dir
+
+with data_vars_kept():  # alfworld's import sets $ALFWORLD_DATA: only the user's own setting counts
+    from sprpo_lib.agent.envs.alfworld import make_alfworld_pool
 from sprpo_lib.agent.envs.webshop import make_webshop_pool
 from sprpo_lib.infra.registry import Registry
+
+__all__ = ["ENVIRONMENTS", "GENERATED", "DataError", "data_header", "data_source", "make_pool", "resolve_data_dir"]
 
 ENVIRONMENTS: Registry = Registry("environment", "env.name")
 

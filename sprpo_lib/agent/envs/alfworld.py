@@ -74,7 +74,7 @@ from textworld.generator.game import EntityInfo
 
 from sprpo_lib.agent.envs import alfworld_gen
 from sprpo_lib.agent.envs.alfworld_explorer import receptacle_prior, visible_explorer_action
-from sprpo_lib.agent.envs.base import DataError, Observation, check_split
+from sprpo_lib.agent.envs.base import GENERATED, DataError, Observation, check_split, resolve_data_dir
 
 MAX_STEPS = 50  # App. B: ALFWorld episodes end after 50 environment steps.
 PRIOR_GAMES = 60  # training games whose object placements give the explorer's search order
@@ -589,36 +589,55 @@ def _open_task(pool: "AlfworldPool", split: str, index: int) -> AlfworldTask:
 
 
 # --------------------------------------------------------------------------- real data
-def _layout_help(path: str) -> str:
-    return (
-        f"ALFWorld data not found: {path!r} is not a folder in ALFWorld's json_2.1.1 layout.\n"
-        "Expected: <data_dir>/json_2.1.1/{train,valid_seen,valid_unseen}/<task folder>/<trial>/ "
-        "(or <data_dir> = that json_2.1.1 folder), each trial holding traj_data.json and "
-        "game.tw-pddl.\n"
-        "Get it with `pip install alfworld==0.4.2 && alfworld-download` (writes "
-        "$ALFWORLD_DATA, default ~/.cache/alfworld) and pass data_dir=\"$ALFWORLD_DATA\".\n"
-        "The offline default (data_dir=None) needs no data: it generates games from the "
-        "scene data shipped in the alfworld wheel."
+LAYOUT = ("<data_dir>/json_2.1.1/{train,valid_seen,valid_unseen}/<task folder>/<trial>/ (or <data_dir> = that "
+          "json_2.1.1 folder), each trial holding traj_data.json and its game file game.tw-pddl")
+
+
+def data_error(where: str, problem: str) -> AlfworldDataError:
+    """One clear error: the folder (and where it came from), what is wrong, the expected
+    layout, how to get the data, and the offline default."""
+    return AlfworldDataError(
+        f"ALFWorld data {where}: {problem}.\n"
+        f"Expected: {LAYOUT}.\n"
+        "Get it with `pip install alfworld==0.4.2 && alfworld-download` (writes $ALFWORLD_DATA, default "
+        "~/.cache/alfworld) and set ALFWORLD_DATA=<that folder> or pass data_dir=<that folder>.\n"
+        "Without data_dir and with ALFWORLD_DATA unset, the offline default generates games from the scene "
+        "data shipped in the alfworld wheel and needs no data."
     )
 
 
-def resolve_data_root(data_dir: str | os.PathLike) -> Path:
-    """The ``json_2.1.1`` folder of a real-data directory, or :class:`AlfworldDataError`."""
-    raw = str(data_dir)
-    path = Path(os.path.expanduser(os.path.expandvars(raw)))
+def resolve_data_root(data_dir: str | os.PathLike, where: str | None = None) -> Path:
+    """The ``json_2.1.1`` folder of a real-data directory, or :class:`AlfworldDataError`
+    (``where``: how the error names the folder, default ``data_dir=<data_dir>``)."""
+    path = Path(os.path.expanduser(os.path.expandvars(str(data_dir))))
     for root in (path / "json_2.1.1", path):
         if root.is_dir() and any((root / s).is_dir() for s in SPLITS):
             return root
-    raise AlfworldDataError(_layout_help(raw if raw == str(path) else f"{raw} -> {path}"))
+    problem = f"{path} does not exist" if not path.is_dir() else f"{path} has none of {list(SPLITS)} in it"
+    raise data_error(where or f"data_dir={data_dir}", problem)
 
 
-def collect_game_files(split_dir: Path) -> list[Path]:
+def _read_game_json(path: Path, where: str) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise data_error(where, f"{path} is not a whole JSON file ({type(err).__name__}: "
+                                f"{str(err).splitlines()[0][:120]}); download it again") from None
+    if not isinstance(data, dict):
+        raise data_error(where, f"{path} holds a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def collect_game_files(split_dir: Path, where: str | None = None) -> list[Path]:
     """ALFWorld's ``AlfredTWEnv.collect_game_files`` rules, in sorted path order.
 
     Keep a trial folder if it has ``traj_data.json`` and ``game.tw-pddl``, its path has
     neither "movable" nor "Sliced", its task type is one of the six and the game file
-    says ``solvable: true``.
+    says ``solvable: true``.  A file that is not a JSON object is an :class:`AlfworldDataError`
+    naming it (``where``: the data folder the error names).
     """
+    where = where or str(split_dir)
     games = []
     for root, _, files in os.walk(split_dir):
         if "traj_data.json" not in files or "movable" in root or "Sliced" in root:
@@ -626,12 +645,14 @@ def collect_game_files(split_dir: Path) -> list[Path]:
         game_file = Path(root) / "game.tw-pddl"
         if not game_file.exists():
             continue
-        with open(Path(root) / "traj_data.json") as f:
-            if json.load(f).get("task_type") not in TASK_TYPES:
-                continue
-        with open(game_file) as f:
-            if json.load(f).get("solvable") is not True:
-                continue
+        if _read_game_json(Path(root) / "traj_data.json", where).get("task_type") not in TASK_TYPES:
+            continue
+        game = _read_game_json(game_file, where)
+        if game.get("solvable") is not True:
+            continue
+        missing = [k for k in ("pddl_domain", "grammar", "pddl_problem") if not isinstance(game.get(k), str)]
+        if missing:
+            raise data_error(where, f"{game_file} is not an ALFWorld game: no {', '.join(missing)}")
         games.append(game_file)
     return sorted(games)
 
@@ -649,7 +670,10 @@ class AlfworldPool:
     def __init__(self, data_dir: str | os.PathLike | None = None, seed: int = 0,
                  sizes: Mapping[str, int] | None = None, cache_dir: str | os.PathLike | None = None,
                  success_reward: float = DEFAULT_SUCCESS_REWARD) -> None:
-        self.data_dir = None if data_dir is None else str(data_dir)
+        folder, origin = resolve_data_dir(self.name, data_dir)  # data_dir, else $ALFWORLD_DATA, else generated
+        self.data_dir = None if folder is None else str(folder)
+        given = data_dir if origin == "data_dir" else os.environ.get("ALFWORLD_DATA")
+        self._where = f"{origin}={given}"  # what a data error names: the folder as the user gave it
         self.seed = int(seed)
         self.cache_dir = None if cache_dir is None else str(cache_dir)
         self.success_reward = float(success_reward)
@@ -660,6 +684,7 @@ class AlfworldPool:
         self._setup()
 
     def _setup(self) -> None:
+        self.data_source = GENERATED if self.data_dir is None else self.data_dir
         if self.data_dir is None:
             self.source = "generated"
             self.generator = alfworld_gen.AlfworldGenerator(self.seed, self.cache_dir)
@@ -668,14 +693,18 @@ class AlfworldPool:
         else:
             self.source = "real"
             self.generator = None
-            root = resolve_data_root(self.data_dir)
+            root = resolve_data_root(self.data_dir, self._where)
             self.root = root
-            self._games = {s: collect_game_files(root / s) if (root / s).is_dir() else [] for s in SPLITS}
+            self._games = {s: collect_game_files(root / s, self._where) if (root / s).is_dir() else [] for s in SPLITS}
+            if not any(self._games.values()):
+                raise data_error(self._where, f"{root} holds no playable game (a trial folder with traj_data.json of one "
+                                        "of the six task types and a solvable game.tw-pddl)")
             self._sizes = {s: min(len(g), int(self._requested_sizes.get(s, len(g)))) for s, g in self._games.items()}
 
     def __getstate__(self) -> dict:
         return {"data_dir": self.data_dir, "seed": self.seed, "cache_dir": self.cache_dir,
-                "success_reward": self.success_reward, "_requested_sizes": self._requested_sizes}
+                "success_reward": self.success_reward, "_requested_sizes": self._requested_sizes,
+                "_where": self._where}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -730,7 +759,15 @@ class AlfworldPool:
                     grounding.walkthrough = json.load(f)["walkthrough"]
         if grounding is None:
             with open(path) as f:
-                grounding = _Grounding(json.load(f), str(path))
+                data = json.load(f)
+            try:
+                grounding = _Grounding(data, str(path))
+            except Exception as err:  # a real game the engine cannot read: one error naming the file
+                if self._games is None:
+                    raise
+                raise data_error(self._where,
+                                 f"{path} could not be loaded by the PDDL engine ({type(err).__name__}: "
+                                 f"{str(err).splitlines()[0][:160] if str(err) else ''})") from None
         task_type = self.task_type(split, index)
         root = self.generator.root if self._games is None else self.root
         task_id = str(path.parent.relative_to(root))
@@ -757,8 +794,9 @@ def make_alfworld_pool(data_dir: str | os.PathLike | None = None, seed: int = 0,
     """ALFWorld task pool (App. B): ``.name == "alfworld"``, ``.max_steps == 50``.
 
     Args:
-        data_dir: real data, a folder in ALFWorld's ``json_2.1.1`` layout (or its parent);
-            ``"$ALFWORLD_DATA"`` is expanded.  None (default): generated games.
+        data_dir: real data, a folder in ALFWorld's ``json_2.1.1`` layout (or its parent).
+            None (default): the folder in ``$ALFWORLD_DATA``, else generated games
+            (:func:`~sprpo_lib.agent.envs.base.resolve_data_dir`, the rule of both environments).
         seed: generator seed (generated games only).
         sizes: split -> number of tasks; generated default train 3,553 / valid_seen 140 /
             valid_unseen 134; for real data a cap on the games found.

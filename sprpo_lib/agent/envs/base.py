@@ -21,14 +21,76 @@ format penalty (-0.1) is the agent interface's business, not the environment's.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol, Sequence, runtime_checkable
+
+#: The variable each environment reads its real data folder from when no ``data_dir`` is given.
+DATA_VARS = {"webshop": "WEBSHOP_DATA", "alfworld": "ALFWORLD_DATA"}
+#: What cache keys, manifests and headers record of the offline generated default.
+GENERATED = "generated"
+#: The folder that importing ``alfworld`` writes into ``$ALFWORLD_DATA`` when it is unset
+#: (``alfworld.info``, creating it empty).
+ALFWORLD_DEFAULT = "~/.cache/alfworld"
 
 
 class DataError(FileNotFoundError):
     """An environment's real data (``data_dir``, ``$WEBSHOP_DATA``, ``$ALFWORLD_DATA``) is
     missing, incomplete or unreadable; the message names the folder or file and the
     expected layout, and the commands print it without a traceback."""
+
+
+def resolve_data_dir(env: str, data_dir: str | os.PathLike | None = None) -> tuple[Path | None, str]:
+    """The one rule for an environment's data, both environments: an explicit ``data_dir``,
+    else the folder in ``$WEBSHOP_DATA`` / ``$ALFWORLD_DATA``, else None (the offline
+    generated default).  Returns the absolute folder (``~`` and ``$VAR`` expanded) and
+    where it came from (``"data_dir"`` or the variable's name: the prefix of a data error).
+    ``$ALFWORLD_DATA`` naming :data:`ALFWORLD_DEFAULT` with no ``json_2.1.1`` data in it counts
+    as unset: that is what importing ``alfworld`` leaves there, not a choice of data."""
+    raw, origin = (str(data_dir), "data_dir") if data_dir not in (None, "") else (None, GENERATED)
+    if raw is None and (var := DATA_VARS.get(env)) and os.environ.get(var):
+        raw, origin = os.environ[var], var
+    if raw is None:
+        return None, GENERATED
+    folder = Path(os.path.expandvars(raw)).expanduser().resolve()
+    if origin != "data_dir" and folder == Path(ALFWORLD_DEFAULT).expanduser().resolve() and not any(
+            (folder / "json_2.1.1").glob("*")):  # alfworld's import set the variable to its empty default folder
+        return None, GENERATED
+    return folder, origin
+
+
+@contextlib.contextmanager
+def data_vars_kept():
+    """Restore the data variables after the block: importing ``alfworld`` sets
+    ``$ALFWORLD_DATA`` to its default cache folder, which would then read as the user's
+    choice of real data (:func:`resolve_data_dir`)."""
+    saved = {var: os.environ.get(var) for var in DATA_VARS.values()}
+    try:
+        yield
+    finally:
+        for var, value in saved.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
+
+
+def data_source(env: str, data_dir: str | os.PathLike | None = None) -> str:
+    """What a result records of its data (:func:`resolve_data_dir`): the absolute real-data
+    folder, or :data:`GENERATED`.  Pools carry it as ``.data_source``."""
+    folder, _ = resolve_data_dir(env, data_dir)
+    return GENERATED if folder is None else str(folder)
+
+
+def data_header(env: str, data_dir: str | os.PathLike | None = None) -> str:
+    """The line a command prints before it plays ``env``'s tasks: the data it uses and why."""
+    folder, origin = resolve_data_dir(env, data_dir)
+    if folder is None:
+        return (f"{env} data: {GENERATED} (the offline default; set {DATA_VARS.get(env, 'data_dir')}=<folder> or "
+                "data_dir for the real data)")
+    return f"{env} data: {folder} (from {origin})"
 
 
 @dataclass
@@ -88,6 +150,7 @@ class TaskPool(Protocol):
 
     name: str  # "alfworld" | "webshop"
     max_steps: int  # 50 for ALFWorld, 15 for WebShop (App. B)
+    data_source: str  # the data actually played (:func:`data_source`): cache keys and manifests record it
 
     def splits(self) -> dict[str, int]:
         """Split name -> number of tasks."""

@@ -35,7 +35,7 @@ from typing import Callable, Mapping, Sequence
 from rapidfuzz import fuzz
 from rapidfuzz.utils import default_process
 
-from sprpo_lib.agent.envs.base import Observation, check_split
+from sprpo_lib.agent.envs.base import GENERATED, Observation, check_split, data_source
 from sprpo_lib.agent.envs.webshop_catalog import DEFAULT_N_PRODUCTS, WebShopCatalogue, WebShopDataError, get_catalogue
 
 __all__ = [
@@ -671,8 +671,9 @@ class WebShopPool:
     name = "webshop"
     max_steps = MAX_STEPS
 
-    def __init__(self, catalogue: WebShopCatalogue, n_test: int = N_TEST_GOALS) -> None:
+    def __init__(self, catalogue: WebShopCatalogue, n_test: int = N_TEST_GOALS, source: str = GENERATED) -> None:
         self.catalogue = catalogue
+        self.data_source = source  # the real-data folder or "generated" (cache keys and manifests record it)
         n_test = min(n_test, len(catalogue.goals))
         self._goals = {"test": catalogue.goals[:n_test], "train": catalogue.goals[n_test:]}
 
@@ -700,7 +701,8 @@ def make_webshop_pool(
 
     Args:
         data_dir: folder with the original data files; ``None`` uses ``$WEBSHOP_DATA``
-            if set, otherwise the offline generated catalogue (no data needed).
+            if set, otherwise the offline generated catalogue (no data needed):
+            :func:`~sprpo_lib.agent.envs.base.resolve_data_dir`, the rule of both environments.
         seed: generation seed of the offline catalogue; for real data, the seed of
             the price draws the original leaves unseeded.
         n_products: size of the generated catalogue (ignored for real data).
@@ -709,4 +711,4 @@ def make_webshop_pool(
     Raises:
         WebShopDataError: ``data_dir``/``$WEBSHOP_DATA`` is missing or incomplete.
     """
-    return WebShopPool(get_catalogue(data_dir, seed, n_products), n_test)
+    return WebShopPool(get_catalogue(data_dir, seed, n_products), n_test, data_source("webshop", data_dir))

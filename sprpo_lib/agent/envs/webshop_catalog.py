@@ -45,7 +45,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from sprpo_lib.agent.envs.base import DataError
+from sprpo_lib.agent.envs.base import DATA_VARS, DataError, resolve_data_dir
 
 
 def import_without_jax(name: str):
@@ -69,7 +69,7 @@ def import_without_jax(name: str):
 
 bm25s = import_without_jax("bm25s")
 
-DATA_ENV_VAR = "WEBSHOP_DATA"
+DATA_ENV_VAR = DATA_VARS["webshop"]
 SEARCH_RETURN_N = 50  # results kept per search (engine.py SEARCH_RETURN_N)
 GOAL_SHUFFLE_SEED = 233  # SimServer: random.seed(233); random.shuffle(goals)
 PRICE_STEPS = tuple(10.0 * i for i in range(1, 100))  # goal.py PRICE_RANGE
@@ -939,18 +939,17 @@ def get_catalogue(
     seed: int = 0,
     n_products: int = DEFAULT_N_PRODUCTS,
 ) -> WebShopCatalogue:
-    """Real data from ``data_dir`` (or ``$WEBSHOP_DATA``), else the generated default.
+    """Real data from ``data_dir``, else ``$WEBSHOP_DATA``, else the generated default
+    (:func:`~sprpo_lib.agent.envs.base.resolve_data_dir`, the rule of both environments).
 
     Results are cached in memory per ``(data folder, seed, n_products)``; callers must
     not mutate the returned catalogue.
     """
-    if data_dir is None:
-        env = os.environ.get(DATA_ENV_VAR) or None
-        if env is not None:  # the error names the variable the folder came from
-            try:
-                return _cached_catalogue(str(Path(env).expanduser().resolve()), seed, 0)
-            except WebShopDataError as err:
-                raise WebShopDataError(f"{DATA_ENV_VAR}={env}: {err}") from None
-    if data_dir is not None:
-        return _cached_catalogue(str(Path(data_dir).expanduser().resolve()), seed, 0)
-    return _cached_catalogue(None, seed, n_products)
+    folder, origin = resolve_data_dir("webshop", data_dir)
+    if folder is None:
+        return _cached_catalogue(None, seed, n_products)
+    try:
+        return _cached_catalogue(str(folder), seed, 0)
+    except WebShopDataError as err:  # the error names where the folder came from
+        given = data_dir if origin == "data_dir" else os.environ.get(DATA_ENV_VAR)
+        raise WebShopDataError(f"{origin}={given}: {err}") from None
