@@ -22,7 +22,7 @@ OVERRIDES = [
     ("model.dtype=3", "model.dtype", "a string or null"),
     ("eval_every=5", "eval_every", "needs eval_tasks"),
     ("method.nosuch=1", "method.nosuch", "unknown config key"),
-    ("iterations=0", "iterations", "at least 1 RL iteration"),
+    ("iterations=0", "iterations", "expected an integer >= 1"),
 ]
 
 
@@ -170,7 +170,7 @@ def test_render_only_rows_are_verified_or_one_error_naming_the_file(damage, tmp_
 
 @pytest.mark.parametrize("argv,says", [
     (["model.spec=/no/such"], "model.spec=/data/"),  # names the option sprpo-train has, not --model
-    (["--iterations", "0"], "at least 1 RL iteration"),
+    (["--iterations", "0"], "iterations=0: out of range; expected an integer >= 1"),
 ])
 def test_train_command_errors_are_one_line(argv, says, capsys):
     assert train_main(["--profile", "smoke", "--no-progress", *argv]) == 2

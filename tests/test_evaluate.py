@@ -285,7 +285,7 @@ def test_calibration_pool_and_calibrated_families(tmp_path, pool, counter, sharp
     ({"family": "gaussian", "strengths": (-0.1,)}, "--strength", "0 <= sigma"),
     ({"family": "clean", "strengths": (0.1,)}, "--strength", "no perturbation"),
     ({"adapters": ("/nonexistent/adapter",)}, "--adapter", "adapter_config.json"),
-    ({"tasks": 0}, "--tasks", "positive count"),
+    ({"tasks": 0}, "EvalConfig.tasks=0", "out of range; expected an integer >= 1"),
     ({"seeds": ()}, "--seeds", "--seeds 0 1 2"),
     ({"family": "fisher", "strengths": (0.1,)}, "--calibration", "--build-calibration"),
     ({"engine": "nope"}, "--engine", "expected one"),

@@ -223,5 +223,5 @@ def test_a_bad_attention_kernel_is_one_clear_error():
     with pytest.raises(ValueError, match="update.attention"), native_gqa(nn.Linear(2, 2), kernel="flash"):
         pass
     for bad in (-1, 2.5, True):
-        with pytest.raises(ValueError, match=r"update.attention_chunk=.*integer >= 0"):
+        with pytest.raises(ValueError, match=r"attention_chunk=.*integer >= 0"):
             UpdateConfig(attention_chunk=bad)

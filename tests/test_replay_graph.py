@@ -92,7 +92,7 @@ def test_saved_bytes_counts_each_saved_storage_once_and_not_the_weights():
 
 
 def test_replay_graph_gb_rejects_a_negative_budget():
-    with pytest.raises(ValueError, match="update.replay_graph_gb"):
+    with pytest.raises(ValueError, match="replay_graph_gb=-1: out of range; expected a number >= 0"):
         UpdateConfig(replay_graph_gb=-1)
 
 

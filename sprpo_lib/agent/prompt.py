@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Sequence
+from typing import Annotated, Callable, NamedTuple, Sequence
+
+from annotated_types import Ge, Le
 
 from sprpo_lib.infra.io import OMIT_AT_DEFAULT
+from sprpo_lib.infra.ranges import check_ranges
 
 ACTION_RE = re.compile(r"<action>(.*?)</action>", re.DOTALL)
 RESPONSE_INSTRUCTION = "Output the next action in <action>...</action>."
@@ -60,24 +63,17 @@ class AgentConfig:
             most of its prompt.  ``False`` (default, the paper): one line per action.
     """
 
-    history_len: int = 2
-    format_penalty: float = -0.1
-    max_obs_chars: int | None = None
-    history_obs_chars: int | None = None
+    history_len: Annotated[int, Ge(0)] = 2
+    format_penalty: Annotated[float, Le(0)] = -0.1
+    max_obs_chars: Annotated[int, Ge(16)] | None = None
+    history_obs_chars: Annotated[int, Ge(16)] | None = None
     echo_instruction: bool = True
     system_prompt: str | None = None
-    max_prompt_tokens: int | None = None
+    max_prompt_tokens: Annotated[int, Ge(64)] | None = None
     compact_actions: bool = field(default=False, metadata=OMIT_AT_DEFAULT)
 
     def __post_init__(self):
-        if self.history_len < 0:
-            raise ValueError(f"history_len must be >= 0, got {self.history_len}")
-        if self.max_obs_chars is not None and self.max_obs_chars < 16:
-            raise ValueError(f"max_obs_chars must be >= 16 or None, got {self.max_obs_chars}")
-        if self.history_obs_chars is not None and self.history_obs_chars < 16:
-            raise ValueError(f"history_obs_chars must be >= 16 or None, got {self.history_obs_chars}")
-        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 64:
-            raise ValueError(f"max_prompt_tokens must be >= 64 or None, got {self.max_prompt_tokens}")
+        check_ranges(self)
 
 
 class HistoryStep(NamedTuple):

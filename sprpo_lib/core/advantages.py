@@ -44,10 +44,12 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
-from typing import Callable, Hashable, Sequence
+from typing import Annotated, Callable, Hashable, Sequence
 
 import torch
+from annotated_types import Ge, Gt, Interval
 
+from sprpo_lib.infra.ranges import check_ranges
 from sprpo_lib.infra.registry import Registry
 
 __all__ = [
@@ -128,15 +130,16 @@ class AdvantageConfig:
             episode return and discounted into earlier steps' returns.
     """
 
-    gamma: float = 0.95
-    omega: float = 1.0
+    gamma: Annotated[float, Interval(ge=0, le=1)] = 0.95
+    omega: Annotated[float, Ge(0)] = 1.0
     norm: str = "mean_std"
-    eps: float = 1e-6
+    eps: Annotated[float, Gt(0)] = 1e-6
     episode_stats: str = "episode"
     singleton_episode: str = "zero"
     penalty_placement: str = "step"
 
     def __post_init__(self):
+        check_ranges(self)
         if self.norm not in ("mean_std", "mean"):
             raise ValueError(f"norm must be 'mean_std' or 'mean', got {self.norm!r}")
         if self.episode_stats not in ("episode", "step"):
@@ -145,10 +148,6 @@ class AdvantageConfig:
             raise ValueError(f"singleton_episode must be 'zero' or 'raw', got {self.singleton_episode!r}")
         if self.penalty_placement not in ("step", "return"):
             raise ValueError(f"penalty_placement must be 'step' or 'return', got {self.penalty_placement!r}")
-        if not 0.0 <= self.gamma <= 1.0:
-            raise ValueError(f"gamma must be in [0, 1], got {self.gamma}")
-        if not self.eps > 0:
-            raise ValueError(f"eps must be > 0, got {self.eps}")
 
 
 @dataclass

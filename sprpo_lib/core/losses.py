@@ -29,11 +29,13 @@ Also here: :func:`token_logprobs` and :func:`token_entropy` from logits (float32
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Annotated, Callable
 
 import torch
+from annotated_types import Ge, Gt
 from torch.autograd.function import once_differentiable
 
+from sprpo_lib.infra.ranges import check_ranges
 from sprpo_lib.infra.registry import Registry
 
 __all__ = [
@@ -69,23 +71,18 @@ class PPOLossConfig:
             (verl uses 20) so a wild token cannot overflow the ratio.
     """
 
-    clip_ratio: float = 0.2
-    clip_ratio_low: float | None = None
-    clip_ratio_high: float | None = None
-    clip_ratio_c: float = 3.0
-    entropy_coeff: float = 1e-3
+    clip_ratio: Annotated[float, Ge(0)] = 0.2
+    clip_ratio_low: Annotated[float, Ge(0)] | None = None
+    clip_ratio_high: Annotated[float, Ge(0)] | None = None
+    clip_ratio_c: Annotated[float, Gt(1)] = 3.0
+    entropy_coeff: Annotated[float, Ge(0)] = 1e-3
     loss_agg_mode: str = "token-mean"
-    log_ratio_clamp: float = 20.0
+    log_ratio_clamp: Annotated[float, Gt(0)] = 20.0
 
     def __post_init__(self):
+        check_ranges(self)
         if self.loss_agg_mode not in LOSS_AGG_MODES:
             raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {self.loss_agg_mode!r}")
-        if not self.clip_ratio_c > 1.0:
-            raise ValueError(f"clip_ratio_c must be > 1 (dual clip), got {self.clip_ratio_c}")
-        for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
-            v = getattr(self, name)
-            if v is not None and not 0.0 <= v:
-                raise ValueError(f"{name} must be >= 0, got {v}")
 
     @property
     def bounds(self) -> tuple[float, float]:

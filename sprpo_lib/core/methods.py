@@ -29,14 +29,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Annotated
 
 import torch
+from annotated_types import Ge, Interval
 
 from sprpo_lib.core import metrics as MK
 from sprpo_lib.core.actor import SURROGATE, TRAIN, Actor
 from sprpo_lib.core.batch import Batch
 from sprpo_lib.core.perturb import float32_compute, sample_xi
 from sprpo_lib.infra.io import OMIT_AT_DEFAULT
+from sprpo_lib.infra.ranges import check_ranges
 from sprpo_lib.infra.registry import Registry
 
 
@@ -146,27 +149,28 @@ class MethodConfig:
     """
 
     name: str = "vanilla"
-    sigma: float = 0.10
-    sam_rho: float = 5e-3
-    rho: float = 0.20
-    alpha: float = 1.0
+    sigma: Annotated[float, Ge(0)] = 0.10
+    sam_rho: Annotated[float, Ge(0)] = 5e-3
+    rho: Annotated[float, Ge(0)] = 0.20
+    alpha: Annotated[float, Ge(0)] = 1.0
     schedule: bool = True
     sensitivity: str = "replay"
-    s_floor: float = 1e-6
-    sigma_max: float = 0.5
+    s_floor: Annotated[float, Ge(0)] = 1e-6
+    sigma_max: Annotated[float, Ge(0)] = 0.5
     scale: str = "energy"
-    ema: float = 0.8
+    ema: Annotated[float, Interval(ge=0, lt=1)] = 0.8
     m_stat: str = "log"
-    m_clip: float = 3.0
-    s_quantile: float = 0.05
-    s_lo: float = 0.5
-    s_hi: float = 1.5
-    p: float = 1.0
-    ref_after: int = 0
-    replay_frac: float = field(default=1.0, metadata=OMIT_AT_DEFAULT)
+    m_clip: Annotated[float, Ge(0)] = 3.0
+    s_quantile: Annotated[float, Interval(ge=0, lt=1)] = 0.05
+    s_lo: Annotated[float, Interval(gt=0, le=1)] = 0.5
+    s_hi: Annotated[float, Ge(1)] = 1.5
+    p: Annotated[float, Ge(0)] = 1.0
+    ref_after: Annotated[int, Ge(0)] = 0
+    replay_frac: Annotated[float, Interval(gt=0, le=1)] = field(default=1.0, metadata=OMIT_AT_DEFAULT)
     replay_float32: bool = field(default=False, metadata=OMIT_AT_DEFAULT)
 
     def __post_init__(self):
+        check_ranges(self)
         METHODS.get(self.name)  # an unknown name lists the valid ones
         if self.sensitivity not in ("replay", "one_pass"):
             raise ValueError(f"method.sensitivity must be 'replay' or 'one_pass', got {self.sensitivity!r}")
@@ -174,21 +178,11 @@ class MethodConfig:
             raise ValueError(f"method.scale must be 'raw' (Alg. 1 literally), 'relative' or 'energy', got {self.scale!r}")
         if self.m_stat not in ("log", "linear"):
             raise ValueError(f"method.m_stat must be 'log' (EMA of log m_hat) or 'linear', got {self.m_stat!r}")
-        if not 0 <= self.ema < 1 or not 0 <= self.s_quantile < 1:
-            raise ValueError(f"method.ema and method.s_quantile must be in [0, 1), got {self.ema}, {self.s_quantile}")
-        if not 0 < self.s_lo <= 1 <= self.s_hi or self.ref_after < 0 or not (self.m_clip == 0 or self.m_clip > 1):
-            raise ValueError(f"method.s_lo <= 1 <= method.s_hi (both > 0), method.ref_after >= 0 and method.m_clip "
-                             f"0 or > 1 expected, got {self.s_lo}, {self.s_hi}, {self.ref_after}, {self.m_clip}; e.g. "
-                             "method.s_lo=0.5 method.s_hi=1.5 method.ref_after=0 method.m_clip=3")
+        if not (self.m_clip == 0 or self.m_clip > 1):
+            raise ValueError(f"method.m_clip={self.m_clip}: expected 0 (off) or a factor > 1; for example method.m_clip=3")
         if self.replay_float32 and self.sensitivity != "replay":
             raise ValueError("method.replay_float32 runs line 7's replay in float32, and method.sensitivity="
                              f"{self.sensitivity!r} has no replay: set method.sensitivity=replay or method.replay_float32=false")
-        if not 0 < self.replay_frac <= 1:
-            raise ValueError(f"method.replay_frac must be in (0, 1] (the share of rows line 7 replays), "
-                             f"got {self.replay_frac}; e.g. method.replay_frac=0.25")
-        for k in ("sigma", "sam_rho", "rho", "alpha", "s_floor", "sigma_max"):
-            if getattr(self, k) < 0:
-                raise ValueError(f"method.{k} must be >= 0, got {getattr(self, k)}")
 
 
 def _gen(seed: int, k: int, salt: int = 17) -> torch.Generator:

@@ -10,10 +10,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Annotated, Iterable, Mapping, Sequence
 
 import pandas as pd
 import safetensors.torch as st
+from annotated_types import Ge, Interval
 
 from sprpo_lib.agent.engines import ENGINES, GenerationConfig, close_engine, make_engine
 from sprpo_lib.agent.envs import ENVIRONMENTS, data_header, make_pool
@@ -54,6 +55,7 @@ from sprpo_lib.infra.io import (
 )
 from sprpo_lib.infra.paths import project_path
 from sprpo_lib.infra.progress import progress_bar
+from sprpo_lib.infra.ranges import check_ranges
 from sprpo_lib.model.load import (
     DEFAULT_MODEL,
     TINY_SPECS,
@@ -113,27 +115,27 @@ class EvalConfig:
     adapters: tuple[str, ...] = ()
     env: str = "webshop"
     data_dir: str | None = None
-    env_seed: int = 0
+    env_seed: Annotated[int, Ge(0)] = 0
     splits: tuple[str, ...] | None = None
-    tasks: int | None = None
+    tasks: Annotated[int, Ge(1)] | None = None
     family: str = "clean"
-    strengths: tuple[float, ...] = ()
-    seeds: tuple[int, ...] = (0,)
-    temperature: float = 0.4
-    top_p: float = 1.0
-    max_new_tokens: int = 64
-    batch_size: int = 16
-    max_steps: int | None = None
+    strengths: tuple[float, ...] = ()  # the range is the family's (check_strength)
+    seeds: tuple[Annotated[int, Ge(0)], ...] = (0,)
+    temperature: Annotated[float, Ge(0)] = 0.4
+    top_p: Annotated[float, Interval(gt=0, le=1)] = 1.0
+    max_new_tokens: Annotated[int, Ge(1)] = 64
+    batch_size: Annotated[int, Ge(1)] = 16
+    max_steps: Annotated[int, Ge(1)] | None = None
     engine: str = "hf"
     prefix_caching: bool = True
-    max_batched_tokens: int = 1024
+    max_batched_tokens: Annotated[int, Ge(16)] = 1024
     agent: AgentConfig = field(default_factory=AgentConfig)
     calibration: str | None = None
     perturbation_options: dict = field(default_factory=dict)
     dtype: str = "auto"
     device: str = "cpu"
     trust_remote_code: bool = False
-    model_seed: int = 0
+    model_seed: Annotated[int, Ge(0)] = 0
     cache_dir: str = str(DEFAULT_CACHE)
     tags: dict = field(default_factory=dict)
 
@@ -148,6 +150,7 @@ class EvalConfig:
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:
         """One clear ValueError per bad option: which option, what was expected, how to fix."""
+        check_ranges(self, "EvalConfig.")
         if self.env not in ENVIRONMENTS:
             raise ValueError(f"--env / EvalConfig.env: unknown environment {self.env!r}; expected one of "
                              f"{ENVIRONMENTS.names()}")
@@ -160,9 +163,6 @@ class EvalConfig:
                              "e.g. --seeds 0 1 2")
         if len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"--seeds / EvalConfig.seeds: {list(self.seeds)} repeats a seed; give each seed once")
-        if self.tasks is not None and int(self.tasks) < 1:
-            raise ValueError(f"--tasks / EvalConfig.tasks: {self.tasks} selects no tasks; expected a positive count "
-                             "(the first N tasks of each split) or nothing for all held-out tasks")
         if self.splits is not None and not self.splits:
             raise ValueError("--split / EvalConfig.splits: empty list of splits; omit it for App. C's held-out sets")
         if self.splits is None and self.env not in EVAL_SPLITS:
@@ -175,13 +175,6 @@ class EvalConfig:
         if clash:
             raise ValueError(f"--tag / EvalConfig.tags: {clash} would overwrite row columns; rename them "
                              "(e.g. train_seed instead of seed)")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"--max-steps / EvalConfig.max_steps: expected >= 1 or None, got {self.max_steps}")
-        try:
-            GenerationConfig(temperature=self.temperature, top_p=self.top_p, max_new_tokens=self.max_new_tokens,
-                             batch_size=self.batch_size)
-        except ValueError as err:
-            raise ValueError(f"--temperature/--top-p/--max-new-tokens/--batch-size: {err}") from None
         for a in self.adapters:
             check_adapter_dir(a)
         _check_options(self.family, self.perturbation_options)
@@ -372,6 +365,22 @@ def play_cell(policy, pool, tasks: Sequence[tuple[str, int]], cfg: EvalConfig, s
     return (episode_rows(records), episode_log(records)) if with_log else episode_rows(records)
 
 
+def perturbation_kwargs(cfg: EvalConfig, policy, family: str, calib: CalibrationPool | None, store: Path,
+                        identity: Mapping, progress: bool) -> dict:
+    """The keywords :func:`~sprpo_lib.core.compress.perturbation` takes for ``family`` on
+    ``policy``: the options, the shared calibration pool (App. C), Fisher's cached scores."""
+    if family == "clean":
+        return {}
+    kw = {"pad_id": policy.tokenizer.pad_token_id, **cfg.perturbation_options}
+    if family in CALIBRATED_FAMILIES:
+        _check_calibration_fits(calib, policy)
+        kw["calib"] = calib.sequences
+    if family == "fisher":
+        kw["scores"] = fisher_scores_cached(policy, calib, store, identity, cfg.perturbation_options, progress)
+        kw.pop("calib")
+    return kw
+
+
 def fisher_scores_cached(policy, calib: CalibrationPool, store: Path, identity: Mapping, options: Mapping,
                          progress: bool):
     """Fisher channel scores of this model on the shared pool (App. C), cached as
@@ -472,15 +481,7 @@ def evaluate(cfg: EvalConfig, *, progress: bool = True, pool=None) -> "pd.DataFr
         groups.setdefault((c.family, c.strength, c.seed if c.family in RANDOM_FAMILIES else None), []).append(c)
     for (family, strength, _), cells in groups.items():
         policy = source.policy()
-        kw: dict = {}
-        if family != "clean":
-            kw = {"pad_id": policy.tokenizer.pad_token_id, **cfg.perturbation_options}
-            if family in CALIBRATED_FAMILIES:
-                _check_calibration_fits(calib, policy)
-                kw["calib"] = calib.sequences
-            if family == "fisher":
-                kw["scores"] = fisher_scores_cached(policy, calib, store, ident, cfg.perturbation_options, progress)
-                kw.pop("calib")
+        kw = perturbation_kwargs(cfg, policy, family, calib, store, ident, progress)
         with perturbation(policy.model, "none" if family == "clean" else family, strength, cells[0].seed, **kw):
             for c in cells:
                 bar.set_postfix_str(f"{c.family} {c.strength:g} seed {c.seed}")

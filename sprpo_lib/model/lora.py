@@ -10,12 +10,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 import torch
+from annotated_types import Ge, Gt, Interval
 from torch import nn
 from torch.autograd.function import once_differentiable
 
 from sprpo_lib.infra.io import CorruptFileError, atomic_dir, read_json, read_safetensors
+from sprpo_lib.infra.ranges import check_ranges
 from sprpo_lib.model.layers import decoder_layers
 from sprpo_lib.model.load import Policy
 
@@ -28,10 +31,13 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 class LoraSettings:
     """LoRA adapters on all attention and FFN projections (App. B, Table 3: 64/64)."""
 
-    rank: int = 64
-    alpha: float = 64.0
-    dropout: float = 0.0
+    rank: Annotated[int, Ge(1)] = 64
+    alpha: Annotated[float, Gt(0)] = 64.0
+    dropout: Annotated[float, Interval(ge=0, lt=1)] = 0.0
     targets: tuple[str, ...] = LORA_TARGETS
+
+    def __post_init__(self):
+        check_ranges(self)
 
 
 def lora_on_last_layers(model, settings: LoraSettings, n_layers: int | None) -> LoraSettings:
@@ -84,8 +90,6 @@ def add_lora(policy: Policy, settings: LoraSettings | None = None, seed: int = 0
     from peft import LoraConfig, get_peft_model  # heavy: loaded on first use
 
     s = settings or LoraSettings()
-    if s.rank < 1:
-        raise ValueError(f"LoRA rank must be >= 1, got {s.rank}")
     cfg = LoraConfig(
         r=s.rank,
         lora_alpha=s.alpha,

@@ -14,16 +14,19 @@ the library's own dataclasses (:class:`GenerationConfig`, :class:`AgentConfig`,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
+import operator
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
+from annotated_types import Ge, Gt, Interval
 
 from sprpo_lib.agent.engines import ENGINES, GenerationConfig
 from sprpo_lib.agent.prompt import AgentConfig
@@ -32,8 +35,9 @@ from sprpo_lib.core.losses import KL_ESTIMATORS, PPOLossConfig
 from sprpo_lib.core.methods import MethodConfig
 from sprpo_lib.infra.hardware import ALLOCATORS
 from sprpo_lib.infra.io import NOT_A_KEY, OMIT_AT_DEFAULT, key_fields
+from sprpo_lib.infra.ranges import check_ranges, check_value, show, valid_example
 from sprpo_lib.infra.tracking import check_loggers
-from sprpo_lib.model.layers import QUERY_CHUNK, check_attention_chunk, check_attention_kernel
+from sprpo_lib.model.layers import QUERY_CHUNK, check_attention_kernel
 from sprpo_lib.model.lora import LoraSettings
 from sprpo_lib.warmstart.sft import SFTConfig
 
@@ -54,9 +58,12 @@ class ModelConfig:
     spec: str = "smollm2-135m"
     dtype: str | None = None
     lora: LoraSettings = field(default_factory=LoraSettings)
-    lora_layers: int | None = None
+    lora_layers: Annotated[int, Ge(1)] | None = None
     init_adapter: str | None = None
     device: str = field(default="auto", metadata=OMIT_AT_DEFAULT)
+
+    def __post_init__(self):
+        check_ranges(self)
 
 
 @dataclass
@@ -68,11 +75,14 @@ class EnvConfig:
     WebShop); ``workers``: environment worker processes (0: in-process)."""
 
     name: str = "webshop"
-    seed: int = 0
+    seed: Annotated[int, Ge(0)] = 0
     data_dir: str | None = None
     split: str = "train"
-    max_steps: int | None = None
-    workers: int = 0
+    max_steps: Annotated[int, Ge(1)] | None = None
+    workers: Annotated[int, Ge(0)] = 0
+
+    def __post_init__(self):
+        check_ranges(self)
 
 
 @dataclass
@@ -80,8 +90,8 @@ class RolloutConfig:
     """Rollout batch (Table 2: 16 tasks x 8 rollouts per step), the generation engine
     and its sampling settings, and the agent's prompt settings."""
 
-    tasks_per_step: int = 16
-    group_size: int = 8
+    tasks_per_step: Annotated[int, Ge(1)] = 16
+    group_size: Annotated[int, Ge(1)] = 8
     engine: str = "hf"
     generation: GenerationConfig = field(default_factory=lambda: GenerationConfig(batch_size=128))
     agent: AgentConfig = field(default_factory=AgentConfig)
@@ -90,12 +100,10 @@ class RolloutConfig:
     #: of ``tasks_per_step`` new tasks each refill the batch until it holds ``tasks_per_step``
     #: groups whose scores differ (verl's ``max_num_gen_batches``).  ``0``: one round, every
     #: group kept (the paper).  Every round plays under the iteration's xi_k.
-    refill_rounds: int = field(default=0, metadata=OMIT_AT_DEFAULT)
+    refill_rounds: Annotated[int, Ge(0)] = field(default=0, metadata=OMIT_AT_DEFAULT)
 
     def __post_init__(self):
-        if self.refill_rounds < 0:
-            raise ValueError(f"rollout.refill_rounds must be >= 0 (0: no dynamic sampling), got {self.refill_rounds}")
-
+        check_ranges(self)
         if self.engine not in ENGINES:
             raise ValueError(f"unknown generation engine {self.engine!r} (rollout.engine); "
                              f"expected one of {sorted(ENGINES)}")
@@ -172,22 +180,22 @@ class UpdateConfig:
     there, at 3x the memory.  The process keeps that much freed memory mapped
     (:func:`sprpo_lib.infra.hardware.keep_freed`)."""
 
-    lr: float = 3e-6
-    betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    micro_batch: int = 8
-    ppo_mini_batch_size: int | None = None
-    ppo_epochs: int = 1
-    kl_coef: float = 0.0
+    lr: Annotated[float, Gt(0)] = 3e-6
+    betas: tuple[Annotated[float, Interval(ge=0, lt=1)], Annotated[float, Interval(ge=0, lt=1)]] = (0.9, 0.999)
+    weight_decay: Annotated[float, Ge(0)] = 0.0
+    grad_clip: Annotated[float, Ge(0)] = 1.0
+    micro_batch: Annotated[int, Ge(1)] = 8
+    ppo_mini_batch_size: Annotated[int, Ge(1)] | None = None
+    ppo_epochs: Annotated[int, Ge(1)] = 1
+    kl_coef: Annotated[float, Ge(0)] = 0.0
     kl_type: str = "low_var_kl"
     estimator: str = "gigpo"
     adv: AdvantageConfig = field(default_factory=AdvantageConfig)
     loss_name: str = "ppo_dual_clip"
     loss: PPOLossConfig = field(default_factory=PPOLossConfig)
     skip_zero_adv: bool = field(default=True, metadata=OMIT_AT_DEFAULT)
-    prefix_min: int = field(default=16, metadata=OMIT_AT_DEFAULT)
-    micro_batch_tokens: int | None = field(default=None, metadata=OMIT_AT_DEFAULT)
+    prefix_min: Annotated[int, Ge(0)] = field(default=16, metadata=OMIT_AT_DEFAULT)
+    micro_batch_tokens: Annotated[int, Ge(1)] | None = field(default=None, metadata=OMIT_AT_DEFAULT)
     grad_checkpointing: bool = field(default=False, metadata=OMIT_AT_DEFAULT)
     reuse_frozen: bool = field(default=True, metadata=OMIT_AT_DEFAULT)
     fused_kernels: bool = field(default=False, metadata=OMIT_AT_DEFAULT)
@@ -196,26 +204,12 @@ class UpdateConfig:
     native_gqa: bool = field(default=True, metadata=OMIT_AT_DEFAULT)
     first_step_logp: bool = field(default=True, metadata=OMIT_AT_DEFAULT)
     attention: str = field(default="auto", metadata=OMIT_AT_DEFAULT)
-    attention_chunk: int = field(default=QUERY_CHUNK, metadata=OMIT_AT_DEFAULT)
-    replay_graph_gb: float = field(default=0.0, metadata=OMIT_AT_DEFAULT)
+    attention_chunk: Annotated[int, Ge(0)] = field(default=QUERY_CHUNK, metadata=OMIT_AT_DEFAULT)
+    replay_graph_gb: Annotated[float, Ge(0)] = field(default=0.0, metadata=OMIT_AT_DEFAULT)
 
     def __post_init__(self):
-        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
-            raise ValueError(f"update.micro_batch_tokens must be >= 1 or null (rows alone decide), got "
-                             f"{self.micro_batch_tokens}; e.g. update.micro_batch_tokens=16384")
+        check_ranges(self)
         check_attention_kernel(self.attention)
-        check_attention_chunk(self.attention_chunk)
-        if not self.replay_graph_gb >= 0:
-            raise ValueError(f"update.replay_graph_gb must be >= 0 (GiB of the replay's kept graph; 0: none), got "
-                             f"{self.replay_graph_gb}; e.g. update.replay_graph_gb=4")
-        if self.prefix_min < 0:
-            raise ValueError(f"update.prefix_min must be >= 0 (0 computes every row whole), got {self.prefix_min}")
-        if self.ppo_mini_batch_size is not None and self.ppo_mini_batch_size < 1:
-            raise ValueError(f"update.ppo_mini_batch_size must be >= 1 or null, got {self.ppo_mini_batch_size}")
-        if self.ppo_epochs < 1 or self.micro_batch < 1:
-            raise ValueError("update.ppo_epochs and update.micro_batch must be >= 1")
-        if self.kl_coef < 0:
-            raise ValueError(f"update.kl_coef must be >= 0, got {self.kl_coef}")
         if self.kl_type not in KL_ESTIMATORS:
             raise ValueError(f"update.kl_type must be one of {KL_ESTIMATORS}, got {self.kl_type!r}")
 
@@ -241,16 +235,16 @@ class TrainConfig:
     only, not part of the run's identity."""
 
     profile: str = "paper"
-    iterations: int = 200
-    seed: int = 0
-    threads: int | None = None
+    iterations: Annotated[int, Ge(1)] = 200
+    seed: Annotated[int, Ge(0)] = 0
+    threads: Annotated[int, Ge(1)] | None = None
     allocator: str = field(default="tuned", metadata=NOT_A_KEY)
     out_dir: str | None = None
     log_episodes: bool = True
     warm_start: bool = False
-    eval_tasks: int = 0
-    eval_every: int = field(default=0, metadata=OMIT_AT_DEFAULT)
-    eval_temperature: float | None = 0.4
+    eval_tasks: Annotated[int, Ge(0)] = 0
+    eval_every: Annotated[int, Ge(0)] = field(default=0, metadata=OMIT_AT_DEFAULT)
+    eval_temperature: Annotated[float, Ge(0)] | None = 0.4
     sft: SFTConfig = field(default_factory=SFTConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
@@ -261,15 +255,13 @@ class TrainConfig:
 
     def __post_init__(self):
         self.logger = check_loggers(self.logger)
+        check_ranges(self)
         if self.allocator not in ALLOCATORS:
             raise ValueError(f"allocator={self.allocator!r}: expected one of {ALLOCATORS} ('tuned': keep freed "
                              "activation memory mapped, the default; 'default': glibc's own malloc settings)")
-        if self.iterations < 1:
-            raise ValueError(f"iterations={self.iterations}: expected at least 1 RL iteration; to score the starting "
-                             "policy without training use sprpo-train --warm-start-only or sprpo-eval")
-        if self.eval_every < 0 or (self.eval_every and self.eval_tasks < 1):
+        if self.eval_every and self.eval_tasks < 1:
             raise ValueError(f"eval_every={self.eval_every} needs eval_tasks >= 1 held-out tasks (e.g. eval_tasks=64 "
-                             f"eval_every=10), and must be >= 0 (0: evaluate only the final policy)")
+                             f"eval_every=10; eval_every=0 evaluates only the final policy)")
         if self.method.name == "sprpo" and self.method.sensitivity == "one_pass" and (
                 self.update.ppo_mini_batch_size is not None or self.update.ppo_epochs != 1):
             raise ValueError("method.sensitivity=one_pass reads S_hat and m_hat from the single update step at "
@@ -283,7 +275,7 @@ def build(cls, data: dict, where: str = ""):
     if not isinstance(data, dict):
         raise ValueError(f"{where or 'config'}: expected a mapping, got {data!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     kwargs = {}
     for k, v in data.items():
         if k not in fields:
@@ -312,12 +304,30 @@ def _describe(t) -> str:
             type(None): "null"}.get(t, getattr(t, "__name__", str(t)))
 
 
+def _plain(t):
+    """``t`` without its ``Annotated`` ranges, also inside unions and tuples."""
+    if typing.get_origin(t) is typing.Annotated:
+        return _plain(typing.get_args(t)[0])
+    origin, args = typing.get_origin(t), typing.get_args(t)
+    if origin in (types.UnionType, typing.Union):
+        return functools.reduce(operator.or_, map(_plain, args))
+    if origin is tuple:
+        return tuple[tuple(a if a is Ellipsis else _plain(a) for a in args)]
+    return t
+
+
 def typed(key: str, value: Any, t, default: Any = None) -> Any:
     """``value`` as the declared type ``t`` of config key ``key``, or one ``ValueError``
     naming the key, the value, the type expected and a valid example.  Bools are only
     true/false; an integer is accepted where a float is declared (and kept as written, so
     that hashes of configs stay what they were); floats must be finite (no config field
-    takes NaN or infinity); a list becomes a tuple."""
+    takes NaN or infinity); a list becomes a tuple.  A range declared with ``Annotated``
+    is checked after the type (:func:`sprpo_lib.infra.ranges.check_value`)."""
+    default = valid_example(t) if default is None else default
+    return check_value(key, _typed(key, value, _plain(t), default), t, default)
+
+
+def _typed(key: str, value: Any, t, default: Any = None) -> Any:
     origin, args = typing.get_origin(t), typing.get_args(t)
     ok = False
     if origin in (types.UnionType, typing.Union):
@@ -325,13 +335,13 @@ def typed(key: str, value: Any, t, default: Any = None) -> Any:
             return None
         for a in (a for a in args if a is not type(None)):
             try:
-                return typed(key, value, a, default)
+                return _typed(key, value, a, default)
             except ValueError:
                 pass
     elif origin is tuple and isinstance(value, (list, tuple)):
         each = [args[0]] * len(value) if len(args) == 2 and args[1] is Ellipsis else list(args)
         if len(each) == len(value):
-            return tuple(typed(key, v, a) for v, a in zip(value, each))
+            return tuple(_typed(key, v, a) for v, a in zip(value, each))
     elif t is bool:
         ok = isinstance(value, bool)
     elif t is int:
@@ -349,8 +359,8 @@ def typed(key: str, value: Any, t, default: Any = None) -> Any:
     example = default if default is not None and not isinstance(default, (list, tuple)) else {
         bool: "true", int: 1, float: 0.1, str: "name"}.get(next((a for a in (args or (t,)) if a is not type(None)), t), "...")
     if isinstance(default, tuple):
-        example = "[" + ",".join(map(str, default)) + "]"
-    shown = json.dumps(example) if isinstance(example, bool) else example
+        example = show(default)
+    shown = json.dumps(example) if isinstance(example, bool) else show(example) if isinstance(example, float) else example
     raise ValueError(f"{key}={value!r}: expected {_describe(t)}; for example {key}={shown}")
 
 

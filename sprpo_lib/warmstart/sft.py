@@ -57,9 +57,10 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Annotated, Sequence
 
 import torch
+from annotated_types import Ge, Gt, Interval
 
 from sprpo_lib.agent.envs.base import TaskPool
 from sprpo_lib.agent.prompt import AgentConfig, chat_text
@@ -77,6 +78,7 @@ from sprpo_lib.infra.io import (
     read_json_lines,
 )
 from sprpo_lib.infra.progress import progress_bar
+from sprpo_lib.infra.ranges import check_ranges
 from sprpo_lib.infra.resume import load_resume_point, save_resume_point
 from sprpo_lib.model.load import Policy
 from sprpo_lib.model.lora import LoraSettings, add_lora, is_peft, lora_on_last_layers, save_adapter
@@ -185,67 +187,43 @@ class SFTConfig:
             learned.  Not part of the cache key (it measures the adapter, never changes it).
     """
 
-    epochs: int = 3
-    lr: float = 1e-4
-    batch_size: int = 4
-    grad_accum: int = 1
-    max_steps: int | None = None
-    max_seconds: float | None = None
-    warmup_steps: int = 0
+    epochs: Annotated[int, Ge(1)] = 3
+    lr: Annotated[float, Gt(0)] = 1e-4
+    batch_size: Annotated[int, Ge(1)] = 4
+    grad_accum: Annotated[int, Ge(1)] = 1
+    max_steps: Annotated[int, Ge(1)] | None = None
+    max_seconds: Annotated[float, Gt(0)] | None = None
+    warmup_steps: Annotated[int, Ge(0)] = 0
     schedule: str = "constant"
-    max_grad_norm: float | None = 1.0
-    weight_decay: float = 0.0
-    max_prompt_tokens: int | None = 2048
+    max_grad_norm: Annotated[float, Ge(0)] | None = 1.0
+    weight_decay: Annotated[float, Ge(0)] = 0.0
+    max_prompt_tokens: Annotated[int, Ge(1)] | None = 2048
     lora: LoraSettings = field(default_factory=LoraSettings)
-    lora_layers: int | None = None
-    seed: int = 0
-    n_tasks: int = 40
+    lora_layers: Annotated[int, Ge(1)] | None = None
+    seed: Annotated[int, Ge(0)] = 0
+    n_tasks: Annotated[int, Ge(1)] = 40
     split: str = "train"
-    expert_prob: float = 1.0
+    expert_prob: Annotated[float, Interval(ge=0, le=1)] = 1.0
     demonstrator: str = "expert"
-    episode_steps: int | None = field(default=None, metadata=OMIT_AT_DEFAULT)
-    repeat_prob: float = field(default=0.0, metadata=OMIT_AT_DEFAULT)
-    balance: float = field(default=0.0, metadata=OMIT_AT_DEFAULT)
-    dagger_rounds: int = field(default=0, metadata=OMIT_AT_DEFAULT)
-    dagger_tasks: int = field(default=50, metadata=OMIT_AT_DEFAULT)
-    dagger_temperature: float = field(default=0.4, metadata=OMIT_AT_DEFAULT)
-    dagger_replay: float = field(default=1.0, metadata=OMIT_AT_DEFAULT)
-    log_every: int = 10
+    episode_steps: Annotated[int, Ge(1)] | None = field(default=None, metadata=OMIT_AT_DEFAULT)
+    repeat_prob: Annotated[float, Interval(ge=0, lt=1)] = field(default=0.0, metadata=OMIT_AT_DEFAULT)
+    balance: Annotated[float, Interval(ge=0, le=2)] = field(default=0.0, metadata=OMIT_AT_DEFAULT)
+    dagger_rounds: Annotated[int, Ge(0)] = field(default=0, metadata=OMIT_AT_DEFAULT)
+    dagger_tasks: Annotated[int, Ge(1)] = field(default=50, metadata=OMIT_AT_DEFAULT)
+    dagger_temperature: Annotated[float, Ge(0)] = field(default=0.4, metadata=OMIT_AT_DEFAULT)
+    dagger_replay: Annotated[float, Ge(0)] = field(default=1.0, metadata=OMIT_AT_DEFAULT)
+    log_every: Annotated[int, Ge(1)] = 10
     shuffle: bool = True
-    eval_tasks: int = 0
+    eval_tasks: Annotated[int, Ge(0)] = 0
     agreement: bool = field(default=False, metadata=NOT_A_KEY)
 
     def __post_init__(self):
         if isinstance(self.lora, dict):
             self.lora = LoraSettings(**self.lora)
-        if self.epochs < 1 or self.batch_size < 1 or self.grad_accum < 1 or self.log_every < 1:
-            raise ValueError("epochs, batch_size, grad_accum and log_every must be >= 1")
-        if self.lr <= 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"max_steps must be >= 1 or None, got {self.max_steps}")
-        if not 0.0 <= self.repeat_prob < 1.0:
-            raise ValueError(f"sft.repeat_prob must be in [0, 1), got {self.repeat_prob}")
-        if not 0.0 <= self.balance <= 2.0:
-            raise ValueError(f"sft.balance must be in [0, 2] (0: no weighting, 1: every verb weighs the same), "
-                             f"got {self.balance}")
-        if self.dagger_rounds < 0 or self.dagger_tasks < 1:
-            raise ValueError(f"sft.dagger_rounds must be >= 0 and sft.dagger_tasks >= 1, got {self.dagger_rounds} and "
-                             f"{self.dagger_tasks}")
-        if self.dagger_temperature < 0 or self.dagger_replay < 0:
-            raise ValueError(f"sft.dagger_temperature and sft.dagger_replay must be >= 0, got "
-                             f"{self.dagger_temperature} and {self.dagger_replay}")
-        if self.episode_steps is not None and self.episode_steps < 1:
-            raise ValueError(f"sft.episode_steps must be >= 1 or null (the environment's limit), got {self.episode_steps}")
+        check_ranges(self)
         if self.schedule not in _SCHEDULES:
             raise ValueError(f"schedule must be one of {_SCHEDULES}, got {self.schedule!r}")
-        if not 0.0 <= self.expert_prob <= 1.0:
-            raise ValueError(f"expert_prob must be in [0, 1], got {self.expert_prob}")
         DEMONSTRATORS.get(self.demonstrator)  # an unknown name lists the valid ones
-        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
-            raise ValueError("max_prompt_tokens must be >= 1 or None")
-        if self.lora_layers is not None and self.lora_layers < 1:
-            raise ValueError(f"lora_layers must be >= 1 or None, got {self.lora_layers}")
 
 
 # ----------------------------------------------------------------------------- tokenization

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Mapping, Protocol, Sequence, runtime_checkable
+from typing import Annotated, Mapping, Protocol, Sequence, runtime_checkable
 
 import torch
+from annotated_types import Ge, Interval
 from torch import nn
 
 from sprpo_lib.core.perturb import active_factor
+from sprpo_lib.infra.ranges import check_ranges
 from sprpo_lib.model.layers import ffn_modules
 
 
@@ -62,24 +64,17 @@ class GenerationConfig:
     changes bfloat16 rounding, so it is part of the evaluation cache key; ``hf`` and
     ``vllm`` (which keeps vLLM's own default) ignore it."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 48
-    batch_size: int = 16
+    temperature: Annotated[float, Ge(0)] = 1.0
+    top_p: Annotated[float, Interval(gt=0, le=1)] = 1.0
+    max_new_tokens: Annotated[int, Ge(1)] = 48
+    batch_size: Annotated[int, Ge(1)] = 16
     stop: str = "</action>"
-    seed: int = 0
+    seed: Annotated[int, Ge(0)] = 0
     prefix_caching: bool = True
-    max_batched_tokens: int = 1024
+    max_batched_tokens: Annotated[int, Ge(16)] = 1024
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.max_new_tokens < 1 or self.batch_size < 1:
-            raise ValueError("max_new_tokens and batch_size must be >= 1")
-        if self.max_batched_tokens < 16:
-            raise ValueError(f"max_batched_tokens must be >= 16 (tokens per scheduler step), got {self.max_batched_tokens}")
+        check_ranges(self)
 
 
 
