@@ -54,7 +54,8 @@ from sprpo_lib.train.config import config_from_dict
 from sprpo_lib.warmstart.cache import warm_start_dir
 
 #: Notebooks of the robustness experiments (plans in :data:`sprpo_lib.paper.experiments.PLANS`).
-RESULT_NOTEBOOKS = ("03_motivation", "04_robustness", "05_landscape", "06_overhead", "07_examples", "08_ablations")
+RESULT_NOTEBOOKS = ("03_motivation", "04_robustness", "05_landscape", "06_overhead", "07_examples", "08_ablations",
+                    "09_divergence")
 
 #: What each notebook reproduces and what it writes (README "What reproduces what" is generated
 #: from this table).
@@ -78,6 +79,10 @@ NOTEBOOK_INFO: dict[str, tuple[str, str]] = {
                      "every claim's verdict and the power analysis",
                      "`08_ablations_<env>_fig5.png/.pdf`, `_components.tex/.csv`, `_hyperparameters.tex/.csv`, "
                      "`_paired.csv`, `claims_<profile>.md/.csv`, `claims_power_<profile>.md/.csv`"),
+    "09_divergence": ("Fig. 3 and Fig. 4 in the policy's own terms: KL under each perturbation per agent state; claims "
+                      "C2-KL, T1-KL, C4-KL, RL-KL; whether KL tracks success",
+                      "`09_divergence_<env>_curves.png/.pdf`, `_surface.png/.pdf`, `_summary.csv`, `_claims.csv/.md`, "
+                      "`_correlation.json`, `_rows.csv`"),
 }
 
 

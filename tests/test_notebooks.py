@@ -100,18 +100,18 @@ def test_training_notebook_smoke(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)  # six notebooks on both environments: ~6 min alone on 2 AVX2 cores, twice that shared
+@pytest.mark.timeout(1500)  # seven notebooks on both environments: ~7 min alone on 2 AVX2 cores, twice that shared
 def test_result_notebooks_smoke_and_render_only(tmp_path):
-    """03-08 end to end on the tiny model (policies trained, cells evaluated and cached), then
+    """03-09 end to end on the tiny model (policies trained, cells evaluated and cached), then
     --render-only redraws the same tables from the result CSVs without evaluating."""
     import hashlib
 
     from sprpo_lib.evaluate import load_episode_log
 
     out = tmp_path / "figs"
-    recs = run("smoke", only=["03", "04", "05", "06", "07", "08"], force=True, runs_dir=tmp_path / "runs",
+    recs = run("smoke", only=["03", "04", "05", "06", "07", "08", "09"], force=True, runs_dir=tmp_path / "runs",
                out_dir=str(out))
-    assert [r["status"] for r in recs] == ["ok"] * 6
+    assert [r["status"] for r in recs] == ["ok"] * 7
     from sprpo_lib.infra.manifest import check_artifact
 
     for man in out.glob("*.manifest.json"):  # every artifact matches the SHA-256 its manifest records
@@ -186,15 +186,27 @@ def test_result_notebooks_smoke_and_render_only(tmp_path):
     assert set(ab_paired.baseline) == {"rho0", "alpha0", "sam_5e-3", "lr_profile", "lr0.0003", "scale_relative"}
     assert (ab_paired.success_lo <= ab_paired.success_diff).all() and (ab_paired.success_mde80.isna() | (ab_paired.success_mde80 > 0)).all()
     assert (out / "08_ablations_webshop_fig5.png").read_bytes()[:4] == b"\x89PNG"
+    # 09: every policy's KL on the same states and draws, the claims beside their rows, both environments
+    div = pd.read_csv(out / "09_divergence_webshop_rows.csv")
+    assert set(div.method) == {"vanilla", "gaussian", "sam", "sprpo"} and (div.kl >= 0).all()
+    assert div.groupby(["method", "family", "strength", "w2"]).state.apply(tuple).nunique() == 1  # paired by state
+    assert {("rtn", 6.0), ("gaussian", 0.1)} <= set(zip(div.family, div.strength)) and (div.family == "plane").any()
+    kl_claims = pd.read_csv(out / "09_divergence_webshop_claims.csv")
+    assert {"C2-KL", "T1-KL", "C4-KL"} <= set(kl_claims.id) and kl_claims.reading.notna().all()
+    assert "pairs" in json.loads((out / "09_divergence_webshop_correlation.json").read_text())
+    assert set(pd.read_csv(out / "09_divergence_alfworld_rows.csv").split) == {"valid_seen", "valid_unseen"}
+    assert (out / "09_divergence_webshop_curves.png").is_file() and (out / "09_divergence_webshop_surface.png").is_file()
     digest = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.glob("*.tex")}
+    digest |= {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.glob("09_*_claims.md")}
     # render-only: nothing evaluated (an empty cache would fail any evaluation), same tables
     import shutil
 
     shutil.rmtree(tmp_path / "runs" / "smoke" / "eval_cache" / "cells")
-    again = run("smoke", only=["03", "04", "05", "06", "08"], runs_dir=tmp_path / "runs", out_dir=str(out),
+    again = run("smoke", only=["03", "04", "05", "06", "08", "09"], runs_dir=tmp_path / "runs", out_dir=str(out),
                 render_only=True)
-    assert [r["status"] for r in again] == ["rendered"] * 5
-    assert digest == {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in out.glob("*.tex")}
+    assert [r["status"] for r in again] == ["rendered"] * 6
+    assert digest == {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+                      for p in [*out.glob("*.tex"), *out.glob("09_*_claims.md")]}
 
 
 @pytest.fixture(autouse=True)

@@ -38,41 +38,44 @@ def sequences_hash(sequences: Sequence[Sequence[int]]) -> str:
     return canonical_hash([[int(t) for t in s] for s in sequences])
 
 
-def build_calibration_pool(policy, pool, agent: AgentConfig | None = None, *, n: int = 128,
-                           split: str = "train", first_task: int = 0, per_episode: int = 4,
-                           temperature: float = 0.4, max_new_tokens: int = 64, batch_size: int = 16,
-                           max_steps: int | None = None, seed: int = 0, engine: str = "hf",
-                           tasks_per_batch: int = 16, progress: bool = True,
-                           source: Mapping | None = None) -> CalibrationPool:
-    """Collect ``n`` agent-interaction sequences from ``policy``'s own rollouts on
-    training tasks (App. C: 128 sequences from a Vanilla policy).
+@dataclass(frozen=True)
+class SampledStep:
+    """One agent step kept from a policy's own episode: where it was and its token ids."""
 
-    Training tasks ``first_task, first_task + 1, ...`` of ``split`` are played one
-    episode each, ``tasks_per_batch`` at a time, at ``temperature`` with generation
-    seed ``seed``; from each episode at most ``per_episode`` steps are kept (a seeded
-    random choice, so the pool spans many tasks and all stages of an episode); each
-    kept step gives ``prompt_ids + response_ids``, the templated prompt and the
-    response exactly as generated.  Stops as soon as ``n`` sequences are collected.
-    """
+    split: str
+    task_index: int
+    step: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+
+
+def sampled_steps(policy, pool, agent: AgentConfig | None = None, *, n: int, split: str, first_task: int = 0,
+                  per_episode: int = 4, temperature: float = 0.4, max_new_tokens: int = 64, batch_size: int = 16,
+                  max_steps: int | None = None, seed: int = 0, engine: str = "hf", tasks_per_batch: int = 16,
+                  progress: bool = True) -> list[SampledStep]:
+    """``n`` steps of ``policy``'s own episodes on tasks ``first_task, first_task + 1, ...`` of
+    ``split``: one episode each, ``tasks_per_batch`` at a time, at ``temperature`` with generation
+    seed ``seed``; at most ``per_episode`` steps of an episode (a seeded random choice, so the
+    steps span many tasks and all stages of an episode), in step order.  The templated prompt and
+    the response exactly as generated."""
     if n < 1 or per_episode < 1:
-        raise ValueError(f"calibration pool: n and per_episode must be >= 1, got {n}, {per_episode}")
+        raise ValueError(f"n and per_episode must be >= 1, got {n}, {per_episode}")
     agent = agent or AgentConfig()
     size = pool.splits().get(split)
     if size is None:
-        raise ValueError(f"calibration pool: {pool.name} has no split {split!r}; expected one of {sorted(pool.splits())}")
+        raise ValueError(f"{pool.name} has no split {split!r}; expected one of {sorted(pool.splits())}")
     rng = random.Random(seed)
     gen = GenerationConfig(temperature=temperature, max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed)
     eng = make_engine(engine, policy, gen, agent)
-    seqs: list[list[int]] = []
-    origin: list[list] = []
+    out: list[SampledStep] = []
     task = first_task
     envs = SerialEnvs(lambda: pool)
     try:
         policy.model.eval()
-        while len(seqs) < n:
+        while len(out) < n:
             if task >= size:
-                raise ValueError(f"calibration pool: {split!r} ran out of tasks after {len(seqs)} of {n} sequences; "
-                                 "raise per_episode or lower n")
+                raise ValueError(f"{split!r} of {pool.name} ran out of tasks after {len(out)} of {n} steps; raise "
+                                 "per_episode or lower n")
             batch = [(split, i) for i in range(task, min(size, task + tasks_per_batch))]
             task += len(batch)
             episodes, _ = run_groups(envs, batch, 1, eng, agent, max_steps, progress=progress,
@@ -80,17 +83,38 @@ def build_calibration_pool(policy, pool, agent: AgentConfig | None = None, *, n:
             for ep in episodes:
                 steps = [s for s in ep.steps if s.prompt_ids and s.response_ids]
                 for s in sorted(rng.sample(steps, min(per_episode, len(steps))), key=lambda s: s.step):
-                    if len(seqs) < n:
-                        seqs.append([int(t) for t in s.prompt_ids] + [int(t) for t in s.response_ids])
-                        origin.append([ep.split, ep.task_index, s.step])
+                    if len(out) < n:
+                        out.append(SampledStep(ep.split, ep.task_index, s.step, [int(t) for t in s.prompt_ids],
+                                               [int(t) for t in s.response_ids]))
     finally:
         envs.close()
         close_engine(eng)
+    return out
+
+
+def build_calibration_pool(policy, pool, agent: AgentConfig | None = None, *, n: int = 128,
+                           split: str = "train", first_task: int = 0, per_episode: int = 4,
+                           temperature: float = 0.4, max_new_tokens: int = 64, batch_size: int = 16,
+                           max_steps: int | None = None, seed: int = 0, engine: str = "hf",
+                           tasks_per_batch: int = 16, progress: bool = True,
+                           source: Mapping | None = None) -> CalibrationPool:
+    """Collect ``n`` agent-interaction sequences from ``policy``'s own rollouts on
+    training tasks (App. C: 128 sequences from a Vanilla policy): the ``prompt_ids +
+    response_ids`` of :func:`sampled_steps`."""
+    try:
+        steps = sampled_steps(policy, pool, agent, n=n, split=split, first_task=first_task, per_episode=per_episode,
+                              temperature=temperature, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                              max_steps=max_steps, seed=seed, engine=engine, tasks_per_batch=tasks_per_batch,
+                              progress=progress)
+    except ValueError as err:
+        raise ValueError(f"calibration pool: {err}") from None
+    seqs = [s.prompt_ids + s.response_ids for s in steps]
     tok = policy.tokenizer
-    src = {"env": pool.name, "split": split, "steps": origin, "per_episode": per_episode, "seed": seed,
-           "temperature": temperature, "max_new_tokens": max_new_tokens, "max_steps": max_steps, "engine": engine,
-           "agent": key_fields(agent), "policy": getattr(policy, "spec", None),
-           "tokenizer": {"name": getattr(tok, "name_or_path", None), "vocab": len(tok)}, **dict(source or {})}
+    src = {"env": pool.name, "split": split, "steps": [[s.split, s.task_index, s.step] for s in steps],
+           "per_episode": per_episode, "seed": seed, "temperature": temperature, "max_new_tokens": max_new_tokens,
+           "max_steps": max_steps, "engine": engine, "agent": key_fields(agent or AgentConfig()),
+           "policy": getattr(policy, "spec", None), "tokenizer": {"name": getattr(tok, "name_or_path", None),
+                                                                 "vocab": len(tok)}, **dict(source or {})}
     return CalibrationPool(seqs, sequences_hash(seqs), src)
 
 

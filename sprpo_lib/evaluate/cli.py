@@ -11,6 +11,7 @@ import yaml
 from sprpo_lib.agent.envs import DataError, make_pool
 from sprpo_lib.evaluate.calibration import build_calibration_pool, save_calibration
 from sprpo_lib.evaluate.cells import DEFAULT_CACHE
+from sprpo_lib.evaluate.divergence import divergence, divergence_summary, load_states, save_states, state_pool
 from sprpo_lib.evaluate.sweep import EvalConfig, ModelSource, config_from_profile, config_from_run, sweep
 from sprpo_lib.infra.executor import EXECUTORS, make_executor
 from sprpo_lib.infra.io import as_disk_full, atomic_write_text
@@ -54,6 +55,14 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--trust-remote-code", action="store_true", help="allow model code from the model folder")
     ap.add_argument("--cache-dir", default=str(DEFAULT_CACHE))
     ap.add_argument("--tag", nargs="+", default=[], metavar="KEY=VALUE", help="columns added to every row")
+    ap.add_argument("--metric", default="success", choices=["success", "divergence"],
+                    help="success: play episodes; divergence: KL of the policy under the perturbation per agent state "
+                         "(teacher-forced, no episode played)")
+    ap.add_argument("--states", type=int, default=16, help="divergence: agent states per held-out split")
+    ap.add_argument("--states-file", metavar="PATH",
+                    help="divergence: the state pool to use (a JSON written before, e.g. from another agent, so two "
+                         "agents are compared on the same states); written here when it does not exist")
+    ap.add_argument("--samples", type=int, default=4, help="divergence: responses sampled per state (K)")
     ap.add_argument("--out", help="write the rows as CSV here")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--debug", action="store_true", help="show the traceback of an error")
@@ -98,6 +107,21 @@ def config_from_args(args) -> EvalConfig:
     return EvalConfig(**kw)
 
 
+def divergence_rows(cfg: EvalConfig, args, progress: bool):
+    """``--metric divergence``: the state pool (``--states-file``, or built from this agent's own
+    held-out episodes), then the divergence rows of every setting."""
+    if args.states < 1 or args.samples < 1:
+        raise ValueError(f"--states {args.states} / --samples {args.samples}: expected positive counts")
+    path = project_path(args.states_file) if args.states_file else None
+    if path is not None and path.is_file():
+        states = load_states(path)
+    else:
+        states, _ = state_pool(cfg, args.states, progress=progress)
+        if path is not None:
+            save_states(path, states)
+    return divergence(cfg, states, samples=args.samples, progress=progress)
+
+
 def _summary(rows) -> str:
     g = rows.groupby(["family", "strength", "split_label", "seed"], sort=False)
     s = g.agg(episodes=("success", "size"), success=("success", "mean"), score=("score", "mean"),
@@ -128,6 +152,12 @@ def main(argv: list[str] | None = None) -> int:
                 source={"model": cfg.model, "adapters": list(cfg.adapters), "model_identity": source.identity()})
             save_calibration(project_path(args.build_calibration), calib)
             print(f"calibration pool: {len(calib)} sequences, hash {calib.hash[:12]} -> {args.build_calibration}")
+            return 0
+        if args.metric == "divergence":
+            rows = divergence_rows(cfg, args, progress)
+            if args.out:
+                atomic_write_text(project_path(args.out), rows.to_csv(index=False))
+            print(divergence_summary(rows).round(4).to_string())
             return 0
         executor = make_executor(args.executor, args.address, {"cell_cpus": args.cell_cpus,
                                                                "cell_gpus": args.cell_gpus})

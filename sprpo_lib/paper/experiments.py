@@ -42,10 +42,12 @@ from sprpo_lib.evaluate import (
     build_calibration_pool,
     canonical_hash,
     config_from_run,
+    RANDOM_FAMILIES,
     load_calibration,
     save_calibration,
     sweep,
 )
+from sprpo_lib.evaluate.divergence import DIVERGENCE_COLUMNS, divergence, draw_seeds, state_pool
 from sprpo_lib.infra.io import CorruptFileError, atomic_write_text, key_fields, read_cached
 from sprpo_lib.infra.manifest import check_artifact, manifest_path
 from sprpo_lib.infra.paths import project_path
@@ -98,6 +100,10 @@ class Plan:
             ``longer_seeds``; ``None``: all of the method's) to this many RL iterations
             (0: none), for notebook 01's held-out curve against the warm start
             (:func:`sprpo_lib.paper.report.longer_grid`); nothing else evaluates them.
+        divergence_states: agent states per held-out split on which every policy's divergence under
+            each perturbation is measured (:func:`divergence_rows`; 0: none), drawn from the warm
+            start's held-out episodes; ``divergence_samples`` responses sampled per state (K) and
+            ``divergence_draws`` draws of each random family (M), the same for every policy.
     """
 
     profile: str
@@ -123,6 +129,9 @@ class Plan:
     longer_iterations: int = 0
     longer_methods: tuple[str, ...] = ("vanilla",)
     longer_seeds: tuple[int, ...] | None = None
+    divergence_states: int = 0
+    divergence_samples: int = 4
+    divergence_draws: int = 2
 
     def __post_init__(self):
         missing = [m for m in self.methods if m not in self.seeds]
@@ -359,6 +368,45 @@ def settings_configs(base: EvalConfig, settings: Sequence[tuple[str, float]], *,
     return [dataclasses.replace(base, family=fam, strengths=tuple(strengths), tasks=tasks,
                                 calibration=calibration if fam in CALIBRATED_FAMILIES else None)
             for fam, strengths in by_family.items()]
+
+
+def divergence_rows(p: Plan, runs: Mapping[tuple[str, int], Path], *, cache_dir: str | Path = DEFAULT_CACHE,
+                    progress: bool = True) -> pd.DataFrame:
+    """How far each policy of the plan (and the warm start, as ``warm_start``) moves under each
+    perturbation, per agent state (the paper's alpha: :func:`sprpo_lib.evaluate.divergence.divergence`):
+    every Table 1 setting and curve strength, the random families at the same ``divergence_draws``
+    draws for every policy, and the landscape plane (Fig. 4's grid, rows with ``w2``) for the
+    landscape policies; all on one state pool from the warm start's held-out episodes (the first
+    Vanilla policy's where the profile has no warm start).  Cached per cell."""
+    cols = [*DIVERGENCE_COLUMNS, "method", "train_seed", "profile", "w2"]
+    if not p.divergence_states:
+        return pd.DataFrame(columns=cols)
+    cache_dir = project_path(cache_dir)
+    ws = warm_start_config(p, runs, cache_dir)
+    vanilla = sorted(k for k in runs if k[0] == "vanilla")
+    reference = ws or (eval_config(p, runs[vanilla[0]], cache_dir) if vanilla else None)
+    if reference is None:
+        raise ValueError("divergence: the plan has neither a warm start nor a Vanilla policy to draw its states from")
+    states, _ = state_pool(reference, p.divergence_states, progress=progress)
+    settings = [x for x in p.settings() if x[0] != "clean"]
+    calib = str(calibration_pool(p, runs, cache_dir, progress)) if any(
+        f in CALIBRATED_FAMILIES for f, _ in settings) else None
+    draws = tuple(draw_seeds(p.divergence_draws))
+    frames = []
+    bases = [eval_config(p, runs[k], cache_dir) for k in p.runs()] + ([ws] if ws is not None else [])
+    for base in bases:
+        cfgs = [dataclasses.replace(c, seeds=draws if c.family in RANDOM_FAMILIES else (0,))
+                for c in settings_configs(base, settings, tasks=None, calibration=calib)]
+        if (p.landscape_grid and base.tags["method"] in p.landscape_methods
+                and base.tags["train_seed"] == p.landscape_seed):
+            cfgs += [dataclasses.replace(base, family="plane", strengths=tuple(float(w) for w in p.landscape_grid),
+                                         seeds=(0,), tags={**base.tags, "w2": float(w2)},
+                                         perturbation_options={"w2": float(w2), "direction_seed": p.direction_seed})
+                     for w2 in p.landscape_grid]
+        frames += [divergence(c, states, samples=p.divergence_samples, progress=progress) for c in cfgs]
+    rows = pd.concat(frames, ignore_index=True)
+    rows["w2"] = rows["w2"].fillna(0.0) if "w2" in rows else 0.0
+    return rows[[c for c in cols if c in rows]]
 
 
 def landscape_rows(p: Plan, runs: Mapping[tuple[str, int], Path], *, cache_dir: str | Path = DEFAULT_CACHE,

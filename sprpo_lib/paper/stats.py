@@ -13,7 +13,12 @@ functions on the tidy episode rows of :func:`sprpo_lib.evaluate.evaluate`.
 * :func:`paired_bootstrap`: two methods on the same tasks and seeds; percentile
   interval of the difference in success and in retention from resampling training seeds
   and tasks (a two-way bootstrap: both are random samples, crossed), and the goals whose
-  outcome differs between the two with :func:`sign_test` on them.
+  outcome differs between the two with :func:`sign_test` on them;
+* :func:`paired_kl_bootstrap`: the same design on the divergence rows of
+  :func:`sprpo_lib.evaluate.divergence.divergence` (a policy's KL under a perturbation per
+  agent state): difference and ratio of mean KL, training seeds x states resampled, the
+  smallest difference the design detects, and the sign test on the states whose greedy
+  action flips under one method and not the other.
 
 Rows need the columns ``env, split, task_index, family, strength, seed, success`` plus a
 method column and a training-seed column (the ``tags`` of an evaluation; names are
@@ -28,11 +33,14 @@ import numpy as np
 import pandas as pd
 
 __all__ = ["policy_success", "mean_std", "add_retention", "policy_retention", "summarize", "paired_bootstrap",
-           "sign_test", "N_RESAMPLES"]
+           "sign_test", "paired_kl_bootstrap", "N_RESAMPLES", "Z80"]
 
 #: Bootstrap resamples of :func:`paired_bootstrap` (percentile intervals at 95% move by
 #: well under 0.5 percentage points between seeds at this size).
 N_RESAMPLES = 10_000
+#: z_{0.975} + z_{0.8}: a difference of this many standard errors is detected at 80% power by a
+#: two-sided test at 5% (the minimum detectable effect, MDE80).
+Z80 = 2.8016
 SETTING = ("family", "strength")
 
 
@@ -215,3 +223,78 @@ def paired_bootstrap(rows: pd.DataFrame, a: str, b: str, family: str, strength: 
         "retention_undefined": int((~ok).sum()),
         "wins": wins, "losses": losses, "sign_p": sign_test(wins, losses),
     }
+
+
+def paired_kl_bootstrap(rows: pd.DataFrame, a: str, b: str, family: str, strength: float, *,
+                        method: str = "method", seeds: str | None = "train_seed", unit: str = "state",
+                        n_resamples: int = N_RESAMPLES, seed: int = 0, level: float = 0.95) -> dict:
+    """Paired bootstrap of method ``a`` against ``b`` on the KL of their policies under one
+    perturbation setting, state by state (both on the same states and training seeds; draws of a
+    random family averaged per state first).  Each replicate draws the states and, with ``seeds``,
+    the training seeds with replacement (two-way, crossed), so the interval carries seed and state
+    variance.  Returns ``diff`` = mean KL(a) - mean KL(b) and ``ratio`` = mean KL(a) / mean KL(b)
+    with percentile intervals, ``mde80`` (:data:`Z80` bootstrap standard errors of the difference)
+    and its share of b's mean (``mde80_rel``), and on the flips (the greedy action changes under
+    the perturbation): ``wins`` / ``losses`` the states where a flips less / more often than b,
+    pooled over seeds and draws, and ``sign_p`` the exact sign test on them."""
+    if n_resamples < 2 or not 0 < level < 1:
+        raise ValueError(f"paired_kl_bootstrap: need n_resamples >= 2 and 0 < level < 1, got {n_resamples}, {level}")
+    _need(rows, [method, unit, "family", "strength", "kl", *([seeds] if seeds else [])], "paired_kl_bootstrap")
+    sel = rows[(rows["family"] == family) & (rows["strength"] == strength)]
+    by = [seeds, unit] if seeds else [unit]
+    cells = {}
+    for m in (a, b):
+        part = sel[sel[method] == m]
+        if part.empty:
+            raise ValueError(f"paired_kl_bootstrap: no divergence rows of method {m!r} at {family} {strength}")
+        agg = {"kl": ("kl", "mean"), **({"flip": ("flip", "mean")} if "flip" in part else {})}
+        cells[m] = part.groupby(by).agg(**agg)
+    states = sorted(set(cells[a].index.get_level_values(-1)))
+    if set(cells[b].index.get_level_values(-1)) != set(states):
+        raise ValueError(f"paired_kl_bootstrap: {a!r} and {b!r} were not measured on the same states at {family} "
+                         f"{strength}: a paired comparison needs them equal")
+    own = {m: sorted(set(cells[m].index.get_level_values(0))) if seeds else [None] for m in (a, b)}
+    seed_ids = max(own.values(), key=len)
+    for m in (a, b):  # a single policy (the warm start) is the reference of every seed of the other side
+        if len(own[m]) != len(seed_ids) and len(own[m]) != 1 or len(own[m]) == len(seed_ids) and own[m] != seed_ids:
+            raise ValueError(f"paired_kl_bootstrap: training seeds {own[a]} of {a!r} and {own[b]} of {b!r} differ; a "
+                             "paired comparison needs the same seeds, or one policy on one side")
+
+    def grid(m, col):  # [seeds, states]
+        if not seeds:
+            return cells[m][col].reindex(states).to_numpy(float)[None]
+        g = cells[m][col].unstack(unit).reindex(index=own[m], columns=states).to_numpy(float)
+        return np.repeat(g, len(seed_ids), 0) if len(own[m]) < len(seed_ids) else g
+
+    ka, kb = grid(a, "kl"), grid(b, "kl")
+    if np.isnan(ka).any() or np.isnan(kb).any():
+        raise ValueError(f"paired_kl_bootstrap: {a!r} or {b!r} lacks some (seed, state) cells at {family} {strength}")
+    rng = np.random.default_rng(seed)
+    n_s, n_t = ka.shape
+    ct = np.stack([np.bincount(d, minlength=n_t) for d in rng.integers(0, n_t, size=(n_resamples, n_t))]).astype(float)
+    cs = (np.stack([np.bincount(d, minlength=n_s) for d in rng.integers(0, n_s, size=(n_resamples, n_s))]).astype(float)
+          if n_s > 1 else np.ones((n_resamples, 1)))
+    w = n_s * n_t
+
+    def mean(g, c_s, c_t):
+        return np.einsum("rs,st,rt->r", c_s, g, c_t) / w
+
+    ma, mb = mean(ka, cs, ct), mean(kb, cs, ct)
+    pa, pb = float(ka.mean()), float(kb.mean())
+    q = [(1 - level) / 2, 1 - (1 - level) / 2]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratios = ma / mb
+    se = float((ma - mb).std(ddof=1))
+    out = {"a": a, "b": b, "family": family, "strength": strength, "states": n_t, "train_seeds": n_s,
+           "seeds_a": len(own[a]), "seeds_b": len(own[b]),
+           "interval": "training seeds x states" if n_s > 1 else "states", "n_resamples": n_resamples,
+           "kl_a": pa, "kl_b": pb, "diff": pa - pb, "diff_ci": tuple(float(v) for v in np.quantile(ma - mb, q)),
+           "ratio": pa / pb if pb > 0 else float("nan"),
+           "ratio_ci": tuple(float(v) for v in np.nanquantile(ratios, q)) if pb > 0 else (np.nan, np.nan),
+           "mde80": Z80 * se, "mde80_rel": Z80 * se / pb if pb > 0 else float("nan")}
+    if "flip" in cells[a] and "flip" in cells[b]:
+        fa, fb = np.nanmean(grid(a, "flip"), 0), np.nanmean(grid(b, "flip"), 0)
+        wins, losses = int((fa < fb).sum()), int((fa > fb).sum())
+        out.update(flip_a=float(fa.mean()), flip_b=float(fb.mean()), wins=wins, losses=losses,
+                   sign_p=sign_test(wins, losses))
+    return out

@@ -1,0 +1,263 @@
+"""The paper's robustness claims read in the policy's own terms (notebook 09): how far each
+method's policy moves under each perturbation, KL per agent state
+(:func:`sprpo_lib.paper.experiments.divergence_rows`), where success on a few dozen goals
+cannot resolve.
+
+* :func:`kl_summary`: mean KL per method and setting with a two-way (training seeds x states)
+  bootstrap interval, the flip rate;
+* :func:`kl_claims`: C2-KL (SPrPO against Vanilla), T1-KL (against Gaussian and SAM) at every
+  Table 1 setting and curve strength, C4-KL (a flatter surface: KL averaged over Fig. 4's plane),
+  and RL-KL (whether RL made a policy more sensitive than its warm start), each a
+  :func:`~sprpo_lib.paper.stats.paired_kl_bootstrap` with a reading by a fixed rule;
+* :func:`kl_success_correlation`: does the divergence track success?  Spearman's rank correlation
+  of a policy's mean KL with its success loss over the settings where both were measured;
+* :func:`plot_kl_curves`, :func:`plot_kl_surface`: Fig. 3 and Fig. 4 in KL.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+
+from sprpo_lib.infra.io import atomic_write_json, atomic_write_text
+from sprpo_lib.paper.experiments import Plan
+from sprpo_lib.paper.results import save_figure
+from sprpo_lib.paper.stats import N_RESAMPLES, paired_kl_bootstrap
+from sprpo_lib.paper.style import METHOD_COLORS, METHOD_MARKERS, pyplot, role
+from sprpo_lib.paper.tables import ENV_LABELS, FAMILY_LABELS, METHOD_LABELS, to_csv
+
+#: The comparisons of :func:`kl_claims`: (id, method, baseline, what it reads).
+KL_CLAIMS = (("C2-KL", "sprpo", "vanilla", "SPrPO moves less than Vanilla under the perturbation"),
+             ("T1-KL", "sprpo", "gaussian", "SPrPO moves less than the Gaussian baseline"),
+             ("T1-KL", "sprpo", "sam", "SPrPO moves less than SAM"),
+             ("RL-KL", "vanilla", "warm_start", "RL (Vanilla) moves more than its warm start"),
+             ("RL-KL", "sprpo", "warm_start", "RL (SPrPO) moves more than its warm start"))
+#: A relative MDE at or below this makes "no difference" an informative reading.
+INFORMATIVE_MDE = 0.10
+KL_CLAIM_COLUMNS = ["env", "id", "claim", "a", "b", "setting", "where", "states", "train_seeds", "kl_a", "kl_b",
+                    "diff", "lo", "hi", "ratio", "ratio_lo", "ratio_hi", "mde80", "mde80_rel", "flip_a", "flip_b",
+                    "wins", "losses", "sign_p", "reading"]
+
+
+def _setting(family: str, strength: float) -> str:
+    return f"{family} {strength:g}"
+
+
+def kl_summary(rows: pd.DataFrame, *, n_resamples: int = 2000, seed: int = 0) -> pd.DataFrame:
+    """Per method and setting (``family, strength, w2``): mean KL over training seeds and states
+    with its 95% two-way bootstrap interval (states and seeds resampled), the flip rate, and the
+    states, seeds and draws it rests on."""
+    out = []
+    rng = np.random.default_rng(seed)
+    for (m, fam, s, w2), g in rows.groupby(["method", "family", "strength", "w2"], sort=False):
+        cell = g.groupby(["train_seed", "state"])[["kl", "flip"]].mean()
+        grid = cell["kl"].unstack("state").to_numpy(float)
+        n_s, n_t = grid.shape
+        cs = np.stack([np.bincount(d, minlength=n_s) for d in rng.integers(0, n_s, (n_resamples, n_s))])
+        ct = np.stack([np.bincount(d, minlength=n_t) for d in rng.integers(0, n_t, (n_resamples, n_t))])
+        boot = np.einsum("rs,st,rt->r", cs, np.nan_to_num(grid), ct) / (n_s * n_t)
+        lo, hi = np.quantile(boot, [0.025, 0.975])
+        out.append({"method": m, "family": fam, "strength": float(s), "w2": float(w2), "kl": float(np.nanmean(grid)),
+                    "lo": float(lo), "hi": float(hi), "flip": float(cell["flip"].mean()), "states": n_t,
+                    "train_seeds": n_s, "draws": int(g["seed"].nunique())})
+    return pd.DataFrame(out)
+
+
+def kl_reading(r: dict) -> str:
+    """What one paired KL comparison says, by a fixed rule: an interval that excludes 0 reads as
+    a direction; one across 0 reads "no difference" only where the design detects 10% of the
+    baseline's KL (:data:`INFORMATIVE_MDE`), else "not resolved" with what it could detect."""
+    lo, hi = r["diff_ci"]
+    if r["kl_b"] == 0 and r["kl_a"] == 0:
+        return "no divergence under either policy"
+    if lo > 0 or hi < 0:
+        side = "less" if hi < 0 else "more"
+        return f"{r['a']} moves {side} (ratio {r['ratio']:.3g} [{r['ratio_ci'][0]:.3g}, {r['ratio_ci'][1]:.3g}])"
+    if r["mde80_rel"] <= INFORMATIVE_MDE:
+        return f"no difference: the interval holds 0 and the design detects {100 * r['mde80_rel']:.1f}% of the baseline"
+    return f"not resolved: the design detects only {100 * r['mde80_rel']:.0f}% of the baseline's KL"
+
+
+def _claim_row(env: str, cid: str, claim: str, r: dict, where: str) -> dict:
+    return {"env": env, "id": cid, "claim": claim, "a": r["a"], "b": r["b"],
+            "setting": _setting(r["family"], r["strength"]), "where": where, "states": r["states"],
+            "train_seeds": r["train_seeds"], "kl_a": r["kl_a"], "kl_b": r["kl_b"], "diff": r["diff"],
+            "lo": r["diff_ci"][0], "hi": r["diff_ci"][1], "ratio": r["ratio"], "ratio_lo": r["ratio_ci"][0],
+            "ratio_hi": r["ratio_ci"][1], "mde80": r["mde80"], "mde80_rel": r["mde80_rel"],
+            "flip_a": r.get("flip_a"), "flip_b": r.get("flip_b"), "wins": r.get("wins"), "losses": r.get("losses"),
+            "sign_p": r.get("sign_p"), "reading": kl_reading(r)}
+
+
+def kl_claims(rows: pd.DataFrame, env: str, table: Sequence[tuple[str, float]], *,
+              n_resamples: int = N_RESAMPLES) -> pd.DataFrame:
+    """Every KL claim row of one environment: each comparison of :data:`KL_CLAIMS` whose two
+    methods were measured, at every setting off the plane (``where``: ``table`` for Table 1's,
+    ``curve`` for Fig. 3's other strengths), and C4-KL on the plane's mean (SPrPO against Vanilla)."""
+    out = []
+    flat = rows[rows["family"] != "plane"]
+    settings = flat[["family", "strength"]].drop_duplicates().itertuples(index=False)
+    table = {(f, float(s)) for f, s in table}
+    have = set(rows["method"])
+    for fam, s in settings:
+        where = "table" if (fam, float(s)) in table else "curve"
+        for cid, a, b, claim in KL_CLAIMS:
+            if {a, b} <= have:
+                out.append(_claim_row(env, cid, claim, paired_kl_bootstrap(flat, a, b, fam, s, n_resamples=n_resamples),
+                                      where))
+    plane = rows[rows["family"] == "plane"]
+    if {"sprpo", "vanilla"} <= set(plane["method"]):
+        mean = plane.groupby(["method", "train_seed", "state"], as_index=False)[["kl", "flip"]].mean()
+        mean = mean.assign(family="plane mean", strength=0.0)
+        r = paired_kl_bootstrap(mean, "sprpo", "vanilla", "plane mean", 0.0, n_resamples=n_resamples)
+        out.append(_claim_row(env, "C4-KL", "SPrPO's surface is flatter: less KL over Fig. 4's plane", r, "plane"))
+    return pd.DataFrame(out, columns=KL_CLAIM_COLUMNS)
+
+
+def kl_claims_markdown(claims: pd.DataFrame, *, profile: str, env: str) -> str:
+    """The KL claims of one environment as a Markdown table (ratios and intervals, readings)."""
+    lines = [f"KL claims, {env}, `{profile}` profile: KL(pi || pi^xi) per agent state, paired by state and training "
+             "seed (two-way bootstrap, 95%); MDE80 relative to the baseline's mean KL.", "",
+             "| id | a vs b | setting | KL a | KL b | ratio [95%] | MDE80 | flips a / b (sign p) | reading |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in claims.itertuples(index=False):
+        flips = "" if r.flip_a is None or pd.isna(r.flip_a) else \
+            f"{100 * r.flip_a:.0f}% / {100 * r.flip_b:.0f}% ({r.sign_p:.2g})"
+        ratio = "" if pd.isna(r.ratio) else f"{r.ratio:.3g} [{r.ratio_lo:.3g}, {r.ratio_hi:.3g}]"
+        mde = "" if pd.isna(r.mde80_rel) else f"{100 * r.mde80_rel:.1f}%"
+        lines.append(f"| {r.id} | {r.a} vs {r.b} | {r.setting} ({r.where}) | {r.kl_a:.4g} | {r.kl_b:.4g} | {ratio} | "
+                     f"{mde} | {flips} | {r.reading} |")
+    return "\n".join(lines) + "\n"
+
+
+def kl_success_correlation(kl: pd.DataFrame, success: pd.DataFrame, *, n_resamples: int = N_RESAMPLES,
+                           seed: int = 0) -> dict:
+    """Spearman's rank correlation, over the (policy, setting) pairs measured both ways, between
+    a policy's mean KL at a setting and its success loss there (clean minus perturbed success, in
+    percentage points, on the same policy), with a 95% bootstrap interval over the pairs."""
+    k = (kl[kl["family"] != "plane"].groupby(["method", "train_seed", "family", "strength"])["kl"].mean()
+         .rename("kl"))
+    per = success.groupby(["method", "train_seed", "family", "strength"])["success"].mean() * 100
+    clean = per.xs("clean", level="family").droplevel("strength")
+    loss = (clean.reindex(per.index.droplevel(["family", "strength"])).to_numpy() - per.to_numpy())
+    loss = pd.Series(loss, index=per.index, name="loss")
+    both = pd.concat([k, loss], axis=1, join="inner").dropna()
+    n = len(both)
+    if n < 3:
+        return {"pairs": n, "spearman": float("nan"), "lo": float("nan"), "hi": float("nan")}
+    x, y = both["kl"].rank().to_numpy(), both["loss"].rank().to_numpy()
+    rho = float(np.corrcoef(x, y)[0, 1])
+    rng = np.random.default_rng(seed)
+    boot = []
+    for idx in rng.integers(0, n, (n_resamples, n)):
+        bx, by = both["kl"].to_numpy()[idx], both["loss"].to_numpy()[idx]
+        rx, ry = pd.Series(bx).rank().to_numpy(), pd.Series(by).rank().to_numpy()
+        if rx.std() > 0 and ry.std() > 0:
+            boot.append(np.corrcoef(rx, ry)[0, 1])
+    lo, hi = np.quantile(boot, [0.025, 0.975]) if boot else (float("nan"), float("nan"))
+    return {"pairs": n, "spearman": rho, "lo": float(lo), "hi": float(hi)}
+
+
+def correlation_sentence(c: dict) -> str:
+    """One plain sentence on :func:`kl_success_correlation`."""
+    if c["pairs"] < 3 or math.isnan(c["spearman"]):
+        return f"Too few (policy, setting) pairs measured both ways ({c['pairs']}) to say whether KL tracks success."
+    what = ("tracks success loss" if c["lo"] > 0 else "runs against success loss" if c["hi"] < 0
+            else "does not resolve a relation with success loss")
+    return (f"Mean KL {what}: Spearman {c['spearman']:.2f} [{c['lo']:.2f}, {c['hi']:.2f}] over {c['pairs']} "
+            "(policy, setting) pairs.")
+
+
+def plot_kl_curves(summary: pd.DataFrame, path: str | Path, *, title: str = "") -> list[Path]:
+    """Fig. 3 in KL: per family (the paper's panels), mean KL per method against strength with
+    its 95% interval (log scale: KL spans orders of magnitude); a footnote gives states, seeds
+    and draws."""
+    flat = summary[summary["family"] != "plane"]
+    fams = [f for f in FAMILY_LABELS if f in set(flat["family"])]
+    if not fams:
+        raise ValueError("plot_kl_curves: no divergence rows off the plane; run experiments.divergence_rows first")
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(fams), figsize=(2.6 * len(fams) + 0.6, 3.2), squeeze=False)
+    for ax, fam in zip(axes[0], fams):
+        part = flat[flat["family"] == fam]
+        for m, g in part.groupby("method", sort=False):
+            g = g.sort_values("strength")
+            err = np.vstack([g["kl"] - g["lo"], g["hi"] - g["kl"]]).clip(min=0)
+            ax.errorbar(g["strength"], g["kl"], yerr=err, color=METHOD_COLORS.get(m), marker=METHOD_MARKERS.get(m, "o"),
+                        ms=4, lw=1.2, capsize=2, label=METHOD_LABELS.get(m, m))
+        if (part["kl"] > 0).all():
+            ax.set_yscale("log")
+        if fam == "rtn":
+            ax.invert_xaxis()  # fewer bits is the stronger perturbation
+        ax.set(title=FAMILY_LABELS.get(fam, fam), xlabel="strength", ylabel="KL(pi || pi^xi) per state")
+    axes[0][0].legend(loc="best")
+    per = flat.groupby(["states", "train_seeds", "draws"]).size().index.tolist()
+    note = "; ".join(f"{s} states x {t} training seed(s) x {d} draw(s)" for s, t, d in per)
+    fig.text(0.01, 0.01, f"Mean over {note}; bars: 95% two-way bootstrap (seeds x states).", fontsize=7,
+             ha="left", va="bottom")
+    fig.subplots_adjust(bottom=0.25, top=0.84, wspace=0.4)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    return save_figure(fig, path)
+
+
+def plot_kl_surface(summary: pd.DataFrame, methods: Sequence[str], path: str | Path, *, title: str = "") -> list[Path]:
+    """Fig. 4 in KL: mean KL over the plane ``w1 xi1 + w2 xi2`` per method, one heat map each on
+    one colour scale, each cell printed with its value, the unperturbed centre outlined."""
+    plane = summary[summary["family"] == "plane"]
+    if plane.empty:
+        raise ValueError("plot_kl_surface: no 'plane' rows; give the plan a landscape_grid")
+    plt = pyplot()
+    vmax = float(plane["kl"].max()) or 1.0
+    fig, axes = plt.subplots(1, len(methods), figsize=(3.4 * len(methods) + 0.8, 3.8), squeeze=False)
+    im = None
+    for ax, m in zip(axes[0], methods):
+        z = plane[plane["method"] == m].pivot_table(index="w2", columns="strength", values="kl")
+        if z.empty:
+            ax.set_axis_off()
+            continue
+        im = ax.imshow(z.to_numpy(), origin="lower", cmap="magma", vmin=0, vmax=vmax, aspect="auto")
+        ax.set_xticks(range(z.shape[1]), [f"{v:g}" for v in z.columns])
+        ax.set_yticks(range(z.shape[0]), [f"{v:g}" for v in z.index])
+        for (i, j), v in np.ndenumerate(z.to_numpy()):
+            ax.text(j, i, f"{v:.2g}", ha="center", va="center", fontsize=7, color="w" if v < vmax / 2 else "k")
+        if 0.0 in z.columns and 0.0 in z.index:
+            j, i = list(z.columns).index(0.0), list(z.index).index(0.0)
+            ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, ec=role("accent"), lw=2))
+        ax.set(xlabel="$w_1$", ylabel="$w_2$", title=METHOD_LABELS.get(m, m))
+        ax.grid(False)
+    fig.subplots_adjust(bottom=0.22, top=0.84, wspace=0.35)
+    if im is not None:
+        fig.colorbar(im, ax=list(axes[0]), label="mean KL per state", shrink=0.85)
+    n = plane.groupby(["states", "train_seeds"]).size().index.tolist()
+    fig.text(0.01, 0.01, "; ".join(f"{s} states x {t} training seed(s) per cell" for s, t in n)
+             + "; outlined: the unperturbed policy.", fontsize=7, ha="left", va="bottom")
+    if title:
+        fig.suptitle(title, fontsize=9)
+    return save_figure(fig, path)
+
+
+def render(rows: pd.DataFrame, plan: Plan, out: Path, *, success: pd.DataFrame | None = None) -> list[Path]:
+    """Notebook 09's artifacts for one environment from its divergence rows: the summary
+    (``_summary.csv``), Fig. 3 and Fig. 4 in KL, the KL claims (``_claims.csv/.md``) and the
+    KL-success correlation (``_correlation.json``, against notebook 04's rows where given)."""
+    env, stem = plan.env, out / f"09_divergence_{plan.env}"
+    summary = kl_summary(rows)
+    to_csv(summary, f"{stem}_summary.csv", digits=6)
+    label = f"{ENV_LABELS.get(env, env)}, {plan.profile} profile"
+    arts = [Path(f"{stem}_summary.csv")]
+    arts += plot_kl_curves(summary, f"{stem}_curves", title=f"{label}: how far each policy moves (Fig. 3 in KL)")
+    if (summary["family"] == "plane").any():
+        arts += plot_kl_surface(summary, list(plan.landscape_methods), f"{stem}_surface",
+                                title=f"{label}: KL over the plane w1*xi1 + w2*xi2 (Fig. 4 in KL)")
+    claims = kl_claims(rows, env, plan.table)
+    to_csv(claims, f"{stem}_claims.csv", digits=6)
+    atomic_write_text(f"{stem}_claims.md", kl_claims_markdown(claims, profile=plan.profile, env=env))
+    arts += [Path(f"{stem}_claims.csv"), Path(f"{stem}_claims.md")]
+    if success is not None:
+        corr = kl_success_correlation(rows, success)
+        atomic_write_json(f"{stem}_correlation.json", {**corr, "sentence": correlation_sentence(corr)})
+        arts.append(Path(f"{stem}_correlation.json"))
+    return arts

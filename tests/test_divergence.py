@@ -1,0 +1,207 @@
+"""The divergence of a policy under a perturbation (the paper's alpha): the estimator against
+the exact sequence KL of a model small enough to enumerate every response, zero where nothing
+moves, common random numbers across policies, and the state pool and cells content-keyed and
+rebuilt when damaged."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+import sprpo_lib.evaluate.divergence as D
+from sprpo_lib.core.compress import perturbation
+from sprpo_lib.core.divergence import pinsker, sequence_kl
+from sprpo_lib.core.perturb import active_factor
+from sprpo_lib.evaluate import EvalConfig
+from sprpo_lib.evaluate.cli import main as eval_main
+from sprpo_lib.infra.io import CorruptFileError
+from sprpo_lib.model.load import load_policy
+
+PROMPT = [1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def enumerable():
+    """A float64 model with 8 tokens: every 3-token response can be listed (512)."""
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=32)
+    model = Qwen2ForCausalLM(cfg).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4)  # peakier next-token distributions than a fresh init's
+    return model
+
+
+def exact_kl(model, temperature, family, strength) -> float:
+    seqs = torch.tensor(list(itertools.product(range(8), repeat=3)))
+
+    def logp_all():
+        lp = D.response_logprobs(model, PROMPT, seqs, temperature)
+        return lp.gather(-1, seqs[..., None])[..., 0].sum(-1)
+
+    lp = logp_all()
+    with perturbation(model, family, strength, seed=1):
+        lq = logp_all()
+    assert abs(float(lp.exp().sum()) - 1) < 1e-12  # every response listed
+    return float((lp.exp() * (lp - lq)).sum())
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+@pytest.mark.parametrize("strength", [0.05, 0.2])
+def test_estimator_matches_the_exact_sequence_kl(enumerable, temperature, strength):
+    exact = exact_kl(enumerable, temperature, "gaussian", strength)
+    n = 3000
+    toks, mask = D.sample_responses(enumerable, PROMPT, n, temperature, 3, generator=torch.Generator().manual_seed(0))
+    assert toks.shape == (n, 3) and bool(mask.all())
+    logp = D.response_logprobs(enumerable, PROMPT, toks, temperature)
+    with perturbation(enumerable, "gaussian", strength, seed=1):
+        logq = D.response_logprobs(enumerable, PROMPT, toks, temperature)
+    est = sequence_kl(logp, logq, toks, mask)
+    kl, ratio = est["kl"], est["log_ratio"]
+    se = float(kl.std()) / n ** 0.5
+    assert exact > 0 and abs(float(kl.mean()) - exact) < 4 * se, (float(kl.mean()), exact, se)
+    assert abs(float(ratio.mean()) - exact) < 4 * float(ratio.std()) / n ** 0.5  # the same expectation
+    assert float(kl.var()) < float(ratio.var())  # with less variance
+    assert pinsker(exact) == min(1.0, (exact / 2) ** 0.5)
+
+
+def test_nothing_moved_is_zero_exactly(tiny):
+    tok = tiny.tokenizer
+    prompt = tok("Task: buy a red mug.\nAvailable actions:\n- search[red mug]\n")["input_ids"]
+    clean = D.clean_side(tiny.model, prompt, k=3, temperature=0.4, max_new_tokens=6, seed=0, tokenizer=tok,
+                         stop="</action>", eos=[tok.eos_token_id])
+    same = D.compare(tiny.model, prompt, clean, temperature=0.4, max_new_tokens=6, tokenizer=tok, stop="</action>",
+                     eos=[tok.eos_token_id])
+    assert same["kl"] == 0.0 and same["log_ratio"] == 0.0 and same["flip"] is False
+    with perturbation(tiny.model, "gaussian", 0.0, seed=3):
+        zero = D.compare(tiny.model, prompt, clean, temperature=0.4, max_new_tokens=6, tokenizer=tok,
+                         stop="</action>", eos=[tok.eos_token_id])
+    assert zero["kl"] == 0.0
+    with perturbation(tiny.model, "gaussian", 0.5, seed=3):
+        moved = D.compare(tiny.model, prompt, clean, temperature=0.4, max_new_tokens=6, tokenizer=tok,
+                          stop="</action>", eos=[tok.eos_token_id])
+    assert moved["kl"] > 0 and moved["tv_bound"] == pinsker(moved["kl"])
+
+
+def test_two_policies_see_the_same_draws():
+    """Common random numbers: xi depends on the draw's seed and the FFN shape, not the weights."""
+    a, b = load_policy("tiny-qwen2", seed=0).model, load_policy("tiny-qwen2", seed=1).model
+    assert not torch.equal(a.model.layers[0].mlp.down_proj.weight, b.model.layers[0].mlp.down_proj.weight)
+    for family in ("gaussian", "dropout"):
+        for seed in D.draw_seeds(2):
+            with perturbation(a, family, 0.1, seed=seed), perturbation(b, family, 0.1, seed=seed):
+                fa, fb = active_factor(a), active_factor(b)
+                assert fa is not None and torch.equal(fa, fb)
+    assert D.draw_seeds(3) == D.draw_seeds(3) and len(set(D.draw_seeds(3))) == 3
+
+
+def config(tmp_path, **kw) -> EvalConfig:
+    base = dict(model="tiny-qwen2", env="webshop", max_steps=2, max_new_tokens=8, batch_size=4, dtype="float32",
+                cache_dir=str(tmp_path / "cache"), family="gaussian", strengths=(0.2,), seeds=(0, 1))
+    return EvalConfig(**{**base, **kw})
+
+
+def test_state_pool_and_cells_are_content_keyed_and_never_served_damaged(tmp_path, monkeypatch):
+    cfg = config(tmp_path)
+    states, path = D.state_pool(cfg, 3, progress=False)
+    assert len(states) == 3 and {o[0] for o in states.origin} == {"test"}
+    monkeypatch.setattr(D, "build_state_pool", lambda *a, **k: pytest.fail("a stored pool was built again"))
+    again, same = D.state_pool(cfg, 3, progress=False)
+    assert same == path and again.hash == states.hash and again.prompts == states.prompts
+    monkeypatch.undo()
+    assert D.state_pool(cfg, 2, progress=False)[1] != path  # keyed by what it depends on
+    path.write_text(path.read_text()[:200])  # truncated
+    with pytest.raises(CorruptFileError):
+        D.load_states(path)
+    monkeypatch.undo()
+    rebuilt, _ = D.state_pool(cfg, 3, progress=False)
+    assert rebuilt.hash == states.hash  # drawn again from the same seed, the damaged file never served
+    rows = D.divergence(cfg, states, samples=2, progress=False)
+    assert len(rows) == 2 * 3 and set(rows.seed) == {0, 1} and (rows.kl > 0).all()
+    monkeypatch.setattr(D, "compare", lambda *a, **k: pytest.fail("a stored cell was computed again"))
+    assert D.divergence(cfg, states, samples=2, progress=False).kl.tolist() == rows.kl.tolist()
+    cell = next((tmp_path / "cache" / "divergence").glob("*.json"))
+    cell.write_text("{garbage")
+    monkeypatch.undo()
+    assert D.divergence(cfg, states, samples=2, progress=False).kl.tolist() == rows.kl.tolist()  # recomputed alike
+
+
+def test_cli_prints_and_writes_the_table(tmp_path, capsys):
+    out, pool = tmp_path / "rows.csv", tmp_path / "states.json"
+    argv = ["--metric", "divergence", "--model", "tiny-qwen2", "--env", "webshop", "--family", "rtn", "--strength",
+            "8", "4", "--states", "2", "--samples", "2", "--max-steps", "2", "--max-new-tokens", "8",
+            "--dtype", "float32", "--cache-dir", str(tmp_path / "cache"), "--states-file", str(pool),
+            "--out", str(out), "--no-progress"]
+    assert eval_main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "kl" in printed and "flip" in printed and pool.is_file()
+    rows = out.read_text().splitlines()
+    assert len(rows) == 1 + 2 * 2 and rows[0].startswith("env,state,split")
+
+
+def test_paired_kl_bootstrap_against_closed_forms():
+    """One training seed: the bootstrap's standard error of the mean difference is the closed
+    form sd / sqrt(n); a single reference policy is paired with every seed of the other side."""
+    import numpy as np
+    import pandas as pd
+
+    from sprpo_lib.paper.stats import Z80, paired_kl_bootstrap
+
+    rng = np.random.default_rng(1)
+    n = 400
+    base, d = rng.gamma(2.0, 0.05, n), rng.normal(0.02, 0.05, n)
+    flips_a, flips_b = rng.random(n) < 0.2, rng.random(n) < 0.3
+    rows = pd.DataFrame([{"method": m, "train_seed": 0, "state": i, "family": "rtn", "strength": 4.0, "kl": kl,
+                          "flip": f} for m, kls, fl in (("a", base + d, flips_a), ("b", base, flips_b))
+                         for i, (kl, f) in enumerate(zip(kls, fl))])
+    r = paired_kl_bootstrap(rows, "a", "b", "rtn", 4.0, n_resamples=4000)
+    se = d.std(ddof=1) / n ** 0.5
+    assert r["diff"] == pytest.approx(d.mean()) and r["ratio"] == pytest.approx((base + d).mean() / base.mean())
+    assert r["mde80"] == pytest.approx(Z80 * se, rel=0.1)
+    assert (r["diff_ci"][1] - r["diff_ci"][0]) / 2 == pytest.approx(1.96 * se, rel=0.15)
+    assert (r["wins"], r["losses"]) == (int((flips_a < flips_b).sum()), int((flips_a > flips_b).sum()))
+    seeds = pd.concat([rows[rows.method == "a"].assign(train_seed=s, kl=lambda x, s=s: x.kl + s) for s in (0, 1, 2)]
+                      + [rows[rows.method == "b"]])
+    r3 = paired_kl_bootstrap(seeds, "a", "b", "rtn", 4.0, n_resamples=500)
+    assert r3["seeds_a"] == 3 and r3["seeds_b"] == 1 and r3["diff"] == pytest.approx(d.mean() + 1)
+    with pytest.raises(ValueError, match="same states"):
+        paired_kl_bootstrap(rows[rows.state != 3].pipe(lambda x: x[(x.method == "a") | (x.state != 4)]), "a", "b",
+                            "rtn", 4.0, n_resamples=10)
+
+
+def test_kl_claims_and_the_kl_success_correlation():
+    """Claims on synthetic rows where SPrPO moves half as far as Vanilla (resolves, ratio 0.5) and
+    as far as SAM (no difference); the correlation is Spearman's rank correlation (scipy's)."""
+    import numpy as np
+    import pandas as pd
+    from scipy.stats import spearmanr
+
+    from sprpo_lib.paper.divergence import kl_claims, kl_success_correlation
+
+    rng = np.random.default_rng(0)
+    base = rng.gamma(2.0, 0.05, 60)
+    scale = {"vanilla": 1.0, "gaussian": 1.0, "sam": 0.5, "sprpo": 0.5}
+    rows = pd.DataFrame([{"method": m, "train_seed": 0, "state": i, "family": f, "strength": s, "w2": w2, "seed": 0,
+                          "kl": k * s * base[i] * (1 + 0.01 * rng.normal()), "flip": False}
+                         for m, k in scale.items() for f, s, w2 in (("rtn", 4.0, 0.0), ("plane", 0.2, 0.2))
+                         for i in range(60) if f != "plane" or m in ("vanilla", "sprpo")])
+    claims = kl_claims(rows, "webshop", [("rtn", 4.0)], n_resamples=500).set_index(["id", "b", "setting"])
+    c2 = claims.loc[("C2-KL", "vanilla", "rtn 4")]
+    assert c2.ratio == pytest.approx(0.5, rel=0.02) and c2.hi < 0 and c2.reading.startswith("sprpo moves less")
+    assert c2["where"] == "table"
+    sam = claims.loc[("T1-KL", "sam", "rtn 4")]
+    assert sam.lo < 0 < sam.hi and sam.reading.startswith("no difference")  # the MDE is well under 10% here
+    assert claims.loc[("C4-KL", "vanilla", "plane mean 0")].ratio == pytest.approx(0.5, rel=0.02)
+    # success loss per (policy, setting) against mean KL
+    kl = pd.DataFrame([{"method": m, "train_seed": 0, "family": "rtn", "strength": s, "state": 0, "kl": v}
+                       for m, v0 in (("a", 0.1), ("b", 0.3)) for s, v in ((8.0, v0), (4.0, 2 * v0 + 0.05))])
+    succ = pd.DataFrame([{"method": m, "train_seed": 0, "family": f, "strength": s, "success": ok}
+                         for m, clean, a8, a4 in (("a", 0.9, 0.8, 0.5), ("b", 0.7, 0.65, 0.1))
+                         for f, s, p in (("clean", 0.0, clean), ("rtn", 8.0, a8), ("rtn", 4.0, a4))
+                         for ok in [1] * int(round(p * 20)) + [0] * (20 - int(round(p * 20)))])
+    c = kl_success_correlation(kl, succ, n_resamples=200)
+    loss = [10.0, 40.0, 5.0, 60.0]  # a@8, a@4, b@8, b@4 in percentage points
+    assert c["pairs"] == 4 and c["spearman"] == pytest.approx(spearmanr([0.1, 0.25, 0.3, 0.65], loss).statistic)
