@@ -8,6 +8,7 @@
     sprpo-bench allocator [--env webshop] [--rounds 3]   # the passes under glibc's malloc settings, then tuned
     sprpo-bench ops [--env webshop]   # one update's time by op class, each against its roofline
     sprpo-bench grads [--env webshop] [--methods vanilla]   # the levers' gradients against the dtype's rounding
+    sprpo-bench divergence [--env webshop] [--states 4] [--samples 4]   # KL per state: clean side and a setting vs floor
     sprpo-bench machine [--model smollm2-135m]
     sprpo-bench generate [--model smollm2-135m] [--prompts 16] [--engines hf_generator,hf,openvino]
     sprpo-bench eval [--engines hf:float32,hf:bfloat16,openvino,openvino:auto:prefix_caching=false] [--episodes 64]
@@ -32,6 +33,7 @@ import torch
 from sprpo_lib.bench.allocator import METHODS as ALLOCATOR_METHODS
 from sprpo_lib.bench.allocator import bench_allocator
 from sprpo_lib.bench.attention import bench_attention
+from sprpo_lib.bench.divergence import bench_divergence
 from sprpo_lib.bench.estimates import bench_estimates
 from sprpo_lib.bench.gpu import METHODS, bench_gpu
 from sprpo_lib.bench.grads import bench_grads
@@ -92,6 +94,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-sparsegpt", action="store_true")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: the model's loader default)")
+    dv = sub.add_parser("divergence", help="the divergence pass per agent state (sprpo-eval --metric divergence): "
+                        "the clean side and one setting's comparison, each against its floor")
+    dv.add_argument("--profile", default="cpu")
+    dv.add_argument("--env", default="webshop")
+    dv.add_argument("--states", type=int, default=4, help="states per held-out split")
+    dv.add_argument("--samples", type=int, default=4, help="responses sampled per state (K)")
+    dv.add_argument("--family", default="rtn")
+    dv.add_argument("--strength", type=float, default=4.0)
+    dv.add_argument("--model", default=None, help="default: the profile's model")
     e = sub.add_parser("envs", help="environment steps/s and reset times")
     e.add_argument("--episodes", type=int, default=200)
     e.add_argument("--model", default="smollm2-135m", help="policy for the env-vs-generation ratio ('' to skip)")
@@ -220,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--before", required=True, help="runs folder of the reference side, e.g. runs/cpu/levers_off")
     w.add_argument("--after", required=True, help="runs folder of the other side, e.g. runs/cpu/train")
-    for sp in (p, e, t, at, es, al, op, gr, m, g, u, v, q, c, x, w):
+    for sp in (p, e, t, at, es, al, op, gr, dv, m, g, u, v, q, c, x, w):
         sp.add_argument("--threads", type=int, default=2, help="torch threads (set explicitly: 2 cores here)")
         if sp is not al:  # that one measures both
             sp.add_argument("--allocator", choices=ALLOCATORS, default="tuned",
@@ -283,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
         res = bench_grads(args.profile, args.env, tuple(m for m in args.methods.split(",") if m), args.overrides)
     elif args.what == "attention":
         res = bench_attention(args.profile, args.env, args.repeats, args.overrides)
+    elif args.what == "divergence":
+        res = bench_divergence(args.profile, args.env, states=args.states, samples=args.samples, family=args.family,
+                               strength=args.strength, model=args.model)
     elif args.what == "envs":
         res = bench_envs(args.episodes, args.model or None, args.tasks, args.group, args.max_steps)
     else:
