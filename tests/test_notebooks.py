@@ -207,6 +207,13 @@ def test_result_notebooks_smoke_and_render_only(tmp_path):
     assert [r["status"] for r in again] == ["rendered"] * 6
     assert digest == {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
                       for p in [*out.glob("*.tex"), *out.glob("09_*_claims.md")]}
+    # one environment's pass (the README's --envs stage, or JupyterLab with envs=["webshop"]) keeps the other's headline
+    before = json.loads((out / "headline_smoke.json").read_text())
+    one = run("smoke", only=["04"], envs=["webshop"], runs_dir=tmp_path / "runs", out_dir=str(out), render_only=True)
+    assert [r["status"] for r in one] == ["rendered"]
+    after = json.loads((out / "headline_smoke.json").read_text())
+    assert set(after) == {"alfworld", "webshop"} and after["alfworld"] == before["alfworld"]  # ALFWorld's kept
+    assert "ALFWorld" in (out / "headline_smoke.md").read_text()
 
 
 @pytest.fixture(autouse=True)

@@ -107,3 +107,14 @@ def test_generate_headline_says_when_the_wall_is_the_prefill_alone():
     assert headline(rec) == "`openvino:float32` T=0 1.03x its prefill floor (one new token, no prefix cache: the prefill alone)"
     rec["results"]["new_tokens"] = 48
     assert headline(rec) == "`openvino:float32` T=0 1.03x its prefill floor"
+
+
+def test_merged_headline_keeps_the_other_environments_numbers(tmp_path):
+    from sprpo_lib.paper.results import merged_headline, write_json
+
+    path = tmp_path / "headline_cpu.json"
+    assert merged_headline(path, {"webshop": {"clean": 1}}) == {"webshop": {"clean": 1}}  # no file yet
+    write_json(path, {"alfworld": {"clean": 2}, "webshop": {"clean": 3}})
+    assert merged_headline(path, {"webshop": {"clean": 4}}) == {"alfworld": {"clean": 2}, "webshop": {"clean": 4}}
+    path.write_text("{garbage")
+    assert merged_headline(path, {"webshop": {"clean": 4}}) == {"webshop": {"clean": 4}}  # damaged: nothing kept

@@ -26,7 +26,7 @@ import pandas as pd
 from matplotlib.ticker import MaxNLocator
 
 from sprpo_lib.core.compress import FAMILIES
-from sprpo_lib.infra.io import atomic_write_text
+from sprpo_lib.infra.io import atomic_write_text, read_cached
 from sprpo_lib.infra.manifest import write_manifest
 from sprpo_lib.paper.experiments import PLANS
 from sprpo_lib.paper.figcheck import design_gid, figure_problems
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["COLORS", "save_figure", "quiet_iterations", "plot_motivation", "plot_curves", "plot_landscape", "landscape_grid", "plot_longer",
            "plot_ablation", "paired_comparisons", "perturbation_losses", "landscape_drop", "overhead", "overhead_latex",
-           "EXAMPLE_RULE", "pick_examples", "examples_markdown", "headline", "headline_markdown",
+           "EXAMPLE_RULE", "pick_examples", "examples_markdown", "headline", "headline_markdown", "merged_headline",
            "headline_caption", "seeds_text", "without_paired", "replace_block", "setting_label", "plain",
            "README_WIDTH_PX"]
 
@@ -876,6 +876,16 @@ def doc_pages(root: Path) -> list[tuple[Path, str]]:
 
 def write_json(path: str | Path, obj) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=1, default=str) + "\n")
+
+
+def merged_headline(path: str | Path, head: Mapping) -> dict:
+    """The headline of every environment, by name: this pass's ``head`` over what ``path``
+    holds for the others, so that a pass on one environment keeps the other's numbers (and
+    the README's results block built from them); a damaged file keeps nothing."""
+    old = read_cached(path)
+    kept = {env: h for env, h in old.items() if env not in head and isinstance(h, dict)} if isinstance(old, dict) else {}
+    merged = {**kept, **head}
+    return {env: merged[env] for env in sorted(merged)}
 
 
 def summary_of(rows: pd.DataFrame, by: Sequence[str] = ("env",)) -> pd.DataFrame:
