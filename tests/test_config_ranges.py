@@ -14,11 +14,15 @@ from sprpo_lib.agent.engines import GenerationConfig
 from sprpo_lib.agent.prompt import AgentConfig
 from sprpo_lib.evaluate.sweep import EvalConfig
 from sprpo_lib.infra.ranges import check_ranges, constraints, describe
+from sprpo_lib.paper import ablations as A
+from sprpo_lib.paper import experiments as X
 from sprpo_lib.train.config import load_config
 from sprpo_lib.train.trainer import main as train_main
 
 #: numeric fields without a range of their own, and why
-NO_RANGE = {"EvalConfig.strengths": "the family's range (core.compress.FAMILIES), checked by check_strength"}
+NO_RANGE = {"EvalConfig.strengths": "the family's range (core.compress.FAMILIES), checked by check_strength",
+            "plan.table": "(family, strength) pairs: the family's range, checked by check_strength when evaluated",
+            "plan.landscape_grid": "w1 and w2 of the plane, any sign"}
 
 
 def leaves(t) -> list:
@@ -139,3 +143,21 @@ def test_every_profile_lies_within_the_ranges(profile, env):
     cfg = load_config(profile, [f"env.name={env}"])
     check_ranges(cfg)
     assert cfg.env.name == env
+
+
+PLAN = dataclasses.replace(X.plan("smoke", "webshop"), curve_seeds=(0,), longer_seeds=(0,))  # tuples, not None
+ABLATION = A.ablation("smoke", "webshop")
+
+
+def test_the_notebooks_plan_and_ablation_declare_their_ranges():
+    fields = numeric_fields(PLAN, "plan.") + numeric_fields(ABLATION, "ablation.")
+    missing = [key for key, _, _, _, kinds in fields if key not in NO_RANGE and not all(map(constraints, kinds))]
+    assert len(fields) >= 12 and missing == [], f"numeric plan fields without a declared range: {missing}"
+
+
+@pytest.mark.parametrize("key,cls,name,bad,text", cases(PLAN, "plan.") + cases(ABLATION, "ablation."))
+def test_an_out_of_range_plan_field_names_key_range_and_value(key, cls, name, bad, text):
+    with pytest.raises(ValueError) as err:  # what a profile's plan section builds
+        dataclasses.replace(PLAN if cls is X.Plan else ABLATION, **{name: bad})
+    msg = str(err.value)
+    assert msg.startswith(f"{key}={shown(bad)}: out of range; expected ") and text in msg, msg

@@ -23,13 +23,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Annotated, Mapping, Sequence
 
 import pandas as pd
+from annotated_types import Ge
 
 from sprpo_lib.core import metrics as MK
 from sprpo_lib.evaluate import DEFAULT_CACHE, sweep
 from sprpo_lib.infra.paths import project_path, runs_dir
+from sprpo_lib.infra.ranges import check_ranges
 from sprpo_lib.paper import experiments as X
 from sprpo_lib.paper.report import load_metrics, run_grid
 from sprpo_lib.train.config import config_dict, load_config, profile_names, profile_section
@@ -80,10 +82,11 @@ class Ablation:
     profile: str
     env: str
     variants: tuple[Variant, ...]
-    seeds: tuple[int, ...] = (0,)
-    tasks: int | None = None
+    seeds: tuple[Annotated[int, Ge(0)], ...] = (0,)
+    tasks: Annotated[int, Ge(1)] | None = None
 
     def __post_init__(self):
+        check_ranges(self, "ablation.")
         keys = [v.key for v in self.variants]
         if len(set(keys)) != len(keys) or REFERENCE not in keys:
             raise ValueError(f"Ablation.variants: keys must be unique and include {REFERENCE!r}, got {keys}")

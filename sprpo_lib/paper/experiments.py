@@ -27,9 +27,10 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Annotated, Mapping, Sequence
 
 import pandas as pd
+from annotated_types import Ge
 
 from sprpo_lib.agent.envs import GENERATED, data_source, make_pool
 from sprpo_lib.core.compress import FAMILIES
@@ -49,6 +50,7 @@ from sprpo_lib.evaluate import (
 )
 from sprpo_lib.evaluate.divergence import DIVERGENCE_COLUMNS, divergence, draw_seeds, state_pool
 from sprpo_lib.infra.io import CorruptFileError, atomic_write_text, key_fields, read_cached
+from sprpo_lib.infra.ranges import check_ranges
 from sprpo_lib.infra.manifest import check_artifact, manifest_path
 from sprpo_lib.infra.paths import project_path
 from sprpo_lib.paper.report import run_grid
@@ -111,29 +113,30 @@ class Plan:
     methods: tuple[str, ...] = METHOD_ORDER
     seeds: Mapping[str, tuple[int, ...]] = field(default_factory=lambda: {m: (0, 1, 2) for m in METHOD_ORDER})
     overrides: tuple[str, ...] = ()
-    tasks: int | None = None
-    curve_tasks: int | None = None
-    eval_seeds: tuple[int, ...] = (0,)
+    tasks: Annotated[int, Ge(1)] | None = None
+    curve_tasks: Annotated[int, Ge(1)] | None = None
+    eval_seeds: tuple[Annotated[int, Ge(0)], ...] = (0,)
     table: tuple[tuple[str, float], ...] = ()
     curves: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
-    curve_seeds: tuple[int, ...] | None = None
+    curve_seeds: tuple[Annotated[int, Ge(0)], ...] | None = None
     curve_methods: tuple[str, ...] | None = None
     landscape_grid: tuple[float, ...] = ()
-    landscape_tasks: int | None = None
+    landscape_tasks: Annotated[int, Ge(1)] | None = None
     landscape_methods: tuple[str, ...] = ("vanilla", "sprpo")
-    landscape_seed: int = 0
-    direction_seed: int = 0
-    calibration_size: int = 128
+    landscape_seed: Annotated[int, Ge(0)] = 0
+    direction_seed: Annotated[int, Ge(0)] = 0
+    calibration_size: Annotated[int, Ge(1)] = 128
     engine: str | None = None
     warm_start_row: bool = True
-    longer_iterations: int = 0
+    longer_iterations: Annotated[int, Ge(0)] = 0
     longer_methods: tuple[str, ...] = ("vanilla",)
-    longer_seeds: tuple[int, ...] | None = None
-    divergence_states: int = 0
-    divergence_samples: int = 4
-    divergence_draws: int = 2
+    longer_seeds: tuple[Annotated[int, Ge(0)], ...] | None = None
+    divergence_states: Annotated[int, Ge(0)] = 0
+    divergence_samples: Annotated[int, Ge(1)] = 4
+    divergence_draws: Annotated[int, Ge(1)] = 2
 
     def __post_init__(self):
+        check_ranges(self, "plan.")
         missing = [m for m in self.methods if m not in self.seeds]
         if missing:
             raise ValueError(f"Plan.seeds: no training seeds for method(s) {missing}")
