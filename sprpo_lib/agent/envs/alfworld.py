@@ -670,10 +670,8 @@ class AlfworldPool:
     def __init__(self, data_dir: str | os.PathLike | None = None, seed: int = 0,
                  sizes: Mapping[str, int] | None = None, cache_dir: str | os.PathLike | None = None,
                  success_reward: float = DEFAULT_SUCCESS_REWARD) -> None:
-        folder, origin = resolve_data_dir(self.name, data_dir)  # data_dir, else $ALFWORLD_DATA, else generated
+        folder, self._where = resolve_data_dir(self.name, data_dir)  # data_dir, else $ALFWORLD_DATA, else generated
         self.data_dir = None if folder is None else str(folder)
-        given = data_dir if origin == "data_dir" else os.environ.get("ALFWORLD_DATA")
-        self._where = f"{origin}={given}"  # what a data error names: the folder as the user gave it
         self.seed = int(seed)
         self.cache_dir = None if cache_dir is None else str(cache_dir)
         self.success_reward = float(success_reward)

@@ -45,20 +45,21 @@ class DataError(FileNotFoundError):
 def resolve_data_dir(env: str, data_dir: str | os.PathLike | None = None) -> tuple[Path | None, str]:
     """The one rule for an environment's data, both environments: an explicit ``data_dir``,
     else the folder in ``$WEBSHOP_DATA`` / ``$ALFWORLD_DATA``, else None (the offline
-    generated default).  Returns the absolute folder (``~`` and ``$VAR`` expanded) and
-    where it came from (``"data_dir"`` or the variable's name: the prefix of a data error).
-    ``$ALFWORLD_DATA`` naming :data:`ALFWORLD_DEFAULT` with no ``json_2.1.1`` data in it counts
-    as unset: that is what importing ``alfworld`` leaves there, not a choice of data."""
-    raw, origin = (str(data_dir), "data_dir") if data_dir not in (None, "") else (None, GENERATED)
+    generated default).  Returns the absolute folder (``~`` and ``$VAR`` expanded) and how the
+    user named it (``data_dir=<as given>`` or ``ALFWORLD_DATA=<as set>``: the prefix of a data
+    error; :data:`GENERATED` for the default).  ``$ALFWORLD_DATA`` naming :data:`ALFWORLD_DEFAULT`
+    with no ``json_2.1.1`` data in it counts as unset: that is what importing ``alfworld``
+    leaves there, not a choice of data."""
+    raw, where = (str(data_dir), f"data_dir={data_dir}") if data_dir not in (None, "") else (None, GENERATED)
     if raw is None and (var := DATA_VARS.get(env)) and os.environ.get(var):
-        raw, origin = os.environ[var], var
+        raw, where = os.environ[var], f"{var}={os.environ[var]}"
     if raw is None:
         return None, GENERATED
     folder = Path(os.path.expandvars(raw)).expanduser().resolve()
-    if origin != "data_dir" and folder == Path(ALFWORLD_DEFAULT).expanduser().resolve() and not any(
+    if not where.startswith("data_dir=") and folder == Path(ALFWORLD_DEFAULT).expanduser().resolve() and not any(
             (folder / "json_2.1.1").glob("*")):  # alfworld's import set the variable to its empty default folder
         return None, GENERATED
-    return folder, origin
+    return folder, where
 
 
 @contextlib.contextmanager
@@ -86,11 +87,11 @@ def data_source(env: str, data_dir: str | os.PathLike | None = None) -> str:
 
 def data_header(env: str, data_dir: str | os.PathLike | None = None) -> str:
     """The line a command prints before it plays ``env``'s tasks: the data it uses and why."""
-    folder, origin = resolve_data_dir(env, data_dir)
+    folder, where = resolve_data_dir(env, data_dir)
     if folder is None:
         return (f"{env} data: {GENERATED} (the offline default; set {DATA_VARS.get(env, 'data_dir')}=<folder> or "
                 "data_dir for the real data)")
-    return f"{env} data: {folder} (from {origin})"
+    return f"{env} data: {folder} (from {where})"
 
 
 @dataclass

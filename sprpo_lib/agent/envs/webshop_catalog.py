@@ -945,11 +945,10 @@ def get_catalogue(
     Results are cached in memory per ``(data folder, seed, n_products)``; callers must
     not mutate the returned catalogue.
     """
-    folder, origin = resolve_data_dir("webshop", data_dir)
+    folder, where = resolve_data_dir("webshop", data_dir)
     if folder is None:
         return _cached_catalogue(None, seed, n_products)
     try:
         return _cached_catalogue(str(folder), seed, 0)
     except WebShopDataError as err:  # the error names where the folder came from
-        given = data_dir if origin == "data_dir" else os.environ.get(DATA_ENV_VAR)
-        raise WebShopDataError(f"{origin}={given}: {err}") from None
+        raise WebShopDataError(f"{where}: {err}") from None
