@@ -145,7 +145,8 @@ def test_every_profile_lies_within_the_ranges(profile, env):
     assert cfg.env.name == env
 
 
-PLAN = dataclasses.replace(X.plan("smoke", "webshop"), curve_seeds=(0,), longer_seeds=(0,))  # tuples, not None
+PLAN = dataclasses.replace(X.plan("smoke", "webshop"), curve_seeds=(0,), longer_seeds=(0,),
+                           divergence_curve_seeds=(0,))  # tuples, not None
 ABLATION = A.ablation("smoke", "webshop")
 
 

@@ -39,7 +39,7 @@ def exact_kl(model, temperature, family, strength) -> float:
     seqs = torch.tensor(list(itertools.product(range(8), repeat=3)))
 
     def logp_all():
-        lp = D.response_logprobs(model, PROMPT, seqs, temperature)
+        lp = D.response_logprobs(model, D.prefill(model, [PROMPT]), seqs, temperature)
         return lp.gather(-1, seqs[..., None])[..., 0].sum(-1)
 
     lp = logp_all()
@@ -54,11 +54,13 @@ def exact_kl(model, temperature, family, strength) -> float:
 def test_estimator_matches_the_exact_sequence_kl(enumerable, temperature, strength):
     exact = exact_kl(enumerable, temperature, "gaussian", strength)
     n = 3000
-    toks, mask = D.sample_responses(enumerable, PROMPT, n, temperature, 3, generator=torch.Generator().manual_seed(0))
+    pre = D.prefill(enumerable, [PROMPT])
+    toks, mask = D.sample_responses(enumerable, pre, n, temperature, 3, generators=[torch.Generator().manual_seed(0)],
+                                    ended=D.Stop())
     assert toks.shape == (n, 3) and bool(mask.all())
-    logp = D.response_logprobs(enumerable, PROMPT, toks, temperature)
+    logp = D.response_logprobs(enumerable, pre, toks, temperature)
     with perturbation(enumerable, "gaussian", strength, seed=1):
-        logq = D.response_logprobs(enumerable, PROMPT, toks, temperature)
+        logq = D.response_logprobs(enumerable, D.prefill(enumerable, [PROMPT]), toks, temperature)
     est = sequence_kl(logp, logq, toks, mask)
     kl, ratio = est["kl"], est["log_ratio"]
     se = float(kl.std()) / n ** 0.5
@@ -71,19 +73,41 @@ def test_estimator_matches_the_exact_sequence_kl(enumerable, temperature, streng
 def test_nothing_moved_is_zero_exactly(tiny):
     tok = tiny.tokenizer
     prompt = tok("Task: buy a red mug.\nAvailable actions:\n- search[red mug]\n")["input_ids"]
-    clean = D.clean_side(tiny.model, prompt, k=3, temperature=0.4, max_new_tokens=6, seed=0, tokenizer=tok,
-                         stop="</action>", eos=[tok.eos_token_id])
-    same = D.compare(tiny.model, prompt, clean, temperature=0.4, max_new_tokens=6, tokenizer=tok, stop="</action>",
-                     eos=[tok.eos_token_id])
+    kw = dict(temperature=0.4, max_new_tokens=6, ended=D.Stop(tok, "</action>", [tok.eos_token_id]))
+    clean = D.clean_sides(tiny.model, [prompt], k=3, seeds=[0], **kw)
+    [same] = D.compare(tiny.model, [prompt], clean, **kw)
     assert same["kl"] == 0.0 and same["log_ratio"] == 0.0 and same["flip"] is False
     with perturbation(tiny.model, "gaussian", 0.0, seed=3):
-        zero = D.compare(tiny.model, prompt, clean, temperature=0.4, max_new_tokens=6, tokenizer=tok,
-                         stop="</action>", eos=[tok.eos_token_id])
+        [zero] = D.compare(tiny.model, [prompt], clean, **kw)
     assert zero["kl"] == 0.0
     with perturbation(tiny.model, "gaussian", 0.5, seed=3):
-        moved = D.compare(tiny.model, prompt, clean, temperature=0.4, max_new_tokens=6, tokenizer=tok,
-                          stop="</action>", eos=[tok.eos_token_id])
+        [moved] = D.compare(tiny.model, [prompt], clean, **kw)
     assert moved["kl"] > 0 and moved["tv_bound"] == pinsker(moved["kl"])
+
+
+def test_a_batch_of_states_gives_each_state_its_own_result():
+    """Left-padded batches against one state at a time (float32): the same K responses (each
+    state's own generator), the same greedy actions, the same KLs up to rounding."""
+    pol = load_policy("tiny-qwen2", seed=0, dtype="float32")
+    model, tok = pol.model.eval(), pol.tokenizer
+    prompts = [tok(t)["input_ids"] for t in ("Task: buy a mug.", "Task: buy a red mug and a blue hat, size 7 please.",
+                                             "Go to the kitchen then open the fridge")]
+    assert len({len(p) for p in prompts}) == 3
+    kw = dict(temperature=0.7, max_new_tokens=7, ended=D.Stop(tok, "</action>", [tok.eos_token_id]),
+              pad_id=tok.pad_token_id)
+    seeds = [11, 12, 13]
+    together = D.clean_sides(model, prompts, k=3, seeds=seeds, **kw)
+    alone = [D.clean_sides(model, [p], k=3, seeds=[s], **kw)[0] for p, s in zip(prompts, seeds)]
+    for a, b in zip(together, alone):
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.mask, b.mask) and a.action == b.action
+        torch.testing.assert_close(a.logp, b.logp, atol=1e-4, rtol=1e-4)
+    with perturbation(model, "gaussian", 0.3, seed=5):
+        rows = D.compare(model, prompts, together, **kw)
+        ones = [D.compare(model, [p], [c], **kw)[0] for p, c in zip(prompts, together)]
+    for r, o in zip(rows, ones):
+        assert r["flip"] == o["flip"] and r["tokens"] == o["tokens"]
+        assert r["kl"] > 0 and abs(r["kl"] - o["kl"]) < 1e-4 * (1 + o["kl"])
+    assert [sorted(g) for g in D.batches(prompts, 2)] == [[1, 2], [0]]
 
 
 def test_two_policies_see_the_same_draws():
@@ -205,3 +229,40 @@ def test_kl_claims_and_the_kl_success_correlation():
     c = kl_success_correlation(kl, succ, n_resamples=200)
     loss = [10.0, 40.0, 5.0, 60.0]  # a@8, a@4, b@8, b@4 in percentage points
     assert c["pairs"] == 4 and c["spearman"] == pytest.approx(spearmanr([0.1, 0.25, 0.3, 0.65], loss).statistic)
+
+
+def test_kl_claims_join_the_success_claims_and_the_verdict(tmp_path):
+    """claims_<profile>.csv/.md: the success rows as notebook 08 wrote them, then every env's KL
+    claims from notebook 09's files; rewriting from the files alone keeps both; the verdict
+    sentence counts SPrPO's KL comparisons by their readings."""
+    import pandas as pd
+
+    from sprpo_lib.paper import claims as C
+
+    success = pd.DataFrame([{"env": "webshop", "id": "C2", "claim": "SPrPO keeps more success than Vanilla",
+                             "versus": "Vanilla", "setting": "Quantization INT4", "paper": 4.3, "diff": 1.0, "lo": -5.0,
+                             "hi": 7.0, "mde80": 9.0, "mde_pooled": False, "tasks": 20, "train_seeds": "0 1 2",
+                             "wins": 2, "losses": 1, "sign_p": 1.0, "reading": "not resolved"}])
+    kl = pd.DataFrame([{"env": "webshop", "id": "C2-KL", "claim": "SPrPO moves less than Vanilla", "a": "sprpo",
+                        "b": "vanilla", "setting": "rtn 4", "where": "table", "states": 64, "train_seeds": 3,
+                        "kl_a": 0.5, "kl_b": 1.0, "diff": -0.5, "lo": -0.6, "hi": -0.4, "ratio": 0.5, "ratio_lo": 0.45,
+                        "ratio_hi": 0.55, "mde80": 0.07, "mde80_rel": 0.07, "flip_a": 0.1, "flip_b": 0.2, "wins": 1,
+                        "losses": 5, "sign_p": 0.2, "reading": "sprpo moves less (ratio 0.5 [0.45, 0.55])"},
+                       {"env": "webshop", "id": "C4-KL", "claim": "flatter", "a": "sprpo", "b": "vanilla",
+                        "setting": "plane mean 0", "where": "plane", "states": 64, "train_seeds": 1, "kl_a": 1.0,
+                        "kl_b": 1.0, "diff": 0.0, "lo": -0.3, "hi": 0.3, "ratio": 1.0, "ratio_lo": 0.7, "ratio_hi": 1.3,
+                        "mde80": 0.4, "mde80_rel": 0.4, "flip_a": None, "flip_b": None, "wins": None, "losses": None,
+                        "sign_p": None, "reading": "not resolved: the design detects only 40% of the baseline's KL"}])
+    kl.to_csv(tmp_path / "09_divergence_webshop_claims.csv", index=False)
+    C.write_claims(tmp_path, "cpu", success=success)
+    first = (tmp_path / "claims_cpu.md").read_text()
+    C.write_claims(tmp_path, "cpu")  # notebook 09's call: both parts read back from the files
+    rows = pd.read_csv(tmp_path / "claims_cpu.csv")
+    assert (tmp_path / "claims_cpu.md").read_text() == first
+    assert list(rows["measure"]) == ["success", "KL", "KL"] and list(rows["id"]) == ["C2", "C2-KL", "C4-KL"]
+    assert rows.loc[1, "setting"] == "Quantization INT4 (table)" and rows.loc[1, "versus"] == "SPrPO vs Vanilla"
+    assert "**WebShop, KL**" in first and "0.5 [0.45, 0.55]" in first and "C2 | SPrPO keeps more" in first
+    sentence = C.verdict_sentence(rows, profile="cpu")
+    assert sentence.startswith("At the cpu profile's scale no SPrPO comparison resolves: all 1 paired")
+    assert "moves less than the other policy in 1 of 2 paired comparisons, more in 0; 0 read no difference" in sentence
+    assert C.overview(rows[rows["measure"] == "success"])["id"].tolist().count("C2") == 1

@@ -426,3 +426,23 @@ def test_landscape_figure_without_plane_rows_is_one_clear_error(tmp_path):
     rows = [{"method": "sprpo", "family": "plane", "strength": w1, "w2": w2, "task_index": 0, "success": w1 == w2}
             for w1 in (-0.1, 0.0, 0.1) for w2 in (-0.1, 0.0, 0.1)]
     assert R.plot_landscape(pd.DataFrame(rows), ("vanilla", "sprpo"), tmp_path / "l")  # one method drawn
+
+
+def test_the_divergence_grid_is_table_1_then_the_kl_curves(monkeypatch):
+    """Plan.divergence_settings: Table 1's settings, then the KL curves' strengths (``app_c`` in a
+    profile: every family at App. C's levels, 5/5/4/4/3), each once; without KL curves, the
+    success curves'."""
+    from sprpo_lib.core.compress import FAMILIES
+
+    p = X.plan("smoke", "webshop")
+    assert p.divergence_curves is None and p.divergence_settings()[:5] == [(f, float(s)) for f, s in p.table]
+    assert set(p.divergence_settings()) == set(p.settings()) - {("clean", 0.0)}
+    section = {"per_env": {"webshop": {}}, "divergence_curves": "app_c", "divergence_curve_seeds": [0]}
+    monkeypatch.setattr(X, "profile_section", lambda profile, name: section)
+    full = X.plan_from_profile("cpu", "webshop")
+    want = [(f, float(s)) for f in X.APP_C_CURVES for s in FAMILIES[f].levels["webshop"]]
+    assert [len(FAMILIES[f].levels["webshop"]) for f in X.APP_C_CURVES] == [5, 5, 4, 3, 4]
+    assert set(full.divergence_settings()) == set(want) | set(full.table)
+    assert len(full.divergence_settings()) == len(set(full.divergence_settings()))
+    assert full.divergence_curve_seeds == (0,) and full.curves == {}
+    assert X.Plan.from_dict(full.as_dict()) == full

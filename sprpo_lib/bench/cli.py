@@ -8,7 +8,7 @@
     sprpo-bench allocator [--env webshop] [--rounds 3]   # the passes under glibc's malloc settings, then tuned
     sprpo-bench ops [--env webshop]   # one update's time by op class, each against its roofline
     sprpo-bench grads [--env webshop] [--methods vanilla]   # the levers' gradients against the dtype's rounding
-    sprpo-bench divergence [--env webshop] [--states 4] [--samples 4]   # KL per state: clean side and a setting vs floor
+    sprpo-bench divergence [--env webshop] [--states 4] [--samples 4] [--batch 1 8]   # KL per state: clean side and a setting vs floor
     sprpo-bench machine [--model smollm2-135m]
     sprpo-bench generate [--model smollm2-135m] [--prompts 16] [--engines hf_generator,hf,openvino]
     sprpo-bench eval [--engines hf:float32,hf:bfloat16,openvino,openvino:auto:prefix_caching=false] [--episodes 64]
@@ -100,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     dv.add_argument("--env", default="webshop")
     dv.add_argument("--states", type=int, default=4, help="states per held-out split")
     dv.add_argument("--samples", type=int, default=4, help="responses sampled per state (K)")
+    dv.add_argument("--batch", type=int, nargs="+", default=[],
+                    help="states per batch, each size side by side (default: the profile's evaluation batch size)")
     dv.add_argument("--family", default="rtn")
     dv.add_argument("--strength", type=float, default=4.0)
     dv.add_argument("--model", default=None, help="default: the profile's model")
@@ -295,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.what == "attention":
         res = bench_attention(args.profile, args.env, args.repeats, args.overrides)
     elif args.what == "divergence":
-        res = bench_divergence(args.profile, args.env, states=args.states, samples=args.samples, family=args.family,
+        res = bench_divergence(args.profile, args.env, states=args.states, samples=args.samples,
+                               batches_of=tuple(args.batch), family=args.family,
                                strength=args.strength, model=args.model)
     elif args.what == "envs":
         res = bench_envs(args.episodes, args.model or None, args.tasks, args.group, args.max_steps)

@@ -1,7 +1,8 @@
 """``sprpo-bench divergence``: the divergence pass (:mod:`sprpo_lib.evaluate.divergence`) on a
 profile's evaluation settings, each phase against its floor on this machine: the clean side of a
 state (one prefill; K responses sampled; their teacher-forced pass; the greedy response) once per
-state, and one setting's comparison (one prefill; the teacher-forced pass; the greedy response).
+state, and one setting's comparison (one prefill; the teacher-forced pass; the greedy response),
+states in batches as the pass runs them.
 
 The floor of a phase: its prefill and teacher-forced tokens at the probed matmul rate (compute
 bound), plus its decode steps at :func:`~sprpo_lib.infra.hardware.decode_floor_s` (each step reads
@@ -9,32 +10,39 @@ every weight and the live rows' KV cache, or costs its FLOPs, whichever is slowe
 from __future__ import annotations
 
 import time
+from typing import Sequence
 
 import torch
 
 from sprpo_lib.agent.engines.base import eos_ids
 from sprpo_lib.core.compress import perturbation
 from sprpo_lib.evaluate import DEFAULT_CACHE, ModelSource, config_from_profile
-from sprpo_lib.evaluate.divergence import clean_side, compare, state_pool
+from sprpo_lib.evaluate.divergence import Stop, batches, clean_sides, compare, state_pool
 from sprpo_lib.infra import hardware as hw
 from sprpo_lib.infra.paths import project_path
 from sprpo_lib.train.config import load_config
 
 
-def _phase_floor(config, prompt: int, rows: int, teacher: int, decoded: list[int], gflops: float, bandwidth: float,
-                 weight_bytes: int, kv_bytes: int) -> float:
-    """Floor seconds of one phase: a prefill of ``prompt`` tokens, ``rows`` teacher-forced rows of
-    ``teacher`` tokens after it, and generations of ``decoded`` tokens per row (batched)."""
-    flops = hw.prefill_flops(config, [prompt])
-    flops += sum(hw.decode_flops(config, prompt + t) for t in range(teacher)) * rows
-    decode = hw.decode_floor_s(config, [prompt] * len(decoded), decoded, weight_bytes, kv_bytes, bandwidth, gflops)
+def _phase_floor(config, prompts: list[int], k: int, teacher: list[int], decoded: list[int], gflops: float,
+                 bandwidth: float, weight_bytes: int, kv_bytes: int) -> float:
+    """Floor seconds of one batch's phase: a prefill of ``prompts`` (token counts), ``k``
+    teacher-forced rows per prompt of ``teacher[i]`` tokens after it, and one batched generation
+    of ``decoded`` tokens per row (``len(decoded) // len(prompts)`` rows per prompt)."""
+    flops = hw.prefill_flops(config, prompts)
+    flops += sum(hw.decode_flops(config, p + t) for p, n in zip(prompts, teacher) for t in range(n)) * k
+    per = len(decoded) // len(prompts)
+    decode = hw.decode_floor_s(config, [p for p in prompts for _ in range(per)], decoded, weight_bytes, kv_bytes,
+                               bandwidth, gflops)
     return flops / (gflops * 1e9) + decode
 
 
 def bench_divergence(profile: str = "cpu", env: str = "webshop", *, states: int = 4, samples: int = 4,
-                     family: str = "rtn", strength: float = 4.0, model: str | None = None) -> dict:
+                     batches_of: Sequence[int] = (), family: str = "rtn", strength: float = 4.0,
+                     model: str | None = None) -> dict:
     """Seconds per state of the clean side and of one setting's comparison, each against its
-    floor, on ``states`` states the profile's model visits on ``env``'s held-out tasks."""
+    floor, on ``states`` states the profile's model visits on ``env``'s held-out tasks, with the
+    states in batches of each size in ``batches_of`` side by side (default: the profile's
+    evaluation batch size, as the pass runs them); the top-level figures are the last size's."""
     spec = model or load_config(profile, **{"env.name": env}).model.spec
     cfg = config_from_profile(profile, env, model=spec, family=family, strengths=(strength,),
                               cache_dir=str(project_path(DEFAULT_CACHE)))
@@ -43,37 +51,50 @@ def bench_divergence(profile: str = "cpu", env: str = "webshop", *, states: int 
     pol = source.policy()
     m, tok = pol.model.eval(), pol.tokenizer
     config, dtype = m.config, str(next(m.parameters()).dtype).replace("torch.", "")
-    eos, stop = sorted(eos_ids(m, tok)), cfg.generation(0).stop
     rate = hw.probe_matmul(hw.linear_shapes(config), dtypes=(dtype,))[dtype]["gflops_by_rows"][str(hw.PREFILL_ROWS)]
     bandwidth = hw.probe_bandwidth()
     weight_bytes = sum(p.numel() * p.element_size() for p in m.parameters())
     kv_bytes = next(m.parameters()).element_size()
-    kw = dict(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, tokenizer=tok, stop=stop, eos=eos)
-    clean_s, clean_floor, sides = 0.0, 0.0, []
-    for i, prompt in enumerate(pool.prompts):
-        t0 = time.perf_counter()
-        side = clean_side(m, prompt, k=samples, seed=i, **kw)
-        clean_s += time.perf_counter() - t0
-        t = side.tokens.shape[1]
-        greedy = len(tok(side.action or "")["input_ids"]) + 4  # about the greedy response's length
-        clean_floor += _phase_floor(config, len(prompt), samples, t, [t] * samples + [greedy], rate, bandwidth,
-                                    weight_bytes, kv_bytes)
-        sides.append((prompt, side, greedy))
-    cmp_s, cmp_floor, kls = 0.0, 0.0, []
-    with perturbation(m, family, strength, seed=0, pad_id=tok.pad_token_id):
-        for prompt, side, greedy in sides:
+    kw = dict(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, pad_id=tok.pad_token_id or 0,
+              ended=Stop(tok, cfg.generation(0).stop, eos_ids(m, tok)))
+    floor = dict(gflops=rate, bandwidth=bandwidth, weight_bytes=weight_bytes, kv_bytes=kv_bytes)
+    n = len(pool.prompts)
+
+    def greedy_len(side) -> int:  # about the greedy response's length
+        return len(tok(side.action or "")["input_ids"]) + 4
+
+    def timed(batch: int) -> dict:
+        clean_s, clean_floor, groups = 0.0, 0.0, []
+        for group in batches(pool.prompts, batch):
+            prompts = [pool.prompts[i] for i in group]
             t0 = time.perf_counter()
-            kls.append(compare(m, prompt, side, **kw)["kl"])
-            cmp_s += time.perf_counter() - t0
-            cmp_floor += _phase_floor(config, len(prompt), samples, side.tokens.shape[1], [greedy], rate, bandwidth,
-                                      weight_bytes, kv_bytes)
-    n = len(sides)
+            sides = clean_sides(m, prompts, k=samples, seeds=group, **kw)
+            clean_s += time.perf_counter() - t0
+            lens = [len(p) for p in prompts]
+            sampled = [int(t) for s in sides for t in s.mask.sum(1)]
+            clean_floor += _phase_floor(config, lens, samples, [s.tokens.shape[1] for s in sides], sampled, **floor)
+            clean_floor += (_phase_floor(config, lens, 0, [0] * len(lens), [greedy_len(s) for s in sides], **floor)
+                            - hw.prefill_flops(config, lens) / (rate * 1e9))  # the greedy response: the same prefill
+            groups.append((prompts, sides))
+        cmp_s, cmp_floor, kls = 0.0, 0.0, []
+        with perturbation(m, family, strength, seed=0, pad_id=tok.pad_token_id):
+            for prompts, sides in groups:
+                t0 = time.perf_counter()
+                kls += [r["kl"] for r in compare(m, prompts, sides, **kw)]
+                cmp_s += time.perf_counter() - t0
+                cmp_floor += _phase_floor(config, [len(p) for p in prompts], samples,
+                                          [s.tokens.shape[1] for s in sides], [greedy_len(s) for s in sides], **floor)
+        return {"batch": batch,
+                "response_tokens_mean": round(sum(float(s.mask.sum(1).double().mean()) for _, g in groups for s in g)
+                                              / n, 2),
+                "clean_s_per_state": round(clean_s / n, 4), "clean_floor_s_per_state": round(clean_floor / n, 4),
+                "clean_over_floor": round(clean_s / clean_floor, 2),
+                "setting_s_per_state": round(cmp_s / n, 4), "setting_floor_s_per_state": round(cmp_floor / n, 4),
+                "setting_over_floor": round(cmp_s / cmp_floor, 2), "kl_mean": round(sum(kls) / n, 5)}
+
+    runs = [timed(b) for b in (batches_of or (cfg.batch_size,))]
     return {"profile": profile, "env": env, "model": spec, "dtype": dtype, "threads": torch.get_num_threads(),
             "states": n, "samples": samples, "setting": f"{family} {strength:g}",
-            "prompt_tokens_mean": round(sum(len(p) for p, _, _ in sides) / n, 1),
-            "response_tokens_mean": round(sum(float(s.mask.sum(1).double().mean()) for _, s, _ in sides) / n, 2),
-            "matmul_gflops": round(rate, 1), "bandwidth_gbs": round(bandwidth, 1),
-            "clean_s_per_state": round(clean_s / n, 4), "clean_floor_s_per_state": round(clean_floor / n, 4),
-            "clean_over_floor": round(clean_s / clean_floor, 2),
-            "setting_s_per_state": round(cmp_s / n, 4), "setting_floor_s_per_state": round(cmp_floor / n, 4),
-            "setting_over_floor": round(cmp_s / cmp_floor, 2), "kl_mean": round(sum(kls) / n, 5)}
+            "prompt_tokens_mean": round(sum(len(p) for p in pool.prompts) / n, 1),
+            "matmul_gflops": round(rate, 1), "bandwidth_gbs": round(bandwidth, 1), **runs[-1],
+            "by_batch": runs}

@@ -529,9 +529,39 @@ def _grads_rows(res: dict) -> list[str]:
     return lines
 
 
+def _divergence_rows(res: dict) -> list[str]:
+    """The divergence pass per state at each batch size, each phase against its floor."""
+    rows = ["| what | value |", "|---|---|",
+            *_flat_rows({k: v for k, v in res.items() if k not in _DIVERGENCE_PHASE and k != "batch"})]
+    runs = res.get("by_batch") or [res]
+    rows += ["", "| states per batch | clean side s/state (x floor) | one setting s/state (x floor) | mean KL |",
+             "|---|---|---|---|"]
+    rows += [f"| {r.get('batch', 1)} | {r['clean_s_per_state']} ({r['clean_over_floor']}x) | "
+             f"{r['setting_s_per_state']} ({r['setting_over_floor']}x) | {r['kl_mean']} |" for r in runs]
+    return rows
+
+
+_DIVERGENCE_PHASE = ("response_tokens_mean", "clean_s_per_state", "clean_floor_s_per_state", "clean_over_floor",
+                     "setting_s_per_state", "setting_floor_s_per_state", "setting_over_floor", "kl_mean")
+
+
+def _divergence_headline(res: dict) -> str | None:
+    runs = res.get("by_batch") or [res]
+    first, last = runs[0], runs[-1]
+    out = (f"{res.get('env')} divergence per state ({res.get('samples')} samples, {res.get('setting')}): one setting "
+           f"{last['setting_s_per_state']} s ({last['setting_over_floor']}x its floor), clean side "
+           f"{last['clean_s_per_state']} s ({last['clean_over_floor']}x)")
+    if len(runs) > 1:
+        out += (f" at {last['batch']} states per batch; "
+                f"{round(first['setting_s_per_state'] / last['setting_s_per_state'], 2)}x / "
+                f"{round(first['clean_s_per_state'] / last['clean_s_per_state'], 2)}x faster than {first['batch']}")
+    return out
+
+
 SUMMARIES = {"eval": _eval_rows, "churn": _churn_rows, "machine": _machine_rows, "train": _train_rows, "gpu": _gpu_rows,
              "runs": _runs_rows, "attention": _attention_rows, "estimates": _estimates_rows,
-             "allocator": _allocator_rows, "ops": _ops_rows, "grads": _grads_rows}
+             "allocator": _allocator_rows, "ops": _ops_rows, "grads": _grads_rows,
+             "divergence": _divergence_rows}
 
 
 def _eval_headline(spec: str, ev: dict) -> str:
@@ -600,7 +630,8 @@ def _estimates_headline(res: dict) -> str | None:
                if sm.get("dtype_vs_float32") else ""))
 
 
-HEADLINES = {"grads": _grads_headlines, "ops": _ops_headline, "estimates": _estimates_headline}
+HEADLINES = {"grads": _grads_headlines, "ops": _ops_headline, "estimates": _estimates_headline,
+             "divergence": _divergence_headline}
 
 
 def headline(record: dict) -> str | None:

@@ -9,8 +9,8 @@ playing an episode: the noise-light measure of robustness that the paper's theor
   each, the exact per-token KLs of the clean and perturbed next-token distributions add up to an
   unbiased estimate of KL(pi(.|s) || pi^xi(.|s)) (:mod:`sprpo_lib.core.divergence`); Pinsker
   bounds D_TV; and the greedy action's **flip** (the action the environment would execute
-  changes).  The prompt is prefilled once per state and setting, its KV cache shared by the K
-  responses.  The clean side (samples, log-probs, greedy action) is computed once per state and
+  changes).  States go through in batches (left-padded, by prompt length): one prefill per
+  batch and setting, its KV cache shared by each state's K responses.  The clean side (samples, log-probs, greedy action) is computed once per state and
   shared by every setting.
 * Random families (Gaussian, dropout) use the same M seeded draws for every policy (common random
   numbers: xi depends only on the draw's seed and the model's FFN shape); deterministic ones
@@ -41,7 +41,7 @@ from sprpo_lib.infra.progress import progress_bar
 
 STATES_FORMAT = "sprpo-states"
 #: Changes whenever what a divergence cell computes changes (its cache key holds it).
-DIVERGENCE_VERSION = 1
+DIVERGENCE_VERSION = 2
 #: Per-state columns of :func:`divergence`'s rows, before ``cfg.tags``.
 DIVERGENCE_COLUMNS = ("env", "state", "split", "split_label", "task_index", "step", "family", "strength", "seed",
                       "kl", "kl_se", "log_ratio", "tv_bound", "tokens", "flip", "model", "adapters", "cell")
@@ -144,86 +144,149 @@ def state_pool(reference: EvalConfig, per_split: int, *, per_episode: int = 2, s
     return states, path
 
 
-# ============================================================================ one state
-def prefill(model, prompt: Sequence[int]) -> tuple[torch.Tensor, object]:
-    """The prompt's last logits ``[1, V]`` and its KV cache: one prefill that the K responses,
-    their teacher-forced pass and the greedy response all continue from (:func:`fork`)."""
-    dev = next(model.parameters()).device
-    out = model(input_ids=torch.tensor([list(prompt)], device=dev), use_cache=True)
-    return out.logits[:, -1], out.past_key_values
+# ============================================================================ a batch of states
+@dataclass
+class Prefilled:
+    """Prompts prefilled together (left-padded): each row's next-token ``logits`` ``[R, V]``,
+    the KV ``cache``, the attention mask ``att`` ``[R, W]`` and each row's next position
+    ``pos`` ``[R]``; every continuation (:func:`fork`) starts from here."""
+
+    logits: torch.Tensor
+    cache: object
+    att: torch.Tensor
+    pos: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.att.shape[0]
 
 
-def fork(prefilled: tuple[torch.Tensor, object], k: int) -> tuple[torch.Tensor, object]:
-    """A copy of a prefilled prompt for ``k`` continuations (its cache repeated ``k`` times)."""
-    logits, cache = prefilled
-    cache = copy.deepcopy(cache)
+@torch.no_grad()
+def prefill(model, prompts: Sequence[Sequence[int]], pad_id: int = 0) -> Prefilled:
+    """One left-padded forward of ``prompts`` (position ids count each row's own tokens),
+    keeping only the last position's logits."""
+    from transformers import DynamicCache  # heavy (seconds to import): loaded on first use
+
+    dev, width = next(model.parameters()).device, max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), int(pad_id), dtype=torch.long, device=dev)
+    att = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(list(p), device=dev)
+        att[i, width - len(p):] = 1
+    out = model(input_ids=ids, attention_mask=att, position_ids=(att.cumsum(-1) - 1).clamp_min(0),
+                past_key_values=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
+    return Prefilled(out.logits[:, -1], out.past_key_values, att, att.sum(-1))
+
+
+def fork(pre: Prefilled, k: int) -> Prefilled:
+    """A copy of ``pre`` with each row repeated ``k`` times in place (row i -> rows i*k .. i*k+k-1)."""
+    cache = copy.deepcopy(pre.cache)
     if k > 1:
         cache.batch_repeat_interleave(k)
-    return logits.expand(k, -1), cache
+    rep = (lambda t: t.repeat_interleave(k, 0)) if k > 1 else (lambda t: t)
+    return Prefilled(rep(pre.logits), cache, rep(pre.att), rep(pre.pos))
 
 
-def _ended(tokens: list[int], tokenizer, stop: str | None, eos: set[int]) -> bool:
-    if tokens[-1] in eos:
-        return True
-    return bool(stop) and tokenizer is not None and stop in tokenizer.decode(tokens, skip_special_tokens=False)
+def advance(model, pre: Prefilled, tokens: torch.Tensor) -> torch.Tensor:
+    """Feed ``tokens`` ``[R, n]`` after each row (in place: the cache, mask and positions grow);
+    the logits ``[R, n, V]`` at the fed positions."""
+    n = tokens.shape[1]
+    pre.att = torch.cat([pre.att, pre.att.new_ones(len(pre), n)], 1)
+    where = pre.pos[:, None] + torch.arange(n, device=pre.pos.device)
+    logits = model(input_ids=tokens, attention_mask=pre.att, position_ids=where, past_key_values=pre.cache,
+                   use_cache=True).logits
+    pre.pos = pre.pos + n
+    return logits
+
+
+class Stop:
+    """Whether a response has ended: its last token is an end-of-sequence id, or its text holds
+    ``stop`` (the token that completes it is kept)."""
+
+    def __init__(self, tokenizer=None, stop: str | None = None, eos: Sequence[int] = ()):
+        self.tokenizer, self.stop, self.eos = tokenizer, stop, set(int(e) for e in eos)
+
+    def __call__(self, tokens: list[int]) -> bool:
+        if tokens[-1] in self.eos:
+            return True
+        return bool(self.stop) and self.tokenizer is not None and self.stop in self.tokenizer.decode(
+            tokens, skip_special_tokens=False)
 
 
 @torch.no_grad()
-def sample_responses(model, prompt: Sequence[int], k: int, temperature: float, max_new_tokens: int, *,
-                     generator: torch.Generator, tokenizer=None, stop: str | None = None,
-                     eos: Sequence[int] = (), prefilled=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``k`` responses drawn from ``model`` at ``temperature`` (one prefill, a shared cache):
-    tokens ``[k, T]`` and mask ``[k, T]`` (a response ends with an end-of-sequence id, or the
-    token that completes ``stop``, both kept; later positions are masked)."""
-    logits, cache = fork(prefilled or prefill(model, prompt), k)
-    eos, alive = set(int(e) for e in eos), [True] * k
-    toks, masks, rows = [], [], [[] for _ in range(k)]
-    for _ in range(max_new_tokens):
-        p = tempered_logprobs(logits, temperature).exp()
-        nxt = torch.multinomial(p.cpu(), 1, generator=generator)[:, 0].to(logits.device)
-        toks.append(nxt)
-        masks.append(torch.tensor(alive, device=logits.device))
-        for i, t in enumerate(nxt.tolist()):
-            if alive[i]:
-                rows[i].append(t)
-                alive[i] = not _ended(rows[i], tokenizer, stop, eos)
-        if not any(alive):
+def decode(model, pre: Prefilled, pick, max_new_tokens: int, ended: Stop) -> tuple[torch.Tensor, torch.Tensor]:
+    """Continue every row of ``pre`` (consumed) with ``pick(logits, rows) -> tokens``, where
+    ``rows`` are the indices of the rows still going, until each has ended or ``max_new_tokens``:
+    tokens ``[R, T]`` and mask ``[R, T]`` (1 up to and including a row's last token).  Finished
+    rows leave the batch and the cache."""
+    r = len(pre)
+    tokens = torch.zeros(r, max_new_tokens, dtype=torch.long)
+    mask = torch.zeros(r, max_new_tokens, dtype=torch.bool)
+    alive, rows, logits = list(range(r)), [[] for _ in range(r)], pre.logits
+    for t in range(max_new_tokens):
+        nxt = pick(logits, alive).cpu()
+        keep = []
+        for j, (i, tok) in enumerate(zip(alive, nxt.tolist())):
+            tokens[i, t], mask[i, t] = tok, True
+            rows[i].append(tok)
+            if not ended(rows[i]):
+                keep.append(j)
+        if not keep or t + 1 == max_new_tokens:
             break
-        logits = model(input_ids=nxt[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
-    return torch.stack(toks, 1), torch.stack(masks, 1)
+        if len(keep) < len(alive):
+            idx = torch.tensor(keep, device=pre.att.device)
+            pre.cache.batch_select_indices(idx)
+            pre.att, pre.pos, nxt = pre.att[idx], pre.pos[idx], nxt[keep]
+            alive = [alive[j] for j in keep]
+        logits = advance(model, pre, nxt[:, None].to(pre.att.device))[:, -1]
+    width = int(mask.sum(1).max())
+    return tokens[:, :width], mask[:, :width]
+
+
+def sample_responses(model, pre: Prefilled, k: int, temperature: float, max_new_tokens: int, *,
+                     generators: Sequence[torch.Generator], ended: Stop) -> tuple[torch.Tensor, torch.Tensor]:
+    """``k`` responses per prompt of ``pre`` drawn at ``temperature`` from one prefill (rows
+    ``i*k .. i*k+k-1`` belong to prompt i): tokens ``[R*k, T]``, mask ``[R*k, T]``.  Prompt i's
+    draws come from ``generators[i]`` alone, for its live rows in order, so a prompt gets the same
+    responses whichever prompts share its batch (up to rounding of the logits)."""
+    if len(generators) != len(pre):
+        raise ValueError(f"{len(generators)} generators for {len(pre)} prompts; expected one per prompt")
+
+    def pick(logits, rows):
+        p = tempered_logprobs(logits, temperature).exp().cpu()
+        out = torch.empty(len(rows), dtype=torch.long)
+        for i in sorted({r // k for r in rows}):
+            at = [j for j, r in enumerate(rows) if r // k == i]
+            out[at] = torch.multinomial(p[at], 1, generator=generators[i])[:, 0]
+        return out
+
+    return decode(model, fork(pre, k), pick, max_new_tokens, ended)
 
 
 @torch.no_grad()
-def response_logprobs(model, prompt: Sequence[int], tokens: torch.Tensor, temperature: float,
-                      prefilled=None) -> torch.Tensor:
-    """Teacher-forced ``[K, T, V]`` log-probabilities at each response position."""
-    k, t = tokens.shape
-    first, cache = fork(prefilled or prefill(model, prompt), k)
-    logits = first[:, None]
-    if t > 1:
-        logits = torch.cat([logits, model(input_ids=tokens[:, :-1], past_key_values=cache, use_cache=True).logits], 1)
+def response_logprobs(model, pre: Prefilled, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Teacher-forced ``[R*k, T, V]`` log-probabilities at each position of ``tokens`` ``[R*k, T]``
+    (``k`` responses per prompt of ``pre``, grouped as :func:`sample_responses` returns them)."""
+    k = tokens.shape[0] // len(pre)
+    if k * len(pre) != tokens.shape[0]:
+        raise ValueError(f"{tokens.shape[0]} responses for {len(pre)} prompts; expected a multiple")
+    forked = fork(pre, k)
+    logits = forked.logits[:, None]
+    if tokens.shape[1] > 1:
+        logits = torch.cat([logits, advance(model, forked, tokens[:, :-1].to(pre.att.device))], 1)
     return tempered_logprobs(logits, temperature)
 
 
-@torch.no_grad()
-def greedy_action(model, tokenizer, prompt: Sequence[int], max_new_tokens: int, stop: str | None,
-                  eos: Sequence[int], prefilled=None) -> str:
-    """The action the environment would execute from the greedy response."""
-    logits, cache = fork(prefilled or prefill(model, prompt), 1)
-    out: list[int] = []
-    for _ in range(max_new_tokens):
-        nxt = logits.argmax(-1)
-        out.append(int(nxt))
-        if _ended(out, tokenizer, stop, set(int(e) for e in eos)):
-            break
-        logits = model(input_ids=nxt[:, None], past_key_values=cache, use_cache=True).logits[:, -1]
-    return extract_action(tokenizer.decode(out, skip_special_tokens=True)).action
+def greedy_actions(model, pre: Prefilled, max_new_tokens: int, ended: Stop) -> list[str | None]:
+    """The action the environment would execute from each prompt's greedy response."""
+    tokens, mask = decode(model, fork(pre, 1), lambda logits, rows: logits.argmax(-1), max_new_tokens, ended)
+    return [extract_action(ended.tokenizer.decode(t[m].tolist(), skip_special_tokens=True)).action
+            for t, m in zip(tokens, mask)]
 
 
 @dataclass
 class CleanSide:
-    """What every setting at one state compares with: the K sampled responses, the clean
-    policy's log-probabilities along them and its greedy action."""
+    """What every setting at one state compares with: the K sampled responses ``[K, T]`` and
+    their mask, the clean policy's log-probabilities ``[K, T, V]`` along them, its greedy action."""
 
     tokens: torch.Tensor
     mask: torch.Tensor
@@ -231,37 +294,62 @@ class CleanSide:
     action: str | None
 
 
-@torch.no_grad()
-def clean_side(model, prompt: Sequence[int], *, k: int, temperature: float, max_new_tokens: int, seed: int,
-               tokenizer=None, stop: str | None = None, eos: Sequence[int] = (), flips: bool = True) -> CleanSide:
-    """Sample ``k`` responses (generator seeded by ``seed``) and score them with the clean policy,
-    all from one prefill of the prompt."""
-    gen = torch.Generator().manual_seed(int(seed))
-    pre = prefill(model, prompt)
-    tokens, mask = sample_responses(model, prompt, k, temperature, max_new_tokens, generator=gen,
-                                    tokenizer=tokenizer, stop=stop, eos=eos, prefilled=pre)
-    logp = response_logprobs(model, prompt, tokens, temperature, prefilled=pre)
-    action = greedy_action(model, tokenizer, prompt, max_new_tokens, stop, eos, prefilled=pre) if flips else None
-    return CleanSide(tokens, mask, logp, action)
+def _per_prompt(tokens: torch.Tensor, mask: torch.Tensor, k: int):
+    """Split ``[R*k, T]`` rows into each prompt's ``k`` rows, trimmed to its own longest response."""
+    for i in range(tokens.shape[0] // k):
+        m = mask[i * k:(i + 1) * k]
+        t = max(int(m.sum(1).max()), 1)
+        yield slice(i * k, (i + 1) * k), t
 
 
 @torch.no_grad()
-def compare(model, prompt: Sequence[int], clean: CleanSide, *, temperature: float, max_new_tokens: int,
-            tokenizer=None, stop: str | None = None, eos: Sequence[int] = ()) -> dict:
-    """One state under the perturbation in force on ``model``, from one prefill of the prompt:
-    ``kl`` (mean of the K per-response estimates), ``kl_se``, ``log_ratio`` (the plain estimator,
-    for comparison), ``tv_bound`` (Pinsker), ``tokens`` (mean response length) and, where the
-    clean side has its greedy action, ``flip``."""
-    pre = prefill(model, prompt)
-    logq = response_logprobs(model, prompt, clean.tokens, temperature, prefilled=pre)
-    est = sequence_kl(clean.logp, logq, clean.tokens, clean.mask)
-    kl, k = est["kl"].double(), clean.tokens.shape[0]
-    row = {"kl": float(kl.mean()), "kl_se": float(kl.std() / k ** 0.5) if k > 1 else float("nan"),
-           "log_ratio": float(est["log_ratio"].double().mean()), "tv_bound": pinsker(float(kl.mean())),
-           "tokens": float(clean.mask.sum(1).double().mean())}
-    if clean.action is not None:
-        row["flip"] = greedy_action(model, tokenizer, prompt, max_new_tokens, stop, eos, prefilled=pre) != clean.action
-    return row
+def clean_sides(model, prompts: Sequence[Sequence[int]], *, k: int, temperature: float, max_new_tokens: int,
+                seeds: Sequence[int], ended: Stop, pad_id: int = 0, flips: bool = True) -> list[CleanSide]:
+    """For each prompt, ``k`` responses (drawn from a generator seeded by its ``seeds`` entry)
+    scored by the clean policy, and its greedy action: all from one batched prefill."""
+    pre = prefill(model, prompts, pad_id)
+    gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
+    tokens, mask = sample_responses(model, pre, k, temperature, max_new_tokens, generators=gens, ended=ended)
+    logp = response_logprobs(model, pre, tokens, temperature)
+    actions = greedy_actions(model, pre, max_new_tokens, ended) if flips else [None] * len(prompts)
+    return [CleanSide(tokens[rows, :t], mask[rows, :t], logp[rows, :t].clone(), a)
+            for (rows, t), a in zip(_per_prompt(tokens, mask, k), actions)]
+
+
+@torch.no_grad()
+def compare(model, prompts: Sequence[Sequence[int]], cleans: Sequence[CleanSide], *, temperature: float,
+            max_new_tokens: int, ended: Stop, pad_id: int = 0) -> list[dict]:
+    """Each prompt under the perturbation in force on ``model``, from one batched prefill: ``kl``
+    (mean of the K per-response estimates), ``kl_se``, ``log_ratio`` (the plain estimator, for
+    comparison), ``tv_bound`` (Pinsker), ``tokens`` (mean response length) and, where the clean
+    side has its greedy action, ``flip``."""
+    k = cleans[0].tokens.shape[0]
+    width = max(c.tokens.shape[1] for c in cleans)
+    tokens = torch.zeros(len(cleans) * k, width, dtype=torch.long)
+    for i, c in enumerate(cleans):
+        tokens[i * k:(i + 1) * k, :c.tokens.shape[1]] = c.tokens
+    pre = prefill(model, prompts, pad_id)
+    logq = response_logprobs(model, pre, tokens, temperature)
+    flips = [c.action for c in cleans]
+    actions = greedy_actions(model, pre, max_new_tokens, ended) if any(a is not None for a in flips) else flips
+    out = []
+    for i, (c, a) in enumerate(zip(cleans, actions)):
+        t = c.tokens.shape[1]
+        est = sequence_kl(c.logp, logq[i * k:(i + 1) * k, :t], c.tokens, c.mask)
+        kl = est["kl"].double()
+        row = {"kl": float(kl.mean()), "kl_se": float(kl.std() / k ** 0.5) if k > 1 else float("nan"),
+               "log_ratio": float(est["log_ratio"].double().mean()), "tv_bound": pinsker(float(kl.mean())),
+               "tokens": float(c.mask.sum(1).double().mean())}
+        if c.action is not None:
+            row["flip"] = a != c.action
+        out.append(row)
+    return out
+
+
+def batches(prompts: Sequence[Sequence[int]], size: int) -> list[list[int]]:
+    """State indices in batches of ``size``, by decreasing prompt length (little padding)."""
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    return [order[s:s + size] for s in range(0, len(order), size)]
 
 
 def draw_seeds(m: int, seed: int = 0) -> list[int]:
@@ -287,7 +375,8 @@ def divergence(cfg: EvalConfig, states: StatePool, *, samples: int = 4, progress
     family), how far the perturbation moves ``cfg``'s policy on ``states``: one row each
     (:data:`DIVERGENCE_COLUMNS`).  Each setting over the pool is a cell, content-keyed by the model,
     the pool, the setting, K = ``samples``, the temperature and the response limit, stored under
-    ``<cache_dir>/divergence/`` and verified when read (a damaged cell is recomputed)."""
+    ``<cache_dir>/divergence/`` and verified when read (a damaged cell is recomputed).  States go
+    through in batches of ``cfg.batch_size`` (a speed lever: the same rows up to rounding)."""
     cfg.validate()
     if samples < 1:
         raise ValueError(f"--samples: {samples}; expected at least 1 sampled response per state")
@@ -307,21 +396,28 @@ def divergence(cfg: EvalConfig, states: StatePool, *, samples: int = 4, progress
     clean: list[CleanSide] | None = None
     bar = progress_bar(total=len(cells) * len(states), desc=f"divergence {cfg.env} {cfg.family}", unit="state",
                        disable=not progress, initial=sum(len(states) for c in cells if results[c] is not None))
+    groups = batches(states.prompts, cfg.batch_size)
     for c in (c for c in cells if results[c] is None):
         policy = source.policy()
         model, tok = policy.model.eval(), policy.tokenizer
-        eos = sorted(eos_ids(model, tok))
+        ended, pad = Stop(tok, stop, eos_ids(model, tok)), tok.pad_token_id or 0
         if clean is None:  # once per state, shared by every setting (the same seeds for every policy)
-            clean = [clean_side(model, p, k=samples, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
-                                seed=int(canonical_hash([states.hash, i])[:8], 16), tokenizer=tok, stop=stop, eos=eos)
-                     for i, p in enumerate(states.prompts)]
+            clean = [None] * len(states)
+            for group in groups:
+                sides = clean_sides(model, [states.prompts[i] for i in group], k=samples, temperature=cfg.temperature,
+                                    max_new_tokens=cfg.max_new_tokens, ended=ended, pad_id=pad,
+                                    seeds=[int(canonical_hash([states.hash, i])[:8], 16) for i in group])
+                for i, side in zip(group, sides):
+                    clean[i] = side
         kw = perturbation_kwargs(cfg, policy, c.family, calib, store, ident, progress)
-        rows = []
+        rows = [None] * len(states)
         with perturbation(model, "none" if c.family == "clean" else c.family, c.strength, c.seed, **kw):
-            for i, p in enumerate(states.prompts):
-                rows.append(compare(model, p, clean[i], temperature=cfg.temperature,
-                                    max_new_tokens=cfg.max_new_tokens, tokenizer=tok, stop=stop, eos=eos))
-                bar.update(1)
+            for group in groups:
+                got = compare(model, [states.prompts[i] for i in group], [clean[i] for i in group],
+                              temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, ended=ended, pad_id=pad)
+                for i, row in zip(group, got):
+                    rows[i] = row
+                bar.update(len(group))
         atomic_write_json(paths[c], {"key": keyed[c], "rows": rows})
         results[c] = {"rows": rows}
     bar.close()

@@ -13,16 +13,18 @@ comparisons); nothing in it is typed.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Mapping
 
 import pandas as pd
 
+from sprpo_lib.infra.io import atomic_write_text
 from sprpo_lib.paper.results import landscape_drop, mde_text, paired_comparisons, setting_label
-from sprpo_lib.paper.tables import ENV_LABELS, METHOD_LABELS
+from sprpo_lib.paper.tables import ENV_LABELS, METHOD_LABELS, to_csv
 
 __all__ = ["PAPER", "CLAIMS", "C3_MARGIN", "C2_FAMILIES", "CLAIM_COLUMNS", "reading", "claim_rows", "c1_rows",
            "c4_rows", "c6_rows", "claim_table", "all_claims", "claims_markdown", "claims_grid", "verdict_sentence", "overview",
-           "overview_markdown", "SPRPO_IDS"]
+           "overview_markdown", "SPRPO_IDS", "KL_COLUMNS", "kl_claim_rows", "kl_markdown", "write_claims"]
 
 #: The paper's success (%) per method and Table 1 setting (both environments), and its
 #: WebShop component ablations.
@@ -283,19 +285,118 @@ def claims_markdown(rows: pd.DataFrame, *, profile: str) -> str:
 #: Marks of :func:`claims_grid`: a reading of :func:`reading` by its opening words.
 def verdict_sentence(rows: pd.DataFrame, *, profile: str) -> str:
     """One sentence of what the claims say at this profile's scale, from their readings:
-    how many comparisons agree with the paper, go the other way, or resolve nothing."""
+    how many comparisons agree with the paper, go the other way, or resolve nothing; and,
+    where the table has them, one on SPrPO's KL comparisons (:func:`kl_sentence`)."""
+    kl = kl_sentence(rows)
     rows = rows[rows["id"].isin(SPRPO_IDS)] if "id" in rows else rows
     if rows.empty:
-        return f"The {profile} profile's results support no reading of the paper's claims yet."
+        return f"The {profile} profile's results support no reading of the paper's claims yet." + kl
     r = rows["reading"].astype(str)
     agree, opposite = int(r.str.startswith("agrees").sum()), int(r.str.startswith("opposite").sum())
     nothing = len(rows) - agree - opposite
     envs = " and ".join(ENV_LABELS.get(e, e) for e in dict.fromkeys(rows["env"]))
     if agree == opposite == 0:
         return (f"At the {profile} profile's scale no SPrPO comparison resolves: all {len(rows)} paired comparisons "
-                f"on {envs} are within their noise, so these results neither confirm nor refute the paper.")
+                f"on {envs} are within their noise, so these results neither confirm nor refute the paper." + kl)
     return (f"At the {profile} profile's scale {agree} of {len(rows)} paired comparisons on {envs} agree with the "
-            f"paper, {opposite} go the other way and {nothing} resolve nothing (exact sign test and 95% interval).")
+            f"paper, {opposite} go the other way and {nothing} resolve nothing (exact sign test and 95% interval)."
+            + kl)
+
+
+# ----------------------------------------------------------------------------- KL claims
+#: What the KL claims (notebook 09) add to the claims table; success rows leave them empty and
+#: have ``measure`` "success".
+KL_COLUMNS = ["measure", "ratio", "ratio_lo", "ratio_hi", "mde80_rel"]
+#: The KL comparisons of SPrPO with another policy (the verdict sentence counts them).
+SPRPO_KL_IDS = ("C2-KL", "T1-KL", "C4-KL")
+
+
+def kl_claim_rows(kl: pd.DataFrame) -> pd.DataFrame:
+    """KL claim rows (:func:`sprpo_lib.paper.divergence.kl_claims`) in the claims table's
+    columns: ``diff``/``lo``/``hi``/``mde80`` in nats of mean KL per state, ``tasks`` the states,
+    ``measure`` "KL", the ratio of mean KLs with its interval and the MDE relative to the baseline."""
+    out = []
+    for r in kl.to_dict("records"):
+        family, strength = str(r["setting"]).rsplit(" ", 1)
+        setting = "plane mean" if r["where"] == "plane" else setting_label(family, float(strength))
+        out.append({"env": r["env"], "id": r["id"], "claim": r["claim"],
+                    "versus": f"{METHOD_LABELS.get(r['a'], r['a'])} vs {METHOD_LABELS.get(r['b'], r['b'])}",
+                    "setting": f"{setting} ({r['where']})", "paper": float("nan"), "diff": r["diff"], "lo": r["lo"],
+                    "hi": r["hi"], "mde80": r["mde80"], "mde_pooled": False, "tasks": r["states"],
+                    "train_seeds": r["train_seeds"], "wins": r.get("wins"), "losses": r.get("losses"),
+                    "sign_p": r.get("sign_p"), "reading": r["reading"], "measure": "KL", "ratio": r["ratio"],
+                    "ratio_lo": r["ratio_lo"], "ratio_hi": r["ratio_hi"], "mde80_rel": r["mde80_rel"]})
+    return pd.DataFrame(out, columns=[*CLAIM_COLUMNS, *KL_COLUMNS])
+
+
+def _is_kl(rows: pd.DataFrame) -> pd.Series:
+    return rows["measure"].eq("KL") if "measure" in rows else pd.Series(False, index=rows.index)
+
+
+def kl_markdown(rows: pd.DataFrame) -> str:
+    """The KL rows of a claims table as one Markdown table per environment."""
+    kl = rows[_is_kl(rows)]
+    if kl.empty:
+        return ""
+    lines = ["KL claims: how far each policy moves under the perturbation, KL(pi || pi^xi) per agent state (notebook "
+             "09), paired by state and training seed (two-way bootstrap, 95%). Ratio: mean KL of the first policy over "
+             "the second's; MDE80 relative to the second's mean KL; flips: the exact sign test on the states whose "
+             "greedy action flips under one policy only. \"No difference\" is read only where the design detects 10% "
+             "of the baseline's KL."]
+    for env, part in kl.groupby("env", sort=False):
+        lines += ["", f"**{ENV_LABELS.get(env, env)}, KL**", "",
+                  "| Id | Policies | Setting | Difference [95% CI] | Ratio [95% CI] | MDE80 | States x seeds | Reading |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in part.to_dict("records"):
+            ratio = "" if pd.isna(r["ratio"]) else f"{r['ratio']:.3g} [{r['ratio_lo']:.3g}, {r['ratio_hi']:.3g}]"
+            mde = "" if pd.isna(r["mde80_rel"]) else f"{100 * r['mde80_rel']:.1f}%"
+            lines.append(f"| {r['id']} | {r['versus']} | {r['setting']} | {r['diff']:+.3g} [{r['lo']:+.3g}, "
+                         f"{r['hi']:+.3g}] | {ratio} | {mde} | {int(r['tasks'])} x {r['train_seeds']} | "
+                         f"{r['reading']} |")
+    return "\n".join(lines) + "\n"
+
+
+def kl_sentence(rows: pd.DataFrame) -> str:
+    """One sentence (with a leading space) on SPrPO's KL comparisons, or "" where there are none."""
+    if "id" not in rows:
+        return ""
+    kl = rows[rows["id"].isin(SPRPO_KL_IDS) & _is_kl(rows)]
+    if kl.empty:
+        return ""
+    r = kl["reading"].astype(str)
+    less, more = int(r.str.contains("moves less").sum()), int(r.str.contains("moves more").sum())
+    same = int(r.str.startswith("no difference").sum())
+    return (f" In the policy's own terms (KL per agent state, notebook 09), SPrPO moves less than the other policy in "
+            f"{less} of {len(kl)} paired comparisons, more in {more}; {same} read no difference at an MDE of at most "
+            f"10% and {len(kl) - less - more - same} are not resolved.")
+
+
+def write_claims(out: str | Path, profile: str, success: pd.DataFrame | None = None,
+                 kl: Mapping[str, pd.DataFrame] | None = None) -> list[Path]:
+    """Write ``claims_<profile>.csv`` and ``.md``: the success claims (``success``, else those the
+    file already holds) and the KL claims of every environment (``kl``, else each
+    ``09_divergence_<env>_claims.csv`` in ``out``); the Markdown is the verdicts, the success
+    table, then the KL table.  Notebook 08 calls it with its claims, notebook 09 after its own."""
+    out = Path(out)
+    csv, md = out / f"claims_{profile}.csv", out / f"claims_{profile}.md"
+    if success is None:
+        old = pd.read_csv(csv) if csv.is_file() else pd.DataFrame(columns=CLAIM_COLUMNS)
+        success = old[~_is_kl(old)][CLAIM_COLUMNS]
+    if kl is None:
+        found = sorted(out.glob("09_divergence_*_claims.csv"))
+        kl = {f.name[len("09_divergence_"):-len("_claims.csv")]: pd.read_csv(f) for f in found}
+    kl_rows = [kl_claim_rows(t) for t in kl.values() if len(t)]
+    success = success.assign(measure="success")
+    rows = pd.concat([success, *kl_rows], ignore_index=True) if kl_rows else success
+    rows = rows.reindex(columns=[*CLAIM_COLUMNS, *KL_COLUMNS])
+    to_csv(rows, csv, digits=3)
+    text = ""
+    if len(success):
+        text = (overview_markdown(overview(success), profile=profile) + "\n"
+                + claims_markdown(success, profile=profile))
+    text += ("\n" if text else "") + kl_markdown(rows)
+    atomic_write_text(md, text or f"No claim of the paper can be read from the {profile} profile's results yet.\n")
+    return [csv, md]
 
 
 GRID_MARKS = (("agrees", "**{}**"), ("opposite sign", "{} (!)"), ("not resolved; smaller than the paper's", "{} \u2020"))

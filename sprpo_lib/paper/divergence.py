@@ -23,6 +23,7 @@ import numpy as np
 import pandas as pd
 
 from sprpo_lib.infra.io import atomic_write_json, atomic_write_text
+from sprpo_lib.paper.claims import kl_claim_rows, kl_markdown
 from sprpo_lib.paper.experiments import Plan
 from sprpo_lib.paper.results import save_figure
 from sprpo_lib.paper.stats import N_RESAMPLES, paired_kl_bootstrap
@@ -114,22 +115,6 @@ def kl_claims(rows: pd.DataFrame, env: str, table: Sequence[tuple[str, float]], 
         r = paired_kl_bootstrap(mean, "sprpo", "vanilla", "plane mean", 0.0, n_resamples=n_resamples)
         out.append(_claim_row(env, "C4-KL", "SPrPO's surface is flatter: less KL over Fig. 4's plane", r, "plane"))
     return pd.DataFrame(out, columns=KL_CLAIM_COLUMNS)
-
-
-def kl_claims_markdown(claims: pd.DataFrame, *, profile: str, env: str) -> str:
-    """The KL claims of one environment as a Markdown table (ratios and intervals, readings)."""
-    lines = [f"KL claims, {env}, `{profile}` profile: KL(pi || pi^xi) per agent state, paired by state and training "
-             "seed (two-way bootstrap, 95%); MDE80 relative to the baseline's mean KL.", "",
-             "| id | a vs b | setting | KL a | KL b | ratio [95%] | MDE80 | flips a / b (sign p) | reading |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in claims.itertuples(index=False):
-        flips = "" if r.flip_a is None or pd.isna(r.flip_a) else \
-            f"{100 * r.flip_a:.0f}% / {100 * r.flip_b:.0f}% ({r.sign_p:.2g})"
-        ratio = "" if pd.isna(r.ratio) else f"{r.ratio:.3g} [{r.ratio_lo:.3g}, {r.ratio_hi:.3g}]"
-        mde = "" if pd.isna(r.mde80_rel) else f"{100 * r.mde80_rel:.1f}%"
-        lines.append(f"| {r.id} | {r.a} vs {r.b} | {r.setting} ({r.where}) | {r.kl_a:.4g} | {r.kl_b:.4g} | {ratio} | "
-                     f"{mde} | {flips} | {r.reading} |")
-    return "\n".join(lines) + "\n"
 
 
 def kl_success_correlation(kl: pd.DataFrame, success: pd.DataFrame, *, n_resamples: int = N_RESAMPLES,
@@ -254,7 +239,7 @@ def render(rows: pd.DataFrame, plan: Plan, out: Path, *, success: pd.DataFrame |
                                 title=f"{label}: KL over the plane w1*xi1 + w2*xi2 (Fig. 4 in KL)")
     claims = kl_claims(rows, env, plan.table)
     to_csv(claims, f"{stem}_claims.csv", digits=6)
-    atomic_write_text(f"{stem}_claims.md", kl_claims_markdown(claims, profile=plan.profile, env=env))
+    atomic_write_text(f"{stem}_claims.md", kl_markdown(kl_claim_rows(claims)))
     arts += [Path(f"{stem}_claims.csv"), Path(f"{stem}_claims.md")]
     if success is not None:
         corr = kl_success_correlation(rows, success)

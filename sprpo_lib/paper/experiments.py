@@ -106,6 +106,10 @@ class Plan:
             each perturbation is measured (:func:`divergence_rows`; 0: none), drawn from the warm
             start's held-out episodes; ``divergence_samples`` responses sampled per state (K) and
             ``divergence_draws`` draws of each random family (M), the same for every policy.
+        divergence_curves: the strengths per family of Fig. 3 in KL (``None``: ``curves``;
+            ``app_c`` in a profile: App. C's levels of every family), beside Table 1's settings.
+        divergence_curve_seeds: training seeds measured at those strengths off Table 1
+            (``None``: all); every policy is measured at Table 1's settings.
     """
 
     profile: str
@@ -134,6 +138,8 @@ class Plan:
     divergence_states: Annotated[int, Ge(0)] = 0
     divergence_samples: Annotated[int, Ge(1)] = 4
     divergence_draws: Annotated[int, Ge(1)] = 2
+    divergence_curves: Mapping[str, tuple[float, ...]] | None = None
+    divergence_curve_seeds: tuple[Annotated[int, Ge(0)], ...] | None = None
 
     def __post_init__(self):
         check_ranges(self, "plan.")
@@ -165,6 +171,13 @@ class Plan:
         for fam, strengths in self.curves.items():
             out += [(fam, float(s)) for s in strengths]
         out += [(f, float(s)) for f, s in self.table]
+        return list(dict.fromkeys(out))
+
+    def divergence_settings(self) -> list[tuple[str, float]]:
+        """Every perturbed (family, strength) of the divergence grid: Table 1's, then the KL curves'."""
+        curves = self.curves if self.divergence_curves is None else self.divergence_curves
+        out = [(f, float(s)) for f, s in self.table]
+        out += [(fam, float(s)) for fam, strengths in curves.items() for s in strengths]
         return list(dict.fromkeys(out))
 
     def as_dict(self) -> dict:
@@ -213,10 +226,11 @@ def plan_from_profile(profile: str, env: str) -> Plan:
     if unknown:
         raise ValueError(f"plan of profile {profile!r}: unknown key(s) {unknown}; expected Plan fields {sorted(names)}")
     kw = {k: _tuples(v) for k, v in section.items()}
-    if kw.get("curves") == "app_c":
-        kw["curves"] = {f: FAMILIES[f].levels[env] for f in APP_C_CURVES}
-    elif "curves" in kw:
-        kw["curves"] = {f: _tuples(v) for f, v in kw["curves"].items()}
+    for key in ("curves", "divergence_curves"):
+        if kw.get(key) == "app_c":
+            kw[key] = {f: FAMILIES[f].levels[env] for f in APP_C_CURVES}
+        elif isinstance(kw.get(key), Mapping):
+            kw[key] = {f: _tuples(v) for f, v in kw[key].items()}
     methods = kw.setdefault("methods", METHOD_ORDER)
     if isinstance(kw.get("seeds"), tuple):
         kw["seeds"] = {m: kw["seeds"] for m in methods}
@@ -377,8 +391,9 @@ def divergence_rows(p: Plan, runs: Mapping[tuple[str, int], Path], *, cache_dir:
                     progress: bool = True) -> pd.DataFrame:
     """How far each policy of the plan (and the warm start, as ``warm_start``) moves under each
     perturbation, per agent state (the paper's alpha: :func:`sprpo_lib.evaluate.divergence.divergence`):
-    every Table 1 setting and curve strength, the random families at the same ``divergence_draws``
-    draws for every policy, and the landscape plane (Fig. 4's grid, rows with ``w2``) for the
+    every Table 1 setting, the KL curves' strengths (:meth:`Plan.divergence_settings`) on the
+    ``divergence_curve_seeds`` policies and the warm start, the random families at the same
+    ``divergence_draws`` draws for every policy, and the landscape plane (Fig. 4's grid, rows with ``w2``) for the
     landscape policies; all on one state pool from the warm start's held-out episodes (the first
     Vanilla policy's where the profile has no warm start).  Cached per cell."""
     cols = [*DIVERGENCE_COLUMNS, "method", "train_seed", "profile", "w2"]
@@ -391,15 +406,19 @@ def divergence_rows(p: Plan, runs: Mapping[tuple[str, int], Path], *, cache_dir:
     if reference is None:
         raise ValueError("divergence: the plan has neither a warm start nor a Vanilla policy to draw its states from")
     states, _ = state_pool(reference, p.divergence_states, progress=progress)
-    settings = [x for x in p.settings() if x[0] != "clean"]
+    settings = p.divergence_settings()
+    table = [(f, float(s)) for f, s in p.table]
     calib = str(calibration_pool(p, runs, cache_dir, progress)) if any(
         f in CALIBRATED_FAMILIES for f, _ in settings) else None
     draws = tuple(draw_seeds(p.divergence_draws))
     frames = []
     bases = [eval_config(p, runs[k], cache_dir) for k in p.runs()] + ([ws] if ws is not None else [])
     for base in bases:
+        seed = base.tags["train_seed"]
+        on_curve = (p.divergence_curve_seeds is None or seed in p.divergence_curve_seeds
+                    or base.tags["method"] == WARM_START)
         cfgs = [dataclasses.replace(c, seeds=draws if c.family in RANDOM_FAMILIES else (0,))
-                for c in settings_configs(base, settings, tasks=None, calibration=calib)]
+                for c in settings_configs(base, settings if on_curve else table, tasks=None, calibration=calib)]
         if (p.landscape_grid and base.tags["method"] in p.landscape_methods
                 and base.tags["train_seed"] == p.landscape_seed):
             cfgs += [dataclasses.replace(base, family="plane", strengths=tuple(float(w) for w in p.landscape_grid),
