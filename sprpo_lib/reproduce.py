@@ -80,9 +80,10 @@ NOTEBOOK_INFO: dict[str, tuple[str, str]] = {
                      "`08_ablations_<env>_fig5.png/.pdf`, `_components.tex/.csv`, `_hyperparameters.tex/.csv`, "
                      "`_paired.csv`, `claims_<profile>.md/.csv`, `claims_power_<profile>.md/.csv`"),
     "09_divergence": ("Fig. 3 and Fig. 4 in the policy's own terms: KL under each perturbation per agent state; claims "
-                      "C2-KL, T1-KL, C4-KL, RL-KL; whether KL tracks success",
+                      "C2-KL, T1-KL, C4-KL, RL-KL (also in `claims_<profile>.md/.csv`); whether KL tracks success; "
+                      "the pass as a pilot: the design that detects 10% of a baseline's KL",
                       "`09_divergence_<env>_curves.png/.pdf`, `_surface.png/.pdf`, `_summary.csv`, `_claims.csv/.md`, "
-                      "`_correlation.json`, `_rows.csv`"),
+                      "`_power.csv`, `_design.csv`, `_correlation.json`, `_rows.csv`"),
 }
 
 
@@ -310,17 +311,18 @@ def _run_seconds(run: Path, counted: set | None = None) -> float:
 def recorded_seconds(profile: str, out_dir: str | Path | None = None, runs_dir: Path | None = None) -> dict[str, float]:
     """Per notebook, the compute its outputs rest on as the work recorded it, whichever
     pass or session did it: 01 the plan's training runs (each iteration's ``wall_s``)
-    and their warm starts (``sft_summary.json``: collection and cloning; ``eval.json``); 03-08 the seconds stored in every
-    evaluation cell their ``*_rows.csv`` came from (a cell shared by several notebooks
+    and their warm starts (``sft_summary.json``: collection and cloning; ``eval.json``); 03-09 the seconds stored in every
+    evaluation or divergence cell their ``*_rows.csv`` came from (a cell shared by several notebooks
     counts for the first) and 08's ablation training runs.  A staged reproduction's wall
     times cover its last pass only; these add up every pass."""
     out = project_path(out_dir or PROFILES[profile]["out_dir"])
     runs = (project_path(runs_dir) if runs_dir else project_runs()) / profile
     cell_seconds = {}
-    for f in (runs / "eval_cache" / "cells").glob("*/*.json"):
+    cache = runs / "eval_cache"  # success cells, and divergence cells with their clean sides
+    for f in [*(cache / "cells").glob("*/*.json"), *(cache / "divergence").glob("*.json")]:
         cell = read_cached(f)
         if isinstance(cell, dict) and isinstance(cell.get("seconds"), (int, float)):
-            cell_seconds[f.stem[:12]] = float(cell["seconds"])
+            cell_seconds[f.stem[:12]] = float(cell["seconds"]) + float(cell.get("clean_seconds") or 0.0)
     seen: set = set()  # cells (hash prefixes) and run folders already counted
     res: dict[str, float] = {}
     for nb in PROFILES[profile]["notebooks"]:

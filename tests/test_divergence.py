@@ -266,3 +266,67 @@ def test_kl_claims_join_the_success_claims_and_the_verdict(tmp_path):
     assert sentence.startswith("At the cpu profile's scale no SPrPO comparison resolves: all 1 paired")
     assert "moves less than the other policy in 1 of 2 paired comparisons, more in 0; 0 read no difference" in sentence
     assert C.overview(rows[rows["measure"] == "success"])["id"].tolist().count("C2") == 1
+
+
+def test_kl_power_recovers_the_variance_components_and_sizes_the_design():
+    """Simulated pilot with known components (seed 0.02^2, state 0.1^2, draw 0.1^2, K-sample
+    noise 0.1^2 per difference): kl_power recovers them, kl_mde is the closed form, and
+    kl_design's state count is the first that meets the target."""
+    import numpy as np
+    import pandas as pd
+
+    from sprpo_lib.paper.divergence import kl_design, kl_mde, kl_power
+    from sprpo_lib.paper.stats import Z80
+
+    rng = np.random.default_rng(1)
+    n_t, n_s, n_m, se = 3, 400, 2, 0.1 / 2 ** 0.5
+    t, s, m = rng.normal(0, 0.02, n_t), rng.normal(0, 0.1, (n_t, n_s)), rng.normal(0, 0.1, (n_t, n_s, n_m))
+    base = 2 + rng.gamma(2, 0.5, n_s)
+    rows = []
+    for i in range(n_t):
+        for j in range(n_s):
+            for k in range(n_m):
+                b = base[j] + rng.normal(0, se)
+                a = base[j] + 0.1 + t[i] + s[i, j] + m[i, j, k] + rng.normal(0, se)
+                rows += [{"method": "sprpo", "train_seed": i, "state": j, "seed": k, "family": "gaussian",
+                          "strength": 0.2, "kl": a, "kl_se": se},
+                         {"method": "vanilla", "train_seed": i, "state": j, "seed": k, "family": "gaussian",
+                          "strength": 0.2, "kl": b, "kl_se": se}]
+    p = kl_power(pd.DataFrame(rows), "sprpo", "vanilla", "gaussian", 0.2)
+    assert p["train_seeds"] == 3 and p["states"] == 400 and p["draws"] == 2
+    assert p["v_k"] == pytest.approx(0.01, rel=1e-9)
+    assert p["v_m"] == pytest.approx(0.1 ** 2, rel=0.2) and p["v_s"] == pytest.approx(0.1 ** 2, rel=0.15)
+    assert p["diff"] == pytest.approx(0.1 + t.mean(), abs=0.01)
+    closed = Z80 * (p["v_t"] / 3 + p["v_s"] / 50 + (p["v_m"] + p["v_k"] * 4 / 8) / (2 * 50 * 3)) ** 0.5 / p["kl_b"]
+    assert kl_mde(p, states=50, samples=8, draws=2, pilot_samples=4) == pytest.approx(closed)
+    design = kl_design([p], pilot_samples=4, seconds_per_state=lambda k: 1.0 + 0.1 * k, target=0.05)
+    for r in design.itertuples():
+        if r.states is not None and not pd.isna(r.states):
+            s_ = int(r.states)
+            assert kl_mde(p, states=s_, samples=r.samples, draws=r.draws, pilot_samples=4) <= 0.05
+            assert s_ == 1 or kl_mde(p, states=s_ - 1, samples=r.samples, draws=r.draws, pilot_samples=4) > 0.05
+            assert r.seconds_per_setting == pytest.approx(s_ * r.draws * (1.0 + 0.1 * r.samples))
+    assert design["seconds_per_setting"].is_monotonic_increasing
+
+
+def test_flips_from_the_teacher_forced_greedy_response_match_full_greedy_decoding(monkeypatch):
+    """compare() decodes greedily only the states whose clean greedy response the perturbed argmax
+    leaves; its flips equal those of decoding every state (here the action is the whole response
+    text, so any change of the greedy response is a flip), at strengths from none to most."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(D, "extract_action", lambda text: SimpleNamespace(action=text))
+    pol = load_policy("tiny-qwen2", seed=0, dtype="float32")
+    model, tok = pol.model.eval(), pol.tokenizer
+    prompts = [tok(f"Task {i}: buy item {i * 7} " + "x " * i)["input_ids"] for i in range(6)]
+    kw = dict(temperature=0.7, max_new_tokens=6, ended=D.Stop(tok, None, [tok.eos_token_id]), pad_id=tok.pad_token_id)
+    cleans = D.clean_sides(model, prompts, k=2, seeds=range(6), **kw)
+    seen = set()
+    for strength in (0.0, 0.02, 0.1, 0.5):
+        with perturbation(model, "gaussian", strength, seed=7):
+            got = [r["flip"] for r in D.compare(model, prompts, cleans, **kw)]
+            _, actions = D.greedy(model, D.prefill(model, prompts, tok.pad_token_id), 6, kw["ended"])
+        want = [a != c.action for a, c in zip(actions, cleans)]
+        assert got == want, strength
+        seen |= set(want)
+    assert seen == {False, True}  # both cases met

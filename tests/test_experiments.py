@@ -410,12 +410,16 @@ def test_recorded_compute_adds_every_pass_and_counts_a_shared_cell_once(tmp_path
     abl = runs / "cpu" / "train" / "ablation" / "alpha0" / "webshop-sprpo-cpu-seed0"
     abl.mkdir(parents=True)
     (abl / "metrics.jsonl").write_text('{"iteration": 0, "wall_s": 7.0}\n')
+    div = runs / "cpu" / "eval_cache" / "divergence"  # a divergence cell: its pass and the clean side computed with it
+    div.mkdir(parents=True)
+    (div / f"{'c' * 32}.json").write_text(json.dumps({"key": "c" * 64, "rows": [], "seconds": 5.0, "clean_seconds": 2.0}))
+    pd.DataFrame({"cell": ["c" * 12, "c" * 12]}).to_csv(out / "09_divergence_webshop_rows.csv", index=False)
     got = R.recorded_seconds("cpu", out, runs)
     assert got["01_training"] == 1.5 + 2.5 + 0.25 + 3.0 + 1.0 + 12.5 and got["03_motivation"] == 3.0 and got["04_robustness"] == 4.0
-    assert got["08_ablations"] == 7.0 and got["05_landscape"] == 0.0
+    assert got["08_ablations"] == 7.0 and got["05_landscape"] == 0.0 and got["09_divergence"] == 7.0
     table = R.stage_table("cpu", out, runs)
     assert "| `01_training` | 0.0 min | 0.3 min |" in table and "| `03_motivation` | not run | 0.1 min |" in table
-    assert table.rstrip().endswith("| all | 0.0 min | 0.6 min | | |")
+    assert table.rstrip().endswith("| all | 0.0 min | 0.7 min | | |")
 
 
 def test_landscape_figure_without_plane_rows_is_one_clear_error(tmp_path):

@@ -1,8 +1,8 @@
 """``sprpo-bench divergence``: the divergence pass (:mod:`sprpo_lib.evaluate.divergence`) on a
 profile's evaluation settings, each phase against its floor on this machine: the clean side of a
 state (one prefill; K responses sampled; their teacher-forced pass; the greedy response) once per
-state, and one setting's comparison (one prefill; the teacher-forced pass; the greedy response),
-states in batches as the pass runs them.
+state, and one setting's comparison (one prefill; the teacher-forced pass of the K responses and the
+clean greedy one; greedy decoding where that one moves), states in batches as the pass runs them.
 
 The floor of a phase: its prefill and teacher-forced tokens at the probed matmul rate (compute
 bound), plus its decode steps at :func:`~sprpo_lib.infra.hardware.decode_floor_s` (each step reads
@@ -60,8 +60,8 @@ def bench_divergence(profile: str = "cpu", env: str = "webshop", *, states: int 
     floor = dict(gflops=rate, bandwidth=bandwidth, weight_bytes=weight_bytes, kv_bytes=kv_bytes)
     n = len(pool.prompts)
 
-    def greedy_len(side) -> int:  # about the greedy response's length
-        return len(tok(side.action or "")["input_ids"]) + 4
+    def greedy_len(side) -> int:
+        return len(side.greedy)
 
     def timed(batch: int) -> dict:
         clean_s, clean_floor, groups = 0.0, 0.0, []
@@ -82,8 +82,10 @@ def bench_divergence(profile: str = "cpu", env: str = "webshop", *, states: int 
                 t0 = time.perf_counter()
                 kls += [r["kl"] for r in compare(m, prompts, sides, **kw)]
                 cmp_s += time.perf_counter() - t0
-                cmp_floor += _phase_floor(config, [len(p) for p in prompts], samples,
-                                          [s.tokens.shape[1] for s in sides], [greedy_len(s) for s in sides], **floor)
+                # the least it needs: the prefill, and the K responses and the clean greedy one teacher-forced (only
+                # the states whose greedy response moves are decoded again)
+                cmp_floor += _phase_floor(config, [len(p) for p in prompts], samples + 1,
+                                          [max(s.tokens.shape[1], greedy_len(s)) for s in sides], [], **floor)
         return {"batch": batch,
                 "response_tokens_mean": round(sum(float(s.mask.sum(1).double().mean()) for _, g in groups for s in g)
                                               / n, 2),

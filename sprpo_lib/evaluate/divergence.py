@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -36,6 +37,7 @@ from sprpo_lib.evaluate.calibration import load_calibration, sampled_steps
 from sprpo_lib.evaluate.cells import CALIBRATED_FAMILIES, EVAL_SPLITS, SPLIT_LABELS, select_tasks
 from sprpo_lib.evaluate.sweep import EvalConfig, ModelSource, perturbation_kwargs
 from sprpo_lib.infra.io import CorruptFileError, atomic_write_json, canonical_hash, key_fields, read_cached, read_json
+from sprpo_lib.infra.manifest import git_commit
 from sprpo_lib.infra.paths import project_path
 from sprpo_lib.infra.progress import progress_bar
 
@@ -43,8 +45,9 @@ STATES_FORMAT = "sprpo-states"
 #: Changes whenever what a divergence cell computes changes (its cache key holds it).
 DIVERGENCE_VERSION = 2
 #: Per-state columns of :func:`divergence`'s rows, before ``cfg.tags``.
-DIVERGENCE_COLUMNS = ("env", "state", "split", "split_label", "task_index", "step", "family", "strength", "seed",
-                      "kl", "kl_se", "log_ratio", "tv_bound", "tokens", "flip", "model", "adapters", "cell")
+DIVERGENCE_COLUMNS = ("env", "state", "split", "split_label", "task_index", "step", "prompt_tokens", "family",
+                      "strength", "seed", "kl", "kl_se", "log_ratio", "tv_bound", "tokens", "flip", "cell_seconds",
+                      "model", "adapters", "cell")
 
 
 # ============================================================================ the state pool
@@ -263,9 +266,10 @@ def sample_responses(model, pre: Prefilled, k: int, temperature: float, max_new_
 
 
 @torch.no_grad()
-def response_logprobs(model, pre: Prefilled, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Teacher-forced ``[R*k, T, V]`` log-probabilities at each position of ``tokens`` ``[R*k, T]``
-    (``k`` responses per prompt of ``pre``, grouped as :func:`sample_responses` returns them)."""
+def response_logits(model, pre: Prefilled, tokens: torch.Tensor) -> torch.Tensor:
+    """Teacher-forced next-token logits ``[R*k, T, V]`` (the model's dtype) at each position of
+    ``tokens`` ``[R*k, T]`` (``k`` responses per prompt of ``pre``, grouped as
+    :func:`sample_responses` returns them)."""
     k = tokens.shape[0] // len(pre)
     if k * len(pre) != tokens.shape[0]:
         raise ValueError(f"{tokens.shape[0]} responses for {len(pre)} prompts; expected a multiple")
@@ -273,25 +277,41 @@ def response_logprobs(model, pre: Prefilled, tokens: torch.Tensor, temperature: 
     logits = forked.logits[:, None]
     if tokens.shape[1] > 1:
         logits = torch.cat([logits, advance(model, forked, tokens[:, :-1].to(pre.att.device))], 1)
-    return tempered_logprobs(logits, temperature)
+    return logits
 
 
-def greedy_actions(model, pre: Prefilled, max_new_tokens: int, ended: Stop) -> list[str | None]:
-    """The action the environment would execute from each prompt's greedy response."""
+def response_logprobs(model, pre: Prefilled, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """:func:`response_logits` as log-probabilities at ``temperature`` (float32, float64 stays)."""
+    return tempered_logprobs(response_logits(model, pre, tokens), temperature)
+
+
+def greedy(model, pre: Prefilled, max_new_tokens: int, ended: Stop) -> tuple[list[torch.Tensor], list[str | None]]:
+    """Each prompt's greedy response (its tokens) and the action the environment would execute from it."""
     tokens, mask = decode(model, fork(pre, 1), lambda logits, rows: logits.argmax(-1), max_new_tokens, ended)
-    return [extract_action(ended.tokenizer.decode(t[m].tolist(), skip_special_tokens=True)).action
-            for t, m in zip(tokens, mask)]
+    responses = [t[m] for t, m in zip(tokens, mask)]
+    return responses, [extract_action(ended.tokenizer.decode(r.tolist(), skip_special_tokens=True)).action
+                       for r in responses]
+
+
+def subset(pre: Prefilled, rows: Sequence[int]) -> Prefilled:
+    """A copy of ``pre`` holding only ``rows``."""
+    cache = copy.deepcopy(pre.cache)
+    idx = torch.tensor(list(rows), device=pre.att.device)
+    cache.batch_select_indices(idx)
+    return Prefilled(pre.logits[idx], cache, pre.att[idx], pre.pos[idx])
 
 
 @dataclass
 class CleanSide:
     """What every setting at one state compares with: the K sampled responses ``[K, T]`` and
-    their mask, the clean policy's log-probabilities ``[K, T, V]`` along them, its greedy action."""
+    their mask, the clean policy's log-probabilities ``[K, T, V]`` along them, its greedy
+    response and the action from it (``None`` without flips)."""
 
     tokens: torch.Tensor
     mask: torch.Tensor
     logp: torch.Tensor
     action: str | None
+    greedy: torch.Tensor | None = None
 
 
 def _per_prompt(tokens: torch.Tensor, mask: torch.Tensor, k: int):
@@ -306,14 +326,14 @@ def _per_prompt(tokens: torch.Tensor, mask: torch.Tensor, k: int):
 def clean_sides(model, prompts: Sequence[Sequence[int]], *, k: int, temperature: float, max_new_tokens: int,
                 seeds: Sequence[int], ended: Stop, pad_id: int = 0, flips: bool = True) -> list[CleanSide]:
     """For each prompt, ``k`` responses (drawn from a generator seeded by its ``seeds`` entry)
-    scored by the clean policy, and its greedy action: all from one batched prefill."""
+    scored by the clean policy, and its greedy response and action: all from one batched prefill."""
     pre = prefill(model, prompts, pad_id)
     gens = [torch.Generator().manual_seed(int(s)) for s in seeds]
     tokens, mask = sample_responses(model, pre, k, temperature, max_new_tokens, generators=gens, ended=ended)
     logp = response_logprobs(model, pre, tokens, temperature)
-    actions = greedy_actions(model, pre, max_new_tokens, ended) if flips else [None] * len(prompts)
-    return [CleanSide(tokens[rows, :t], mask[rows, :t], logp[rows, :t].clone(), a)
-            for (rows, t), a in zip(_per_prompt(tokens, mask, k), actions)]
+    responses, actions = greedy(model, pre, max_new_tokens, ended) if flips else ([None] * len(prompts),) * 2
+    return [CleanSide(tokens[rows, :t], mask[rows, :t], logp[rows, :t].clone(), a, g)
+            for (rows, t), a, g in zip(_per_prompt(tokens, mask, k), actions, responses)]
 
 
 @torch.no_grad()
@@ -322,27 +342,38 @@ def compare(model, prompts: Sequence[Sequence[int]], cleans: Sequence[CleanSide]
     """Each prompt under the perturbation in force on ``model``, from one batched prefill: ``kl``
     (mean of the K per-response estimates), ``kl_se``, ``log_ratio`` (the plain estimator, for
     comparison), ``tv_bound`` (Pinsker), ``tokens`` (mean response length) and, where the clean
-    side has its greedy action, ``flip``."""
+    side has its greedy action, ``flip``.
+
+    The clean greedy response rides along the teacher-forced pass: where the perturbed policy's
+    argmax agrees with it at every position, its greedy response is the same and nothing flips;
+    only the other states are decoded greedily."""
     k = cleans[0].tokens.shape[0]
-    width = max(c.tokens.shape[1] for c in cleans)
-    tokens = torch.zeros(len(cleans) * k, width, dtype=torch.long)
+    flips = all(c.greedy is not None for c in cleans)
+    per = k + flips  # rows per state: its K responses, then its clean greedy response
+    width = max([c.tokens.shape[1] for c in cleans] + [len(c.greedy) for c in cleans if flips])
+    tokens = torch.zeros(len(cleans) * per, width, dtype=torch.long)
     for i, c in enumerate(cleans):
-        tokens[i * k:(i + 1) * k, :c.tokens.shape[1]] = c.tokens
+        tokens[i * per:i * per + k, :c.tokens.shape[1]] = c.tokens
+        if flips:
+            tokens[i * per + k, :len(c.greedy)] = c.greedy
     pre = prefill(model, prompts, pad_id)
-    logq = response_logprobs(model, pre, tokens, temperature)
-    flips = [c.action for c in cleans]
-    actions = greedy_actions(model, pre, max_new_tokens, ended) if any(a is not None for a in flips) else flips
+    logits = response_logits(model, pre, tokens)
     out = []
-    for i, (c, a) in enumerate(zip(cleans, actions)):
+    for i, c in enumerate(cleans):  # log-probabilities only where a response has tokens
         t = c.tokens.shape[1]
-        est = sequence_kl(c.logp, logq[i * k:(i + 1) * k, :t], c.tokens, c.mask)
+        est = sequence_kl(c.logp, tempered_logprobs(logits[i * per:i * per + k, :t], temperature), c.tokens, c.mask)
         kl = est["kl"].double()
-        row = {"kl": float(kl.mean()), "kl_se": float(kl.std() / k ** 0.5) if k > 1 else float("nan"),
-               "log_ratio": float(est["log_ratio"].double().mean()), "tv_bound": pinsker(float(kl.mean())),
-               "tokens": float(c.mask.sum(1).double().mean())}
-        if c.action is not None:
-            row["flip"] = a != c.action
-        out.append(row)
+        out.append({"kl": float(kl.mean()), "kl_se": float(kl.std() / k ** 0.5) if k > 1 else float("nan"),
+                    "log_ratio": float(est["log_ratio"].double().mean()), "tv_bound": pinsker(float(kl.mean())),
+                    "tokens": float(c.mask.sum(1).double().mean())})
+    if flips:
+        moved = [i for i, c in enumerate(cleans)
+                 if not torch.equal(logits[i * per + k, :len(c.greedy)].argmax(-1).cpu(), c.greedy)]
+        actions = greedy(model, subset(pre, moved), max_new_tokens, ended)[1] if moved else []
+        for i, c in enumerate(cleans):
+            out[i]["flip"] = False
+        for i, a in zip(moved, actions):
+            out[i]["flip"] = a != cleans[i].action
     return out
 
 
@@ -376,7 +407,9 @@ def divergence(cfg: EvalConfig, states: StatePool, *, samples: int = 4, progress
     (:data:`DIVERGENCE_COLUMNS`).  Each setting over the pool is a cell, content-keyed by the model,
     the pool, the setting, K = ``samples``, the temperature and the response limit, stored under
     ``<cache_dir>/divergence/`` and verified when read (a damaged cell is recomputed).  States go
-    through in batches of ``cfg.batch_size`` (a speed lever: the same rows up to rounding)."""
+    through in batches of ``cfg.batch_size`` (a speed lever: the same rows up to rounding).  A cell
+    records its ``seconds`` (the setting's pass) and ``clean_seconds`` (the clean side, where it was
+    computed with this cell); rows carry ``cell_seconds``."""
     cfg.validate()
     if samples < 1:
         raise ValueError(f"--samples: {samples}; expected at least 1 sampled response per state")
@@ -398,9 +431,11 @@ def divergence(cfg: EvalConfig, states: StatePool, *, samples: int = 4, progress
                        disable=not progress, initial=sum(len(states) for c in cells if results[c] is not None))
     groups = batches(states.prompts, cfg.batch_size)
     for c in (c for c in cells if results[c] is None):
+        t0 = time.perf_counter()
         policy = source.policy()
         model, tok = policy.model.eval(), policy.tokenizer
         ended, pad = Stop(tok, stop, eos_ids(model, tok)), tok.pad_token_id or 0
+        clean_s = 0.0
         if clean is None:  # once per state, shared by every setting (the same seeds for every policy)
             clean = [None] * len(states)
             for group in groups:
@@ -409,6 +444,7 @@ def divergence(cfg: EvalConfig, states: StatePool, *, samples: int = 4, progress
                                     seeds=[int(canonical_hash([states.hash, i])[:8], 16) for i in group])
                 for i, side in zip(group, sides):
                     clean[i] = side
+            clean_s = time.perf_counter() - t0
         kw = perturbation_kwargs(cfg, policy, c.family, calib, store, ident, progress)
         rows = [None] * len(states)
         with perturbation(model, "none" if c.family == "clean" else c.family, c.strength, c.seed, **kw):
@@ -418,8 +454,11 @@ def divergence(cfg: EvalConfig, states: StatePool, *, samples: int = 4, progress
                 for i, row in zip(group, got):
                     rows[i] = row
                 bar.update(len(group))
-        atomic_write_json(paths[c], {"key": keyed[c], "rows": rows})
-        results[c] = {"rows": rows}
+        seconds = time.perf_counter() - t0 - clean_s
+        atomic_write_json(paths[c], {"key": keyed[c], "rows": rows, "seconds": round(seconds, 2),
+                                     "clean_seconds": round(clean_s, 2), "batch": cfg.batch_size,
+                                     "commit": git_commit()})
+        results[c] = {"rows": rows, "seconds": seconds}
     bar.close()
     out = []
     for c in cfg.cells():
@@ -427,8 +466,9 @@ def divergence(cfg: EvalConfig, states: StatePool, *, samples: int = 4, progress
         for i, r in enumerate(results[canon]["rows"]):
             split, task, step = states.origin[i]
             out.append({"env": cfg.env, "state": i, "split": split, "split_label": SPLIT_LABELS.get(split, split),
-                        "task_index": task, "step": step, "family": c.family, "strength": c.strength,
-                        "seed": c.seed, **r, "model": cfg.model, "adapters": ";".join(cfg.adapters),
+                        "task_index": task, "step": step, "prompt_tokens": len(states.prompts[i]),
+                        "family": c.family, "strength": c.strength, "seed": c.seed, **r,
+                        "cell_seconds": results[canon].get("seconds"), "model": cfg.model, "adapters": ";".join(cfg.adapters),
                         "cell": keyed[canon][:12], **cfg.tags})
     return pd.DataFrame(out, columns=[*DIVERGENCE_COLUMNS, *cfg.tags])
 

@@ -9,6 +9,9 @@ cannot resolve.
   Table 1 setting and curve strength, C4-KL (a flatter surface: KL averaged over Fig. 4's plane),
   and RL-KL (whether RL made a policy more sensitive than its warm start), each a
   :func:`~sprpo_lib.paper.stats.paired_kl_bootstrap` with a reading by a fixed rule;
+* :func:`kl_power`, :func:`kl_mde`, :func:`kl_design`: a pass read as a pilot: the variance
+  components of a paired KL difference (seeds, states, draws, K samples), the MDE of any design,
+  and the cheapest K, M and states that detect 10% of the baseline's KL;
 * :func:`kl_success_correlation`: does the divergence track success?  Spearman's rank correlation
   of a policy's mean KL with its success loss over the settings where both were measured;
 * :func:`plot_kl_curves`, :func:`plot_kl_surface`: Fig. 3 and Fig. 4 in KL.
@@ -26,7 +29,7 @@ from sprpo_lib.infra.io import atomic_write_json, atomic_write_text
 from sprpo_lib.paper.claims import kl_claim_rows, kl_markdown
 from sprpo_lib.paper.experiments import Plan
 from sprpo_lib.paper.results import save_figure
-from sprpo_lib.paper.stats import N_RESAMPLES, paired_kl_bootstrap
+from sprpo_lib.paper.stats import N_RESAMPLES, Z80, paired_kl_bootstrap
 from sprpo_lib.paper.style import METHOD_COLORS, METHOD_MARKERS, pyplot, role
 from sprpo_lib.paper.tables import ENV_LABELS, FAMILY_LABELS, METHOD_LABELS, to_csv
 
@@ -115,6 +118,123 @@ def kl_claims(rows: pd.DataFrame, env: str, table: Sequence[tuple[str, float]], 
         r = paired_kl_bootstrap(mean, "sprpo", "vanilla", "plane mean", 0.0, n_resamples=n_resamples)
         out.append(_claim_row(env, "C4-KL", "SPrPO's surface is flatter: less KL over Fig. 4's plane", r, "plane"))
     return pd.DataFrame(out, columns=KL_CLAIM_COLUMNS)
+
+
+def kl_power(rows: pd.DataFrame, a: str, b: str, family: str, strength: float) -> dict:
+    """The variance components of the paired KL difference ``d = KL_a - KL_b`` at one setting,
+    from a pilot's rows (per training seed, state and draw; ``kl_se`` the K-sample standard
+    error of each row), for :func:`kl_mde`:
+
+    * ``v_k``: sampling noise of one (seed, state, draw) difference at the pilot's K (``kl_se``
+      of both sides), which scales as 1/K;
+    * ``v_m``: the variance between draws of a random family beyond that noise (common random
+      numbers: both policies see the same draw);
+    * ``v_s``: the variance between states of a seed's difference beyond both;
+    * ``v_t``: the variance between training seeds of the mean difference beyond the states'.
+
+    A single policy on one side (the warm start) is paired with every seed of the other."""
+    sel = rows[(rows["family"] == family) & (rows["strength"] == strength)]
+    cells = {m: sel[sel["method"] == m].groupby(["train_seed", "state", "seed"])[["kl", "kl_se"]].mean()
+             for m in (a, b)}
+    if any(c.empty for c in cells.values()):
+        raise ValueError(f"kl_power: no rows of {a!r} or {b!r} at {family} {strength}")
+
+    def widen(m, seeds):
+        c = cells[m]
+        own = sorted(set(c.index.get_level_values(0)))
+        if len(own) == 1 and len(seeds) > 1:
+            c = pd.concat({t: c.droplevel(0) for t in seeds}, names=["train_seed"])
+        return c
+
+    seeds = sorted(set(cells[a].index.get_level_values(0)) | set(cells[b].index.get_level_values(0)))
+    ca, cb = widen(a, seeds), widen(b, seeds)
+    both = ca.add_suffix("_a").join(cb.add_suffix("_b"), how="inner")
+    if both.empty:
+        raise ValueError(f"kl_power: {a!r} and {b!r} share no (seed, state, draw) at {family} {strength}")
+    d = both["kl_a"] - both["kl_b"]
+    v_k = float((both["kl_se_a"].fillna(0) ** 2 + both["kl_se_b"].fillna(0) ** 2).mean())
+    m0 = int(d.groupby(["train_seed", "state"]).size().min())
+    v_m = max(0.0, float(d.groupby(["train_seed", "state"]).var(ddof=1).mean()) - v_k) if m0 > 1 else 0.0
+    per_state = d.groupby(["train_seed", "state"]).mean()
+    s0 = int(per_state.groupby("train_seed").size().min())
+    within = float(per_state.groupby("train_seed").var(ddof=1).mean()) if s0 > 1 else float("nan")
+    v_s = max(0.0, within - (v_m + v_k) / m0)
+    per_seed = per_state.groupby("train_seed").mean()
+    n_t = len(per_seed)
+    v_t = max(0.0, float(per_seed.var(ddof=1)) - within / s0) if n_t > 1 else 0.0
+    kl_b = float(both["kl_b"].mean())
+    return {"a": a, "b": b, "family": family, "strength": strength, "train_seeds": n_t, "states": s0,
+            "samples": None, "draws": m0, "kl_a": float(both["kl_a"].mean()), "kl_b": kl_b, "diff": float(d.mean()),
+            "v_k": v_k, "v_m": v_m, "v_s": v_s, "v_t": v_t}
+
+
+def kl_mde(power: dict, *, states: int, samples: int, draws: int, pilot_samples: int) -> float:
+    """The MDE at 80% power of the paired KL difference, relative to b's mean KL, for a design
+    of ``states`` states, K = ``samples`` responses and M = ``draws`` draws at the pilot's seeds
+    (:func:`kl_power` components: ``Z80 * sqrt(v_t / n + v_s / S + (v_m + v_k K0 / K) / (M S n))``)."""
+    n = power["train_seeds"]
+    se2 = (power["v_t"] / n + power["v_s"] / states
+           + (power["v_m"] + power["v_k"] * pilot_samples / samples) / (draws * states * n))
+    return Z80 * math.sqrt(se2) / abs(power["kl_b"]) if power["kl_b"] else float("inf")
+
+
+def kl_design(powers: Sequence[dict], *, pilot_samples: int, seconds_per_state, target: float = INFORMATIVE_MDE,
+              samples: Sequence[int] = (1, 2, 4, 8), draws: Sequence[int] = (1, 2, 4),
+              max_states: int = 4096) -> pd.DataFrame:
+    """Per K and M, the fewest states per split at which every comparison of ``powers`` detects
+    ``target`` of its baseline's KL at 80% power (:func:`kl_mde`), and what that costs:
+    ``seconds_per_state(K)`` (one setting of one policy) times the states; sorted cheapest
+    first.  ``states`` is None where the training seeds' own spread already exceeds the target."""
+    out = []
+    random = any(p["draws"] > 1 for p in powers)
+    for k in samples:
+        for m in (draws if random else (1,)):
+            need = 0
+            for p in powers:
+                if kl_mde(p, states=max_states, samples=k, draws=m, pilot_samples=pilot_samples) > target:
+                    need = None
+                    break
+                lo, hi = 1, max_states
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    ok = kl_mde(p, states=mid, samples=k, draws=m, pilot_samples=pilot_samples) <= target
+                    lo, hi = (lo, mid) if ok else (mid + 1, hi)
+                need = max(need, lo)
+            cost = None if need is None else need * m * seconds_per_state(k)
+            out.append({"samples": k, "draws": m, "states": need, "seconds_per_setting": cost})
+    return pd.DataFrame(out).sort_values("seconds_per_setting", na_position="last", kind="stable").reset_index(drop=True)
+
+
+def kl_power_table(rows: pd.DataFrame, plan: Plan) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """These rows as a pilot: per SPrPO comparison (C2-KL, T1-KL) at Table 1's settings, the
+    variance components (:func:`kl_power`) and the relative MDE of this design; and per K and M
+    the states per split that would detect :data:`INFORMATIVE_MDE` in every one of them, with the
+    seconds one policy's setting would take (this pass's seconds per state, scaled by the tokens a
+    state costs: the prompt, K responses and the greedy one)."""
+    have = set(rows["method"])
+    k0 = plan.divergence_samples
+    powers = []
+    for fam, st in plan.table:
+        for cid, a, b, _ in KL_CLAIMS:
+            if cid in ("C2-KL", "T1-KL") and {a, b} <= have:
+                p = kl_power(rows, a, b, fam, float(st))
+                p["mde80_rel"] = kl_mde(p, states=p["states"], samples=k0, draws=p["draws"], pilot_samples=k0)
+                powers.append({"id": cid, **p, "samples": k0})
+    table = pd.DataFrame(powers)
+    if table.empty:
+        return table, pd.DataFrame()
+    timed = rows.dropna(subset=["cell_seconds"]) if "cell_seconds" in rows else rows.iloc[:0]
+    per_state = (timed.groupby("cell")["cell_seconds"].first() / timed.groupby("cell").size()).median() \
+        if len(timed) else float("nan")
+    prompt, response = float(rows["prompt_tokens"].mean()), float(rows["tokens"].mean())
+
+    def seconds(k: int) -> float:
+        return per_state * (prompt + (k + 1) * response) / (prompt + (k0 + 1) * response)
+
+    splits = max(1, rows["split"].nunique())
+    design = kl_design(powers, pilot_samples=k0, seconds_per_state=seconds)
+    design.insert(3, "states_per_split", [None if pd.isna(n) else math.ceil(n / splits) for n in design["states"]])
+    return table, design
 
 
 def kl_success_correlation(kl: pd.DataFrame, success: pd.DataFrame, *, n_resamples: int = N_RESAMPLES,
@@ -226,7 +346,8 @@ def plot_kl_surface(summary: pd.DataFrame, methods: Sequence[str], path: str | P
 
 def render(rows: pd.DataFrame, plan: Plan, out: Path, *, success: pd.DataFrame | None = None) -> list[Path]:
     """Notebook 09's artifacts for one environment from its divergence rows: the summary
-    (``_summary.csv``), Fig. 3 and Fig. 4 in KL, the KL claims (``_claims.csv/.md``) and the
+    (``_summary.csv``), Fig. 3 and Fig. 4 in KL, the KL claims (``_claims.csv/.md``), this pass
+    read as a pilot (``_power.csv``, ``_design.csv``: :func:`kl_power_table`) and the
     KL-success correlation (``_correlation.json``, against notebook 04's rows where given)."""
     env, stem = plan.env, out / f"09_divergence_{plan.env}"
     summary = kl_summary(rows)
@@ -239,6 +360,11 @@ def render(rows: pd.DataFrame, plan: Plan, out: Path, *, success: pd.DataFrame |
                                 title=f"{label}: KL over the plane w1*xi1 + w2*xi2 (Fig. 4 in KL)")
     claims = kl_claims(rows, env, plan.table)
     to_csv(claims, f"{stem}_claims.csv", digits=6)
+    power, design = kl_power_table(rows, plan)
+    if len(power):  # this pass as a pilot: what each comparison detects, and the design that detects 10%
+        to_csv(power, f"{stem}_power.csv", digits=6)
+        to_csv(design, f"{stem}_design.csv", digits=3)
+        arts += [Path(f"{stem}_power.csv"), Path(f"{stem}_design.csv")]
     atomic_write_text(f"{stem}_claims.md", kl_markdown(kl_claim_rows(claims)))
     arts += [Path(f"{stem}_claims.csv"), Path(f"{stem}_claims.md")]
     if success is not None:
