@@ -162,6 +162,8 @@ def test_result_notebooks_smoke_and_render_only(tmp_path):
     assert len(abl_rows[abl_rows.method.isin(trained_keys)]) == planned["ablations"] > 0
     both = (out / "04_robustness_table1.tex").read_text()  # Table 1 with both environments' blocks
     assert "ALFWorld" in both and "WebShop" in both and (out / "04_robustness_curves.png").is_file()
+    for env in ("alfworld", "webshop"):
+        assert_curves_match_table(out, env)
     for name in ("03_motivation_alfworld.png", "05_landscape_alfworld.png", "06_overhead_alfworld.csv",
                  "07_examples_alfworld.md"):
         assert (out / name).is_file(), name
@@ -279,3 +281,21 @@ def test_committed_results_render_byte_identical_from_the_notebooks_folder(tmp_p
                             progress_bar=False)
     got = {name: hashlib.sha256((out / name).read_bytes()).hexdigest() for name in digest if (out / name).is_file()}
     assert got == digest
+    for env in ("alfworld", "webshop"):  # one cell, one number: Fig. 3's points are Table 1's cells
+        assert_curves_match_table(out, env)
+
+
+def assert_curves_match_table(out, env: str) -> None:
+    """Every point of ``04_robustness_<env>_curves.csv`` at a Table 1 setting equals that
+    method's cell in ``04_robustness_<env>_table1.csv``, and carries a 95% interval around it."""
+    import pandas as pd
+
+    curves = pd.read_csv(out / f"04_robustness_{env}_curves.csv")
+    table = pd.read_csv(out / f"04_robustness_{env}_table1.csv")
+    curves["strength"] = curves["strength"].where(curves["setting_family"] != "clean", 0.0)
+    both = curves.merge(table, left_on=["method", "setting_family", "strength"],
+                        right_on=["method", "family", "strength"], suffixes=("_fig", "_table"))
+    assert len(both) >= len(table), (len(both), len(table))  # every table cell is drawn
+    assert (both["mean_fig"] - both["mean_table"]).abs().max() < 1e-6, both[["method", "family_table", "strength",
+                                                                              "mean_fig", "mean_table"]]
+    assert ((both["lo"] <= both["mean_fig"] + 1e-9) & (both["mean_fig"] <= both["hi"] + 1e-9)).all()

@@ -31,7 +31,7 @@ from sprpo_lib.infra.manifest import write_manifest
 from sprpo_lib.paper.experiments import PLANS
 from sprpo_lib.paper.figcheck import design_gid, figure_problems
 from sprpo_lib.paper.report import load_metrics
-from sprpo_lib.paper.stats import paired_bootstrap, summarize
+from sprpo_lib.paper.stats import paired_bootstrap, success_intervals, summarize
 from sprpo_lib.paper.style import METHOD_COLORS, METHOD_MARKERS, NEUTRAL, pyplot, role
 from sprpo_lib.paper.tables import ENV_LABELS, FAMILY_LABELS, METHOD_LABELS, strength_label
 
@@ -120,8 +120,10 @@ def plot_curves(summary: pd.DataFrame, methods: Sequence[str], path: str | Path,
     (that of its clean point: goals x training seeds); points of a smaller design are hollow
     markers, never joined; a level the method was not evaluated at is a gap in its line.
     Families with one strength, and quantization (BF16, INT8, INT6, INT4), sit on a
-    categorical axis.  Error bars are the std over training seeds, drawn only where there
-    are several.  A footnote states the designs, from the data.  ``readme``: drawn at
+    categorical axis.  Error bars are each point's 95% interval where the summary has ``lo`` and
+    ``hi`` (:func:`sprpo_lib.paper.stats.success_intervals`), else the std over training seeds.
+    A footnote states the designs, from the data; ``<path>.csv`` holds every plotted point
+    (not for the README's copy).  ``readme``: drawn at
     :data:`README_WIDTH_PX` (100 dpi), the size the README shows it."""
     plt = _plt()
     envs = [e for e in ENV_ORDER if "env" in summary and (summary["env"] == e).any()]
@@ -132,7 +134,8 @@ def plot_curves(summary: pd.DataFrame, methods: Sequence[str], path: str | Path,
     width = README_WIDTH_PX / 100 if readme else 2.6 * ncol + 0.6
     fig, axes = plt.subplots(len(parts), ncol, figsize=(width, 2.5 * len(parts) + 1.0), squeeze=False)
     mains: dict[str, set] = {}
-    others, single = set(), False
+    others, single, points = set(), False, []
+    intervals = {"lo", "hi"} <= set(summary.columns)
     shift = {m: i - (len(methods) - 1) / 2 for i, m in enumerate(methods)}  # sideways, so equal values stay visible
     for row, (env, part) in zip(axes, parts):
         for ax, fam in zip(row, fams):
@@ -154,17 +157,27 @@ def plot_curves(summary: pd.DataFrame, methods: Sequence[str], path: str | Path,
                 dodge = DODGE * shift[m] * (1.0 if categorical else (levels[-1] - levels[0]) / 3.0)
                 xs = [x + dodge for x in (range(len(levels)) if categorical else levels)]
                 ys = [at[b]["mean"] if b in at and _design(at[b]) == main else np.nan for b in levels]
-                err = [at[b]["std"] if b in at and _design(at[b]) == main and main[1] > 1 else np.nan for b in levels]
+                if intervals:  # the 95% interval of every point (one seed: over its goals alone)
+                    err = np.array([[at[b]["mean"] - at[b]["lo"], at[b]["hi"] - at[b]["mean"]]
+                                    if b in at and _design(at[b]) == main else [np.nan, np.nan] for b in levels]).T
+                else:
+                    err = [at[b]["std"] if b in at and _design(at[b]) == main and main[1] > 1 else np.nan for b in levels]
                 style = dict(color=COLORS.get(m), marker=MARKERS.get(m, "o"), ms=4)
                 joined = not categorical or fam == "rtn"  # two levels on a categorical axis: markers only
                 ax.plot(xs, ys, linestyle="-" if joined else "none", lw=1.4, label=METHOD_LABELS.get(m, m),
                         gid=design_gid(main[0] or 0, main[1]), **style)
-                if main[1] > 1:
-                    ax.errorbar(xs, ys, yerr=np.nan_to_num(err), fmt="none", ecolor=COLORS.get(m), capsize=2, lw=0.9)
+                if intervals or main[1] > 1:
+                    ax.errorbar(xs, ys, yerr=np.nan_to_num(np.clip(err, 0, None)), fmt="none", ecolor=COLORS.get(m),
+                                capsize=2, lw=0.9)
                 mains.setdefault(ENV_LABELS.get(env, env) if env else env_label, set()).add(main)
                 single = single or main[1] == 1
                 for b, r in at.items():
-                    if _design(r) != main:
+                    joined_point = _design(r) == main
+                    points.append({"env": env, "method": m, "family": fam, "strength": float(b),
+                                   "setting_family": r["family"], "mean": r["mean"],
+                                   "lo": r.get("lo", np.nan), "hi": r.get("hi", np.nan), "goals": _design(r)[0],
+                                   "seeds": _design(r)[1], "joined": joined_point})
+                    if not joined_point:
                         others.add(_design(r))
                         ax.plot([xs[levels.index(b)]], [r["mean"]], linestyle="none", mfc="white", mew=1.1,
                                 **style, label="_" + METHOD_LABELS.get(m, m))
@@ -173,13 +186,15 @@ def plot_curves(summary: pd.DataFrame, methods: Sequence[str], path: str | Path,
             ax.grid(alpha=0.3)
         label = ENV_LABELS.get(env, env) if env else env_label
         row[0].set_ylabel(f"success (%){' - ' + label if label else ''}")
-    top = _legend_and_notes(fig, axes, methods, mains, others, single, title)
+    top = _legend_and_notes(fig, axes, methods, mains, others, single, title, intervals)
     fig.tight_layout(rect=(0, 0.45 / fig.get_figheight(), 1, top))
-    return save_figure(fig, path, dpi=100 if readme else 150)
+    if not readme:  # the plotted points, each with its design: what a reader checks against the tables
+        atomic_write_text(Path(path).with_suffix(".csv"), pd.DataFrame(points).round(3).to_csv(index=False))
+    return save_figure(fig, path, dpi=100 if readme else 150) + ([] if readme else [Path(path).with_suffix(".csv")])
 
 
 def _legend_and_notes(fig, axes, methods: Sequence[str], mains: dict[str, set], others: set, single: bool,
-                      title: str) -> float:
+                      title: str, intervals: bool = False) -> float:
     """:func:`plot_curves`'s title, one legend for all panels and the footnote on the designs;
     returns the top of the panels' area (a fraction of the figure's height)."""
     legend: dict = {}  # every method drawn in any panel, once, in the order given
@@ -193,7 +208,8 @@ def _legend_and_notes(fig, axes, methods: Sequence[str], mains: dict[str, set], 
                        for name, ds in mains.items()) + " per point"]
     if others:
         notes.append(f"hollow markers, not joined: {' / '.join(map(_design_text, sorted(others, reverse=True)))}")
-    notes.append("error bars: std over training seeds" + ("; single runs have none" if single else ""))
+    notes.append("error bars: 95% interval, training seeds and goals resampled" if intervals else
+                 "error bars: std over training seeds" + ("; single runs have none" if single else ""))
     notes.append("markers offset sideways so that equal values stay visible")
     top = 1.0
     if title:
@@ -888,9 +904,13 @@ def merged_headline(path: str | Path, head: Mapping) -> dict:
     return {env: merged[env] for env in sorted(merged)}
 
 
-def summary_of(rows: pd.DataFrame, by: Sequence[str] = ("env",)) -> pd.DataFrame:
-    """:func:`sprpo_lib.paper.stats.summarize` of result rows."""
-    return summarize(rows, by)
+def summary_of(rows: pd.DataFrame, by: Sequence[str] = ("env",), intervals: bool = False) -> pd.DataFrame:
+    """:func:`sprpo_lib.paper.stats.summarize` of result rows; with ``intervals``, each row's 95%
+    interval too (``lo``, ``hi``: :func:`sprpo_lib.paper.stats.success_intervals`)."""
+    out = summarize(rows, by)
+    if intervals:
+        out = out.merge(success_intervals(rows, by), on=["method", *by, "family", "strength"], how="left")
+    return out
 
 
 def manifests(paths: Sequence[str | Path], config: Mapping, wall_seconds: float, *, seed: int | None = None,

@@ -74,6 +74,37 @@ def mean_std(per_policy: pd.DataFrame, value: str = "success", by: Sequence[str]
     return g.agg(mean="mean", std=lambda x: x.std(ddof=1), n="size").reset_index()
 
 
+def success_intervals(rows: pd.DataFrame, by: Sequence[str] = ("env",), method: str = "method",
+                      train_seed: str = "train_seed", unit: Sequence[str] = ("env", "split", "task_index"),
+                      n_resamples: int = 2000, seed: int = 0, level: float = 0.95) -> pd.DataFrame:
+    """Per (``method``, ``by``, family, strength): the 95% interval of the success (%) mean with a
+    two-way bootstrap, training seeds and test goals resampled crossed (each replicate draws both
+    with replacement), so the interval carries seed and goal variance; ``lo``, ``hi``.  A policy
+    with one seed gets the goals' interval alone."""
+    keys = [method, *by, *SETTING]
+    unit = [c for c in unit if c in rows.columns]
+    _need(rows, [*keys, train_seed, "success", *unit], "success_intervals")
+    rng = np.random.default_rng(seed)
+    q = [(1 - level) / 2, 1 - (1 - level) / 2]
+    out = []
+    for key, g in rows.groupby(keys, sort=True, dropna=False):
+        grid = g.groupby([train_seed, *unit])["success"].mean().unstack(list(range(1, 1 + len(unit))))
+        m = grid.to_numpy(float)
+        n_s, n_t = m.shape
+        ok = ~np.isnan(m)
+        m = np.nan_to_num(m)
+        ct = np.stack([np.bincount(d, minlength=n_t) for d in rng.integers(0, n_t, (n_resamples, n_t))])
+        cs = (np.stack([np.bincount(d, minlength=n_s) for d in rng.integers(0, n_s, (n_resamples, n_s))])
+              if n_s > 1 else np.ones((n_resamples, 1), dtype=int))
+        num = np.einsum("rs,st,rt->r", cs, m, ct)
+        den = np.einsum("rs,st,rt->r", cs, ok.astype(float), ct)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            boot = 100.0 * num / den
+        lo, hi = np.nanquantile(boot, q)
+        out.append({**dict(zip(keys, key)), "lo": float(lo), "hi": float(hi)})
+    return pd.DataFrame(out, columns=[*keys, "lo", "hi"])
+
+
 def add_retention(summary: pd.DataFrame, by: Sequence[str] = ("env",), method: str = "method",
                   clean: tuple[str, float] = ("clean", 0.0)) -> pd.DataFrame:
     """``retention`` = 100 * mean / (the same method's clean mean in the same ``by``
