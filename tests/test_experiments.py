@@ -25,7 +25,7 @@ def test_plan_lookup_and_validation():
     with pytest.raises(ValueError, match="unknown profile"):
         X.plan("huge", "webshop")
     alf = X.plan("cpu", "alfworld")  # ALFWorld: the same policies, ID and OOD games, its Table 1 column
-    assert alf.runs() == p.runs() and dict(alf.table)["sparsegpt"] == 0.70 and not alf.landscape_grid
+    assert alf.runs() == p.runs() and dict(alf.table)["sparsegpt"] == 0.70 and alf.landscape_grid == p.landscape_grid
     with pytest.raises(ValueError, match="no plan for 'scienceworld'"):
         X.plan("cpu", "scienceworld")
     with pytest.raises(ValueError, match="no training seeds"):

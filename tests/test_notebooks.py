@@ -283,6 +283,16 @@ def test_committed_results_render_byte_identical_from_the_notebooks_folder(tmp_p
     assert got == digest
     for env in ("alfworld", "webshop"):  # one cell, one number: Fig. 3's points are Table 1's cells
         assert_curves_match_table(out, env)
+    # one environment's pass replaces only its own part: every file that gathers both (Table 1's two
+    # blocks, Fig. 3's points, the headline) comes out byte for byte as the two-environment pass wrote it
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.suffix in (".csv", ".tex", ".md", ".json")
+              and not p.name.endswith(".manifest.json")}
+    pm.execute_notebook(str(NOTEBOOKS / "04_robustness.ipynb"), str(tmp_path / "04_webshop.ipynb"), cwd=str(NOTEBOOKS),
+                        parameters={"profile": "cpu", "envs": ["webshop"], "render_only": True, "out_dir": str(out),
+                                    "cache_dir": str(tmp_path / "no_cache")}, kernel_name="python3", progress_bar=False)
+    after = {name: (out / name).read_bytes() for name in before}
+    assert [n for n in before if before[n] != after[n]] == []
+    assert "ALFWorld" in (out / "04_robustness_table1.tex").read_text()
 
 
 def assert_curves_match_table(out, env: str) -> None:

@@ -58,6 +58,23 @@ class ResultsPage:
         """``<out>/<name>_<env><suffix>``: the path prefix of one environment's artifacts."""
         return self.out / f"{self.name}_{env}{suffix}"
 
+    def plan_of(self, env: str) -> X.Plan:
+        """The plan of ``env``: this pass's, else the one its files record, else the profile's."""
+        return self.plans.get(env) or self.recorded_plan(env) or X.plan(self.profile, env)
+
+    def with_others(self, rows: Mapping[str, pd.DataFrame], suffix: str = "_rows.csv") -> dict[str, pd.DataFrame]:
+        """``rows`` and, for the profile's environments this pass leaves out, the rows their last
+        pass wrote (``<name>_<env><suffix>``, where present), in the paper's order: what a file
+        that gathers several environments is drawn from, so a pass over a subset replaces only
+        its own part of it."""
+        out = {}
+        for env in ALL_ENVS:
+            if env in rows:
+                out[env] = rows[env]
+            elif env in X.PLANS.get(self.profile, {}) and self.stem(env, suffix).is_file():
+                out[env] = X.load_rows(self.stem(env, suffix), columns=("method",))
+        return out
+
     def runs(self, env: str) -> dict[tuple[str, int], Path]:
         """The plan's training runs (trained, resumed or found)."""
         return X.policies(self.plans[env], self.runs_root)
