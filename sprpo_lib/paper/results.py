@@ -70,7 +70,9 @@ def save_figure(fig, path: str | Path, dpi: int = 150) -> list[Path]:
     for ext in (".png", ".pdf"):
         final = path.with_name(path.name + ext)
         tmp = path.with_name(path.name + ".tmp" + ext)
-        fig.savefig(tmp, dpi=dpi, bbox_inches="tight")
+        # no creation date: the same figure renders to the same bytes (a render-only pass changes nothing)
+        meta = {"CreationDate": None} if ext == ".pdf" else {}
+        fig.savefig(tmp, dpi=dpi, bbox_inches="tight", metadata=meta)
         tmp.replace(final)
         out.append(final)
     plt.close(fig)
