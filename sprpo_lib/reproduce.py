@@ -36,7 +36,7 @@ import pandas as pd
 from sprpo_lib.core import metrics as MK
 from sprpo_lib.infra.executor import EXECUTORS, executor_environment, make_executor
 from sprpo_lib.infra.io import CorruptFileError, JsonLines, atomic_write_json, atomic_write_text, read_cached
-from sprpo_lib.infra.manifest import check_artifact, git_commit, write_manifest
+from sprpo_lib.infra.manifest import check_artifact, git_commit, not_applicable, write_manifest
 from sprpo_lib.infra.paths import (
     ProjectRootError,
     notebooks_dir,
@@ -412,7 +412,9 @@ def update_readme(profile: str, out_dir: str, readme: Path | None = None) -> boo
     root = project_root()
     pages = [(readme, "")] if readme else doc_pages(root)
     plans = atomic_write_text(project_path(out_dir) / budget.PLANS_FILE, budget.plans_markdown())  # full tables
-    write_manifest(plans, {"profiles": ["cpu", "paper"], "source": "sprpo_lib.paper.budget.plans_markdown"}, None, 0.0)
+    write_manifest(plans, {"profiles": ["cpu", "paper"], "source": "sprpo_lib.paper.budget.plans_markdown"}, None, 0.0,
+                   {"dtype": not_applicable("plans, not a computation"), "seeds": not_applicable("each plan lists its own"),
+                    "goals": not_applicable("each plan lists its own")})
     changed = False
     for page, prefix in pages:
         if page.is_file():

@@ -7,6 +7,9 @@ import pytest
 from sprpo_lib.train.config import load_config
 from sprpo_lib.train.trainer import main as train_main
 
+#: What every manifest states (infra.manifest.DESIGN_KEYS).
+DESIGN = {"dtype": "float32", "seeds": {"eval": [0]}, "goals": {"table": 2}}
+
 #: (override, key named, what the message must say)
 OVERRIDES = [
     ("method.rho=abc", "method.rho", "expected a finite number"),
@@ -132,7 +135,7 @@ def test_a_damaged_figure_or_manifest_is_not_up_to_date(damage, tmp_path):
 
     art = tmp_path / "04_robustness_webshop_rows.csv"
     art.write_text("method,family,strength,success\nvanilla,clean,0.0,1\n")
-    write_manifest(art, {"profile": "smoke"}, seed=0, wall_seconds=1.0)
+    write_manifest(art, {"profile": "smoke"}, seed=0, wall_seconds=1.0, extra=DESIGN)
     assert damaged_artifact([str(art)]) is None and check_artifact(art)["file"]["bytes"] == art.stat().st_size
     man = manifest_path(art)
     if damage == "manifest truncated":
@@ -155,7 +158,7 @@ def test_render_only_rows_are_verified_or_one_error_naming_the_file(damage, tmp_
 
     art = tmp_path / "04_robustness_webshop_rows.csv"
     art.write_text("method,family,strength,success\n" + "vanilla,clean,0.0,1\n" * 20)
-    write_manifest(art, {"profile": "smoke"}, seed=0, wall_seconds=1.0)
+    write_manifest(art, {"profile": "smoke"}, seed=0, wall_seconds=1.0, extra=DESIGN)
     assert len(load_rows(art)) == 20
     if damage == "truncated":
         art.write_text(art.read_text()[:50])

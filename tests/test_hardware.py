@@ -13,6 +13,9 @@ import torch
 from sprpo_lib.infra import hardware
 from sprpo_lib.model.load import load_policy, resolve_dtype
 
+#: What every manifest states (infra.manifest.DESIGN_KEYS).
+DESIGN = {"dtype": "float32", "seeds": {"eval": [0]}, "goals": {"table": 2}}
+
 SHAPES = [(64, 128), (128, 64), (64, 64)]
 
 
@@ -159,7 +162,7 @@ def test_machine_info_and_manifests_record_the_cpu_class(tmp_path, monkeypatch):
     assert hardware.machine_info()["cpu_class"] == hardware.cpu_class() in hardware.CPU_CLASSES
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     assert hardware.machine_info()["cpu_class"] in ("avx2", "other")
-    m = json.loads(write_manifest(tmp_path / "fig.png", {}, 0, 1.0).read_text())
+    m = json.loads(write_manifest(tmp_path / "fig.png", {}, 0, 1.0, DESIGN).read_text())
     assert m["host"]["cpu_class"] == hardware.cpu_class() and m["host"]["isa_limits"] == {"ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 

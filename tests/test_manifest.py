@@ -8,6 +8,9 @@ import pytest
 
 from sprpo_lib.infra.manifest import NOT_A_CHECKOUT, git_commit
 
+#: What every manifest states (infra.manifest.DESIGN_KEYS).
+DESIGN = {"dtype": "float32", "seeds": {"eval": [0]}, "goals": {"table": 2}}
+
 
 def test_git_commit_dirty_flag_ignores_figure_outputs(tmp_path):
     def git(*args):
@@ -81,9 +84,23 @@ def test_manifests_name_project_files_relative_to_the_project_root(tmp_path, mon
     config = {"runs": [str(run), run], "model": str(tmp_path / "models" / "qwen"), "spec": "smollm2-135m",
               "nested": {"cache_dir": str(root / "runs" / "cpu" / "eval_cache")}}
     m = json.loads(write_manifest(root / "figures" / "fig.png", config, 0, 1.0,
-                                  {"run_dirs": {"a": str(run)}}).read_text())
+                                  {"run_dirs": {"a": str(run)}, **DESIGN}).read_text())
     assert m["config"]["runs"] == ["runs/cpu/train/webshop-sprpo-cpu-seed0"] * 2
     assert m["config"]["nested"]["cache_dir"] == "runs/cpu/eval_cache"
     assert m["config"]["model"] == str(tmp_path / "models" / "qwen") and m["config"]["spec"] == "smollm2-135m"
     assert m["run_dirs"] == {"a": "runs/cpu/train/webshop-sprpo-cpu-seed0"}
     assert str(tmp_path) not in json.dumps({k: v for k, v in m.items() if k != "config"})
+
+
+def test_a_writer_that_states_no_dtype_seeds_or_goals_is_refused(tmp_path):
+    """Every manifest states the dtype, the seeds and the goals per point: a writer that leaves one
+    out gets one error naming it, and not_applicable(why) states an exception."""
+    from sprpo_lib.infra.manifest import DESIGN_KEYS, not_applicable, write_manifest
+
+    art = tmp_path / "t.csv"
+    art.write_text("a\n1\n")
+    for left_out in DESIGN_KEYS:
+        with pytest.raises(ValueError, match=f"states no {left_out}"):
+            write_manifest(art, {}, 0, 1.0, {k: v for k, v in DESIGN.items() if k != left_out})
+    m = json.loads(write_manifest(art, {}, 0, 1.0, {**DESIGN, "goals": not_applicable("one prompt")}).read_text())
+    assert m["dtype"] == "float32" and m["goals"] == "n/a: one prompt" and m["seeds"] == {"eval": [0]}

@@ -55,8 +55,8 @@ def test_quickstart_notebook_smoke(tmp_path):
     png = out / "00_quickstart_perturbations.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     man = json.loads((out / "00_quickstart_perturbations.png.manifest.json").read_text())
-    assert {"config", "seed", "commit", "date", "wall_seconds"} <= set(man)
-    assert man["config"]["model"] == "tiny-qwen2"
+    assert {"config", "seed", "commit", "date", "wall_seconds", "dtype", "seeds", "goals"} <= set(man)
+    assert man["config"]["model"] == "tiny-qwen2" and man["dtype"] in ("float32", "bfloat16")
     # second run with the same parameters at a clean commit is skipped; dirty trees rerun
     again = run("smoke", only=["00"], runs_dir=tmp_path / "runs", out_dir=str(out))
     assert again[0]["status"] in {"skipped", "ok"}
@@ -91,6 +91,10 @@ def test_training_notebook_smoke(tmp_path):
     assert (out / "01_training_webshop.png").read_bytes()[:4] == b"\x89PNG"
     man = json.loads((out / "01_training_webshop.png.manifest.json").read_text())
     assert man["config"]["profile"] == "smoke" and set(man["run_commits"]) == {r for r in runs if r.startswith("webshop")}
+    assert man["dtype"] and man["seeds"] == {"train": [0]} and man["goals"]["heldout"]  # the runs' own records
+    for m_path in out.glob("*.manifest.json"):
+        rec = json.loads(m_path.read_text())
+        assert all(rec.get(k) not in (None, [], {}) for k in ("dtype", "seeds", "goals")), m_path.name
     # SPrPO's sigma figure: per-layer RMS sigma over training, Spearman with Fisher importance per layer
     corr = pd.read_csv(out / "01_training_webshop_sigma_fisher.csv")
     assert set(corr.run) == {"webshop-sprpo-smoke-seed0"} and corr.spearman.between(-1, 1).all()
@@ -114,8 +118,12 @@ def test_result_notebooks_smoke_and_render_only(tmp_path):
     assert [r["status"] for r in recs] == ["ok"] * 7
     from sprpo_lib.infra.manifest import check_artifact
 
+    from sprpo_lib.infra.manifest import DESIGN_KEYS
+
     for man in out.glob("*.manifest.json"):  # every artifact matches the SHA-256 its manifest records
         assert "file" in check_artifact(man.with_name(man.name[: -len(".manifest.json")])), man
+        m = json.loads(man.read_text())  # and states the dtype, the seeds and the goals per point
+        assert all(m.get(k) not in (None, [], {}) for k in DESIGN_KEYS), (man.name, {k: m.get(k) for k in DESIGN_KEYS})
     rows = pd.read_csv(out / "04_robustness_webshop_rows.csv")
     assert set(rows.method) == {"vanilla", "gaussian", "sam", "sprpo"}
     per_cell = rows.groupby(["method", "family", "strength"]).size()

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from sprpo_lib.infra.io import CorruptFileError, atomic_write_text, read_json
-from sprpo_lib.infra.manifest import write_manifest
+from sprpo_lib.infra.manifest import not_applicable, write_manifest
 from sprpo_lib.infra.paths import figures_dir, project_root, runs_dir
 from sprpo_lib.paper.results import doc_pages, replace_block
 from sprpo_lib.paper.style import METHOD_DISPLAY
@@ -832,8 +832,13 @@ def report(bench_dir: Path | None = None, out_dir: Path | None = None, readme: P
             continue  # this machine's tables as they were: files and manifests (commit, date) left alone
         for path, text in texts.items():
             atomic_write_text(path, text)
+            dtypes = sorted({str((rec.get("results") or {}).get("dtype")) for _, rec in records
+                             if isinstance(rec.get("results"), dict) and (rec.get("results") or {}).get("dtype")})
             write_manifest(path, {"sources": [str(p.name) for p, _ in records]}, None, time.time() - t0,
-                           extra={"machine_of_runs": machine})
+                           extra={"machine_of_runs": machine,
+                                  "dtype": dtypes or not_applicable("the records state their own dtypes"),
+                                  "seeds": not_applicable("each record states its own"),
+                                  "goals": not_applicable("each record states its own")})
         written += list(texts)
     machines = []
     for js_path in sorted(p for p in out_dir.glob("bench_*.json") if not p.name.endswith(".manifest.json")):

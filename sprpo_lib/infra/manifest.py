@@ -14,6 +14,15 @@ from sprpo_lib.infra.io import CorruptFileError, atomic_write_json, file_record,
 from sprpo_lib.infra.paths import package_checkout, project_relative
 
 NOT_A_CHECKOUT = "unknown (not a git checkout)"
+#: What every manifest states beside config, commit, date, wall time and machine: the dtype the
+#: numbers were computed in, the seeds (training and evaluation) and the goals per point.  A writer
+#: with nothing to state gives the reason (:func:`not_applicable`).
+DESIGN_KEYS = ("dtype", "seeds", "goals")
+
+
+def not_applicable(why: str) -> str:
+    """A manifest value that does not apply to this artifact, with the reason."""
+    return f"n/a: {why}"
 
 
 def git_commit(repo: str | Path | None = None) -> str:
@@ -57,8 +66,13 @@ def portable(obj):
 def write_manifest(
     artifact: str | Path, config: dict, seed: int | None, wall_seconds: float, extra: dict | None = None
 ) -> Path:
-    """Write ``<artifact>.manifest.json`` beside a figure or table."""
+    """Write ``<artifact>.manifest.json`` beside a figure or table; ``extra`` must state
+    :data:`DESIGN_KEYS` (a ValueError names what a writer left out)."""
     artifact = Path(artifact)
+    missing = [k for k in DESIGN_KEYS if k not in (extra or {})]
+    if missing:
+        raise ValueError(f"manifest of {artifact.name}: the writer states no {', '.join(missing)}; pass them in extra "
+                         f"(a value, or not_applicable(why) where none applies)")
     manifest = {
         "artifact": artifact.name,
         "config": portable(config),

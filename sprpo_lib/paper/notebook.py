@@ -17,10 +17,51 @@ from sprpo_lib.infra.io import read_cached
 from sprpo_lib.infra.paths import project_path
 from sprpo_lib.paper import experiments as X
 from sprpo_lib.paper import results as R
+from sprpo_lib.paper.report import find_runs
 
 ALL_ENVS = ("alfworld", "webshop")
 #: What a render-only manifest keeps of the manifest of the run that computed the artifact.
-COMPUTED_KEYS = ("wall_seconds", "date", "commit", "host", "data")
+COMPUTED_KEYS = ("wall_seconds", "date", "commit", "host", "data", "dtype")
+#: The dtype of an artifact computed before manifests stated it (a render-only pass cannot know).
+UNRECORDED = "unrecorded: computed before manifests stated the dtype"
+
+
+def run_dtypes(dirs) -> list[str]:
+    """The dtypes training runs were made in (their ``config.json``), each once."""
+    out = set()
+    for d in dirs:
+        meta = read_cached(Path(d) / "config.json")
+        if isinstance(meta, dict) and meta.get("dtype"):
+            out.add(str(meta["dtype"]))
+    return sorted(out)
+
+
+def run_design(dirs) -> dict:
+    """What notebook 01's manifests state about training runs: their dtypes (``None`` where no
+    run folder is at hand: a render-only pass then keeps the computing pass's), training seeds
+    and the held-out goals of their curve (``eval_tasks``)."""
+    seeds, goals = set(), set()
+    for d in dirs:
+        meta = read_cached(Path(d) / "config.json")
+        cfg = meta.get("config") if isinstance(meta, dict) else None
+        if isinstance(cfg, dict):
+            seeds.add(cfg.get("seed"))
+            goals.add(cfg.get("eval_tasks"))
+    return {"dtype": run_dtypes(dirs) or None, "seeds": {"train": sorted(s for s in seeds if s is not None)},
+            "goals": {"heldout": sorted(g for g in goals if g is not None)}}
+
+
+def plan_design(p: X.Plan) -> dict:
+    """What a plan's points rest on, for the manifests: training seeds per method, evaluation seeds
+    and draws, and goals per split (``None``: App. C's full sets) at each kind of point."""
+    seeds = {"train": {m: list(p.seeds[m]) for m in p.methods}, "eval": list(p.eval_seeds)}
+    goals = {"table": p.tasks, "curves": p.curve_tasks or p.tasks}
+    if p.landscape_grid:
+        goals["landscape"] = p.landscape_tasks or p.tasks
+    if p.divergence_states:
+        seeds["divergence_draws"] = p.divergence_draws
+        goals["divergence_states"] = p.divergence_states
+    return {"seeds": seeds, "goals": goals}
 
 
 class ResultsPage:
@@ -41,6 +82,7 @@ class ResultsPage:
             print(line)
         # training-config overrides (sprpo-reproduce --model) reach every plan's runs
         self.plans = {env: X.plan(profile, env, overrides=tuple(overrides) or None) for env in self.envs}
+        self._runs: dict[str, dict] = {}
         if render_only:  # redraw the committed state: the plan its manifests recorded, where they did
             self.plans.update({env: p for env in self.envs if (p := self.recorded_plan(env)) is not None})
 
@@ -77,7 +119,29 @@ class ResultsPage:
 
     def runs(self, env: str) -> dict[tuple[str, int], Path]:
         """The plan's training runs (trained, resumed or found)."""
-        return X.policies(self.plans[env], self.runs_root)
+        if env not in self._runs:
+            self._runs[env] = X.policies(self.plans[env], self.runs_root)
+        return self._runs[env]
+
+    def design(self) -> dict:
+        """What the manifests state about the numbers: per environment, the dtype of the policies
+        (their runs' records; a render-only pass keeps the computing pass's), the seeds and the
+        goals per point (:func:`plan_design`)."""
+        per = {env: plan_design(p) for env, p in self.plans.items()}
+        dtype = {}
+        for env, p in self.plans.items():
+            if env in self._runs:
+                dirs = list(self._runs[env].values())
+            else:  # a page that read no runs (the examples): the plan's run folders, where they are
+                try:
+                    dirs = find_runs(self.profile, env, list(p.methods), {m: list(p.seeds[m]) for m in p.methods},
+                                     list(p.overrides), out_root=self.runs_root)
+                except FileNotFoundError:
+                    dirs = []
+            if run_dtypes(dirs):
+                dtype[env] = run_dtypes(dirs)
+        return {"dtype": dtype or None, "seeds": {e: d["seeds"] for e, d in per.items()},
+                "goals": {e: d["goals"] for e, d in per.items()}}
 
     def rows(self, compute: Callable[[X.Plan, Mapping], pd.DataFrame], suffix: str = "_rows.csv",
              save: Callable[[pd.DataFrame, Path], object] = X.save_rows) -> dict[str, pd.DataFrame]:
@@ -102,8 +166,9 @@ class ResultsPage:
     def manifests(self, artifacts: Sequence[str | Path], config: Mapping | None = None, **kw) -> list[Path]:
         """A manifest beside every artifact, with the wall time since the page started
         (:func:`write_manifests`)."""
+        kw["extra"] = {**self.design(), **(kw.get("extra") or {})}
         if not self.render_only:  # the data the computation played (a render-only pass keeps it in "computed")
-            kw["extra"] = {**(kw.get("extra") or {}), "data": {e: X.plan_data(p) for e, p in self.plans.items()}}
+            kw["extra"]["data"] = {e: X.plan_data(p) for e, p in self.plans.items()}
         return write_manifests(artifacts, self.config() if config is None else config, self.t_start, self.render_only,
                                **kw)
 
@@ -113,7 +178,8 @@ def write_manifests(artifacts: Sequence[str | Path], config: Mapping, t_start: f
     """A manifest beside every artifact (:func:`sprpo_lib.paper.results.manifests`), with the
     wall time since ``t_start``.  A render-only pass keeps the record of the run that computed
     the artifact (``computed``: its wall time, date, commit and machine), so redrawing loses
-    no provenance and the stage times stay those of the computation."""
+    no provenance and the stage times stay those of the computation; it states the dtype
+    that pass recorded (:data:`UNRECORDED` where it recorded none)."""
     if not render_only:
         return R.manifests(artifacts, config, time.time() - t_start, **kw)
     for a in artifacts:
@@ -123,5 +189,7 @@ def write_manifests(artifacts: Sequence[str | Path], config: Mapping, t_start: f
             computed = old.get("computed") or (None if (old.get("config") or {}).get("render_only") else
                                                {k: old.get(k) for k in COMPUTED_KEYS})
         extra = {**(kw.get("extra") or {}), **({"computed": computed} if computed else {})}
+        if extra.get("dtype") is None:
+            extra["dtype"] = (computed or {}).get("dtype") or UNRECORDED
         R.manifests([a], config, time.time() - t_start, **{**kw, "extra": extra})
     return [Path(f"{a}.manifest.json") for a in artifacts]

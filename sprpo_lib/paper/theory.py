@@ -32,7 +32,7 @@ import numpy as np
 import pandas as pd
 
 from sprpo_lib.infra.io import atomic_write_bytes, atomic_write_text
-from sprpo_lib.infra.manifest import write_manifest
+from sprpo_lib.infra.manifest import not_applicable, write_manifest
 from sprpo_lib.infra.paths import project_path
 from sprpo_lib.paper.style import pyplot, role
 
@@ -1211,6 +1211,12 @@ def plot_fig2(trajs: dict, finals: pd.DataFrame, toy: ToyLandscape | None = None
     return fig
 
 
+def exact_design(seed: int | None) -> dict:
+    """What the theory artifacts' manifests state: exact MDPs in float64, their instance seed."""
+    return {"dtype": "float64", "seeds": {"instances": seed},
+            "goals": not_applicable("exact MDPs: every state and action enumerated, no test goals")}
+
+
 def save_figure(fig, out_dir: str | Path, stem: str, config: dict, seed: int | None, wall_seconds: float,
                 extra: dict | None = None) -> list[Path]:
     """Render ``fig`` to PNG and PDF in memory and write each atomically with its manifest."""
@@ -1221,7 +1227,7 @@ def save_figure(fig, out_dir: str | Path, stem: str, config: dict, seed: int | N
         buf = io.BytesIO()
         fig.savefig(buf, format=ext, **kw)
         path = atomic_write_bytes(project_path(out_dir) / f"{stem}.{ext}", buf.getvalue())
-        write_manifest(path, config, seed, wall_seconds, extra)
+        write_manifest(path, config, seed, wall_seconds, {**exact_design(seed), **(extra or {})})
         paths.append(path)
     plt.close(fig)
     return paths
@@ -1265,5 +1271,5 @@ def save_table(df: pd.DataFrame, out_dir: str | Path, stem: str, config: dict, s
         paths.append(atomic_write_text(project_path(out_dir) / f"{stem}.tex",
                                        to_booktabs(df[latex_columns], caption, f"tab:{stem}")))
     for path in paths:
-        write_manifest(path, config, seed, wall_seconds, extra)
+        write_manifest(path, config, seed, wall_seconds, {**exact_design(seed), **(extra or {})})
     return paths
