@@ -56,6 +56,12 @@ def test_a_variant_with_the_main_config_is_the_main_run_and_nothing_is_trained(t
     assert runs[("rho0", 1)] == main["vanilla", 1] and runs[("sam_5e-3", 0)] == main["sam", 0]
     assert runs[("gaussian_rho", 0)] == main["gaussian", 0] and runs[("lr_profile", 0)] == main["vanilla", 0]
     assert not (tmp_path / "never").exists()
+    # Fig. 5 and the tables star exactly these (the paper's starred cells), and name each value
+    stars = A.starred(ab, p)
+    assert stars == {"full", "rho0", "sam_5e-3", "gaussian_rho"}
+    labels = dict(A.star(ab.group("strategy"), stars))
+    assert labels["gaussian_rho"] == r"Gaussian $\sigma=\rho=0.1$*" and labels["sam_0.1"] == r"SAM $\rho=0.1$"
+    assert labels["sam_5e-3"].endswith("*") and labels["full"].count("*") == 1
 
 
 def test_ablation_table_bolds_the_best_of_each_group_in_the_papers_layout():
@@ -132,8 +138,18 @@ def test_claim_rows_take_the_papers_differences():
     assert list(rows.claim) == ["SPrPO keeps more success than Vanilla", "full SPrPO beats w/o scheduling"]
     assert rows.paper.tolist() == pytest.approx([30.13 - 18.73, 60.00 - 52.13])
     md = C.claims_markdown(rows, profile="cpu")
-    assert "| +11.4 | +4.0 [-1.0, +12.0] | 7.0 | 200 | not resolved, though" in md
-    assert "| +7.9 | +2.0 [-3.0, +7.0] | 14.0 | 100 | not resolved; smaller than the paper's: the interval leaves out +7.9 |" in md
+    assert "| +11.4 | +4.0 [-1.0, +12.0] | 7.0 | 200 x 1 (one seed) | not resolved, though" in md
+    assert ("| +7.9 | +2.0 [-3.0, +7.0] | 14.0 | 100 x 1 (one seed) | not resolved; smaller than the paper's: the interval "
+            "leaves out +7.9 |") in md
+    assert rows.paper_source.tolist() == ["Table 1: SPrPO minus Vanilla",
+                                          "App. table \"Component ablations\": full SPrPO minus the variant"]
+    c6 = C.c6_rows(pd.DataFrame([{"baseline": "sam_0.1", "family": "clean", "strength": 0.0, "success_diff": 0.0,
+                                  "success_lo": 0.0, "success_hi": 0.0, "success_mde80": 19.0, "tasks": 20,
+                                  "train_seeds": "0"}]), "webshop")
+    assert c6.paper_source.iloc[0].startswith("derived: SAM's Table 1 clean success minus 0")
+    md6 = C.claims_markdown(pd.concat([rows.assign(train_seeds="0 1 2"), c6]), profile="cpu")
+    assert "| +52.3\u2020 |" in md6 and "marked \u2020 for C6 are SAM's Table 1 clean success minus 0" in md6
+    assert "200 x 3 |" in md6 and "20 x 1 (one seed)" in md6
 
 
 def test_claims_cover_both_environments_in_one_grid_each():

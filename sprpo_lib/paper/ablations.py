@@ -124,7 +124,8 @@ def _study(profile: str, env: str, rho: float, rhos: Sequence[float], *, seeds=(
                  ("method.alpha=0",)),
          Variant("no_schedule", {"schedule": (1, "off"), "components": (2, "w/o scheduling")}, "sprpo",
                  ("method.schedule=false",)),
-         Variant("gaussian_rho", {"strategy": (0, r"Gaussian $\sigma=\rho$")}, "gaussian", (f"method.sigma={rho:g}",)),
+         Variant("gaussian_rho", {"strategy": (0, rf"Gaussian $\sigma=\rho={rho:g}$")}, "gaussian",
+                 (f"method.sigma={rho:g}",)),
          Variant("sam_0.1", {"strategy": (1, r"SAM $\rho=0.1$")}, "sam", ("method.sam_rho=0.1",)),
          Variant("sam_5e-3", {"strategy": (2, r"SAM $\rho=0.005$")}, "sam", ("method.sam_rho=0.005",))]
     v += [Variant(f"scale_{sc}", {"scale": (i, sc)}, "sprpo", (f"method.scale={sc}",), settings="clean")
@@ -184,6 +185,18 @@ def _cfg(p: X.Plan, method: str, seed: int, overrides: Sequence[str]):
 def is_main_config(p: X.Plan, v: Variant, seed: int) -> bool:
     """Whether variant ``v`` at training ``seed`` is the main run's configuration (starred)."""
     return config_dict(_cfg(p, v.method, seed, v.overrides)) == config_dict(_cfg(p, v.method, seed, ()))
+
+
+def starred(ab: Ablation, p: X.Plan) -> set[str]:
+    """The variants whose runs are the main plan's (reused, or their method's main configuration
+    at every seed): Table 1's cells, which the paper stars."""
+    return {v.key for v in ab.variants
+            if v.reuse or (v.method in p.methods and all(is_main_config(p, v, s) for s in ab.seeds))}
+
+
+def star(members: Sequence[tuple[str, str]], keys: set[str]) -> list[tuple[str, str]]:
+    """``members`` (variant key, label) with a star on every label of ``keys`` that lacks one."""
+    return [(k, lab if lab.endswith("*") or k not in keys else f"{lab}*") for k, lab in members]
 
 
 def trained_variants(ab: Ablation, p: X.Plan) -> list[Variant]:

@@ -124,13 +124,24 @@ C3_MARGIN = 2.0
 C2_FAMILIES = 4
 
 #: The columns of a claims table (:func:`claim_rows`, :func:`c1_rows`, :func:`c4_rows`, :func:`c6_rows`).
-CLAIM_COLUMNS = ["env", "id", "claim", "versus", "setting", "paper", "diff", "lo", "hi", "mde80", "mde_pooled",
-                 "tasks", "train_seeds", "wins", "losses", "sign_p", "reading"]
+CLAIM_COLUMNS = ["env", "id", "claim", "versus", "setting", "paper", "paper_source", "diff", "lo", "hi", "mde80",
+                 "mde_pooled", "tasks", "train_seeds", "wins", "losses", "sign_p", "reading"]
+#: Where each claim's paper number comes from (``paper_source``): read from a table, or derived.
+PAPER_SOURCES = {
+    "C1": "derived: Vanilla's Table 1 clean minus perturbed success",
+    "C2": "Table 1: SPrPO minus Vanilla", "C3": "Table 1: SPrPO minus Vanilla, clean",
+    "T1": "Table 1: SPrPO minus the baseline",
+    "C4": "none: Fig. 4 draws the surfaces and gives no number",
+    "C5": "App. table \"Component ablations\": full SPrPO minus the variant",
+    "C6": "derived: SAM's Table 1 clean success minus 0 for a collapse (App. B gives no number)",
+}
 
 
 def _claims_frame(rows: list[dict]) -> pd.DataFrame:
-    """Claim rows with their :func:`reading`, as a table of :data:`CLAIM_COLUMNS`."""
+    """Claim rows with their :func:`reading` and where their paper number comes from, as a
+    table of :data:`CLAIM_COLUMNS`."""
     for r in rows:
+        r.setdefault("paper_source", PAPER_SOURCES.get(r["id"], ""))
         r["reading"] = reading(r["diff"], r["lo"], r["hi"], r["mde80"], r["paper"], r["wins"], r["losses"],
                                r["sign_p"], r["mde_pooled"])
     return pd.DataFrame(rows, columns=CLAIM_COLUMNS)
@@ -230,7 +241,8 @@ def all_claims(paired: Mapping[str, pd.DataFrame], ablation_paired: Mapping[str,
     rows; :func:`~sprpo_lib.paper.results.landscape_drop`) and C6 from ``ablation_rows``
     (notebook 08's rows of the variants ``sam_5e-3`` and ``sam_0.1``)."""
     parts = [claim_table(paired, ablation_paired, paper)]
-    parts += [t.assign(id="C1")[CLAIM_COLUMNS] for t in (c1 or {}).values() if len(t)]
+    parts += [t.assign(id="C1", paper_source=PAPER_SOURCES["C1"]).reindex(columns=CLAIM_COLUMNS)
+              for t in (c1 or {}).values() if len(t)]
     parts += [c4_rows(landscape_drop(r), env) for env, r in (landscapes or {}).items()]
     parts += [c6_rows(paired_comparisons(r, "sam_5e-3", ["sam_0.1"],  # every setting: the MDE pools over them
                                          list(dict.fromkeys(zip(r["family"], r["strength"].astype(float))))), env, paper)
@@ -256,12 +268,20 @@ def _nums(r: Mapping) -> dict:
             "losses": None if losses is None else int(losses), "sign_p": p}
 
 
+def _seeds(r: Mapping) -> int:
+    """The training seeds a claim row's comparison rests on (its ``train_seeds``, "0 1 2")."""
+    return len(str(r.get("train_seeds") or "").split()) or 1
+
+
 def claims_markdown(rows: pd.DataFrame, *, profile: str) -> str:
     """The claims of :func:`claim_table` in Markdown, one full table per environment
-    (claim, setting, the paper's difference, this run's with its interval, MDE, tasks,
-    the reading)."""
+    (claim, setting, the paper's difference with a dagger where it is derived, this run's with
+    its interval, MDE, goals x training seeds with a mark where one seed stands for a method,
+    the reading); a footnote says where each derived number comes from."""
     if rows.empty:
         return f"No claim of the paper can be read from the {profile} profile's results.\n"
+    derived = {r["id"]: r["paper_source"] for r in rows.to_dict("records")
+               if str(r.get("paper_source") or "").startswith("derived")}
     lines = [f"Paper's claims against the `{profile}` profile: differences in success (percentage points), "
              "paired over the same test goals and evaluation seeds (95% bootstrap over training seeds and tasks): "
              "SPrPO (full) minus the other policy or variant (C2, C3, C5, T1), Vanilla's clean minus perturbed "
@@ -269,16 +289,22 @@ def claims_markdown(rows: pd.DataFrame, *, profile: str) -> str:
              "rho = 5e-3 minus SAM at rho = 0.1 (C6); MDE = the smallest difference this design detects with 80% "
              "power (~: no goal differed at that setting; the comparison's MDE pooled over its other settings). "
              "\"Agrees\" and \"opposite sign\" need the exact sign test on the goals whose outcomes differ at "
-             "p < 0.05 as well. Claims: " + "; ".join(f"{k}, {v}" for k, v in CLAIMS.items()) + "."]
+             "p < 0.05 as well. Goals x seeds: the test goals and the training seeds the paired comparison rests on; "
+             "x 1 (one seed) marks a comparison with a policy trained at one seed: only the other method's policy "
+             "of that seed is paired with it, so the difference can disagree with the seed means of the tables. "
+             + "".join(f"Paper numbers marked \u2020 for {k} are {v[len('derived: '):]}. " for k, v in derived.items())
+             + "Claims: " + "; ".join(f"{k}, {v}" for k, v in CLAIMS.items()) + "."]
     for env, part in rows.groupby("env", sort=False):
         lines += ["", f"**{ENV_LABELS.get(env, env)}**", "",
-                  "| Id | Claim | Setting | Paper | This run [95% CI] | MDE | Tasks | Reading |",
+                  "| Id | Claim | Setting | Paper | This run [95% CI] | MDE | Goals x seeds | Reading |",
                   "|---|---|---|---|---|---|---|---|"]
         for r in part.to_dict("records"):
             mde = mde_text(r["mde80"], r.get("mde_pooled"))
-            paper = "-" if math.isnan(r["paper"]) else f"{r['paper']:+.1f}"
+            paper = "-" if math.isnan(r["paper"]) else f"{r['paper']:+.1f}" + ("\u2020" if r["id"] in derived else "")
+            n = _seeds(r)
             lines.append(f"| {r['id']} | {r['claim']} | {r['setting']} | {paper} | {r['diff']:+.1f} [{r['lo']:+.1f}, "
-                         f"{r['hi']:+.1f}] | {mde} | {int(r['tasks'])} | {r['reading']} |")
+                         f"{r['hi']:+.1f}] | {mde} | {int(r['tasks'])} x {n}{' (one seed)' if n == 1 else ''} | "
+                         f"{r['reading']} |")
     return "\n".join(lines) + "\n"
 
 
