@@ -99,7 +99,8 @@ def hparam_latex(frame: pd.DataFrame, caption: str, label: str) -> str:
     """The frame as a booktabs table in App. B's layout, a column per profile."""
     cols = [c for c in frame.columns if c not in ("group", "hyperparameter", "differs")]
     lead = ["Method"] if frame["group"].astype(bool).any() else []
-    head = " & ".join([*lead, "Hyperparameter", *(c.replace("paper (App. B)", "Paper") for c in cols)])
+    head = " & ".join([*lead, "Hyperparameter",
+                       *("Paper (App. B)" if c == "paper (App. B)" else rf"\texttt{{{c}}} profile" for c in cols)])
     lines = [r"\begin{table}[t]", r"\centering", r"\small", rf"\caption{{{caption}}}", rf"\label{{{label}}}",
              r"\begin{tabular}{@{}" + "l" * (len(lead) + 1) + "c" * len(cols) + "@{}}", r"\toprule",
              head + r" \\", r"\midrule"]

@@ -26,6 +26,7 @@ import pandas as pd
 from matplotlib.ticker import MaxNLocator
 
 from sprpo_lib.core.compress import FAMILIES
+from sprpo_lib.evaluate.cells import EVAL_SPLITS
 from sprpo_lib.infra.io import atomic_write_text, read_cached
 from sprpo_lib.infra.manifest import write_manifest
 from sprpo_lib.paper.experiments import PLANS
@@ -77,6 +78,12 @@ def save_figure(fig, path: str | Path, dpi: int = 150) -> list[Path]:
         out.append(final)
     plt.close(fig)
     return out
+
+
+def pct_text(v: float) -> str:
+    """A success % as a bar label: whole numbers bare, others to one decimal (12.5 stays 12.5,
+    not Python's half-to-even 12)."""
+    return f"{v:.0f}" if abs(v - round(v)) < 0.05 else f"{v:.1f}"
 
 
 def _family_points(summary: pd.DataFrame, family: str, method: str) -> pd.DataFrame:
@@ -264,7 +271,7 @@ def plot_motivation(summary: pd.DataFrame, path: str | Path, *, method: str = "v
     def values(xs, heights, es):
         for xi, h, e in zip(xs, heights, es):
             if not math.isnan(h):
-                ax.text(xi, h + (0 if math.isnan(e) else e) + 1, f"{h:.0f}", ha="center", va="bottom", fontsize=6)
+                ax.text(xi, h + (0 if math.isnan(e) else e) + 1, pct_text(h), ha="center", va="bottom", fontsize=6)
 
     ax.bar(x + dx, [b[1] for b in bars], w, yerr=errs(bars), capsize=2, color=COLORS.get(method),
            label=METHOD_LABELS.get(method, method))
@@ -438,7 +445,7 @@ def plot_ablation(summary: pd.DataFrame, panels: Sequence[tuple[str, Sequence[tu
         for xi, a, ea, b, eb in zip(x, clean, cstd, mean_p, pstd):
             for dx, v, e in ((-0.2, a, ea), (0.2, b, eb)):
                 if not math.isnan(v):  # above the whisker
-                    ax.text(xi + dx, v + (0 if math.isnan(e) else e) + 1, f"{v:.0f}", ha="center", va="bottom",
+                    ax.text(xi + dx, v + (0 if math.isnan(e) else e) + 1, pct_text(v), ha="center", va="bottom",
                             fontsize=6)
         ax.set_xticks(x, [plain(lab) for _, lab in members], fontsize=7, rotation=20)
         ax.set(title=plain(ptitle), ylim=(0, 100))
@@ -802,7 +809,8 @@ def seeds_text(seeds: Mapping[str, Sequence[int]]) -> str:
 
 def headline_caption(env: str, profile: str, h: Mapping) -> str:
     """The line above one environment's headline table: design and what the cells hold."""
-    return (f"**{ENV_LABELS.get(env, env)}** ({profile} profile; {h['tasks_per_split']} held-out tasks per split, "
+    per = " per split" if len(EVAL_SPLITS.get(env, ())) > 1 else ""  # WebShop has one test split
+    return (f"**{ENV_LABELS.get(env, env)}** ({profile} profile; {h['tasks_per_split']} held-out tasks{per}, "
             f"evaluation seeds {', '.join(map(str, h['eval_seeds']))}; "
             f"training seeds {seeds_text(h['training_seeds'])}); "
             f"success % mean ± std over training seeds (retention %: perturbed / clean success of the same method, "

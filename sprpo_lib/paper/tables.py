@@ -108,6 +108,10 @@ def main_frame(summary: pd.DataFrame, settings: Mapping[str, Sequence[tuple[str,
                                       "retention", "best"])
 
 
+#: The paper's Table 1 blocks, top to bottom.
+TABLE1_ENV_ORDER = ("webshop", "alfworld")
+
+
 def main_table(summary: pd.DataFrame, settings: Mapping[str, Sequence[tuple[str, float]]], methods: Sequence[str],
                *, method: str = "method", highlight: str | None = "sprpo", method_labels: Mapping | None = None,
                env_labels: Mapping | None = None, digits: int = 2, retention_digits: int = 1) -> str:
@@ -116,7 +120,8 @@ def main_table(summary: pd.DataFrame, settings: Mapping[str, Sequence[tuple[str,
     titles), then one row per method, ``mean +- std`` and, off the clean column, the
     retention in parentheses; the best mean of each column bold (ties included); the
     ``highlight`` method's row shaded (``\\rowcolor``, needs ``colortbl``) and labelled
-    "(Ours)".  Every env must have the same number of columns."""
+    "(Ours)"; the environments in the paper's order (:data:`TABLE1_ENV_ORDER`).  Every env must
+    have the same number of columns."""
     frame = main_frame(summary, settings, methods, method=method, digits=digits)
     labels = {**METHOD_LABELS, **(method_labels or {})}
     envs = {**ENV_LABELS, **(env_labels or {})}
@@ -124,7 +129,8 @@ def main_table(summary: pd.DataFrame, settings: Mapping[str, Sequence[tuple[str,
     if len(widths) != 1:
         raise ValueError(f"main_table: every env needs the same number of columns, got {sorted(widths)}")
     lines = [MACROS.rstrip("\n"), rf"\begin{{tabular}}{{@{{}}l{'c' * widths.pop()}@{{}}}}", r"\toprule"]
-    for i, (env, cols) in enumerate(settings.items()):
+    order = [e for e in TABLE1_ENV_ORDER if e in settings] + [e for e in settings if e not in TABLE1_ENV_ORDER]
+    for i, (env, cols) in enumerate((e, settings[e]) for e in order):
         if i:
             lines.append(r"\midrule")
         head = [rf"\textit{{{envs.get(env, env)}}}"]
