@@ -404,7 +404,8 @@ def design_from_figures(out_dir, power: pd.DataFrame, budget_h: float = 8.0,
     """:func:`design_table` from what ``out_dir`` (``figures/``) holds: the training runs'
     rates of notebook 01's ``_metrics.csv`` on the machine its manifest names, with that
     machine's ``bench_<machine>.json`` for the evaluation episode, and every other
-    benchmarked machine's hours (:func:`bench_rates`).  Empty when a piece is missing."""
+    benchmarked CPU machine's hours (:func:`bench_rates`); ``bench_records`` names the records read.
+    Empty when a piece is missing."""
     out = Path(out_dir)
     paths = {e: out / f"01_training_{e}_metrics.csv" for e in ("alfworld", "webshop")}
     benches = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("bench_*.json"))
@@ -425,5 +426,8 @@ def design_from_figures(out_dir, power: pd.DataFrame, budget_h: float = 8.0,
                  "episode_s": f"{ref_name}.json"})
     if set(ref.episode_s) != set(paths):
         return pd.DataFrame()
-    others = [bench_rates(b, ref) for n, b in benches.items() if n != ref_name]
-    return design_table(power, ref, others, budget_h * 3600, iterations, **curve)
+    # the other CPU machines (a GPU's record has no CPU rates to scale: the paper profile's cost is elsewhere)
+    read = [n for n, b in benches.items() if n != ref_name and bench_machine(b).get("cpu_model")]
+    others = [bench_rates(benches[n], ref) for n in read]
+    table = design_table(power, ref, others, budget_h * 3600, iterations, **curve)
+    return table.assign(bench_records=" ".join(f"{n}.json" for n in [ref_name, *read])) if len(table) else table
