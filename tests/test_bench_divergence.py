@@ -10,7 +10,7 @@ def test_bench_divergence_times_both_phases_against_their_floors(tmp_path, monke
     assert res["states"] == 2 and res["samples"] == 2 and res["setting"] == "rtn 4" and res["batch"] == 2
     assert [r["batch"] for r in res["by_batch"]] == [1, 2]
     one, two = res["by_batch"]
-    assert one["clean_floor_s_per_state"] > two["clean_floor_s_per_state"]  # a batch shares its decode steps' weights
+    assert one["clean_floor_s_per_state"] >= two["clean_floor_s_per_state"]  # a batch shares its decode steps' weights
     assert abs(one["kl_mean"] - two["kl_mean"]) < 1e-3 * (1 + one["kl_mean"])  # the same states, the same KLs
     for phase in ("clean", "setting"):
         assert res[f"{phase}_floor_s_per_state"] > 0 and res[f"{phase}_over_floor"] > 0

@@ -554,7 +554,8 @@ def _divergence_headline(res: dict) -> str | None:
     if len(runs) > 1:
         out += (f" at {last['batch']} states per batch; "
                 f"{round(first['setting_s_per_state'] / last['setting_s_per_state'], 2)}x / "
-                f"{round(first['clean_s_per_state'] / last['clean_s_per_state'], 2)}x faster than {first['batch']}")
+                f"{round(first['clean_s_per_state'] / last['clean_s_per_state'], 2)}x faster than at {first['batch']} "
+                f"state{'s' if first['batch'] != 1 else ''} per batch (setting / clean side)")
     return out
 
 
