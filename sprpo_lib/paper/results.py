@@ -322,7 +322,8 @@ def plot_landscape(rows: pd.DataFrame, methods: Sequence[str], path: str | Path,
     """Fig. 4: success over the ``(w1, w2)`` plane as measured, one heat map of cells per
     method (the same colour scale for all; each cell printed with its value; the
     unperturbed centre outlined), no surface or contour interpolated between the points;
-    a footnote gives the episodes per point."""
+    a footnote gives the episodes per point and whether the design can tell the two surfaces
+    apart (:func:`surface_sentence`)."""
     grids = {m: landscape_grid(rows, m) for m in methods}
     if not any(z.size for _, _, z in grids.values()):
         raise ValueError(f"plot_landscape: no 'plane' rows for {list(methods)}; run the plan's landscape "
@@ -350,11 +351,29 @@ def plot_landscape(rows: pd.DataFrame, methods: Sequence[str], path: str | Path,
         fig.colorbar(im, ax=list(axes[0]), label="success (%)", shrink=0.85)
     per = rows[rows["family"] == "plane"].groupby(["method", "strength", "w2"]).size()
     n = f"{per.min()}" if per.min() == per.max() else f"{per.min()}-{per.max()}"
-    fig.text(0.01, 0.01, f"{n} episodes per cell; outlined: the unperturbed policy (w1 = w2 = 0).", fontsize=7,
-             ha="left", va="bottom")
+    fig.text(0.01, 0.01, f"{n} episodes per cell; outlined: the unperturbed policy (w1 = w2 = 0)."
+             + surface_sentence(rows, methods), fontsize=7, ha="left", va="bottom", wrap=True)
     if title:
         fig.suptitle(title, fontsize=9)
     return save_figure(fig, path)
+
+
+def surface_sentence(rows: pd.DataFrame, methods: Sequence[str]) -> str:
+    """What the landscape's design says about two surfaces (claim C4, :func:`landscape_drop`):
+    the first method's drop from the centre minus the second's with its interval and MDE, and
+    whether it resolves; "" without both methods' planes."""
+    if len(methods) < 2:
+        return ""
+    drop = landscape_drop(rows, methods[0], methods[1])
+    if drop.empty:
+        return ""
+    r = drop.iloc[0]
+    a, b = (METHOD_LABELS.get(m, m) for m in methods[:2])
+    lo, hi, mde = r["success_lo"], r["success_hi"], r["success_mde80"]
+    says = (f"the surfaces differ ({b} {'flatter' if lo > 0 else 'steeper'})" if lo > 0 or hi < 0 else
+            f"this design cannot tell the surfaces apart" + ("" if pd.isna(mde) else f" by less than {mde:.1f} pp"))
+    return (f" {a}'s drop from the centre minus {b}'s: {r['success_diff']:+.1f} pp [{lo:+.1f}, {hi:+.1f}]"
+            + ("" if pd.isna(mde) else f", MDE80 {mde:.1f} pp") + f": {says}.")
 
 
 def plot_longer(held: pd.DataFrame, curve: pd.DataFrame, path: str | Path, *, title: str = "") -> list[Path]:
@@ -642,8 +661,10 @@ def overhead(run_dirs: Sequence[str | Path], quiet: float | None = 0.9) -> pd.Da
 
 
 def overhead_latex(table: pd.DataFrame, methods: Sequence[str] = ("vanilla", "sprpo")) -> str:
-    """The overhead table in the paper's layout (Environment, Method, Rollout, Update, Total)."""
-    lines = [r"\begin{tabular}{@{}llrrr@{}}", r"\toprule", r"Environment & Method & Rollout & Update & Total \\"]
+    """The overhead table in the paper's layout (Environment, Method, Rollout, Update, Total), its
+    unit in the header: seconds per RL iteration (the paper's caption: per training step)."""
+    lines = [r"\begin{tabular}{@{}llrrr@{}}", r"\toprule",
+             r"Environment & Method & Rollout (s) & Update (s) & Total (s) \\"]
     for i, (env, sub) in enumerate(table[table["method"].isin(methods)].groupby("env", sort=False)):
         lines.append(r"\midrule")
         for _, r in sub.iterrows():
