@@ -362,8 +362,8 @@ def surface_sentence(rows: pd.DataFrame, methods: Sequence[str]) -> str:
     """What the landscape's design says about two surfaces (claim C4, :func:`landscape_drop`):
     the first method's drop from the centre minus the second's with its interval and MDE, and
     whether it resolves; "" without both methods' planes."""
-    if len(methods) < 2:
-        return ""
+    if len(methods) < 2 or not {"env", "task_index", "seed", "train_seed"} <= set(rows.columns):
+        return ""  # rows without the goals they were played on: nothing to pair
     drop = landscape_drop(rows, methods[0], methods[1])
     if drop.empty:
         return ""
