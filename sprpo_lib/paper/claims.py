@@ -407,7 +407,7 @@ def write_claims(out: str | Path, profile: str, success: pd.DataFrame | None = N
     csv, md = out / f"claims_{profile}.csv", out / f"claims_{profile}.md"
     if success is None:
         old = pd.read_csv(csv) if csv.is_file() else pd.DataFrame(columns=CLAIM_COLUMNS)
-        success = old[~_is_kl(old)][CLAIM_COLUMNS]
+        success = old[~_is_kl(old)].reindex(columns=CLAIM_COLUMNS)  # a file from before a column: left empty
     if kl is None:
         found = sorted(out.glob("09_divergence_*_claims.csv"))
         kl = {f.name[len("09_divergence_"):-len("_claims.csv")]: pd.read_csv(f) for f in found}
