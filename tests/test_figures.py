@@ -1,5 +1,5 @@
-"""The figure check (sprpo_lib.paper.figcheck): texts inside the canvas without overlap, lines
-that join points of one design; it fails on the old Fig. 3 and passes on the new one, drawn
+"""The figure check (sprpo_lib.paper.figcheck): texts inside the canvas without overlap, legends
+clear of the data, lines that join points of one design; it fails on the old Fig. 3 and passes on the new one, drawn
 from the committed rows."""
 from __future__ import annotations
 
@@ -30,6 +30,46 @@ def test_text_rule_finds_overlaps_and_texts_off_the_canvas():
     assert any("'below the canvas' lies outside the canvas" in p for p in got)
     assert len(got) == 2
     plt.close(fig)
+
+
+def test_legend_rule_finds_legends_over_data_and_passes_legends_beside_it():
+    """A legend over a line, an error bar, scatter points or bars is flagged; the same legend
+    under the axes (style.legend_below) or over a filled background only is not."""
+    from sprpo_lib.paper.style import legend_below
+
+    def drawn(what, below=False):
+        fig, ax = plt.subplots(figsize=(3, 2.5))
+        x = np.linspace(0, 1, 30)
+        if what == "line":
+            ax.plot(x, 0.1 * x, label="flat")  # low: clear of the upper-right legend
+            ax.plot(x, x, label="rising")
+        elif what == "errorbar":
+            ax.errorbar([0.95], [0.5], yerr=[0.45], fmt="none", label="bar")
+            ax.plot([0, 0.1], [0, 0.1], label="short")
+        elif what == "scatter":
+            ax.scatter(x, np.full_like(x, 0.9), label="point")
+        elif what == "bars":
+            ax.bar([0.9], [1.0], width=0.2, label="bar")
+        elif what == "background":
+            X, Y = np.meshgrid(x, x)
+            ax.contourf(X, Y, X + Y)
+            ax.plot([0, 0.1], [0, 0.1], label="short")
+        ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="x")
+        (legend_below(ax) if below else ax.legend(loc="upper right"))
+        fig.tight_layout()
+        got = F.legend_problems(fig)
+        plt.close(fig)
+        return got
+
+    assert any("rising" in p and "flat" not in p for p in drawn("line"))
+    assert any("error bars" in p or "bar" in p for p in drawn("errorbar"))
+    assert any("point" in p for p in drawn("scatter"))
+    assert any("bar(s)" in p for p in drawn("bars"))
+    assert drawn("background") == []
+    for what in ("line", "errorbar", "scatter", "bars"):
+        assert drawn(what, below=True) == [], what
+    with pytest.raises(ValueError, match="unknown rule"):
+        F.figure_problems(plt.figure(), ("text", "legends"))
 
 
 def test_off_view_tick_labels_are_not_texts():

@@ -45,6 +45,22 @@ def test_a_stage_of_one_environment():
 
 
 @pytest.mark.slow
+def test_a_render_only_page_takes_the_dtype_from_the_computing_pass_not_the_runs_at_hand(tmp_path):
+    """Run folders present while redrawing need not be the ones that computed the cells (a
+    retraining in progress): a render-only page states no dtype of its own, so the manifests keep
+    the computing pass's; a computing page reads its runs'."""
+    from sprpo_lib.infra.io import atomic_write_text
+    from sprpo_lib.paper.notebook import ResultsPage
+
+    run_dir = tmp_path / "runs" / "webshop-vanilla-smoke-seed0"
+    atomic_write_text(run_dir / "config.json", json.dumps({"dtype": "float16", "config": {"seed": 0}}))
+    for render_only, want in ((True, None), (False, {"webshop": ["float16"]})):
+        page = ResultsPage("04_robustness", "smoke", ["webshop"], out_dir=tmp_path / "figs",
+                           runs_root=tmp_path / "runs", render_only=render_only)
+        page._runs["webshop"] = {("vanilla", 0): run_dir}
+        assert page.design()["dtype"] == want
+
+
 def test_quickstart_notebook_smoke(tmp_path):
     out = tmp_path / "figs"
     recs = run("smoke", only=["00"], force=True, runs_dir=tmp_path / "runs", out_dir=str(out))

@@ -204,6 +204,19 @@ def test_main_table_layout_bold_ties_and_retention():
     assert sum(ln.startswith(r"& \bestmeanstd") for ln in lines) == 4
 
 
+def test_main_table_marks_a_method_with_fewer_training_seeds():
+    """SAM trained at one seed beside three: a dagger on its name and a note that counts them;
+    the warm start (not trained) and equal counts get none."""
+    one = CRAFTED.assign(n=CRAFTED["method"].map({"sam": 1}).fillna(3))
+    one = pd.concat([one, one[one["method"] == "vanilla"].assign(method="warm_start", n=1)], ignore_index=True)
+    tex = tables.main_table(one, {"webshop": [("clean", 0.0), ("gaussian", 0.2)]}, ["warm_start", *METHODS])
+    lines = tex.splitlines()
+    assert "SAM$^\\dagger$" in lines and "Warm start" in lines and "Vanilla" in lines
+    note = lines[lines.index(r"\bottomrule") + 1]
+    assert note.startswith(r"\multicolumn{3}{@{}l}{\footnotesize $^\dagger$ SAM: 1 training seed, the others 3")
+    assert "$^\\dagger$" not in tables.main_table(CRAFTED, {"webshop": [("clean", 0.0)]}, METHODS)
+
+
 def test_main_table_stacks_envs():
     two = pd.concat([CRAFTED, CRAFTED.assign(env="alfworld")], ignore_index=True)
     tex = tables.main_table(two, {"webshop": [("clean", 0.0), ("gaussian", 0.2)],

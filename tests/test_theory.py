@@ -302,6 +302,24 @@ def test_toy_gradient_and_methods():
         th.toy_trajectory(toy, "bogus", 3, np.random.default_rng(0))
 
 
+def test_theory_figures_pass_the_text_and_legend_checks():
+    """Every theory figure, drawn from the smoke preset's experiments, keeps its texts apart and
+    inside the canvas and no legend over its data (the old layout failed both)."""
+    from sprpo_lib.paper.figcheck import figure_problems
+
+    sizes = th.TheorySizes.preset("smoke", seed=0)
+    updates = th.make_updates(sizes)
+    figs = {"lemma1": th.plot_lemma1(th.lemma1_experiment(sizes)),
+            "theorem1": th.plot_theorem1(th.theorem1_experiment(sizes, updates)),
+            "corollary1": th.plot_corollary1(th.corollary1_experiment(sizes, updates)),
+            "theorem2": th.plot_theorem2(th.theorem2_experiment(sizes)),
+            "fig2": th.plot_fig2(*th.toy_experiment(sizes, seed=0))}
+    for name, fig in figs.items():
+        assert figure_problems(fig, ("text", "legend")) == [], name
+        if name != "fig2":  # the toy's axes are plain x, y
+            assert any("$" in t.get_text() for ax in fig.axes for t in (ax.xaxis.label, ax.yaxis.label)), name
+
+
 def test_booktabs_escapes_and_rules():
     tex = th.to_booktabs(pd.DataFrame({"check": ["a_b"], "statement": ["x^2 & 5%"], "n": [3.14159]}), "cap", "tab:x")
     assert r"\toprule" in tex and r"\midrule" in tex and r"\bottomrule" in tex

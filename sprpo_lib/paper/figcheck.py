@@ -1,11 +1,14 @@
 """What a reader can trust at a glance, checked on the figure object before it is saved.
 
-Two rules, each a pure function of a matplotlib figure that returns readable problems
+Three rules, each a pure function of a matplotlib figure that returns readable problems
 (an empty list: the figure passes):
 
 * :func:`text_problems`: every visible text (titles, axis and tick labels, legend entries,
   annotations) lies inside the canvas and overlaps no other text, measured with the
   renderer's own bounding boxes;
+* :func:`legend_problems`: no legend hides data: a line, error bar, marker, scatter point or
+  bar of its axes drawn under the legend's box (filled backgrounds such as contours and
+  bands are not data a legend can hide);
 * :func:`line_problems`: every drawn line of data joins points of one evaluation design.
   The plotting code states the design a line was drawn from in its ``gid``
   (:func:`design_gid`: ``design:<goals>x<seeds>``, or ``reference:<what>`` for a line
@@ -19,10 +22,13 @@ from typing import Sequence
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.collections import LineCollection
+from matplotlib.path import Path
 from matplotlib.text import Text
+from matplotlib.transforms import Bbox
 
-__all__ = ["DESIGN", "REFERENCE", "design_gid", "drawn_tick_labels", "data_lines", "text_problems", "line_problems",
-           "figure_problems"]
+__all__ = ["DESIGN", "REFERENCE", "RULES", "design_gid", "drawn_tick_labels", "data_lines", "text_problems",
+           "legend_problems", "line_problems", "figure_problems"]
 
 DESIGN = "design:"
 REFERENCE = "reference:"
@@ -95,6 +101,70 @@ def text_problems(fig, tolerance: float = OVERLAP_TOLERANCE_PX) -> list[str]:
     return out
 
 
+def _no_line(style) -> bool:
+    return style in ("None", "none", "", " ")
+
+
+def _points_in(xy: np.ndarray, box) -> bool:
+    xy = xy[np.isfinite(xy).all(axis=1)]
+    return bool(len(xy)) and bool(((xy[:, 0] > box.x0) & (xy[:, 0] < box.x1)
+                                   & (xy[:, 1] > box.y0) & (xy[:, 1] < box.y1)).any())
+
+
+def _path_hits(xy: np.ndarray, box) -> bool:
+    """A polyline in display pixels crosses or enters ``box`` (NaN gaps split it)."""
+    ok = np.isfinite(xy).all(axis=1)
+    runs = np.split(xy, np.flatnonzero(~ok))
+    return any(len(r) > 1 and Path(r).intersects_bbox(box, filled=False)
+               for r in (run[np.isfinite(run).all(axis=1)] for run in runs))
+
+
+def _hidden_by(ax, box, renderer) -> list[str]:
+    """What of ``ax``'s data is drawn inside ``box`` (display pixels)."""
+    hits = []
+    for line in ax.get_lines():
+        if not line.get_visible():
+            continue
+        xy = line.get_transform().transform(np.asarray(line.get_xydata(), dtype=float))
+        drawn = (not _no_line(line.get_linestyle()) and _path_hits(xy, box)) or (
+            line.get_marker() not in (None, "None", "none", "", " ") and _points_in(xy, box))
+        if drawn:
+            hits.append(line.get_label() if not str(line.get_label()).startswith("_") else "a line")
+    for coll in ax.collections:
+        if not coll.get_visible():
+            continue
+        if isinstance(coll, LineCollection):  # error bars, vlines
+            t = coll.get_transform()
+            if any(_path_hits(t.transform(p.vertices), box) for p in coll.get_paths()):
+                hits.append(coll.get_label() if not str(coll.get_label()).startswith("_") else "error bars")
+        elif len(coll.get_offsets()) and type(coll).__name__ == "PathCollection":  # scatter points
+            if _points_in(coll.get_offset_transform().transform(np.asarray(coll.get_offsets(), dtype=float)), box):
+                hits.append(coll.get_label() if not str(coll.get_label()).startswith("_") else "scatter points")
+    bars = [p for p in ax.patches if p.get_visible() and type(p).__name__ == "Rectangle"
+            and p.get_window_extent(renderer).overlaps(box)]
+    if bars:
+        hits.append(f"{len(bars)} bar(s)")
+    return hits
+
+
+def legend_problems(fig) -> list[str]:
+    """Legends drawn over their axes' data (the part of the legend's box inside the axes)."""
+    r = _renderer(fig)
+    out = []
+    for k, ax in enumerate(fig.get_axes()):
+        lg = ax.get_legend()
+        if lg is None or not lg.get_visible():
+            continue
+        box = Bbox.intersection(lg.get_window_extent(r), ax.get_window_extent(r))
+        if box is None or box.width <= 0 or box.height <= 0:
+            continue  # a legend outside the axes hides nothing
+        hits = _hidden_by(ax, box, r)
+        if hits:
+            where = ax.get_title().replace("\n", " ")[:40] or f"axes {k}"
+            out.append(f"{where!r}: the legend hides {', '.join(dict.fromkeys(map(str, hits)))}")
+    return out
+
+
 def data_lines(ax) -> list:
     """The axes' lines that join points: two or more points drawn with a visible line style."""
     out = []
@@ -125,11 +195,14 @@ def line_problems(fig) -> list[str]:
     return out
 
 
-def figure_problems(fig, rules: Sequence[str] = ("text", "lines")) -> list[str]:
-    """Every problem of ``fig`` under ``rules`` (``text``, ``lines``)."""
-    out = []
-    if "text" in rules:
-        out += text_problems(fig)
-    if "lines" in rules:
-        out += line_problems(fig)
-    return out
+#: The rules by name (a figure that draws no measured lines, such as the theory checks,
+#: leaves out ``lines``).
+RULES = {"text": text_problems, "legend": legend_problems, "lines": line_problems}
+
+
+def figure_problems(fig, rules: Sequence[str] = ("text", "legend", "lines")) -> list[str]:
+    """Every problem of ``fig`` under ``rules`` (names in :data:`RULES`)."""
+    unknown = set(rules) - set(RULES)
+    if unknown:
+        raise ValueError(f"figure_problems: unknown rule(s) {sorted(unknown)}; rules: {list(RULES)}")
+    return [p for name in rules for p in RULES[name](fig)]

@@ -125,11 +125,12 @@ class ResultsPage:
 
     def design(self) -> dict:
         """What the manifests state about the numbers: per environment, the dtype of the policies
-        (their runs' records; a render-only pass keeps the computing pass's), the seeds and the
-        goals per point (:func:`plan_design`)."""
+        (their runs' records; a render-only pass keeps the computing pass's: the run folders at
+        hand need not be the ones that computed the cells), the seeds and the goals per point
+        (:func:`plan_design`)."""
         per = {env: plan_design(p) for env, p in self.plans.items()}
         dtype = {}
-        for env, p in self.plans.items():
+        for env, p in ({} if self.render_only else self.plans).items():
             if env in self._runs:
                 dirs = list(self._runs[env].values())
             else:  # a page that read no runs (the examples): the plan's run folders, where they are

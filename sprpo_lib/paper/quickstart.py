@@ -13,17 +13,23 @@ policy) exists; the API takes any list of token sequences.
 """
 from __future__ import annotations
 
+import logging
 import random
+import textwrap
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
 
-from sprpo_lib.core.compress import perturbation
+from sprpo_lib.core.compress import family_spec, perturbation
 from sprpo_lib.model.load import Policy
+from sprpo_lib.paper.figcheck import figure_problems
 from sprpo_lib.paper.style import NEUTRAL, pyplot
+
+log = logging.getLogger(__name__)
 
 # App. C families at one representative (strong) level each.
 DEMO_LEVELS: dict[str, float] = {
@@ -172,20 +178,32 @@ def _topk_rows(family, strength, logp, tok, k):
     ]
 
 
+def strength_label(family: str, strength: float) -> str:
+    """A setting as a reader names it: the family's label over its strength
+    (``Gaussian`` / ``σ = 0.1``, ``Quantization`` / ``4 bits``), from the family's spec,
+    wrapped to a tick's width."""
+    spec = family_spec(family)
+    value = f"{strength:g} bits" if family == "rtn" else f"{spec.axis} = {strength:g}"
+    return f"{textwrap.fill(spec.label, 12)}\n{value}"
+
+
 def plot_demo(result: DemoResult, path):
-    """Two panels: mean KL per perturbation (points on a log axis: a bar's length would mean
-    nothing there) and top-1 agreement with the clean policy (bars from 0), in neutral
-    colours (no method is drawn: paper.style)."""
+    """Two panels: mean KL per perturbation (points on a log axis, each with its value: a bar's
+    length or a stem's foot would mean nothing there) and top-1 agreement with the clean
+    policy (bars from 0), in neutral colours (no method is drawn: paper.style)."""
     plt = pyplot()
     df = result.table()
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
-    labels = [f"{f}\n{s:g}" for f, s in zip(df.family, df.strength)]
+    labels = [strength_label(f, s) for f, s in zip(df.family, df.strength)]
     x = np.arange(len(labels))
     axes[0].plot(x, df.kl_mean, "o", color=NEUTRAL["dark"], ms=6)
-    axes[0].vlines(x, df.kl_mean.min() / 3, df.kl_mean, color=NEUTRAL["light"], lw=1)
+    for xi, v in zip(x, df.kl_mean):
+        axes[0].annotate(f"{v:.3g}", (xi, v), xytext=(0, 6), textcoords="offset points", ha="center", fontsize=7)
     axes[0].set_xticks(x, labels)
-    axes[0].set_ylabel("mean KL(clean || perturbed)")
+    axes[0].set_xlim(-0.5, len(x) - 0.5)
+    axes[0].set_ylabel(r"mean KL($\pi$ || $\pi^\xi$) per token")
     axes[0].set_yscale("log")
+    axes[0].margins(y=0.25)
     axes[0].set_title("Shift of next-token distributions along the clean response")
     axes[1].bar(x, df.top1_agreement, color=NEUTRAL["mid"])
     axes[1].set_xticks(x, labels)
@@ -193,6 +211,8 @@ def plot_demo(result: DemoResult, path):
     axes[1].set_ylabel("top-1 agreement with clean")
     axes[1].set_title("Greedy token unchanged along the clean response")
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
+    for problem in figure_problems(fig, ("text", "legend")):
+        log.warning("figure %s: %s", Path(path).name, problem)
+    fig.savefig(path, dpi=130, metadata={"Software": None})
     plt.close(fig)
     return path

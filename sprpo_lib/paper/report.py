@@ -12,6 +12,7 @@ each run a Ray task (:mod:`sprpo_lib.infra.executor`).
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -24,12 +25,15 @@ from sprpo_lib.core import metrics as MK
 from sprpo_lib.infra.executor import current
 from sprpo_lib.infra.io import atomic_dir, read_json_lines
 from sprpo_lib.infra.paths import project_path, runs_dir
+from sprpo_lib.paper.figcheck import figure_problems
 from sprpo_lib.paper.stats import N_RESAMPLES, paired_bootstrap, sign_test
-from sprpo_lib.paper.style import METHOD_DISPLAY, pyplot
+from sprpo_lib.paper.style import METHOD_DISPLAY, legend_below, pyplot
 from sprpo_lib.train.config import TrainConfig, config_from_dict, load_config
 from sprpo_lib.train.trainer import default_out_dir, heldout_dir, heldout_due, train
 from sprpo_lib.warmstart.cache import warm_start_dir
 from sprpo_lib.warmstart.heldout import load_eval
+
+log = logging.getLogger(__name__)
 
 __all__ = ["run_grid", "find_runs", "LONGER", "longer_root", "longer_grid", "load_metrics", "before_after", "paired_outcomes", "plot_training",
            "heldout_rows", "heldout_curve"]
@@ -250,23 +254,32 @@ TRAINING_DODGE = 0.05
 roll out the same first batch, and equal values would otherwise hide one line behind another."""
 
 
+VALID_FLAT = 0.02
+"""``plot_training`` draws the valid-action rate only where it spans more than this over all runs and
+iterations; a flatter rate is stated in the footnote with its range."""
+
+
 def plot_training(metrics: pd.DataFrame, summary: pd.DataFrame | None, path: str | Path,
                   heldout: pd.DataFrame | None = None):
-    """Rollout success, score (on the env's own scale) and valid-action rate (right axis) per
-    iteration, one line per run, and the held-out success before/after training when available:
-    along training (``heldout``: :func:`heldout_rows` with points between the warm start and the
-    end, one line per run from the warm start at 0) or as bars before / after."""
+    """Per iteration, one line per run: rollout success; the score on the env's own scale
+    where it says more than success (WebShop's partial matches; ALFWorld's score is 10 x
+    success); the valid-action rate where it varies (a constant rate is stated in the
+    footnote, not drawn as a flat line); then the held-out success before/after training:
+    along training (``heldout``: :func:`heldout_rows` with points between the warm start and
+    the end, one line per run from the warm start at 0) or as bars before / after.  Each
+    quantity has its own axes (no twin axes over many runs)."""
     plt = pyplot()
     has_curve = heldout is not None and not heldout.empty and heldout["iteration"].nunique() > 2
     has_eval = has_curve or (summary is not None and "final_success" in summary and "start_success" in summary)
-    fig, axes = plt.subplots(1, 3 if has_eval else 2, figsize=(13 if has_eval else 9, 3.4))
-
-    styles = ("-", ":", "-.", (0, (5, 2)))
-    # the score panel only where the score says more than success (WebShop's partial matches; ALFWorld's
-    # score is 10 x success): then the valid-action rate sits on a right axis, else on the panel's own
     ratio = float(metrics[MK.SCORE].abs().max()) / max(float(metrics[MK.SUCCESS].max()), 1e-12)
     score_shown = not np.allclose(metrics[MK.SCORE], ratio * metrics[MK.SUCCESS], atol=1e-9)
-    valid_ax = axes[1].twinx() if score_shown else axes[1]
+    valid = metrics[MK.VALID_RATE].dropna()
+    valid_shown = len(valid) and float(valid.max() - valid.min()) > VALID_FLAT
+    kinds = ["success"] + ["score"] * score_shown + ["valid"] * bool(valid_shown) + ["eval"] * has_eval
+    fig, axes = plt.subplots(1, len(kinds), figsize=(4.3 * len(kinds), 3.6))
+    panel = dict(zip(kinds, np.atleast_1d(axes)))
+
+    styles = ("-", ":", "-.", (0, (5, 2)))
     runs = list(metrics.groupby("run"))
     for k, (run, df) in enumerate(runs):
         method, seed = df["method"].iloc[0], int(df["seed"].iloc[0])
@@ -275,29 +288,34 @@ def plot_training(metrics: pd.DataFrame, summary: pd.DataFrame | None, path: str
         kw = {"color": disp.color if disp else None, "ls": styles[seed % len(styles)],
               "marker": disp.marker if disp else "o", "ms": 3}
         x = df[MK.ITERATION] + (k - (len(runs) - 1) / 2) * TRAINING_DODGE  # equal runs stay visible side by side
-        axes[0].plot(x, df[MK.SUCCESS], label=label, **kw)
+        panel["success"].plot(x, df[MK.SUCCESS], label=label, **kw)
         if score_shown:
-            axes[1].plot(x, df[MK.SCORE], label=f"{label} score", **kw)
-        valid_ax.plot(x, df[MK.VALID_RATE], color=kw["color"], ls=kw["ls"], marker="x", ms=4,
-                      alpha=0.6 if score_shown else 1.0, label=f"{label} valid")
-    for ax in axes[:2]:
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            panel["score"].plot(x, df[MK.SCORE], label=label, **kw)
+        if valid_shown:
+            panel["valid"].plot(x, df[MK.VALID_RATE], label=label, **kw)
+    for kind in ("success", "score", "valid"):
+        if kind in panel:
+            panel[kind].xaxis.set_major_locator(MaxNLocator(integer=True))
     temps = sorted(set(metrics["temperature"])) if "temperature" in metrics else []
     t = f", T={temps[0]:g}" if len(temps) == 1 else ""
-    axes[0].set(xlabel="iteration (runs offset sideways)", ylabel="rollout success",
-                title=f"success (rollouts on training tasks{t})", ylim=(-0.02, 1.02))
+    panel["success"].set(xlabel="iteration (runs offset sideways)", ylabel="rollout success",
+                         title=f"success (rollouts on training tasks{t})", ylim=(-0.02, 1.02))
     if score_shown:
         lo, hi = min(0.0, float(metrics[MK.SCORE].min())), max(1.0, float(metrics[MK.SCORE].max()))
         pad = 0.02 * (hi - lo)
-        axes[1].set(xlabel="iteration", ylabel="mean score (lines)", title="score (lines), valid-action rate (x, faint)",
-                    ylim=(lo - pad, hi + pad))
-    else:
-        axes[1].set(xlabel="iteration", title=f"valid-action rate (score = {ratio:g} x success)")
-    valid_ax.set(ylabel="valid-action rate (x)", ylim=(-0.02, 1.08))  # a rate of 1 stays off the frame
-    # the runs' colours and line styles are the same in both panels; two columns where the lines cover least
-    axes[0].legend(fontsize=6.5, ncol=2, loc="best")
+        panel["score"].set(xlabel="iteration", ylabel="mean score", title="score (partial credit)",
+                           ylim=(lo - pad, hi + pad))
+    if valid_shown:
+        panel["valid"].set(xlabel="iteration", ylabel="valid-action rate", title="valid-action rate",
+                           ylim=(-0.02, 1.08))  # a rate of 1 stays off the frame
+    notes = [f"score = {ratio:g} x success (not drawn)"] * (not score_shown)
+    if len(valid) and not valid_shown:
+        notes.append(f"valid-action rate between {float(valid.min()):.3f} and {float(valid.max()):.3f} at every "
+                     f"iteration of every run (not drawn)")
+    # the runs' colours and line styles are the same in every panel: one legend, under the first
+    legend_below(panel["success"], ncol=4 if len(runs) > 6 else 2, fontsize=6.5)
     if has_curve:
-        ax = axes[2]
+        ax = panel["eval"]
         for (method, seed), df in heldout.groupby(["method", "train_seed"]):
             disp = METHOD_DISPLAY.get(method)
             per = df.groupby("iteration")["success"].mean()
@@ -307,30 +325,41 @@ def plot_training(metrics: pd.DataFrame, summary: pd.DataFrame | None, path: str
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set(xlabel="RL iterations (0: warm start)", ylabel="held-out success",
                title=f"held-out training tasks (n={n}, T=0.4)", ylim=(0, 1))
-        ax.legend(fontsize=7)
+        legend_below(ax, ncol=2, fontsize=6.5)
     elif has_eval:
-        ax = axes[2]
+        ax = panel["eval"]
         s = summary.dropna(subset=["start_success", "final_success"])
         x = range(len(s))
         ws = METHOD_DISPLAY["warm_start"]  # the warm start in its colour, each trained run in its method's
-        ax.bar([i - 0.2 for i in x], s["start_success"], width=0.4, color=ws.color, label=ws.label)
-        ax.bar([i + 0.2 for i in x], s["final_success"], width=0.4, label="after RL (method colour)",
+        one_start = s["start_success"].nunique() == 1  # every run starts from the same evaluated warm start
+        if one_start:
+            ax.axhline(float(s["start_success"].iloc[0]), color=ws.color, ls="--", lw=1,
+                       label=f"{ws.label} ({float(s['start_success'].iloc[0]):.2f})")
+        else:
+            ax.bar([i - 0.2 for i in x], s["start_success"], width=0.4, color=ws.color, label=ws.label)
+        width, dx = (0.6, 0.0) if one_start else (0.4, 0.2)
+        ax.bar([i + dx for i in x], s["final_success"], width=width, label="after RL (method colour)",
                color=[METHOD_DISPLAY[m].color if m in METHOD_DISPLAY else "0.5" for m in s["method"]])
         for i, (a, b) in enumerate(zip(s["start_success"], s["final_success"])):
-            ax.text(i - 0.2, a + 0.01, f"{a:.2f}", ha="center", va="bottom", fontsize=6)
-            ax.text(i + 0.2, b + 0.01, f"{b:.2f}", ha="center", va="bottom", fontsize=6)
+            if not one_start:
+                ax.text(i - dx, a + 0.01, f"{a:.2f}", ha="center", va="bottom", fontsize=6)
+            ax.text(i + dx, b + 0.01, f"{b:.2f}", ha="center", va="bottom", fontsize=6)
         ticks = [f"{METHOD_DISPLAY[m].label if m in METHOD_DISPLAY else m}\ns{sd}" for m, sd in zip(s["method"], s["seed"])]
         if "gained" in s:  # tasks solved only after / only before RL, exact McNemar p; short lines, no overlap
             ticks = [f"{t}\n+{g}/-{lo}\np={pv:.2g}" for t, g, lo, pv in zip(ticks, s["gained"], s["lost"], s["mcnemar_p"])]
         ax.set_xticks(list(x), ticks, fontsize=6.5)
         n = int(s["eval_episodes"].iloc[0]) if len(s) else 0
         ax.set(ylabel="success", title=f"held-out training tasks (n={n})", ylim=(0, 1))
-        ax.legend(fontsize=7)
-    fig.tight_layout()
+        ax.legend(fontsize=7, loc="upper right")
+    if notes:
+        fig.text(0.01, 0.005, "; ".join(notes).capitalize() + ".", fontsize=6.5, ha="left", va="bottom")
+    fig.tight_layout(rect=(0, 0.25 / fig.get_figheight() if notes else 0, 1, 1))
+    for problem in figure_problems(fig, ("text", "legend")):
+        log.warning("figure %s: %s", Path(path).name, problem)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.stem + ".tmp" + path.suffix)
-    fig.savefig(tmp, dpi=130)
+    fig.savefig(tmp, dpi=130, bbox_inches="tight", metadata={"Software": None})
     plt.close(fig)
     tmp.replace(path)
     return path

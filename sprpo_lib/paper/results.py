@@ -466,7 +466,9 @@ def plot_ablation(summary: pd.DataFrame, panels: Sequence[tuple[str, Sequence[tu
                 if not math.isnan(v):  # above the whisker
                     ax.text(xi + dx, v + (0 if math.isnan(e) else e) + 1, pct_text(v), ha="center", va="bottom",
                             fontsize=6)
-        ax.set_xticks(x, [plain(lab) for _, lab in members], fontsize=7, rotation=20)
+        # long labels break at their first space (rotated ones collided at four bars a panel)
+        ax.set_xticks(x, [plain(lab).replace(" ", "\n", 1) if len(plain(lab)) > 8 else plain(lab)
+                          for _, lab in members], fontsize=7)
         ax.set(title=plain(ptitle), ylim=(0, 100))
         ax.title.set_fontsize(8)
         ax.grid(axis="y", alpha=0.3)

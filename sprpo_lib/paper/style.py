@@ -77,6 +77,12 @@ def pyplot():
     return plt
 
 
+def legend_below(ax, ncol: int = 1, **kw):
+    """The axes' legend under its x label, clear of the data it explains (the figure check's
+    legend rule); ``tight_layout`` and ``bbox_inches="tight"`` make room for it."""
+    return ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=ncol, frameon=False, **kw)
+
+
 def role(name: str) -> str:
     """The colour of a non-method role (one clear error for an unknown one)."""
     if name not in ROLE_COLORS:

@@ -21,6 +21,7 @@ from typing import Mapping, Sequence
 import pandas as pd
 
 from sprpo_lib.core.compress import FAMILIES
+from sprpo_lib.core.methods import METHODS
 from sprpo_lib.infra.io import atomic_write_text
 from sprpo_lib.paper.style import METHOD_DISPLAY
 
@@ -120,15 +121,19 @@ def main_table(summary: pd.DataFrame, settings: Mapping[str, Sequence[tuple[str,
     titles), then one row per method, ``mean +- std`` and, off the clean column, the
     retention in parentheses; the best mean of each column bold (ties included); the
     ``highlight`` method's row shaded (``\\rowcolor``, needs ``colortbl``) and labelled
-    "(Ours)"; the environments in the paper's order (:data:`TABLE1_ENV_ORDER`).  Every env must
-    have the same number of columns."""
+    "(Ours)"; the environments in the paper's order (:data:`TABLE1_ENV_ORDER`).  A trained
+    method with fewer training seeds than the block's most (``n``) wears a dagger, and a note
+    under the table gives the counts (its cells have no std; a paired comparison with it uses
+    the shared seeds).  Every env must have the same number of columns."""
     frame = main_frame(summary, settings, methods, method=method, digits=digits)
     labels = {**METHOD_LABELS, **(method_labels or {})}
     envs = {**ENV_LABELS, **(env_labels or {})}
     widths = {len(c) for c in settings.values()}
     if len(widths) != 1:
         raise ValueError(f"main_table: every env needs the same number of columns, got {sorted(widths)}")
-    lines = [MACROS.rstrip("\n"), rf"\begin{{tabular}}{{@{{}}l{'c' * widths.pop()}@{{}}}}", r"\toprule"]
+    ncols = widths.pop()
+    lines = [MACROS.rstrip("\n"), rf"\begin{{tabular}}{{@{{}}l{'c' * ncols}@{{}}}}", r"\toprule"]
+    fewer: dict[str, tuple[int, int]] = {}  # method label -> (its seeds, the most in its block)
     order = [e for e in TABLE1_ENV_ORDER if e in settings] + [e for e in settings if e not in TABLE1_ENV_ORDER]
     for i, (env, cols) in enumerate((e, settings[e]) for e in order):
         if i:
@@ -140,9 +145,14 @@ def main_table(summary: pd.DataFrame, settings: Mapping[str, Sequence[tuple[str,
                         rf"\shortstack{{{name}\\({strength_label(fam, s, short=True)})}}")
         lines.append("\n& ".join(head) + r" \\")
         lines.append(r"\midrule")
+        block = frame[(frame["env"] == env) & frame["method"].isin(list(METHODS))]  # trained methods
+        seeds = block.groupby("method")["n"].max().dropna()
         for m in methods:
             sub = frame[(frame["env"] == env) & (frame["method"] == m)].sort_values("column")
             name = labels.get(m, m)
+            if m in seeds.index and seeds[m] < seeds.max():
+                fewer[labels.get(m, m)] = (int(seeds[m]), int(seeds.max()))
+                name = rf"{name}$^\dagger$"
             row = []
             if m == highlight:
                 row.append(r"\rowcolor{blue!8}")
@@ -155,7 +165,16 @@ def main_table(summary: pd.DataFrame, settings: Mapping[str, Sequence[tuple[str,
                 cells.append(txt)
             row.append("\n& ".join(cells) + r" \\")
             lines.extend(row)
-    lines += [r"\bottomrule", r"\end{tabular}"]
+    lines.append(r"\bottomrule")
+    if fewer:
+        by_count: dict[tuple[int, int], list[str]] = {}
+        for m, km in fewer.items():
+            by_count.setdefault(km, []).append(m)
+        said = "; ".join(f"{', '.join(ms)}: {k} training seed{'s' * (k != 1)}, the others {most}"
+                         for (k, most), ms in by_count.items())
+        lines.append(rf"\multicolumn{{{ncols + 1}}}{{@{{}}l}}{{\footnotesize $^\dagger$ {said}; "
+                     r"no std, and a paired comparison with it uses the shared seeds.} \\")
+    lines.append(r"\end{tabular}")
     return "\n".join(lines) + "\n"
 
 

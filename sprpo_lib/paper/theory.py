@@ -22,6 +22,7 @@ Checked statements (paper numbering):
 from __future__ import annotations
 
 import io
+import logging
 import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -34,7 +35,10 @@ import pandas as pd
 from sprpo_lib.infra.io import atomic_write_bytes, atomic_write_text
 from sprpo_lib.infra.manifest import not_applicable, write_manifest
 from sprpo_lib.infra.paths import project_path
-from sprpo_lib.paper.style import pyplot, role
+from sprpo_lib.paper.figcheck import figure_problems
+from sprpo_lib.paper.style import legend_below, pyplot, role
+
+log = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------------------
 # sizes
@@ -1041,29 +1045,29 @@ def plot_lemma1(lem: dict):
     fig, ax = plt.subplots(1, 3, figsize=(14, 4))
     sc = ax[0].scatter(p.bound, p.delta_j, c=np.log10(p.alpha.clip(1e-6)), s=4, cmap="viridis", rasterized=True)
     lim = [min(p.bound.min(), p.delta_j.min()), max(p.bound.max(), p.delta_j.max())]
-    ax[0].plot(lim, lim, "k--", lw=1, label="Delta J = bound")
+    ax[0].plot(lim, lim, "k--", lw=1, label=r"$\Delta J$ = bound")
     ax[0].set_xscale("symlog", linthresh=1e-3)
     ax[0].set_yscale("symlog", linthresh=1e-3)
     ticks = [t for t in (-1e3, -1e1, -1e-1, 0.0, 1e-1, 1e1) if lim[0] - 1 <= t <= lim[1] + 1]
     ax[0].set_xticks(ticks, [f"{t:g}" for t in ticks], fontsize=8)
-    ax[0].set( xlabel="Lemma 1 bound  L - 4 gamma A_max alpha^2/(1-gamma)^2",
-              ylabel="Delta J = J(pi') - J(pi)", title=f"Lemma 1: {len(p)} random pairs, min slack {p.slack.min():.2e}")
-    ax[0].legend(fontsize=8, loc="lower right")  # clear of the diagonal it explains
-    fig.colorbar(sc, ax=ax[0], label="log10 alpha")
+    ax[0].set(xlabel=r"Lemma 1 bound  $L - 4\gamma A_{\max}\alpha^2/(1-\gamma)^2$",
+              ylabel=r"$\Delta J = J(\pi') - J(\pi)$", title=f"Lemma 1: {len(p)} random pairs, min slack {p.slack.min():.2e}")
+    legend_below(ax[0])
+    fig.colorbar(sc, ax=ax[0], label=r"$\log_{10}\alpha$")
     ok = p.alpha > 0
-    ax[1].loglog(p.alpha[ok], p.slack[ok].clip(1e-16), ".", ms=2, alpha=0.3, label="slack Delta J - bound",
+    ax[1].loglog(p.alpha[ok], p.slack[ok].clip(1e-16), ".", ms=2, alpha=0.3, label=r"slack $\Delta J$ - bound",
                  rasterized=True)
     ax[1].loglog(b.alpha_median, b.penalty_median, "s-", label="penalty (median)")
-    ax[1].loglog(b.alpha_median, b.gap_median, "o-", label="|Delta J - L| (median)")
-    ax[1].set(xlabel="alpha = max_s TV(pi, pi')", ylabel="return units",
-              title=f"slopes (alpha<0.05): slack {lem['slope_slack']:.2f}, gap {lem['slope_gap']:.2f}")
-    ax[1].legend(fontsize=8)
+    ax[1].loglog(b.alpha_median, b.gap_median, "o-", label=r"$|\Delta J - L|$ (median)")
+    ax[1].set(xlabel=r"$\alpha = \max_s D_{TV}(\pi, \pi')$", ylabel="return units",
+              title=rf"slopes ($\alpha$<0.05): slack {lem['slope_slack']:.2f}, gap {lem['slope_gap']:.2f}")
+    legend_below(ax[1], ncol=2)
     ax[2].semilogx(p.alpha[ok], p.tightness[ok], ".", ms=2, alpha=0.3, label="random pairs", rasterized=True)
     ax[2].semilogx(s.alpha, s.tightness, "*", color=role("accent"), ms=9, label="adversarial search (best per restart)")
     ax[2].axhline(1, color="k", ls="--", lw=1, label="lemma fails above 1")
-    ax[2].set(xlabel="alpha", ylabel="(L - Delta J) / penalty", ylim=(-0.1, 1.1),
+    ax[2].set(xlabel=r"$\alpha$", ylabel=r"$(L - \Delta J)$ / penalty", ylim=(-0.1, 1.1),
               title=f"share of the penalty used: max {max(p.tightness.max(), s.tightness.max()):.3f}")
-    ax[2].legend(fontsize=8)
+    legend_below(ax[2], ncol=2)
     fig.tight_layout()
     return fig
 
@@ -1077,33 +1081,34 @@ def plot_theorem1(thm1: dict):
     for a, (name, dj) in zip(ax[:2], thm1["samples"].items()):
         r = t[t["update"] == name]
         a.hist(dj, bins=80, color="0.6")
-        a.axvline(r.mu_nu.iloc[0], color="k", label="mu_nu = E[Delta J_xi]")
+        a.axvline(r.mu_nu.iloc[0], color="k", label=r"$\mu_\nu = E[\Delta J_\xi]$")
         if r.m_nu.iloc[0] > dj.min() - (dj.max() - dj.min()):  # far-off m_nu would squash the histogram
-            a.axvline(r.m_nu.iloc[0], color=role("bound"), label="m_nu (Thm 1)")
+            a.axvline(r.m_nu.iloc[0], color=role("bound"), label=r"$m_\nu$ (Thm 1)")
         else:  # said, not silently dropped
-            a.plot([], [], color=role("bound"), label=f"m_nu = {r.m_nu.iloc[0]:.3g}: off the axis, left")
+            a.plot([], [], color=role("bound"), label=rf"$m_\nu$ = {r.m_nu.iloc[0]:.3g}: off the axis, left")
         for thr in r.thr_mu:
             a.axvline(thr, color=role("accent"), ls=":", lw=1)
         a.xaxis.set_major_locator(plt.MaxNLocator(5))
         a.axvline(0, color="k", ls="--", lw=0.8)
-        a.set(xlabel="Delta J_xi", ylabel="count",
-              title=f"{name} (step {r.step.iloc[0]:.3g}): m_nu={r.m_nu.iloc[0]:.3g},"
-                    f"\nmu_nu={r.mu_nu.iloc[0]:.3g}, P(Delta J_xi>=0)={r.p_improve.iloc[0]:.3f}")
-        a.legend(fontsize=7, title="dotted: mu - sqrt((1-b)/b v)", title_fontsize=7)
+        a.plot([], [], color=role("accent"), ls=":", lw=1, label=r"$\mu_\nu - \sqrt{(1-\beta)/\beta\ v_\nu}$ per $\beta$")
+        a.set(xlabel=r"$\Delta J_\xi$", ylabel="count",
+              title=rf"{name} (step {r.step.iloc[0]:.3g}): $m_\nu$={r.m_nu.iloc[0]:.3g},"
+                    f"\n" + rf"$\mu_\nu$={r.mu_nu.iloc[0]:.3g}, $P(\Delta J_\xi \geq 0)$={r.p_improve.iloc[0]:.3f}")
+        legend_below(a, ncol=2)
     names = list(dict.fromkeys(t["update"]))
     colors = _colors(len(names))
-    for key, mk, lab in (("m", "o", "threshold m_nu - sqrt((1-b)/b v)"),
-                         ("mu", "s", "threshold mu_nu - sqrt((1-b)/b v)")):
+    for key, mk, lab in (("m", "o", r"threshold $m_\nu - \sqrt{(1-\beta)/\beta\ v_\nu}$"),
+                         ("mu", "s", r"threshold $\mu_\nu - \sqrt{(1-\beta)/\beta\ v_\nu}$")):
         for i, name in enumerate(names):
             g = t[t["update"] == name]
             x = 1 - g.beta + 0.01 * (i / max(len(names) - 1, 1) - 0.5)
             ax[2].errorbar(x, g[f"p_{key}"], yerr=_yerr(g[f"p_{key}"], g[f"lo_{key}"], g[f"hi_{key}"]), fmt=mk, ms=3,
                            color=colors[i], mfc=colors[i] if key == "m" else "none", label=lab if i == 0 else None)
-    ax[2].plot([0, 1], [0, 1], "k--", lw=1, label="guarantee 1 - beta")
-    ax[2].set(xlabel="1 - beta", ylabel="empirical P(Delta J_xi >= threshold)", xlim=(0.25, 1.0), ylim=(0.25, 1.01),
+    ax[2].plot([0, 1], [0, 1], "k--", lw=1, label=r"guarantee $1 - \beta$")
+    ax[2].set(xlabel=r"$1 - \beta$", ylabel=r"empirical $P(\Delta J_\xi \geq$ threshold$)$", xlim=(0.25, 1.0), ylim=(0.25, 1.01),
               title=f"Theorem 1: {len(t)} (update, beta) pairs,\n"
                     f"{int(t.violated_m.sum() + t.violated_mu.sum())} violations (exact 95% intervals)")
-    ax[2].legend(fontsize=7, loc="lower right")
+    legend_below(ax[2])
     fig.tight_layout()
     return fig
 
@@ -1121,10 +1126,9 @@ def plot_corollary1(cor1: dict):
         ax[0].errorbar(g.sigma, g.ratio, yerr=_yerr(g.ratio, g.ratio_lo, g.ratio_hi), fmt="o-", ms=3,
                        color=colors[i], label=name, capsize=2)
     ax[0].axhline(1, color="k", ls="--", lw=1)
-    ax[0].set(xscale="log", xlabel="sigma (isotropic, per channel)", ylabel="Var[L_xi] / sum sigma_i^2 S_i",
-              title=f"Gaussian Poincare (App. A.2): ratio <= 1\n(Bonferroni {100 * cor1['level']:.2f}% intervals)",
+    ax[0].set(xscale="log", xlabel=r"$\sigma$ (isotropic, per channel)", ylabel=r"Var$[L_\xi] / \sum_i \sigma_i^2 S_i$",
+              title=f"Gaussian Poincare (App. A.2): ratio " + r"$\leq$ 1" + f"\n(Bonferroni {100 * cor1['level']:.2f}% intervals)",
               ylim=(0, 1.1))
-    ax[0].legend(fontsize=6, ncol=2)
     for i, name in enumerate(names):
         g = al[al["update"] == name]
         ax[1].semilogy(g.alpha, g.var_dj_rel, "o-", color=colors[i], label=name)
@@ -1132,18 +1136,19 @@ def plot_corollary1(cor1: dict):
                        fmt="o-", color=colors[i], ms=3, capsize=2, label=name)
     for a in ax[1:]:
         a.axvline(1.0, color="k", ls=":", lw=1)
-    ax[1].set(xlabel="allocation exponent alpha (sigma_i^2 ~ S_i^-alpha; 0 isotropic, 1 SPrPO)",
-              ylabel="Var[Delta J_xi] / Var at alpha=0", title="equal energy sum sigma_i^2: variance")
-    ax[2].set(xlabel="allocation exponent alpha", ylabel="P(Delta J_xi >= 0) (Wilson 95%)",
+    ax[1].set(xlabel=r"allocation exponent $\alpha$ ($\sigma_i^2 \propto S_i^{-\alpha}$; 0 isotropic, 1 SPrPO)",
+              ylabel=r"Var$[\Delta J_\xi]$ / Var at $\alpha$=0", title=r"equal energy $\sum_i \sigma_i^2$: variance")
+    ax[2].set(xlabel=r"allocation exponent $\alpha$", ylabel=r"$P(\Delta J_\xi \geq 0)$ (Wilson 95%)",
               title="equal energy: probability of improvement")
-    ax[1].legend(fontsize=6, ncol=2)
+    for a in ax:
+        legend_below(a, ncol=3, fontsize=6)
     fig.tight_layout()
     return fig
 
 
 RUN_STYLE = {"pg": (role("unconstrained"), "unconstrained PG"),
-             "stable_m": (role("stable_m"), "stable, U_beta with m_nu"),
-             "stable_mu": (role("stable_mu"), "stable, U_beta with E[Delta J]")}
+             "stable_m": (role("stable_m"), r"stable, $U_\beta$ with $m_\nu$"),
+             "stable_mu": (role("stable_mu"), r"stable, $U_\beta$ with $E[\Delta J]$")}
 
 
 def plot_theorem2(thm2: dict):
@@ -1165,13 +1170,14 @@ def plot_theorem2(thm2: dict):
         if run != "pg":
             ax[2].semilogy(k.eps, k.cantelli, "--", color=c, lw=1, label=f"{lab}: Cantelli bound")
     s = thm2["setup"]
-    ax[0].set(xlabel="iteration k", ylabel="J_bar_k = E_xi J(pi_k^xi) (held-out xi)",
-              title=f"sigma={s['sigma']}, |xi_i|<={s['delta']} sigma, beta={s['beta']}")
-    ax[1].set(xlabel="iteration k", ylabel="sd of J(pi_k^xi)", title="spread of the perturbed return")
-    ax[2].axvline(thm2["eps"], color="k", ls=":", lw=1, label="eps of the robustness check")
-    ax[2].set(xlabel="eps", ylabel="P(J(pi^xi) < J_bar - eps)", title="final policies: lower tail", ylim=(1e-5, 1.5))
+    ax[0].set(xlabel="iteration $k$", ylabel=r"$\bar J_k = E_\xi J(\pi_k^\xi)$ (held-out $\xi$)",
+              title=rf"$\sigma$={s['sigma']}, $|\xi_i| \leq$ {s['delta']}$\sigma$, $\beta$={s['beta']}")
+    ax[1].set(xlabel="iteration $k$", ylabel=r"sd of $J(\pi_k^\xi)$", title="spread of the perturbed return")
+    ax[2].axvline(thm2["eps"], color="k", ls=":", lw=1, label=r"$\epsilon$ of the robustness check")
+    ax[2].set(xlabel=r"$\epsilon$", ylabel=r"$P(J(\pi^\xi) < \bar J - \epsilon)$", title="final policies: lower tail",
+              ylim=(1e-5, 1.5))
     for a in ax:
-        a.legend(fontsize=6)
+        legend_below(a, ncol=2, fontsize=6)
     fig.tight_layout()
     return fig
 
@@ -1219,8 +1225,12 @@ def exact_design(seed: int | None) -> dict:
 
 def save_figure(fig, out_dir: str | Path, stem: str, config: dict, seed: int | None, wall_seconds: float,
                 extra: dict | None = None) -> list[Path]:
-    """Render ``fig`` to PNG and PDF in memory and write each atomically with its manifest."""
+    """Render ``fig`` to PNG and PDF in memory and write each atomically with its manifest.
+    The figure check's text and legend rules run first (these figures draw exact quantities,
+    not evaluation designs); their problems are logged as warnings."""
     plt = _plt()
+    for problem in figure_problems(fig, ("text", "legend")):
+        log.warning("figure %s: %s", stem, problem)
     paths = []
     for ext, kw in (("png", {"dpi": 130, "metadata": {"Software": None}}),
                     ("pdf", {"metadata": {"CreationDate": None, "Producer": None}})):
