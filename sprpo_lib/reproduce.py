@@ -129,11 +129,13 @@ PROFILES: dict[str, dict] = {
 
 
 def plan(profile: str, only: list[str] | None = None, model: str | None = None,
-         out_dir: str | None = None, envs: list[str] | None = None) -> list[tuple[Path, dict]]:
+         out_dir: str | None = None, envs: list[str] | None = None,
+         overrides: list[str] | None = None) -> list[tuple[Path, dict]]:
     """The (notebook, parameters) pairs a profile runs, in numbered order.  ``envs``
     keeps only those of a notebook's environments (a stage of a reproduction: the
     other environment's runs and cells are not needed yet); a notebook left with none
-    is not run."""
+    is not run.  ``overrides`` (``section.key=value``, as ``sprpo-train`` takes them, e.g.
+    ``rollout.engine=vllm``) reach every notebook that trains or evaluates policies."""
     if profile not in PROFILES:
         raise SystemExit(f"unknown profile {profile!r}; expected one of {sorted(PROFILES)}")
     prof = PROFILES[profile]
@@ -151,8 +153,9 @@ def plan(profile: str, only: list[str] | None = None, model: str | None = None,
                 continue
         if model and "model" in params:
             params["model"] = model
-        if model and "profile" in params:  # training notebooks take the model as a config override
-            params["overrides"] = list(params.get("overrides", [])) + [f"model.spec={model}"]
+        extra = [*([f"model.spec={model}"] if model else []), *(overrides or [])]
+        if extra and "profile" in params:  # training notebooks take the model as a config override
+            params["overrides"] = list(params.get("overrides", [])) + extra
         jobs.append((path, params))
     if not jobs:
         raise SystemExit(f"no notebook of profile {profile!r} matches --only {only}"
@@ -202,7 +205,7 @@ def start_executor(profile: str, executor: str, address: str | None) -> dict[str
 def run(profile: str, only: list[str] | None = None, force: bool = False, model: str | None = None,
         runs_dir: Path | None = None, out_dir: str | None = None, render_only: bool = False,
         stream: bool = False, executor: str = "local", address: str | None = None,
-        envs: list[str] | None = None) -> list[dict]:
+        envs: list[str] | None = None, overrides: list[str] | None = None) -> list[dict]:
     """Execute the profile's notebooks, each in its own folder; returns one status record
     per notebook (with the figures and tables it wrote).  ``render_only`` redraws from the
     cached results: notebooks with a ``render_only`` parameter run with it set, the others
@@ -216,7 +219,7 @@ def run(profile: str, only: list[str] | None = None, force: bool = False, model:
     runs_dir = (project_path(runs_dir) if runs_dir else project_runs()) / profile
     commit = git_commit()
     records = []
-    jobs = plan(profile, only, model, out_dir, envs)
+    jobs = plan(profile, only, model, out_dir, envs, overrides)
     exec_env = start_executor(profile, executor, address)
     t_all = time.time()
     for i, (path, params) in enumerate(jobs, 1):
@@ -452,10 +455,11 @@ def refresh_page(page: Path, prefix: str, profile: str, out_dir: str, root: Path
         text = replace_block(text, f"stages-{profile}", "<!-- generated from the manifests by sprpo-reproduce; "
                              "do not edit -->\n" + stage_table(profile, out_dir, previous=old), prefix=prefix)
 
-    for block, make in (("plans", budget.plans_summary), ("paper-cost", budget.cost_summary)):
+    for block, make, made in (("plans", budget.plans_summary, lambda: budget.plans_summary()),
+                              ("paper-cost", budget.cost_summary, lambda: budget.cost_summary(out_dir))):
         if f"<!-- {block}:begin -->" in text:
             text = replace_block(text, block, f"<!-- generated from sprpo_lib.paper.budget.{make.__name__}; "
-                                 "do not edit -->\n" + make(), prefix=prefix)
+                                 "do not edit -->\n" + made(), prefix=prefix)
     if "<!-- notebooks:begin -->" in text:
         text = replace_block(text, "notebooks", "<!-- generated from sprpo_lib.reproduce.NOTEBOOK_INFO; do not edit -->\n"
                              + notebooks_table(), prefix=prefix)
@@ -486,6 +490,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--render-only", action="store_true",
                     help="redraw figures and tables from the cached results (no training, no evaluation)")
     ap.add_argument("--model", help="override the policy model (a local HF directory or hub id)")
+    ap.add_argument("--override", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="training-config overrides for every plan, as sprpo-train takes them (e.g. rollout.engine=vllm)")
     ap.add_argument("--runs-dir", type=Path, help="where executed notebooks go (default: runs/ under the project root)")
     ap.add_argument("--quiet", action="store_true", help="papermill's cell bar only, no streamed progress")
     ap.add_argument("--executor", default="local", choices=EXECUTORS,
@@ -503,7 +509,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     t0 = time.time()
     records = run(args.profile, args.only, args.force, args.model, args.runs_dir, render_only=args.render_only,
-                  stream=not args.quiet, executor=args.executor, address=args.address, envs=args.envs)
+                  stream=not args.quiet, executor=args.executor, address=args.address, envs=args.envs,
+                  overrides=args.override)
     print_summary(args.profile, records, time.time() - t0)
     out_dir = PROFILES[args.profile]["out_dir"]
     atomic_write_json((project_path(args.runs_dir) if args.runs_dir else project_runs()) / args.profile

@@ -115,3 +115,46 @@ def test_the_paper_profile_splits_a_full_budget_micro_batch_but_not_a_rollouts()
     assert full.padded_tokens(cfg.update.micro_batch, max_tokens=cfg.update.micro_batch_tokens) == 16 * 4160
     typical = Batch([Sample(list(range(1200 + 10 * i)), 64, 1.0) for i in range(16)])
     assert len(typical.micro_batch_order(cfg.update.micro_batch, max_tokens=cfg.update.micro_batch_tokens)) == 1
+
+
+def _record(**envs) -> dict:
+    return {"bench": "gpu", "date": "2026-12-05T00:00:00Z", "machine": {"gpu": "Test GPU"}, "results": envs}
+
+
+def test_projected_cost_is_the_recorded_phases_scaled_to_the_step_limits():
+    """By hand: 12 episodes of 3 turns in 30 s of rollout and a 6 s update give, at WebShop's 15-step
+    limit, (30 + 6) x 15/3 = 180 s per iteration, x 200 iterations = 10 h per run; a method the record
+    lacks in ALFWorld takes SPrPO's update there x its WebShop ratio to SPrPO (2 x 6 / 3)."""
+    from sprpo_lib.paper import budget as B
+    from sprpo_lib.paper import experiments as X
+
+    roll = {"episodes": 12, "samples": 36, "rollout_s": 30.0}
+    web = {"rollout": roll, **{m: {"update_s": u} for m, u in
+                               (("vanilla", 6.0), ("gaussian", 6.0), ("sam", 12.0), ("sprpo", 9.0))}}
+    alf = {"rollout": {"episodes": 12, "samples": 36, "rollout_s": 60.0}, "sprpo": {"update_s": 3.0}}
+    df = B.projected_costs(_record(webshop=web, alfworld=alf), iterations=200).set_index(["env", "method"])
+    v = df.loc[("webshop", "vanilla")]
+    assert v.iteration_s == pytest.approx(180.0) and v.hours_per_run == pytest.approx(10.0)
+    assert v.runs == len(X.PLANS["paper"]["webshop"].seeds["vanilla"]) and v.source == "measured"
+    a = df.loc[("alfworld", "vanilla")]
+    assert a.update_s == pytest.approx(2.0 * 50 / 3, abs=0.05) and a.source.startswith("estimated")
+    assert a.iteration_s == pytest.approx((60.0 + 2.0) * 50 / 3, abs=0.05)
+    assert df["hours"].sum() == pytest.approx(sum(df["hours_per_run"] * df["runs"]), rel=1e-2)
+    text = B.projected_markdown({**_record(webshop=web, alfworld=alf), "name": "t"})
+    assert "Test GPU" in text and "| all |" in text and "estimated" in text
+    assert B.projected_costs(_record(webshop={"rollout": roll})).empty  # no update measured: no projection
+
+
+def test_the_readme_cost_line_comes_from_the_newest_gpu_record(tmp_path):
+    from sprpo_lib.paper import budget as B
+
+    assert "at the paper's seconds per step" in B.cost_summary(tmp_path)  # no record: the paper's table
+    web = {"rollout": {"episodes": 12, "samples": 36, "rollout_s": 30.0},
+           **{m: {"update_s": 6.0} for m in ("vanilla", "gaussian", "sam", "sprpo")}}
+    old = _record(webshop=web)
+    new = {**_record(webshop={**web, "rollout": {**web["rollout"], "rollout_s": 60.0}}), "date": "2026-12-06T00:00:00Z"}
+    (tmp_path / "bench_a.json").write_text(json.dumps({"gpu_old": old}))
+    (tmp_path / "bench_b.json").write_text(json.dumps({"gpu_new": new, "other": {"bench": "train", "results": {}}}))
+    line = B.cost_summary(tmp_path)
+    hours = B.projected_costs(new)["hours"].sum()
+    assert line.startswith(f"About {hours:.0f} GPU-hours") and "bench_b.json" in line and "2026-12-06" in line

@@ -44,7 +44,6 @@ def test_a_stage_of_one_environment():
         plan("cpu", only=["08"], envs=["alfworld"])
 
 
-@pytest.mark.slow
 def test_a_render_only_page_takes_the_dtype_from_the_computing_pass_not_the_runs_at_hand(tmp_path):
     """Run folders present while redrawing need not be the ones that computed the cells (a
     retraining in progress): a render-only page states no dtype of its own, so the manifests keep
@@ -61,6 +60,16 @@ def test_a_render_only_page_takes_the_dtype_from_the_computing_pass_not_the_runs
         assert page.design()["dtype"] == want
 
 
+def test_overrides_reach_every_notebook_that_trains_or_evaluates():
+    """--model and --override (e.g. the paper's engine, rollout.engine=vllm) become config overrides
+    of the notebooks that take a profile; the others (00, 02) get none."""
+    jobs = {p.stem: prm for p, prm in plan("paper", model="/m", overrides=["rollout.engine=vllm"])}
+    assert jobs["01_training"]["overrides"][-2:] == ["model.spec=/m", "rollout.engine=vllm"]
+    assert jobs["04_robustness"]["overrides"][-2:] == ["model.spec=/m", "rollout.engine=vllm"]
+    assert "overrides" not in jobs["02_theory"]
+
+
+@pytest.mark.slow
 def test_quickstart_notebook_smoke(tmp_path):
     out = tmp_path / "figs"
     recs = run("smoke", only=["00"], force=True, runs_dir=tmp_path / "runs", out_dir=str(out))

@@ -56,6 +56,7 @@ from sprpo_lib.infra.hardware import ALLOCATORS, machine_info, set_allocator
 from sprpo_lib.infra.io import atomic_write_json
 from sprpo_lib.infra.manifest import git_commit
 from sprpo_lib.infra.paths import project_path, runs_dir
+from sprpo_lib.paper.budget import projected_markdown
 
 
 def _print_table(res: dict, prefix: str = "") -> None:
@@ -309,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write_json(out, rec)
     print(f"bench {args.what} ({rec['commit'][:12]}, {rec['wall_s']} s) -> {out}")
     _print_table(res)
+    if args.what == "gpu":  # the paper profile's cost from the phases just measured
+        print(projected_markdown({**rec, "name": out.stem}) or "no projection: no rollout with an update was recorded")
     return 0
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from sprpo_lib.infra.io import CorruptFileError, atomic_write_text, read_json
 from sprpo_lib.infra.manifest import not_applicable, write_manifest
 from sprpo_lib.infra.paths import figures_dir, project_root, runs_dir
+from sprpo_lib.paper.budget import projected_markdown
 from sprpo_lib.paper.results import doc_pages, replace_block
 from sprpo_lib.paper.style import METHOD_DISPLAY
 
@@ -327,6 +328,9 @@ def _gpu_rows(res: dict) -> list[str]:
     if not res.get("reserve_per_phase") and envs:
         lines.append("\n`held`: the caching allocator's reserve, which this record did not reset between stages: "
                      "a stage's figure includes what earlier stages left cached.")
+    projected = projected_markdown({"results": res, "name": "this record"})
+    if projected:  # one paper-profile run per method and env, and the grid, from these phases
+        lines += ["", projected.rstrip("\n")]
     return lines
 
 

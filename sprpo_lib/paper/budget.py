@@ -30,7 +30,8 @@ from sprpo_lib.train.config import load_config
 __all__ = ["APP_C_TASKS", "PAPER_STEP_SECONDS", "split_tasks", "planned_episodes", "plan_table", "paper_cost_table",
            "paper_gpu_hours", "plans_markdown", "plans_summary", "cost_summary", "Rates", "DESIGN_METHODS",
            "design_plan", "design_seconds", "choose_design", "bench_episode_s", "training_rates", "bench_machine", "bench_rates", "design_table",
-           "design_from_figures", "missing_landscape"]
+           "design_from_figures", "missing_landscape", "gpu_records", "record_engine", "projected_costs",
+           "projected_markdown"]
 
 #: App. C's held-out tasks per split (the ``paper`` plan evaluates all of them).
 APP_C_TASKS: dict[str, dict[str, int]] = {
@@ -201,10 +202,109 @@ def plans_summary() -> str:
     return "\n".join(out) + f"\n\nThe whole table: [figures/{PLANS_FILE}](figures/{PLANS_FILE}).\n"
 
 
-def cost_summary() -> str:
-    """One line for the README: the paper profile's training grid in GPU-hours."""
-    return (f"About {paper_gpu_hours():.0f} GPU-hours for the `paper` profile's training grid at the paper's "
-            f"seconds per step ([figures/{PLANS_FILE}](figures/{PLANS_FILE})).\n")
+def gpu_records(out_dir) -> list[dict]:
+    """The ``sprpo-bench gpu`` records among ``out_dir``'s ``bench_*.json`` files, newest first."""
+    recs = []
+    for path in sorted(Path(out_dir).glob("bench_*.json")):
+        if path.name.endswith(".manifest.json"):
+            continue
+        for name, rec in json.loads(path.read_text()).items():
+            if isinstance(rec, dict) and rec.get("bench") == "gpu" and isinstance(rec.get("results"), dict):
+                recs.append({"name": name, "file": path.name, **rec})
+    return sorted(recs, key=lambda r: r.get("date") or "", reverse=True)
+
+
+def projected_costs(record: Mapping, iterations: int | None = None) -> pd.DataFrame:
+    """One ``paper``-profile RL run per (env, method) projected from a ``sprpo-bench gpu``
+    record: the recorded rollout of 128 episodes plus the method's update on that batch,
+    both scaled from the recorded turns per episode to the environment's step limit (App. B:
+    50 ALFWorld, 15 WebShop; an upper bound, as if every episode ran to its limit, the way an
+    untrained policy's do), times the profile's iterations; ``runs`` from the paper plan's
+    seeds.  A method whose update on the rollout's batch the record lacks takes SPrPO's there
+    times its ratio to SPrPO in the other environment (``source`` says so), else at the
+    full prompt budget; no SPrPO update at all leaves the row out."""
+    res = record["results"]
+    out = []
+    for env in ("alfworld", "webshop"):
+        rows = res.get(env) or {}
+        roll = rows.get("rollout") or {}
+        if not roll.get("episodes") or not roll.get("samples"):
+            continue
+        turns = roll["samples"] / roll["episodes"]
+        limit = ENV_MAX_STEPS[env]
+        scale = limit / turns
+        cfg = load_config("paper", **{"env.name": env})
+        iters = iterations or cfg.iterations
+        p = X.PLANS["paper"][env]
+        other = res.get("webshop" if env == "alfworld" else "alfworld") or {}
+        for m in p.methods:
+            update, source = (rows.get(m) or {}).get("update_s"), "measured"
+            if update is None and (rows.get("sprpo") or {}).get("update_s"):
+                ref = rows["sprpo"]["update_s"]
+                if (other.get(m) or {}).get("update_s") and (other.get("sprpo") or {}).get("update_s"):
+                    update = ref * other[m]["update_s"] / other["sprpo"]["update_s"]
+                    source = "estimated: SPrPO's update here x its ratio to SPrPO in the other environment"
+                else:
+                    fb = rows.get("full_budget") or {}
+                    if (fb.get(m) or {}).get("update_s") and (fb.get("sprpo") or {}).get("update_s"):
+                        update = ref * fb[m]["update_s"] / fb["sprpo"]["update_s"]
+                        source = "estimated: SPrPO's update here x its ratio to SPrPO at the full prompt budget"
+            if update is None:
+                continue
+            it_s = (roll["rollout_s"] + update) * scale
+            out.append({"env": env, "method": m, "turns_recorded": round(turns, 2), "step_limit": limit,
+                        "rollout_s": round(roll["rollout_s"] * scale, 1), "update_s": round(update * scale, 1),
+                        "iteration_s": round(it_s, 1), "iterations": iters,
+                        "hours_per_run": round(it_s * iters / 3600, 2), "runs": len(p.seeds[m]),
+                        "hours": round(it_s * iters * len(p.seeds[m]) / 3600, 1), "source": source})
+    return pd.DataFrame(out)
+
+
+def record_engine(record: Mapping) -> str:
+    """The generation engine a ``sprpo-bench gpu`` record's rollouts used: its override, else the
+    ``paper`` profile's own."""
+    over = [o.split("=", 1)[1] for o in record["results"].get("overrides") or [] if o.startswith("rollout.engine=")]
+    return over[-1] if over else load_config("paper").rollout.engine
+
+
+def projected_markdown(record: Mapping) -> str:
+    """The projection of :func:`projected_costs` as a table with its totals, naming the record."""
+    df = projected_costs(record)
+    if df.empty:
+        return ""
+    gpu = (record.get("machine") or {}).get("gpu") or (record["results"].get("gpu") or {}).get("name", "?")
+    lines = [f"Projected from `{record.get('name', '?')}` ({gpu}, {str(record.get('date', ''))[:10]}; "
+             f"{'partial record; ' if record.get('partial') else ''}rollouts with the `{record_engine(record)}` "
+             "engine, scaled from "
+             "the recorded turns per episode to the step limit: an upper bound):", "",
+             "| environment | method | rollout s | update s | s / iteration | iterations | hours per run | runs | "
+             "hours | source |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in df.itertuples():
+        lines.append(f"| {ENV_LABELS[r.env]} | {METHOD_DISPLAY[r.method].label} | {r.rollout_s:.0f} | {r.update_s:.0f} | "
+                     f"{r.iteration_s:.0f} | {r.iterations} | {r.hours_per_run:.1f} | {r.runs} | {r.hours:.0f} | "
+                     f"{r.source} |")
+    envs = set(df["env"])
+    lines.append(f"| all | | | | | | | | {df['hours'].sum():.0f} | "
+                 f"{'every environment' if envs == {'alfworld', 'webshop'} else 'only ' + ', '.join(sorted(envs))} |")
+    return "\n".join(lines) + "\n"
+
+
+def cost_summary(out_dir=None) -> str:
+    """One line for the README: the paper profile's training grid in GPU-hours, projected from
+    the newest ``sprpo-bench gpu`` record in ``out_dir`` (``figures/``) where there is one,
+    beside the paper's own seconds per step."""
+    paper = (f"{paper_gpu_hours():.0f} GPU-hours at the paper's seconds per step "
+             f"([figures/{PLANS_FILE}](figures/{PLANS_FILE}))")
+    recs = gpu_records(Path(out_dir)) if out_dir is not None else []
+    for rec in recs:
+        df = projected_costs(rec)
+        if not df.empty:
+            gpu = (rec.get("machine") or {}).get("gpu") or "?"
+            return (f"About {df['hours'].sum():.0f} GPU-hours for the `paper` profile's training grid on one "
+                    f"{gpu}, projected from this trainer's own record (`{rec['file']}`, {str(rec['date'])[:10]}; "
+                    f"rollouts with the `{record_engine(rec)}` engine at the step limits, an upper bound); "
+                    f"{paper}.\n")
+    return f"About {paper} for the `paper` profile's training grid.\n"
 
 
 # ----------------------------------------------------------------------------- choosing the cpu design

