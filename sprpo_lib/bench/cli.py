@@ -16,6 +16,7 @@
     sprpo-bench prompts [--env alfworld] [--episodes 16] [--override env.max_steps=50]
     sprpo-bench churn [--rounds 500] [--deadline 30] [--stall-every 0]
     sprpo-bench gpu [--profile paper] [--device cuda]   # the paper profile on one GPU (bench/gpu.py)
+    sprpo-bench host [--batch 128] [--new-tokens 64]   # a decode step's host time, inside and outside the forward
     sprpo-bench runs --env webshop --before runs/cpu/levers_off --after runs/cpu/train   # finished runs compared
     sprpo-bench report   # runs/bench/*.json -> figures/bench_<machine>.md, README block
 
@@ -37,6 +38,7 @@ from sprpo_lib.bench.divergence import bench_divergence
 from sprpo_lib.bench.estimates import bench_estimates
 from sprpo_lib.bench.gpu import METHODS, bench_gpu
 from sprpo_lib.bench.grads import bench_grads
+from sprpo_lib.bench.host import bench_host
 from sprpo_lib.bench.ops import OPS_METHODS, bench_ops
 from sprpo_lib.bench.report import report
 from sprpo_lib.bench.runs import bench_runs
@@ -95,6 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-sparsegpt", action="store_true")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: the model's loader default)")
+    ho = sub.add_parser("host", help="a decode step's host time at the paper's depth, inside and outside the "
+                        "model's forward, per engine (hf, hf-graphs, transformers' generate_batch)")
+    ho.add_argument("--engines", default="hf,hf-graphs,generate_batch")
+    ho.add_argument("--batch", type=int, default=128)
+    ho.add_argument("--new-tokens", type=int, default=64)
     dv = sub.add_parser("divergence", help="the divergence pass per agent state (sprpo-eval --metric divergence): "
                         "the clean side and one setting's comparison, each against its floor")
     dv.add_argument("--profile", default="cpu")
@@ -234,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--before", required=True, help="runs folder of the reference side, e.g. runs/cpu/levers_off")
     w.add_argument("--after", required=True, help="runs folder of the other side, e.g. runs/cpu/train")
-    for sp in (p, e, t, at, es, al, op, gr, dv, m, g, u, v, q, c, x, w):
+    for sp in (p, e, t, at, es, al, op, gr, dv, ho, m, g, u, v, q, c, x, w):
         sp.add_argument("--threads", type=int, default=2, help="torch threads (set explicitly: 2 cores here)")
         if sp is not al:  # that one measures both
             sp.add_argument("--allocator", choices=ALLOCATORS, default="tuned",
@@ -301,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
         res = bench_divergence(args.profile, args.env, states=args.states, samples=args.samples,
                                batches_of=tuple(args.batch), family=args.family,
                                strength=args.strength, model=args.model)
+    elif args.what == "host":
+        res = bench_host(tuple(args.engines.split(",")), args.batch, args.new_tokens)
     elif args.what == "envs":
         res = bench_envs(args.episodes, args.model or None, args.tasks, args.group, args.max_steps)
     else:

@@ -563,10 +563,32 @@ def _divergence_headline(res: dict) -> str | None:
     return out
 
 
+def _host_rows(res: dict) -> list[str]:
+    """A decode step's milliseconds per engine, inside and outside the model's forward."""
+    rows = [f"{res.get('layers')} layers, {res.get('hidden_size')} channels, batch {res.get('batch')}, "
+            f"{res.get('new_tokens')} new tokens, {res.get('threads')} thread(s).", "",
+            "| engine | ms per decode step | inside the forward | outside (the engine's host work) | decode steps | "
+            "greedy tokens equal to hf |", "|---|---|---|---|---|---|"]
+    for name, r in (res.get("engines") or {}).items():
+        rows.append(f"| `{name}` | failed: {r['error'][:200]} | | | | |" if "error" in r else
+                    f"| `{name}` | {r['step_ms']} | {r['forward_ms']} | {r['outside_ms']} | {r['decode_steps']} | "
+                    f"{r.get('greedy_equal', '-')} |")
+    return rows
+
+
+def _host_headline(res: dict) -> str | None:
+    eng = {n: r for n, r in (res.get("engines") or {}).items() if "error" not in r}
+    if not eng:
+        return None
+    return "decode step host time at batch {}: {}".format(
+        res.get("batch"), ", ".join(f"`{n}` {r['step_ms']} ms ({r['outside_ms']} outside the forward)"
+                                    for n, r in eng.items()))
+
+
 SUMMARIES = {"eval": _eval_rows, "churn": _churn_rows, "machine": _machine_rows, "train": _train_rows, "gpu": _gpu_rows,
              "runs": _runs_rows, "attention": _attention_rows, "estimates": _estimates_rows,
              "allocator": _allocator_rows, "ops": _ops_rows, "grads": _grads_rows,
-             "divergence": _divergence_rows}
+             "divergence": _divergence_rows, "host": _host_rows}
 
 
 def _eval_headline(spec: str, ev: dict) -> str:
@@ -636,7 +658,7 @@ def _estimates_headline(res: dict) -> str | None:
 
 
 HEADLINES = {"grads": _grads_headlines, "ops": _ops_headline, "estimates": _estimates_headline,
-             "divergence": _divergence_headline}
+             "divergence": _divergence_headline, "host": _host_headline}
 
 
 def headline(record: dict) -> str | None:

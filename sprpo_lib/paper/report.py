@@ -254,6 +254,48 @@ TRAINING_DODGE = 0.05
 roll out the same first batch, and equal values would otherwise hide one line behind another."""
 
 
+def _heldout_panel(ax, heldout: pd.DataFrame | None, summary: pd.DataFrame | None, has_curve: bool,
+                   styles: Sequence) -> None:
+    """``plot_training``'s last panel: held-out success along training (``heldout`` with points
+    between the warm start and the end), else before / after bars (the warm start once where
+    every run starts from the same evaluated one)."""
+    if has_curve:
+        for (method, seed), df in heldout.groupby(["method", "train_seed"]):
+            disp = METHOD_DISPLAY.get(method)
+            per = df.groupby("iteration")["success"].mean()
+            ax.plot(per.index, per.values, color=disp.color if disp else None, ls=styles[int(seed) % len(styles)],
+                    marker=disp.marker if disp else "o", ms=4, label=f"{disp.label if disp else method} s{seed}")
+        n = int(heldout.groupby(["train_seed", "iteration"]).size().max())
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set(xlabel="RL iterations (0: warm start)", ylabel="held-out success",
+               title=f"held-out training tasks (n={n}, T=0.4)", ylim=(0, 1))
+        legend_below(ax, ncol=2, fontsize=6.5)
+    else:
+        s = summary.dropna(subset=["start_success", "final_success"])
+        x = range(len(s))
+        ws = METHOD_DISPLAY["warm_start"]  # the warm start in its colour, each trained run in its method's
+        one_start = s["start_success"].nunique() == 1  # every run starts from the same evaluated warm start
+        if one_start:
+            ax.axhline(float(s["start_success"].iloc[0]), color=ws.color, ls="--", lw=1,
+                       label=f"{ws.label} ({float(s['start_success'].iloc[0]):.2f})")
+        else:
+            ax.bar([i - 0.2 for i in x], s["start_success"], width=0.4, color=ws.color, label=ws.label)
+        width, dx = (0.6, 0.0) if one_start else (0.4, 0.2)
+        ax.bar([i + dx for i in x], s["final_success"], width=width, label="after RL (method colour)",
+               color=[METHOD_DISPLAY[m].color if m in METHOD_DISPLAY else "0.5" for m in s["method"]])
+        for i, (a, b) in enumerate(zip(s["start_success"], s["final_success"])):
+            if not one_start:
+                ax.text(i - dx, a + 0.01, f"{a:.2f}", ha="center", va="bottom", fontsize=6)
+            ax.text(i + dx, b + 0.01, f"{b:.2f}", ha="center", va="bottom", fontsize=6)
+        ticks = [f"{METHOD_DISPLAY[m].label if m in METHOD_DISPLAY else m}\ns{sd}" for m, sd in zip(s["method"], s["seed"])]
+        if "gained" in s:  # tasks solved only after / only before RL, exact McNemar p; short lines, no overlap
+            ticks = [f"{t}\n+{g}/-{lo}\np={pv:.2g}" for t, g, lo, pv in zip(ticks, s["gained"], s["lost"], s["mcnemar_p"])]
+        ax.set_xticks(list(x), ticks, fontsize=6.5)
+        n = int(s["eval_episodes"].iloc[0]) if len(s) else 0
+        ax.set(ylabel="success", title=f"held-out training tasks (n={n})", ylim=(0, 1))
+        ax.legend(fontsize=7, loc="upper right")
+
+
 VALID_FLAT = 0.02
 """``plot_training`` draws the valid-action rate only where it spans more than this over all runs and
 iterations; a flatter rate is stated in the footnote with its range."""
@@ -314,43 +356,8 @@ def plot_training(metrics: pd.DataFrame, summary: pd.DataFrame | None, path: str
                      f"iteration of every run (not drawn)")
     # the runs' colours and line styles are the same in every panel: one legend, under the first
     legend_below(panel["success"], ncol=4 if len(runs) > 6 else 2, fontsize=6.5)
-    if has_curve:
-        ax = panel["eval"]
-        for (method, seed), df in heldout.groupby(["method", "train_seed"]):
-            disp = METHOD_DISPLAY.get(method)
-            per = df.groupby("iteration")["success"].mean()
-            ax.plot(per.index, per.values, color=disp.color if disp else None, ls=styles[int(seed) % len(styles)],
-                    marker=disp.marker if disp else "o", ms=4, label=f"{disp.label if disp else method} s{seed}")
-        n = int(heldout.groupby(["train_seed", "iteration"]).size().max())
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set(xlabel="RL iterations (0: warm start)", ylabel="held-out success",
-               title=f"held-out training tasks (n={n}, T=0.4)", ylim=(0, 1))
-        legend_below(ax, ncol=2, fontsize=6.5)
-    elif has_eval:
-        ax = panel["eval"]
-        s = summary.dropna(subset=["start_success", "final_success"])
-        x = range(len(s))
-        ws = METHOD_DISPLAY["warm_start"]  # the warm start in its colour, each trained run in its method's
-        one_start = s["start_success"].nunique() == 1  # every run starts from the same evaluated warm start
-        if one_start:
-            ax.axhline(float(s["start_success"].iloc[0]), color=ws.color, ls="--", lw=1,
-                       label=f"{ws.label} ({float(s['start_success'].iloc[0]):.2f})")
-        else:
-            ax.bar([i - 0.2 for i in x], s["start_success"], width=0.4, color=ws.color, label=ws.label)
-        width, dx = (0.6, 0.0) if one_start else (0.4, 0.2)
-        ax.bar([i + dx for i in x], s["final_success"], width=width, label="after RL (method colour)",
-               color=[METHOD_DISPLAY[m].color if m in METHOD_DISPLAY else "0.5" for m in s["method"]])
-        for i, (a, b) in enumerate(zip(s["start_success"], s["final_success"])):
-            if not one_start:
-                ax.text(i - dx, a + 0.01, f"{a:.2f}", ha="center", va="bottom", fontsize=6)
-            ax.text(i + dx, b + 0.01, f"{b:.2f}", ha="center", va="bottom", fontsize=6)
-        ticks = [f"{METHOD_DISPLAY[m].label if m in METHOD_DISPLAY else m}\ns{sd}" for m, sd in zip(s["method"], s["seed"])]
-        if "gained" in s:  # tasks solved only after / only before RL, exact McNemar p; short lines, no overlap
-            ticks = [f"{t}\n+{g}/-{lo}\np={pv:.2g}" for t, g, lo, pv in zip(ticks, s["gained"], s["lost"], s["mcnemar_p"])]
-        ax.set_xticks(list(x), ticks, fontsize=6.5)
-        n = int(s["eval_episodes"].iloc[0]) if len(s) else 0
-        ax.set(ylabel="success", title=f"held-out training tasks (n={n})", ylim=(0, 1))
-        ax.legend(fontsize=7, loc="upper right")
+    if has_eval:
+        _heldout_panel(panel["eval"], heldout, summary, has_curve, styles)
     if notes:
         fig.text(0.01, 0.005, "; ".join(notes).capitalize() + ".", fontsize=6.5, ha="left", va="bottom")
     fig.tight_layout(rect=(0, 0.25 / fig.get_figheight() if notes else 0, 1, 1))
