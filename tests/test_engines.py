@@ -1,6 +1,8 @@
 """Generation engines: baked weights, HFEngine against HFGenerator, the registry."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from conftest import NEVER, PROMPTS, greedy, lora_policy, same_tokens, scripted, stop_that_splits
@@ -105,13 +107,17 @@ def test_prefill_groups_follow_the_device_unless_told(tiny_spec):
     assert one.stats["decode_rows"] == small.stats["decode_rows"] and one.stats["forwards"] < small.stats["forwards"]
 
 
-def test_stop_strings_and_dropped_rows_match_hf_generator():
+@pytest.mark.parametrize("compact", [0.0, 0.5])
+def test_stop_strings_and_dropped_rows_match_hf_generator(compact):
+    """Rows stopping at different steps: the same tokens as transformers' generate(); at compact 0
+    every finished row leaves the batch at once, at 0.5 finished rows wait until half the batch
+    has finished (their extra steps are computed and discarded)."""
     pol = load_policy("tiny-llama", seed=2)
     free = HFGenerator(pol, greedy(stop=NEVER, max_new_tokens=32))(PROMPTS)
     stop = stop_that_splits([g.text for g in free])
-    cfg = greedy(stop=stop, max_new_tokens=32)
+    cfg = greedy(stop=stop, max_new_tokens=32, batch_size=len(PROMPTS))  # one decode batch
     ref = HFGenerator(pol, cfg)(PROMPTS)
-    eng = HFEngine(pol, cfg)
+    eng = HFEngine(pol, cfg, compact=compact)
     shapes: list[tuple[int, int]] = []
     handle = pol.model.register_forward_pre_hook(lambda m, a, k: shapes.append(tuple(k["input_ids"].shape)),
                                                  with_kwargs=True)
@@ -123,10 +129,17 @@ def test_stop_strings_and_dropped_rows_match_hf_generator():
     stopped = [g for g in got if g.text.endswith(stop)]
     assert 0 < len(stopped) < len(PROMPTS) and all(stop not in g.text[:-len(stop)] for g in stopped)
     assert {len(g.response_ids) for g in stopped} != {cfg.max_new_tokens}
-    # no finished row is decoded further: each row joins one decode step per token after its first
     batches = [b for b, n in shapes if n == 1]
-    assert sum(batches) == eng.stats["decode_rows"] == sum(len(g.response_ids) - 1 for g in got)
+    assert sum(batches) == eng.stats["decode_rows"]
     assert min(batches) < max(batches)  # the decode batch shrank
+    useful = sum(len(g.response_ids) - 1 for g in got)  # each row's decode steps after its first token
+    if compact == 0:  # no finished row is decoded further
+        assert eng.stats["decode_rows"] == useful
+    else:  # a batch shrinks only by at least half of it at once
+        assert eng.stats["decode_rows"] > useful
+        assert all(b2 == b1 or b2 <= b1 - math.ceil(compact * b1) for b1, b2 in zip(batches, batches[1:]))
+    with pytest.raises(ValueError, match="compact must be in"):
+        HFEngine(pol, cfg, compact=1.0)
 
 
 def test_end_of_turn_is_kept_and_matches_hf_generator(tiny_spec):

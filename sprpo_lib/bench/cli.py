@@ -99,9 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: the model's loader default)")
     ho = sub.add_parser("host", help="a decode step's host time at the paper's depth, inside and outside the "
                         "model's forward, per engine (hf, hf-graphs, transformers' generate_batch)")
-    ho.add_argument("--engines", default="hf,hf-graphs,generate_batch")
+    ho.add_argument("--engines", default="hf,hf:compact=0.25,hf-graphs",
+                    help="hf:compact=0.25 drops finished rows once they are a quarter of the batch (a GPU's default); "
+                    "generate_batch: transformers' continuous batching (minutes per step at batch 128 on 2 CPU cores)")
     ho.add_argument("--batch", type=int, default=128)
     ho.add_argument("--new-tokens", type=int, default=64)
+    ho.add_argument("--repeats", type=int, default=3, help="runs per engine; the record keeps their medians")
     dv = sub.add_parser("divergence", help="the divergence pass per agent state (sprpo-eval --metric divergence): "
                         "the clean side and one setting's comparison, each against its floor")
     dv.add_argument("--profile", default="cpu")
@@ -309,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                                batches_of=tuple(args.batch), family=args.family,
                                strength=args.strength, model=args.model)
     elif args.what == "host":
-        res = bench_host(tuple(args.engines.split(",")), args.batch, args.new_tokens)
+        res = bench_host(tuple(args.engines.split(",")), args.batch, args.new_tokens, repeats=args.repeats)
     elif args.what == "envs":
         res = bench_envs(args.episodes, args.model or None, args.tasks, args.group, args.max_steps)
     else:

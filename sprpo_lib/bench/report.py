@@ -567,11 +567,12 @@ def _host_rows(res: dict) -> list[str]:
     """A decode step's milliseconds per engine, inside and outside the model's forward."""
     rows = [f"{res.get('layers')} layers, {res.get('hidden_size')} channels, batch {res.get('batch')}, "
             f"{res.get('new_tokens')} new tokens, {res.get('threads')} thread(s).", "",
-            "| engine | ms per decode step | inside the forward | outside (the engine's host work) | decode steps | "
-            "greedy tokens equal to hf |", "|---|---|---|---|---|---|"]
+            "| engine | ms per decode step | inside the forward | outside (the engine's host work) | outside, mean | "
+            "decode steps | greedy tokens equal to hf |", "|---|---|---|---|---|---|---|"]
     for name, r in (res.get("engines") or {}).items():
-        rows.append(f"| `{name}` | failed: {r['error'][:200]} | | | | |" if "error" in r else
-                    f"| `{name}` | {r['step_ms']} | {r['forward_ms']} | {r['outside_ms']} | {r['decode_steps']} | "
+        rows.append(f"| `{name}` | failed: {r['error'][:200]} | | | | | |" if "error" in r else
+                    f"| `{name}` | {r['step_ms']} | {r['forward_ms']} | {r['outside_ms']} | {r.get('outside_mean_ms', '-')} | "
+                    f"{r['decode_steps']} | "
                     f"{r.get('greedy_equal', '-')} |")
     return rows
 

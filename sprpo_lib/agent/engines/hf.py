@@ -3,6 +3,7 @@ and ``model.generate`` itself (:class:`HFGenerator`, the reference every engine 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Mapping, Sequence
 
 import torch
@@ -137,6 +138,12 @@ def default_prefill_tokens(device: str | torch.device) -> int:
     return PREFILL_TOKENS["cpu" if torch.device(device).type == "cpu" else "gpu"]
 
 
+#: :class:`HFEngine`'s share of finished rows that triggers dropping them from the batch, per device
+#: type: on a GPU each drop copies a KV cache of gigabytes, so rows finishing one by one are dropped
+#: together; on a CPU the cache is small and a finished row's extra steps cost more than the copy.
+COMPACT = {"cuda": 0.25}
+
+
 class HFEngine:
     """:class:`~sprpo_lib.agent.engines.HFGenerator`'s results, computed with less waste.
 
@@ -144,9 +151,12 @@ class HFEngine:
       into decode batches of ``cfg.batch_size``; each batch is prefilled in groups of
       similar length of at most ``prefill_tokens`` padded tokens, with only the last
       position's logits, and the groups' KV caches are joined (left-padded) for decoding.
-    * The decode loop drops finished rows from the batch and the KV cache, and trims
-      cache columns that only the dropped rows used, so no finished row is computed;
-      the cache has room for the new tokens, so a step does not copy it.
+    * The decode loop drops finished rows from the batch and the KV cache once they are
+      ``compact`` of it (at least one row; 0, a CPU's default: at every finished row;
+      :data:`COMPACT` per device), and trims cache columns
+      that only the dropped rows used: each drop copies the whole cache, so rows finishing
+      one by one are dropped together; the cache has room for the new tokens, so a step
+      does not copy it.
     * Stop strings are matched on each new token's text against a short tail, per row.
 
     It runs the model's own forward: ``FFNChannels`` hooks and peft adapters on
@@ -164,10 +174,15 @@ class HFEngine:
     own_weights = False  # decodes with policy.model itself (hooks and LoRA apply) until load_weights
 
     def __init__(self, policy, cfg: GenerationConfig | None = None, agent: AgentConfig | None = None,
-                 prefill_tokens: int | None = None):
+                 prefill_tokens: int | None = None, compact: float | None = None):
         prefill_tokens = default_prefill_tokens(policy.device) if prefill_tokens is None else prefill_tokens
         if prefill_tokens < 1:
             raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
+        compact = COMPACT.get(torch.device(policy.device).type, 0.0) if compact is None else compact
+        if not 0 <= compact < 1:
+            raise ValueError(f"compact must be in [0, 1) (the share of finished rows that triggers dropping them), "
+                             f"got {compact}")
+        self.compact = compact
         self.policy = policy
         self.cfg = cfg or GenerationConfig()
         self.agent = agent or AgentConfig()
@@ -271,32 +286,36 @@ class HFEngine:
         cfg, pad = self.cfg, self.policy.tokenizer.pad_token_id
         stop = cfg.stop
         logits, cache, att, pos = self._prefill(model, prompts)
-        alive = list(range(len(prompts)))
+        rows = list(range(len(prompts)))  # the prompt of each batch position
+        going = list(range(len(prompts)))  # the batch positions still decoding
         new: list[list[int]] = [[] for _ in prompts]
         seen = None
         if penalty != 1.0:  # generate() penalises every id in the sequence so far
             seen = torch.tensor([[p[0]] * (att.shape[1] - len(p)) + p for p in prompts], device=att.device)
         for step in range(cfg.max_new_tokens):
             nxt = select_tokens(logits, seen, penalty, cfg, gen)
-            keep = accept_tokens(nxt.tolist(), alive, new, tails, self._piece, eos, pad, stop)
-            if not keep or step + 1 == cfg.max_new_tokens:
+            tokens = nxt.tolist()
+            kept = accept_tokens([tokens[j] for j in going], [rows[j] for j in going], new, tails, self._piece, eos,
+                                 pad, stop)
+            going = [going[k] for k in kept]
+            if not going or step + 1 == cfg.max_new_tokens:
                 break
-            if len(keep) < len(alive):  # drop finished rows from the batch and the cache
-                idx = torch.tensor(keep, device=att.device)
+            if len(rows) - len(going) >= max(1, math.ceil(self.compact * len(rows))):
+                idx = torch.tensor(going, device=att.device)  # drop finished rows from the batch and the cache
                 cache.batch_select_indices(idx)
                 att, pos, nxt = att[idx], pos[idx], nxt[idx]
                 seen = seen[idx] if seen is not None else None
-                alive = [alive[j] for j in keep]
+                rows, going = [rows[j] for j in going], list(range(len(going)))
                 lead = int(att.any(0).long().argmax())  # columns only dropped rows used
                 if lead > 0:
                     att = att[:, lead:]
                     seen = seen[:, lead:] if seen is not None else None
                     for layer in cache.layers:
                         layer.trim_left(lead)
-            att = torch.cat([att, att.new_ones(len(alive), 1)], dim=1)
+            att = torch.cat([att, att.new_ones(len(rows), 1)], dim=1)
             if seen is not None:
                 seen = torch.cat([seen, nxt[:, None]], dim=1)
-            self.stats["decode_rows"] += len(alive)
+            self.stats["decode_rows"] += len(rows)
             logits, cache = self._forward(model, nxt[:, None], att, pos[:, None], cache, False)
             pos = pos + 1
         return new
