@@ -26,6 +26,25 @@ def test_every_notebook_has_one_parameters_cell_and_is_in_every_profile():
             assert name in prof["notebooks"], (name, prof)
 
 
+def test_a_notebook_run_with_its_defaults_shows_its_profile_s_whole_plan():
+    """Opened in JupyterLab and run as it is, a notebook covers every environment its default profile
+    runs it on (a default of one environment redrew only that one's part of a joint file)."""
+    import ast
+
+    import nbformat
+
+    for path in sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")):
+        cell = next(c for c in nbformat.read(path, as_version=4).cells
+                    if "parameters" in c.get("metadata", {}).get("tags", []))
+        defaults = {t.id: ast.literal_eval(n.value) for n in ast.parse(cell.source).body
+                    if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)
+                    and isinstance(n.value, (ast.Constant, ast.List))}
+        if "envs" not in defaults or "profile" not in defaults:
+            continue
+        planned = PROFILES[defaults["profile"]]["notebooks"][path.stem].get("envs")
+        assert sorted(defaults["envs"]) == sorted(planned), (path.stem, defaults["envs"], planned)
+
+
 def test_unknown_profile_is_a_clear_error():
     with pytest.raises(SystemExit, match="unknown profile"):
         plan("huge")
