@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 import math
 import operator
@@ -448,7 +447,3 @@ def config_dict(cfg) -> dict:
 def config_from_dict(data: dict) -> TrainConfig:
     """Inverse of :func:`config_dict` (keys added since take their defaults)."""
     return build(TrainConfig, data)
-
-
-def config_hash(cfg) -> str:
-    return hashlib.sha256(json.dumps(config_dict(cfg), sort_keys=True).encode()).hexdigest()[:12]

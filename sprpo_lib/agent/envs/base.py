@@ -25,7 +25,7 @@ import contextlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 #: The variable each environment reads its real data folder from when no ``data_dir`` is given.
 DATA_VARS = {"webshop": "WEBSHOP_DATA", "alfworld": "ALFWORLD_DATA"}
@@ -172,8 +172,3 @@ def check_split(pool: TaskPool, split: str, index: int) -> None:
             f"{pool.name}: task index {index} out of range for split {split!r} "
             f"(size {sizes[split]})"
         )
-
-
-def format_admissible(actions: Sequence[str]) -> str:
-    """Render admissible actions for the prompt (one per line, stable order)."""
-    return "\n".join(f"- {a}" for a in actions)
