@@ -318,3 +318,19 @@ def test_the_first_screen_sentence_counts_the_verdicts():
     assert "2 resolve nothing" in s
     none = C.verdict_sentence(rows.assign(reading="not resolved"), profile="cpu")
     assert "no SPrPO comparison resolves: all 4" in none and "neither confirm nor refute" in none
+
+
+def test_crossed_bootstrap_weights_and_means_by_hand():
+    """Each replicate draws n units and n seeds (multiplicities sum to n; one seed is never drawn);
+    unit weights give the plain mean of the non-missing cells; a replicate's mean is the weighted one."""
+    rng = np.random.default_rng(3)
+    cs, ct = stats.crossed_weights(rng, 3, 5, 200)
+    assert cs.shape == (200, 3) and ct.shape == (200, 5)
+    assert (cs.sum(1) == 3).all() and (ct.sum(1) == 5).all()
+    one, _ = stats.crossed_weights(rng, 1, 5, 4)
+    assert (one == 1).all()
+    grid = np.array([[1.0, 2.0, np.nan], [3.0, 4.0, 5.0]])
+    flat = stats.crossed_means(grid, np.ones((1, 2)), np.ones((1, 3)), scale=100.0)
+    assert flat[0] == pytest.approx(100.0 * np.nanmean(grid))
+    w_s, w_t = np.array([[2.0, 0.0]]), np.array([[0.0, 1.0, 3.0]])  # seed 0 twice; units 1 once, 2 three times
+    assert stats.crossed_means(grid, w_s, w_t)[0] == pytest.approx(2.0)  # only cell (0, 1) = 2 is both weighted and present

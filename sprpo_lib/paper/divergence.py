@@ -29,7 +29,7 @@ from sprpo_lib.infra.io import atomic_write_json, atomic_write_text
 from sprpo_lib.paper.claims import kl_claim_rows, kl_markdown
 from sprpo_lib.paper.experiments import Plan
 from sprpo_lib.paper.results import save_figure
-from sprpo_lib.paper.stats import N_RESAMPLES, Z80, paired_kl_bootstrap
+from sprpo_lib.paper.stats import N_RESAMPLES, Z80, crossed_means, crossed_weights, paired_kl_bootstrap
 from sprpo_lib.paper.style import METHOD_COLORS, METHOD_MARKERS, pyplot, role
 from sprpo_lib.paper.tables import ENV_LABELS, FAMILY_LABELS, METHOD_LABELS, to_csv
 
@@ -60,10 +60,8 @@ def kl_summary(rows: pd.DataFrame, *, n_resamples: int = 2000, seed: int = 0) ->
         cell = g.groupby(["train_seed", "state"])[["kl", "flip"]].mean()
         grid = cell["kl"].unstack("state").to_numpy(float)
         n_s, n_t = grid.shape
-        cs = np.stack([np.bincount(d, minlength=n_s) for d in rng.integers(0, n_s, (n_resamples, n_s))])
-        ct = np.stack([np.bincount(d, minlength=n_t) for d in rng.integers(0, n_t, (n_resamples, n_t))])
-        boot = np.einsum("rs,st,rt->r", cs, np.nan_to_num(grid), ct) / (n_s * n_t)
-        lo, hi = np.quantile(boot, [0.025, 0.975])
+        boot = crossed_means(grid, *crossed_weights(rng, n_s, n_t, n_resamples))
+        lo, hi = np.nanquantile(boot, [0.025, 0.975])
         out.append({"method": m, "family": fam, "strength": float(s), "w2": float(w2), "kl": float(np.nanmean(grid)),
                     "lo": float(lo), "hi": float(hi), "flip": float(cell["flip"].mean()), "states": n_t,
                     "train_seeds": n_s, "draws": int(g["seed"].nunique())})

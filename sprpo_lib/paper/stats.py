@@ -33,7 +33,7 @@ import numpy as np
 import pandas as pd
 
 __all__ = ["policy_success", "mean_std", "add_retention", "policy_retention", "summarize", "paired_bootstrap",
-           "sign_test", "paired_kl_bootstrap", "N_RESAMPLES", "Z80"]
+           "sign_test", "paired_kl_bootstrap", "crossed_weights", "crossed_means", "N_RESAMPLES", "Z80"]
 
 #: Bootstrap resamples of :func:`paired_bootstrap` (percentile intervals at 95% move by
 #: well under 0.5 percentage points between seeds at this size).
@@ -74,6 +74,27 @@ def mean_std(per_policy: pd.DataFrame, value: str = "success", by: Sequence[str]
     return g.agg(mean="mean", std=lambda x: x.std(ddof=1), n="size").reset_index()
 
 
+def crossed_weights(rng: np.random.Generator, n_seeds: int, n_units: int,
+                    n_resamples: int) -> tuple[np.ndarray, np.ndarray]:
+    """The multiplicities of a two-way crossed bootstrap: each replicate draws the units (goals,
+    states) and the training seeds with replacement, ``[R, n_seeds]`` and ``[R, n_units]`` (the
+    units first; one seed: all ones, nothing drawn)."""
+    ct = np.stack([np.bincount(d, minlength=n_units) for d in rng.integers(0, n_units, (n_resamples, n_units))])
+    cs = (np.stack([np.bincount(d, minlength=n_seeds) for d in rng.integers(0, n_seeds, (n_resamples, n_seeds))])
+          if n_seeds > 1 else np.ones((n_resamples, 1), dtype=int))
+    return cs, ct
+
+
+def crossed_means(grid: np.ndarray, cs: np.ndarray, ct: np.ndarray, scale: float = 1.0) -> np.ndarray:
+    """Each replicate's mean of ``grid`` ``[seeds, units]`` under the weights of
+    :func:`crossed_weights`, NaN cells left out, times ``scale`` (100: a percentage)."""
+    ok = ~np.isnan(grid)
+    num = np.einsum("rs,st,rt->r", cs, np.nan_to_num(grid), ct)
+    den = np.einsum("rs,st,rt->r", cs, ok.astype(float), ct)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return scale * num / den
+
+
 def success_intervals(rows: pd.DataFrame, by: Sequence[str] = ("env",), method: str = "method",
                       train_seed: str = "train_seed", unit: Sequence[str] = ("env", "split", "task_index"),
                       n_resamples: int = 2000, seed: int = 0, level: float = 0.95) -> pd.DataFrame:
@@ -90,16 +111,7 @@ def success_intervals(rows: pd.DataFrame, by: Sequence[str] = ("env",), method: 
     for key, g in rows.groupby(keys, sort=True, dropna=False):
         grid = g.groupby([train_seed, *unit])["success"].mean().unstack(list(range(1, 1 + len(unit))))
         m = grid.to_numpy(float)
-        n_s, n_t = m.shape
-        ok = ~np.isnan(m)
-        m = np.nan_to_num(m)
-        ct = np.stack([np.bincount(d, minlength=n_t) for d in rng.integers(0, n_t, (n_resamples, n_t))])
-        cs = (np.stack([np.bincount(d, minlength=n_s) for d in rng.integers(0, n_s, (n_resamples, n_s))])
-              if n_s > 1 else np.ones((n_resamples, 1), dtype=int))
-        num = np.einsum("rs,st,rt->r", cs, m, ct)
-        den = np.einsum("rs,st,rt->r", cs, ok.astype(float), ct)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            boot = 100.0 * num / den
+        boot = crossed_means(m, *crossed_weights(rng, *m.shape, n_resamples), scale=100.0)
         lo, hi = np.nanquantile(boot, q)
         out.append({**dict(zip(keys, key)), "lo": float(lo), "hi": float(hi)})
     return pd.DataFrame(out, columns=[*keys, "lo", "hi"])
@@ -300,17 +312,9 @@ def paired_kl_bootstrap(rows: pd.DataFrame, a: str, b: str, family: str, strengt
     ka, kb = grid(a, "kl"), grid(b, "kl")
     if np.isnan(ka).any() or np.isnan(kb).any():
         raise ValueError(f"paired_kl_bootstrap: {a!r} or {b!r} lacks some (seed, state) cells at {family} {strength}")
-    rng = np.random.default_rng(seed)
     n_s, n_t = ka.shape
-    ct = np.stack([np.bincount(d, minlength=n_t) for d in rng.integers(0, n_t, size=(n_resamples, n_t))]).astype(float)
-    cs = (np.stack([np.bincount(d, minlength=n_s) for d in rng.integers(0, n_s, size=(n_resamples, n_s))]).astype(float)
-          if n_s > 1 else np.ones((n_resamples, 1)))
-    w = n_s * n_t
-
-    def mean(g, c_s, c_t):
-        return np.einsum("rs,st,rt->r", c_s, g, c_t) / w
-
-    ma, mb = mean(ka, cs, ct), mean(kb, cs, ct)
+    cs, ct = crossed_weights(np.random.default_rng(seed), n_s, n_t, n_resamples)
+    ma, mb = crossed_means(ka, cs, ct), crossed_means(kb, cs, ct)
     pa, pb = float(ka.mean()), float(kb.mean())
     q = [(1 - level) / 2, 1 - (1 - level) / 2]
     with np.errstate(divide="ignore", invalid="ignore"):
