@@ -455,11 +455,10 @@ def refresh_page(page: Path, prefix: str, profile: str, out_dir: str, root: Path
         text = replace_block(text, f"stages-{profile}", "<!-- generated from the manifests by sprpo-reproduce; "
                              "do not edit -->\n" + stage_table(profile, out_dir, previous=old), prefix=prefix)
 
-    for block, make, made in (("plans", budget.plans_summary, lambda: budget.plans_summary()),
-                              ("paper-cost", budget.cost_summary, lambda: budget.cost_summary(out_dir))):
+    for block, make, args in (("plans", budget.plans_summary, ()), ("paper-cost", budget.cost_summary, (out_dir,))):
         if f"<!-- {block}:begin -->" in text:
             text = replace_block(text, block, f"<!-- generated from sprpo_lib.paper.budget.{make.__name__}; "
-                                 "do not edit -->\n" + made(), prefix=prefix)
+                                 "do not edit -->\n" + make(*args), prefix=prefix)
     if "<!-- notebooks:begin -->" in text:
         text = replace_block(text, "notebooks", "<!-- generated from sprpo_lib.reproduce.NOTEBOOK_INFO; do not edit -->\n"
                              + notebooks_table(), prefix=prefix)

@@ -18,6 +18,7 @@ Three rules, each a pure function of a matplotlib figure that returns readable p
 """
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 import numpy as np
@@ -27,8 +28,10 @@ from matplotlib.path import Path
 from matplotlib.text import Text
 from matplotlib.transforms import Bbox
 
-__all__ = ["DESIGN", "REFERENCE", "RULES", "design_gid", "drawn_tick_labels", "data_lines", "text_problems",
+__all__ = ["DESIGN", "REFERENCE", "RULES", "warn_problems", "design_gid", "drawn_tick_labels", "data_lines", "text_problems",
            "legend_problems", "line_problems", "figure_problems"]
+
+log = logging.getLogger(__name__)
 
 DESIGN = "design:"
 REFERENCE = "reference:"
@@ -206,3 +209,12 @@ def figure_problems(fig, rules: Sequence[str] = ("text", "legend", "lines")) -> 
     if unknown:
         raise ValueError(f"figure_problems: unknown rule(s) {sorted(unknown)}; rules: {list(RULES)}")
     return [p for name in rules for p in RULES[name](fig)]
+
+
+def warn_problems(fig, name: str, rules: Sequence[str] = ("text", "legend", "lines")) -> list[str]:
+    """:func:`figure_problems` of ``fig`` logged as warnings under the figure's ``name`` (so a
+    notebook's output shows them before the figure is saved); returns them."""
+    problems = figure_problems(fig, rules)
+    for problem in problems:
+        log.warning("figure %s: %s", name, problem)
+    return problems

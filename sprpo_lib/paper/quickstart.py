@@ -13,7 +13,6 @@ policy) exists; the API takes any list of token sequences.
 """
 from __future__ import annotations
 
-import logging
 import random
 import textwrap
 import time
@@ -26,10 +25,9 @@ import torch
 
 from sprpo_lib.core.compress import family_spec, perturbation
 from sprpo_lib.model.load import Policy
-from sprpo_lib.paper.figcheck import figure_problems
+from sprpo_lib.paper.figcheck import warn_problems
 from sprpo_lib.paper.style import NEUTRAL, pyplot
 
-log = logging.getLogger(__name__)
 
 # App. C families at one representative (strong) level each.
 DEMO_LEVELS: dict[str, float] = {
@@ -211,8 +209,7 @@ def plot_demo(result: DemoResult, path):
     axes[1].set_ylabel("top-1 agreement with clean")
     axes[1].set_title("Greedy token unchanged along the clean response")
     fig.tight_layout()
-    for problem in figure_problems(fig, ("text", "legend")):
-        log.warning("figure %s: %s", Path(path).name, problem)
+    warn_problems(fig, Path(path).name, ("text", "legend"))
     fig.savefig(path, dpi=130, metadata={"Software": None})
     plt.close(fig)
     return path

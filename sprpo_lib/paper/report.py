@@ -12,7 +12,6 @@ each run a Ray task (:mod:`sprpo_lib.infra.executor`).
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -25,7 +24,7 @@ from sprpo_lib.core import metrics as MK
 from sprpo_lib.infra.executor import current
 from sprpo_lib.infra.io import atomic_dir, read_json_lines
 from sprpo_lib.infra.paths import project_path, runs_dir
-from sprpo_lib.paper.figcheck import figure_problems
+from sprpo_lib.paper.figcheck import warn_problems
 from sprpo_lib.paper.stats import N_RESAMPLES, paired_bootstrap, sign_test
 from sprpo_lib.paper.style import METHOD_DISPLAY, legend_below, pyplot
 from sprpo_lib.train.config import TrainConfig, config_from_dict, load_config
@@ -33,7 +32,6 @@ from sprpo_lib.train.trainer import default_out_dir, heldout_dir, heldout_due, t
 from sprpo_lib.warmstart.cache import warm_start_dir
 from sprpo_lib.warmstart.heldout import load_eval
 
-log = logging.getLogger(__name__)
 
 __all__ = ["run_grid", "find_runs", "LONGER", "longer_root", "longer_grid", "load_metrics", "before_after", "paired_outcomes", "plot_training",
            "heldout_rows", "heldout_curve"]
@@ -361,8 +359,7 @@ def plot_training(metrics: pd.DataFrame, summary: pd.DataFrame | None, path: str
     if notes:
         fig.text(0.01, 0.005, "; ".join(notes).capitalize() + ".", fontsize=6.5, ha="left", va="bottom")
     fig.tight_layout(rect=(0, 0.25 / fig.get_figheight() if notes else 0, 1, 1))
-    for problem in figure_problems(fig, ("text", "legend")):
-        log.warning("figure %s: %s", Path(path).name, problem)
+    warn_problems(fig, Path(path).name, ("text", "legend"))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.stem + ".tmp" + path.suffix)

@@ -15,7 +15,6 @@ folders.  Pure functions of their inputs (the logic of notebooks 03-07):
 from __future__ import annotations
 
 import json
-import logging
 import math
 import re
 from pathlib import Path
@@ -30,13 +29,12 @@ from sprpo_lib.evaluate.cells import EVAL_SPLITS
 from sprpo_lib.infra.io import atomic_write_text, read_cached
 from sprpo_lib.infra.manifest import write_manifest
 from sprpo_lib.paper.experiments import PLANS
-from sprpo_lib.paper.figcheck import design_gid, figure_problems
+from sprpo_lib.paper.figcheck import design_gid, warn_problems
 from sprpo_lib.paper.report import load_metrics
 from sprpo_lib.paper.stats import paired_bootstrap, success_intervals, summarize
 from sprpo_lib.paper.style import METHOD_COLORS, METHOD_MARKERS, NEUTRAL, pyplot, role
 from sprpo_lib.paper.tables import ENV_LABELS, FAMILY_LABELS, METHOD_LABELS, strength_label
 
-log = logging.getLogger(__name__)
 
 __all__ = ["COLORS", "save_figure", "quiet_iterations", "plot_motivation", "plot_curves", "plot_landscape", "landscape_grid", "plot_longer",
            "plot_ablation", "paired_comparisons", "perturbation_losses", "landscape_drop", "overhead", "overhead_latex",
@@ -60,11 +58,10 @@ def _plt():
 
 def save_figure(fig, path: str | Path, dpi: int = 150) -> list[Path]:
     """Save ``fig`` as PNG (at ``dpi``) and PDF beside each other (atomic renames); returns both
-    paths.  The figure check (:func:`sprpo_lib.paper.figcheck.figure_problems`) runs first and
+    paths.  The figure check (:func:`sprpo_lib.paper.figcheck.warn_problems`) runs first and
     its problems are logged as warnings, so a notebook's output shows them."""
     plt = _plt()
-    for problem in figure_problems(fig):
-        log.warning("figure %s: %s", Path(path).name, problem)
+    warn_problems(fig, Path(path).name)
     path = Path(path).with_suffix("")
     path.parent.mkdir(parents=True, exist_ok=True)
     out = []

@@ -22,7 +22,6 @@ Checked statements (paper numbering):
 from __future__ import annotations
 
 import io
-import logging
 import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -35,10 +34,9 @@ import pandas as pd
 from sprpo_lib.infra.io import atomic_write_bytes, atomic_write_text
 from sprpo_lib.infra.manifest import not_applicable, write_manifest
 from sprpo_lib.infra.paths import project_path
-from sprpo_lib.paper.figcheck import figure_problems
+from sprpo_lib.paper.figcheck import warn_problems
 from sprpo_lib.paper.style import legend_below, pyplot, role
 
-log = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------------------
 # sizes
@@ -1229,8 +1227,7 @@ def save_figure(fig, out_dir: str | Path, stem: str, config: dict, seed: int | N
     The figure check's text and legend rules run first (these figures draw exact quantities,
     not evaluation designs); their problems are logged as warnings."""
     plt = _plt()
-    for problem in figure_problems(fig, ("text", "legend")):
-        log.warning("figure %s: %s", stem, problem)
+    warn_problems(fig, stem, ("text", "legend"))
     paths = []
     for ext, kw in (("png", {"dpi": 130, "metadata": {"Software": None}}),
                     ("pdf", {"metadata": {"CreationDate": None, "Producer": None}})):
