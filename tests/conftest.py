@@ -113,12 +113,15 @@ def head_sharing_batch():
     return Batch([Sample(heads[i % 2] + tok(3 + i) + tok(4), 4, adv[i % 5]) for i in range(8)])
 
 
+def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative L2 difference of ``x`` from ``ref``, in float64."""
+    return float((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
+
+
 def assert_same_pass(new: tuple, ref: tuple, stats: tuple[str, ...] = ("loss",)) -> None:
     """Two runs of one training pass, each ``(parameter grads, dL/dxi, dL/du, log-probs, stats)``:
     every gradient within 1e-5 relative (SPrPO's S_hat and SAM's g included), every log-prob
     within 1e-5, the named statistics within 1e-5 relative; the reference's gradients non-zero."""
-    from sprpo_lib.bench.suite import rel_l2
-
     (g1, x1, u1, lp1, st1), (g0, x0, u0, lp0, st0) = new, ref
     assert all(float(g.abs().sum()) > 0 for g in g0)
     assert all(rel_l2(a, b) < 1e-5 for a, b in zip(g1, g0, strict=True))
@@ -166,3 +169,21 @@ def scripted(spec: str, chain: str):
         for a, b in zip(seq, seq[1:]):
             m.lm_head.weight[b] += 20 * e[a] / e[a].norm()
     return pol
+
+
+def make_actor(model, opt, pad_id: int = 0, **kw):
+    """An Actor whose update and speed configs take ``kw`` by field name (``mini_batch``,
+    ``epochs`` and ``loss_cfg`` as the update's ``ppo_mini_batch_size``, ``ppo_epochs``, ``loss``)."""
+    import dataclasses
+
+    from sprpo_lib.core.actor import Actor
+    from sprpo_lib.core.config import SpeedConfig, UpdateConfig
+
+    alias = {"mini_batch": "ppo_mini_batch_size", "epochs": "ppo_epochs", "loss_cfg": "loss"}
+    kw = {alias.get(k, k): v for k, v in kw.items()}
+    names = {f.name for f in dataclasses.fields(UpdateConfig)}
+    unknown = set(kw) - names - {f.name for f in dataclasses.fields(SpeedConfig)}
+    if unknown:
+        raise TypeError(f"make_actor: unknown knob(s) {sorted(unknown)}")
+    return Actor(model, pad_id, opt, UpdateConfig(**{k: v for k, v in kw.items() if k in names}),
+                 SpeedConfig(**{k: v for k, v in kw.items() if k not in names}))

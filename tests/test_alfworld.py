@@ -18,8 +18,8 @@ textworld = pytest.importorskip("textworld")
 
 from textworld.envs import PddlEnv  # noqa: E402
 
-from sprpo_lib.agent.envs import make_pool  # noqa: E402
 from sprpo_lib.agent.envs import alfworld_gen as gen  # noqa: E402
+from sprpo_lib.agent.envs import make_pool  # noqa: E402
 from sprpo_lib.agent.envs.alfworld import AlfworldDataError, AlfworldTask, make_alfworld_pool
 from sprpo_lib.agent.envs.base import Episode, TaskHandle, TaskPool  # noqa: E402
 

@@ -16,8 +16,8 @@ OVERRIDES = [
     ("rollout.group_size=abc", "rollout.group_size", "expected an integer"),
     ("iterations=abc", "iterations", "expected an integer"),
     ("iterations=2.5", "iterations", "expected an integer"),
-    ("update.skip_zero_adv=maybe", "update.skip_zero_adv", "expected true or false"),
-    ("update.skip_zero_adv=1", "update.skip_zero_adv", "expected true or false"),
+    ("speed.skip_zero_adv=maybe", "speed.skip_zero_adv", "expected true or false"),
+    ("speed.skip_zero_adv=1", "speed.skip_zero_adv", "expected true or false"),
     ("method.rho=.nan", "method.rho", "expected a finite number"),
     ("method.rho=.inf", "method.rho", "expected a finite number"),
     ("method.rho=[1,", "method.rho", "not valid YAML"),
@@ -26,6 +26,7 @@ OVERRIDES = [
     ("eval_every=5", "eval_every", "needs eval_tasks"),
     ("method.nosuch=1", "method.nosuch", "unknown config key"),
     ("iterations=0", "iterations", "expected an integer >= 1"),
+    ("update.prefix_min=0", "update.prefix_min", "set as speed.prefix_min"),
 ]
 
 
@@ -42,7 +43,7 @@ def test_bad_override_is_one_line_naming_the_key(override, key, says, capsys):
 
 
 @pytest.mark.parametrize("override", ["method.rho=1", "threads=null", "update.betas=[0.9, 0.99]", "logger=jsonl",
-                                      "update.skip_zero_adv=false", "eval_tasks=2"])
+                                      "speed.skip_zero_adv=false", "eval_tasks=2"])
 def test_good_overrides_still_load(override):
     load_config("smoke", [override])
 

@@ -7,10 +7,12 @@ import json
 import types
 
 import pytest
+import torch
 
 from sprpo_lib.bench import cli as bench_cli
 from sprpo_lib.bench.gpu import full_budget_batch
 from sprpo_lib.bench.report import section
+from sprpo_lib.bench.suite import restore_point
 from sprpo_lib.core.batch import Batch, Sample
 from sprpo_lib.infra import hardware as hw
 from sprpo_lib.train.config import load_config
@@ -67,7 +69,7 @@ def test_gpu_bench_runs_end_to_end_at_a_tiny_shape(tmp_path, monkeypatch):
         assert row["update_s"] > 0 and row["update_peak_rss_gib"] > 0
     # SPrPO's replay ran, Vanilla has none; every pass over every row (a random model earns no reward)
     assert res["webshop"]["sprpo"]["sensitivity_s"] > 0 and res["webshop"]["vanilla"]["sensitivity_s"] == 0
-    assert "update.skip_zero_adv=false" in res["overrides"] and "model.spec=tiny-qwen2" in res["overrides"]
+    assert "speed.skip_zero_adv=false" in res["overrides"] and "model.spec=tiny-qwen2" in res["overrides"]
     # before the rollout, every method's update on one micro-batch at the profile's full prompt budget
     cfg = load_config("smoke", ["model.spec=tiny-qwen2"])
     fb = res["webshop"]["full_budget"]
@@ -105,16 +107,16 @@ def test_the_full_budget_batch_fills_the_prompt_budget_with_every_row_counted():
 
 
 def test_the_paper_profile_splits_a_full_budget_micro_batch_but_not_a_rollouts():
-    """``update.micro_batch_tokens``: 16 rows at WebShop's full budget (4,160 tokens) go in
+    """``speed.micro_batch_tokens``: 16 rows at WebShop's full budget (4,160 tokens) go in
     micro-batches of at most 32,768 padded tokens (7 + 7 + 2 rows); 16 rows of ~1,200 tokens
     (the H200 rollouts' batches averaged 880 and 1,208) stay one micro-batch."""
     cfg = load_config("paper", ["env.name=webshop"])
     full = full_budget_batch(cfg, 1000)
-    chunks = full.micro_batch_order(cfg.update.micro_batch, max_tokens=cfg.update.micro_batch_tokens)
+    chunks = full.micro_batch_order(cfg.update.micro_batch, max_tokens=cfg.speed.micro_batch_tokens)
     assert [len(c) for c in chunks] == [7, 7, 2]
-    assert full.padded_tokens(cfg.update.micro_batch, max_tokens=cfg.update.micro_batch_tokens) == 16 * 4160
+    assert full.padded_tokens(cfg.update.micro_batch, max_tokens=cfg.speed.micro_batch_tokens) == 16 * 4160
     typical = Batch([Sample(list(range(1200 + 10 * i)), 64, 1.0) for i in range(16)])
-    assert len(typical.micro_batch_order(cfg.update.micro_batch, max_tokens=cfg.update.micro_batch_tokens)) == 1
+    assert len(typical.micro_batch_order(cfg.update.micro_batch, max_tokens=cfg.speed.micro_batch_tokens)) == 1
 
 
 def _record(**envs) -> dict:
@@ -158,3 +160,15 @@ def test_the_readme_cost_line_comes_from_the_newest_gpu_record(tmp_path):
     line = B.cost_summary(tmp_path)
     hours = B.projected_costs(new)["hours"].sum()
     assert line.startswith(f"About {hours:.0f} GPU-hours") and "bench_b.json" in line and "2026-12-06" in line
+
+
+def test_restore_point_puts_parameters_and_optimizer_state_back():
+    w = torch.nn.Parameter(torch.ones(3))
+    actor = type("A", (), {"params": [w], "opt": torch.optim.Adam([w], lr=0.1)})()
+    restore = restore_point(actor)
+    for _ in range(2):
+        (w * w).sum().backward()
+        actor.opt.step()
+        assert not torch.equal(w.detach(), torch.ones(3)) and actor.opt.state[w]
+        restore()
+        assert torch.equal(w.detach(), torch.ones(3)) and not actor.opt.state_dict()["state"]

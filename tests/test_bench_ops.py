@@ -7,8 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sprpo_lib.bench.attention import BACKWARD_FLOPS
-from sprpo_lib.bench.ops import CLASSES, MATMUL_SIZES, ROLES, OpClock, bench_ops
+from sprpo_lib.bench.ops import BACKWARD_FLOPS, CLASSES, MATMUL_SIZES, ROLES, OpClock, bench_ops
 from sprpo_lib.bench.report import SUMMARIES, headline
 
 

@@ -10,7 +10,7 @@ from sprpo_lib.bench.cli import main as bench_main
 from sprpo_lib.bench.report import headline, section
 from sprpo_lib.train.config import config_dict, load_config
 
-BEFORE = ["update.prefix_min=0", "update.reuse_frozen=false"]
+BEFORE = ["speed.prefix_min=0", "speed.reuse_frozen=false"]
 
 
 def _run(root, method, overrides, metrics, heldout):
@@ -44,7 +44,7 @@ def test_runs_compares_seconds_and_learning_against_hand_counts(tmp_path, monkey
                        "--after", str(after), "--out", str(out)]) == 0
     rec = json.loads(out.read_text())
     res = rec["results"]
-    assert res["config_diff"] == {"update.prefix_min": [0, 16], "update.reuse_frozen": [False, True]}
+    assert res["config_diff"] == {"speed.prefix_min": [0, 16], "speed.reuse_frozen": [False, True]}
     v, s = res["methods"]["vanilla"], res["methods"]["sprpo"]
     assert v["iteration_ratio"] == pytest.approx(12 / 25) and v["update_ratio"] == pytest.approx(6 / 15)
     assert v["before"]["update_s_per_sample"] == 1.5 and v["update_per_sample_ratio"] == pytest.approx(0.4)
@@ -65,7 +65,7 @@ def test_runs_compares_seconds_and_learning_against_hand_counts(tmp_path, monkey
     assert pooled["tasks"] == 10 and pooled["diff_pp"] == pytest.approx(10.0)
     assert (pooled["only_after"], pooled["only_before"]) == (2, 1)
     text = section(rec, out)
-    assert "configs differ in update.prefix_min 0 -> 16, update.reuse_frozen False -> True." in text
+    assert "configs differ in speed.prefix_min 0 -> 16, speed.reuse_frozen False -> True." in text
     assert "| vanilla | 25.0 -> 12.0 (0.48x) |" in text and "40.0 -> 80.0%, +40.0 pp" in text
     assert "| yes: 12.0 -> 5.0 (0.417x) |" in text and "| 10.0 -> 5.0 (0.5x) | no |" in text
     assert "vanilla 0.48x, sprpo 0.5x" in headline(rec)

@@ -9,8 +9,9 @@ import math
 import pytest
 import torch
 
-from sprpo_lib.core.methods import MethodConfig, energy_sigma, make_method, rank_correlation
+from sprpo_lib.core.methods import MethodConfig, make_method
 from sprpo_lib.core.perturb import xi_stats
+from sprpo_lib.core.sigma import energy_sigma, rank_correlation
 
 SHAPE = (3, 40)
 

@@ -1,5 +1,5 @@
 """Old log-probs of the first optimizer step's rows from that step's own forward
-(update.first_step_logp; its steps against the reference path: tests/test_shared_prefix.py):
+(speed.first_step_logp; its steps against the reference path: tests/test_shared_prefix.py):
 the pass it saves is the one the bench's floor leaves out (torch's FLOP counter), the states
 below the adapters are the ones the full pass keeps, and the rule stands aside where it would
 not hold."""
@@ -9,13 +9,10 @@ import random
 
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode
+from conftest import make_actor
 
-from sprpo_lib.bench.suite import method_passes, pass_groups, phase_flops
-from sprpo_lib.core.actor import Actor
 from sprpo_lib.core.batch import Batch, Sample
 from sprpo_lib.core.losses import PPOLossConfig
-from sprpo_lib.infra import hardware as hw
 from sprpo_lib.model.layers import below_layer, decoder_layers
 from sprpo_lib.model.load import load_policy
 from sprpo_lib.model.lora import LoraSettings, add_lora, lora_on_last_layers
@@ -47,59 +44,13 @@ def _policy(spec: str, lora_layers: int | None = 1):
     return pol
 
 
-@pytest.mark.parametrize("lora_layers", [1, None])
-def test_the_saved_forward_is_what_the_bench_floor_leaves_out(tiny_spec, lora_layers):
-    """torch's FLOP counter (linears, adapters as peft runs them, LM head) over an update of 4
-    equal rows in mini-batches of 2: with the rule the old-log-prob pass computes, for the first step's 2 rows, the layers
-    below the adapters only (LoRA on the last layer, kept states) or nothing (LoRA everywhere);
-    the difference is those rows' forward above the adapters and their LM head, which is what
-    method_passes' plan takes out of the update's floor."""
-    pol = _policy(tiny_spec, lora_layers)
-    params = [p for p in pol.model.parameters() if p.requires_grad]
-    rng = random.Random(1)
-    batch = Batch([Sample([rng.randrange(3, 250) for _ in range(14)], 5, a) for a in (1.0, -0.5, 0.7, -1.2)])
-    config = pol.model.config
-    L = int(config.num_hidden_layers)
-    depth = L if lora_layers is None else lora_layers
-
-    def counted(own: bool) -> float:
-        actor = Actor(pol.model, 0, torch.optim.SGD(params, lr=0.0), micro_batch=2, prefix_min=0, mini_batch=2,
-                      loss_cfg=PPOLossConfig(entropy_coeff=0.0), fused_lora=False, first_step_logp=own)
-        with FlopCounterMode(display=False) as fc:
-            actor.ppo_update(batch.without_old(), None)
-        c = fc.get_flop_counts()["Global"]
-        return sum(v for k, v in c.items() if str(k).split(".")[-1] in ("mm", "addmm"))
-
-    saved = counted(False) - counted(True)
-    assert saved > 0
-    first = pass_groups(batch.samples[:2], 0)
-    above = hw.train_pass_flops(config, first, 0, depth)
-    tokens = sum(len(s.ids) for s in batch.samples[:2])
-    assert saved == pytest.approx(above["linear"] + above["head"] + _adapter_flops(pol.model, depth, tokens), rel=1e-9)
-    plan = {own: method_passes(batch, depth, L, False, steps=2, reuse_frozen=True,
-                               first_rows=batch.samples[:2] if own else None)["vanilla"] for own in (False, True)}
-    floor = {own: phase_flops(config, plan[own], 0, "update_s") for own in plan}
-    assert floor[False] - floor[True] == pytest.approx(above["total"], rel=1e-9)
-
-
-def _adapter_flops(model, depth: int, tokens: int) -> float:
-    """FLOPs of the LoRA matmuls of the top ``depth`` layers' forward over ``tokens`` tokens
-    (``2 * rank * (in + out)`` per adapted linear and token), which the floor leaves out."""
-    total = 0
-    for layer in list(decoder_layers(model))[len(decoder_layers(model)) - depth:]:
-        for n, p in layer.named_parameters():
-            if "lora_A" in n or "lora_B" in n:
-                total += 2 * p.numel()
-    return float(total * tokens)
-
-
 def test_the_rule_stands_aside_where_it_would_not_hold(tiny_spec):
     """No rows when one of the first step's rows already has old log-probs (a caller's, under
     another xi perhaps) or the model drops anything in training mode; without a regulariser the
     rows with a zero advantage, which the first step skips, are filled by the pass as before."""
     pol = _policy(tiny_spec)
     params = [p for p in pol.model.parameters() if p.requires_grad]
-    actor = Actor(pol.model, 0, torch.optim.SGD(params, lr=0.0), micro_batch=2, mini_batch=5,
+    actor = make_actor(pol.model, torch.optim.SGD(params, lr=0.0), micro_batch=2, mini_batch=5,
                   loss_cfg=PPOLossConfig(entropy_coeff=0.0))
     batch = _batch(5).without_old()
     first = batch.mini_batches(5)[0]
@@ -124,7 +75,7 @@ def test_below_layer_gives_the_states_the_kept_pass_holds(tiny_spec):
     the states the full pass's hook keeps, and restores the model; out-of-range stops are refused."""
     pol = _policy(tiny_spec)
     params = [p for p in pol.model.parameters() if p.requires_grad]
-    actor = Actor(pol.model, 0, torch.optim.SGD(params, lr=0.0), micro_batch=2, prefix_min=4)
+    actor = make_actor(pol.model, torch.optim.SGD(params, lr=0.0), micro_batch=2, prefix_min=4)
     batch = _batch(7).without_old()
     actor._frozen = {}
     actor.fill_old_log_probs(batch, None, "keep")

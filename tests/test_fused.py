@@ -1,4 +1,4 @@
-"""Fused elementwise kernels (update.fused_kernels): the compiled RMSNorm, SwiGLU and rotary
+"""Fused elementwise kernels (speed.fused_kernels): the compiled RMSNorm, SwiGLU and rotary
 embedding give the eager path's LoRA gradients, dL/dxi, dL/du and log-probs within 1e-5
 relative (float32, tiny Qwen2/Llama, both paths in one run), restore the model on exit,
 and fall back to the eager path where compilation fails."""
@@ -9,10 +9,9 @@ import sys
 
 import pytest
 import torch
-from conftest import adapted_policy, assert_same_pass, head_sharing_batch
+from conftest import adapted_policy, assert_same_pass, head_sharing_batch, make_actor, rel_l2
 
-from sprpo_lib.bench.suite import rel_l2
-from sprpo_lib.core.actor import TRAIN, Actor
+from sprpo_lib.core.actor import TRAIN
 from sprpo_lib.core.losses import PPOLossConfig
 from sprpo_lib.core.methods import grad_leaf
 from sprpo_lib.core.perturb import FFNChannels
@@ -45,7 +44,7 @@ def test_fused_passes_give_the_reference_gradients(tiny_spec, prefix_min, ck):
     mlp = next(m for m in pol.model.modules() if hasattr(m, "gate_proj"))
     for on in (False, True):
         params = [p for p in pol.model.parameters() if p.requires_grad]
-        actor = Actor(pol.model, 0, torch.optim.SGD(params, lr=0.1), micro_batch=2, prefix_min=prefix_min,
+        actor = make_actor(pol.model, torch.optim.SGD(params, lr=0.1), micro_batch=2, prefix_min=prefix_min,
                       loss_cfg=PPOLossConfig(entropy_coeff=0.01), grad_checkpointing=ck, fused_kernels=on)
         xi = grad_leaf(xi0, actor)
         gain = torch.ones(actor.shape, requires_grad=True)
@@ -67,7 +66,7 @@ def test_one_forward_two_gradients_under_fused_kernels(tiny_spec):
     out = {}
     for on in (False, True):
         params = [p for p in pol.model.parameters() if p.requires_grad]
-        actor = Actor(pol.model, 0, torch.optim.SGD(params, lr=0.1), micro_batch=3, prefix_min=4,
+        actor = make_actor(pol.model, torch.optim.SGD(params, lr=0.1), micro_batch=3, prefix_min=4,
                       loss_cfg=PPOLossConfig(entropy_coeff=0.01), fused_kernels=on)
         xi = grad_leaf(torch.full(actor.shape, 0.05), actor)
         actor.zero_grad()
@@ -137,7 +136,7 @@ def test_without_a_compiler_the_passes_run_eagerly_and_say_so(tiny_spec, monkeyp
     try:
         with caplog.at_level(logging.WARNING, logger="sprpo_lib.model.fused"), fused_kernels(pol.model) as on:
             assert not on and not any("forward" in m.__dict__ for m in pol.model.modules())
-        assert "update.fused_kernels" in caplog.text and "no C++ compiler" in caplog.text
+        assert "speed.fused_kernels" in caplog.text and "no C++ compiler" in caplog.text
         assert fused_kernels_available(torch.float32) == (False, "RuntimeError: no C++ compiler found")
     finally:
         fused.compiled.cache_clear()

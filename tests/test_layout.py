@@ -4,6 +4,7 @@ tests use public names only.  Every import counts, also those inside functions."
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -294,3 +295,16 @@ def test_imports_sit_at_the_top_but_for_heavy_optional_packages_with_a_reason():
                     if mod.startswith("sprpo_lib") and "alfworld" not in mod or not said:
                         bad.append(f"{p.relative_to(PKG)}:{node.lineno} {mod}")
     assert bad == []
+
+
+def test_the_files_the_pages_name_exist_and_the_library_page_is_short():
+    """Every ``.py`` path the READMEs and requirements files name is a file of the checkout (relative
+    to the root or to the package), and ``sprpo_lib/README.md`` stays within 150 lines."""
+    root = PKG.parent
+    missing = []
+    for page in [root / "README.md", PKG / "README.md", *root.glob("requirements*.txt")]:
+        for m in re.finditer(r"(?<![\w.])((?:sprpo_lib|tests|[a-z_]+)/[\w/]*\w\.py)\b", page.read_text()):
+            if not ((root / m.group(1)).is_file() or (PKG / m.group(1)).is_file()):
+                missing.append(f"{page.name}: {m.group(1)}")
+    assert missing == []
+    assert len((PKG / "README.md").read_text().splitlines()) <= 150

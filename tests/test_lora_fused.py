@@ -1,4 +1,4 @@
-"""The fused adapted linear (update.fused_lora): LoraLinear's gradients against finite
+"""The fused adapted linear (speed.fused_lora): LoraLinear's gradients against finite
 differences (float64), its dtypes under float32 compute of a bfloat16 adapter, peft's
 forward kept wherever it would compute something else, and the training passes' LoRA
 gradients, dL/dxi, dL/du and log-probs within 1e-5 relative of peft's (float32, tiny
@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import adapted_policy, assert_same_pass, head_sharing_batch
+from conftest import adapted_policy, assert_same_pass, head_sharing_batch, make_actor, rel_l2
 from torch import nn
 
-from sprpo_lib.bench.suite import rel_l2
-from sprpo_lib.core.actor import TRAIN, Actor
+from sprpo_lib.core.actor import TRAIN
 from sprpo_lib.core.losses import PPOLossConfig
 from sprpo_lib.core.methods import grad_leaf
 from sprpo_lib.core.perturb import FFNChannels
@@ -63,7 +62,7 @@ def test_fused_passes_give_peft_gradients(tiny_spec, prefix_min, layers):
     real = LoraLinear.apply
     for on in (False, True):
         params = [p for p in pol.model.parameters() if p.requires_grad]
-        actor = Actor(pol.model, 0, torch.optim.SGD(params, lr=0.1), micro_batch=2, prefix_min=prefix_min,
+        actor = make_actor(pol.model, torch.optim.SGD(params, lr=0.1), micro_batch=2, prefix_min=prefix_min,
                       loss_cfg=PPOLossConfig(entropy_coeff=0.01), kl_coef=0.1, fused_lora=on)
         xi = grad_leaf(xi0, actor)
         gain = torch.ones(actor.shape, requires_grad=True)

@@ -1,4 +1,4 @@
-"""Grouped-query attention without repeated keys and values (update.native_gqa): the attention
+"""Grouped-query attention without repeated keys and values (speed.native_gqa): the attention
 function against a float64 masked softmax written out here, forward and gradients; the
 context manager switches transformers' SDPA only, restores it, and the model under it gives
 the same logits without transformers' K/V repeat."""
@@ -10,9 +10,9 @@ import transformers.integrations.sdpa_attention as hf_sdpa
 from torch import nn
 
 import sprpo_lib.model.layers as layers
+from sprpo_lib.core.config import SpeedConfig
 from sprpo_lib.model.layers import NATIVE_GQA, matmul_attention, native_gqa, native_gqa_attention
 from sprpo_lib.model.load import load_policy
-from sprpo_lib.train.config import UpdateConfig
 
 
 def _reference(q, k, v, keep, scale):
@@ -110,7 +110,7 @@ def test_the_block_switches_sdpa_only_and_restores_it(tiny_spec, monkeypatch):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 def test_matmul_attention_and_its_gradients_match_a_float64_masked_softmax(dtype, tol):
-    """update.attention=matmul: the stacked query heads of each key/value head against it,
+    """speed.attention=matmul: the stacked query heads of each key/value head against it,
     with a padding mask whose prefix keys every query sees (only the own keys are filled), one
     where a query does not see a prefix key, and a causal call whose mask transformers skipped (None)."""
     q, k, v, keep = _case(dtype)
@@ -218,10 +218,10 @@ def test_the_attention_kernel_is_chosen_per_call_by_dtype(tiny_spec, monkeypatch
 
 
 def test_a_bad_attention_kernel_is_one_clear_error():
-    with pytest.raises(ValueError, match=r"update.attention='flash'.*auto, sdpa, matmul"):
-        UpdateConfig(attention="flash")
-    with pytest.raises(ValueError, match="update.attention"), native_gqa(nn.Linear(2, 2), kernel="flash"):
+    with pytest.raises(ValueError, match=r"speed.attention='flash'.*auto, sdpa, matmul"):
+        SpeedConfig(attention="flash")
+    with pytest.raises(ValueError, match="speed.attention"), native_gqa(nn.Linear(2, 2), kernel="flash"):
         pass
     for bad in (-1, 2.5, True):
         with pytest.raises(ValueError, match=r"attention_chunk=.*integer >= 0"):
-            UpdateConfig(attention_chunk=bad)
+            SpeedConfig(attention_chunk=bad)

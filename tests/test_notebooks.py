@@ -13,7 +13,7 @@ from sprpo_lib.reproduce import PROFILES, plan, run
 NOTEBOOKS = notebooks_dir()
 
 
-def test_every_notebook_has_one_parameters_cell_and_is_in_every_profile():
+def test_every_notebook_has_one_parameters_cell_short_code_cells_and_is_in_every_profile():
     import nbformat
 
     names = sorted(p.stem for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
@@ -22,6 +22,8 @@ def test_every_notebook_has_one_parameters_cell_and_is_in_every_profile():
         nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
         tagged = [c for c in nb.cells if "parameters" in c.get("metadata", {}).get("tags", [])]
         assert len(tagged) == 1, name
+        long = [len(c.source.splitlines()) for c in nb.cells if c.cell_type == "code" and len(c.source.splitlines()) > 20]
+        assert long == [], f"{name}: code cells of {long} lines; the logic belongs in sprpo_lib.paper"
         for prof in PROFILES.values():
             assert name in prof["notebooks"], (name, prof)
 
@@ -160,9 +162,7 @@ def test_result_notebooks_smoke_and_render_only(tmp_path):
     recs = run("smoke", only=["03", "04", "05", "06", "07", "08", "09"], force=True, runs_dir=tmp_path / "runs",
                out_dir=str(out))
     assert [r["status"] for r in recs] == ["ok"] * 7
-    from sprpo_lib.infra.manifest import check_artifact
-
-    from sprpo_lib.infra.manifest import DESIGN_KEYS
+    from sprpo_lib.infra.manifest import DESIGN_KEYS, check_artifact
 
     for man in out.glob("*.manifest.json"):  # every artifact matches the SHA-256 its manifest records
         assert "file" in check_artifact(man.with_name(man.name[: -len(".manifest.json")])), man

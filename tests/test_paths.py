@@ -86,11 +86,13 @@ def test_bench_report_writes_one_file_per_machine_and_the_readme_block(tmp_path)
     assert (out / "bench_intel-xeon-processor-amx.md.manifest.json").is_file()
     text = readme.read_text()
     assert "old" not in text and text.startswith("intro\n") and text.endswith("rest\n")
-    assert "0 hangs and 0 retries in 1000 engine builds" in text and "66.4 held-out episodes/min" in text
-    assert "bfloat16 739.2 GFLOP/s prefill matmul" in text
-    # a record measured under config overrides says so, in its table's heading and in the README line
+    assert "[Intel(R) Xeon(R) Processor (class amx)](figures/bench_intel-xeon-processor-amx.md)" in text
+    # every record's headline opens its machine's page, above the tables
+    assert md.index("0 hangs and 0 retries in 1000 engine builds") < md.index("## Tables") and "66.4 held-out episodes/min" in md
+    assert "bfloat16 739.2 GFLOP/s prefill matmul" in (out / "bench_amd-epyc-avx512-bf16.md").read_text()
+    # a record measured under config overrides says so, in its table's heading and in its headline
     assert "webshop `cpu` batch (update.micro_batch=16):" in md
-    assert "webshop (update.micro_batch=16) update 25.19 s (7.37x its floor); iteration x Vanilla: SPrPO 2.0" in text
+    assert "webshop (update.micro_batch=16) update 25.19 s (7.37x its floor); iteration x Vanilla: SPrPO 2.0" in md
     # a second report over the same records leaves every machine's files and manifests alone;
     # a changed record rewrites that machine's alone
     manifest = out / "bench_amd-epyc-avx512-bf16.md.manifest.json"
@@ -148,8 +150,10 @@ def test_bench_readme_overview_reads_each_environments_main_records(tmp_path):
     assert ("| Xeon (amx) | webshop | 5.87x (eager bound 1.78x) | 0.4 / 0.8 s = 0.500x | 2.0 (1.5) | 2.456 (3.0) "
             "| 1.85x (least 1.03x), `openvino:auto` | bfloat16 |") in block
     assert "| Xeon (amx) | alfworld | 5.6x | 0.4 / 0.8 s = 0.500x | 2.0 (1.5) | - | - | bfloat16 |" in block
-    assert "<summary>Xeon (class amx): every record</summary>" in block and "[All tables](figures/bench_xeon-amx.md)" in block
-    assert "- `train_mb16_webshop`: webshop (update.micro_batch=16) update 20.0 s (7.0x its floor)" in block
+    assert "[Xeon (class amx)](figures/bench_xeon-amx.md)" in block
+    from sprpo_lib.bench.report import headlines
+
+    assert "- `train_mb16_webshop`: webshop (update.micro_batch=16) update 20.0 s (7.0x its floor)" in headlines(records)
     # SPrPO's ops record is not ALFWorld's eager bound (Vanilla's); a machine with no train, ops or eval record has no row, and a GPU machine none at all
     gpu = [(Path("gpu_h200"), {"bench": "gpu", "results": {"machine": {"gpu": "H200", "cpu_class": "amx"}}})]
     assert OVERVIEW_HEADER not in readme_block([("bench_h200.md", gpu)])

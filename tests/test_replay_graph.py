@@ -1,4 +1,4 @@
-"""update.replay_graph_gb: SPrPO's replay (Alg. 1 line 7) runs the adapted layers alone and one
+"""speed.replay_graph_gb: SPrPO's replay (Alg. 1 line 7) runs the adapted layers alone and one
 backward through the graph the update's pass below them kept, and measures the same S_hat and
 m_hat, and leaves the same adapter, as the replay through every layer (float32, tiny models,
 both paths in one run); a budget too small for every row replays the rest whole."""
@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import adapted_policy, head_sharing_batch
+from conftest import adapted_policy, head_sharing_batch, make_actor, rel_l2
 
-from sprpo_lib.bench.suite import rel_l2
-from sprpo_lib.core.actor import Actor, SavedBytes
+from sprpo_lib.core.actor import SavedBytes
+from sprpo_lib.core.config import SpeedConfig
 from sprpo_lib.core.losses import PPOLossConfig
 from sprpo_lib.core.methods import MethodConfig, make_method
 from sprpo_lib.core.perturb import FFNChannels
 from sprpo_lib.model.layers import decoder_layers
-from sprpo_lib.train.config import UpdateConfig
 
 
 def _sprpo_update(model, start, xi, graph_gb: float, prefix_min: int, entropy: float, lr: float = 0.5) -> dict:
@@ -25,7 +24,7 @@ def _sprpo_update(model, start, xi, graph_gb: float, prefix_min: int, entropy: f
     with torch.no_grad():
         for p, v in zip(params, start):
             p.copy_(v)
-    actor = Actor(model, 0, torch.optim.SGD(params, lr=lr), micro_batch=2, mini_batch=5, epochs=2,
+    actor = make_actor(model, torch.optim.SGD(params, lr=lr), micro_batch=2, mini_batch=5, epochs=2,
                   prefix_min=prefix_min, loss_cfg=PPOLossConfig(entropy_coeff=entropy), replay_graph_gb=graph_gb)
     method = make_method(MethodConfig(name="sprpo"), actor.shape, seed=0)
     bottom, replaying = [0], [False]
@@ -93,7 +92,7 @@ def test_saved_bytes_counts_each_saved_storage_once_and_not_the_weights():
 
 def test_replay_graph_gb_rejects_a_negative_budget():
     with pytest.raises(ValueError, match="replay_graph_gb=-1: out of range; expected a number >= 0"):
-        UpdateConfig(replay_graph_gb=-1)
+        SpeedConfig(replay_graph_gb=-1)
 
 
 def test_in_bfloat16_the_kept_graph_leaves_the_update_bit_identical(tiny_spec):

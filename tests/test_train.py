@@ -152,6 +152,20 @@ def test_config_profiles_and_errors():
         load_config("cpu", ["sft.demonstrator=shopper"], **{"env.name": "alfworld"})
 
 
+def test_speed_levers_have_their_own_section_and_old_records_still_read():
+    """The paper profile's levers are speed's; a cpu run's stored config has no speed section (every
+    lever at its default), and a config stored with levers under ``update`` reads as the same config."""
+    from sprpo_lib.train.config import config_dict, config_from_dict, moved_levers
+
+    paper = load_config("paper", **{"env.name": "webshop"})
+    assert (paper.speed.prefix_min, paper.speed.grad_checkpointing, paper.speed.micro_batch_tokens) == (0, True, 32768)
+    assert "speed" not in config_dict(load_config("cpu")) and "prefix_min" not in config_dict(load_config("cpu"))["update"]
+    stored = config_dict(paper)
+    old = {**stored, "update": {**stored["update"], **stored["speed"]}}
+    del old["speed"]
+    assert moved_levers(old) == stored and config_from_dict(old) == paper and moved_levers(stored) is stored
+
+
 def _cli(out, *extra):
     return [sys.executable, "-m", "sprpo_lib.train", "--profile", "smoke", "--method", "sprpo", "--out", str(out),
             "--no-progress", "iterations=3", "rollout.tasks_per_step=1", *extra]

@@ -10,12 +10,13 @@ import math
 
 import pytest
 import torch
+from conftest import make_actor
 
 from sprpo_lib.agent.engines import Generation
 from sprpo_lib.agent.envs.base import Observation
 from sprpo_lib.agent.prompt import AgentConfig, HistoryStep, build_prompt, fit_prompt
 from sprpo_lib.agent.rollout import SerialEnvs, run_groups
-from sprpo_lib.core.actor import SURROGATE, Actor
+from sprpo_lib.core.actor import SURROGATE
 from sprpo_lib.core.advantages import StepSample, compute_advantages
 from sprpo_lib.core.batch import Batch, Sample, build_batch
 from sprpo_lib.core.losses import PPOLossConfig, kl_penalty, ppo_dual_clip_loss, token_logprobs
@@ -151,7 +152,7 @@ def _token_batch(n=4, seed=0):
 
 def _actor(model, **kw):
     params = [p for p in model.parameters() if p.requires_grad] or [torch.nn.Parameter(torch.zeros(1))]
-    return Actor(model, 0, torch.optim.Adam(params, lr=1e-3), **kw)
+    return make_actor(model, torch.optim.Adam(params, lr=1e-3), **kw)
 
 
 def test_sam_sized_xi_survives_bf16_and_matches_float32():
@@ -416,7 +417,7 @@ def test_length_sorted_micro_batches_keep_order_and_gradient(tmp_path):
 
 def test_zero_advantage_rows_are_skipped_with_the_same_gradient(tmp_path):
     """A row with A = 0 carries no gradient of the token-mean surrogate: passes over the
-    surrogate alone skip it (update.skip_zero_adv, the default) and give the parameters',
+    surrogate alone skip it (speed.skip_zero_adv, the default) and give the parameters',
     the channels' (SPrPO's S_hat, SAM's g) and the loss's values of running every row.
     A pass with the entropy bonus runs every row; one without any non-zero advantage runs
     none and leaves zero gradients, as the full pass does."""

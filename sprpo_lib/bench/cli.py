@@ -3,11 +3,7 @@
     sprpo-bench perturb [--model smollm2-135m] [--n-calib 128] [--calib-len 256]
     sprpo-bench envs
     sprpo-bench train [--profile cpu] [--env webshop] [key=value ...]
-    sprpo-bench attention [--profile cpu] [--env webshop]   # the replay's attention calls per SDPA backend
-    sprpo-bench estimates [--env webshop] [--iterations 6] [--parts 4] [--float32]   # a 1/parts replay against line 7's, over a run
-    sprpo-bench allocator [--env webshop] [--rounds 3]   # the passes under glibc's malloc settings, then tuned
     sprpo-bench ops [--env webshop]   # one update's time by op class, each against its roofline
-    sprpo-bench grads [--env webshop] [--methods vanilla]   # the levers' gradients against the dtype's rounding
     sprpo-bench divergence [--env webshop] [--states 4] [--samples 4] [--batch 1 8]   # KL per state: clean side and a setting vs floor
     sprpo-bench machine [--model smollm2-135m]
     sprpo-bench generate [--model smollm2-135m] [--prompts 16] [--engines hf_generator,hf,openvino]
@@ -31,13 +27,8 @@ from pathlib import Path
 
 import torch
 
-from sprpo_lib.bench.allocator import METHODS as ALLOCATOR_METHODS
-from sprpo_lib.bench.allocator import bench_allocator
-from sprpo_lib.bench.attention import bench_attention
 from sprpo_lib.bench.divergence import bench_divergence
-from sprpo_lib.bench.estimates import bench_estimates
 from sprpo_lib.bench.gpu import METHODS, bench_gpu
-from sprpo_lib.bench.grads import bench_grads
 from sprpo_lib.bench.host import bench_host
 from sprpo_lib.bench.ops import OPS_METHODS, bench_ops
 from sprpo_lib.bench.report import report
@@ -65,7 +56,7 @@ def _print_table(res: dict, prefix: str = "") -> None:
     for k, v in res.items():
         if isinstance(v, dict):
             _print_table(v, prefix + k + ".")
-        elif isinstance(v, list) and len(v) > 8:  # e.g. bench attention's per-shape rows
+        elif isinstance(v, list) and len(v) > 8:  # e.g. per-shape rows
             print(f"  {prefix + k:<40} [{len(v)} rows: see the JSON]")
         else:
             print(f"  {prefix + k:<40} {v}")
@@ -127,35 +118,13 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--env", default="webshop")
     t.add_argument("--repeats", type=int, default=1)
     t.add_argument("--paths", default="shared,whole",
-                   help="shared (the profile's passes: shared prefixes, kept states below the LoRA layers, fused LoRA linears and entropy, native GQA), whole (the reference: every row whole, every layer at every step, peft's LoRA forward, log-probs and entropy apart, K and V repeated, SDPA), sdpa (shared with update.attention=sdpa), fused (shared with update.fused_kernels) and/or full_replay (shared with SPrPO's replay through every layer, update.replay_graph_gb=0: against shared with update.replay_graph_gb=10 given)")
+                   help="shared (the profile's passes: shared prefixes, kept states below the LoRA layers, fused LoRA linears and entropy, native GQA), whole (the reference: every row whole, every layer at every step, peft's LoRA forward, log-probs and entropy apart, K and V repeated, SDPA), sdpa (shared with speed.attention=sdpa), fused (shared with speed.fused_kernels) and/or full_replay (shared with SPrPO's replay through every layer, speed.replay_graph_gb=0: against shared with speed.replay_graph_gb=10 given)")
     t.add_argument("--replay-frac", type=float, default=None,
                    help="also SPrPO whose replay runs this share of the rows (method.replay_frac), against the full replay")
     t.add_argument("--methods", default=None,
                    help="measure only these besides vanilla and sprpo, comma-separated: sprpo_one_pass, sam, sprpo_subset "
                         "('': vanilla and sprpo alone)")
     t.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. rollout.tasks_per_step=4")
-    at = sub.add_parser("attention", help="the attention calls of one S_hat replay on a rollout batch, timed per SDPA "
-                        "backend (flash, math, eager) against their FLOP floor")
-    at.add_argument("--profile", default="cpu")
-    at.add_argument("--env", default="webshop")
-    at.add_argument("--repeats", type=int, default=3, help="timed calls per shape and backend (median)")
-    at.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. update.micro_batch=16")
-    es = sub.add_parser("estimates", help="SPrPO iterations whose S_hat replay runs in parts: each part (a "
-                        "method.replay_frac = 1/parts replay) against the full replay, per batch and through the EMAs")
-    es.add_argument("--profile", default="cpu")
-    es.add_argument("--env", default="webshop")
-    es.add_argument("--iterations", type=int, default=6)
-    es.add_argument("--parts", type=int, default=4, help="disjoint parts of the rows (each a 1/parts replay)")
-    es.add_argument("--float32", action="store_true", help="also each batch's replay in float32 at the same theta "
-                    "(a 16-bit model): the dtype's rounding of S_hat beside the sampling noise of half the rows")
-    es.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. seed=1")
-    al = sub.add_parser("allocator", help="each method's update and extra pass on one rollout batch under glibc's own "
-                        "malloc settings, then tuned (hardware.set_allocator), in one process: seconds, page faults")
-    al.add_argument("--profile", default="cpu")
-    al.add_argument("--env", default="webshop")
-    al.add_argument("--rounds", type=int, default=3, help="timed updates per method and side (median)")
-    al.add_argument("--methods", default=",".join(ALLOCATOR_METHODS))
-    al.add_argument("overrides", nargs="*", help="dotted config overrides")
     op = sub.add_parser("ops", help="one method's update on one rollout batch, every op timed where it runs: seconds by "
                         "class (matmul, attention, memory, views) against each class's roofline, the eager bound")
     op.add_argument("--profile", default="cpu")
@@ -163,12 +132,6 @@ def main(argv: list[str] | None = None) -> int:
     op.add_argument("--method", default="vanilla", choices=OPS_METHODS,
                     help="sprpo: its update and, apart, Alg. 1 line 7's S_hat replay")
     op.add_argument("overrides", nargs="*", help="dotted config overrides")
-    gr = sub.add_parser("grads", help="each method's update on one rollout batch on the profile's passes and the "
-                        "reference, in the model's dtype and in float32: first gradient, parameter change and S_hat compared")
-    gr.add_argument("--profile", default="cpu")
-    gr.add_argument("--env", default="webshop")
-    gr.add_argument("--methods", default="vanilla", help="comma-separated: vanilla, sprpo, sprpo_one_pass, sam")
-    gr.add_argument("overrides", nargs="*", help="dotted config overrides")
     m = sub.add_parser("machine", help="matmul GFLOP/s per dtype at a model's shapes, bandwidth, prefill floor")
     m.add_argument("--model", default="smollm2-135m", help="shapes from this model's config (weights not loaded)")
     m.add_argument("--context", type=int, default=500, help="prompt length for the FLOPs per token")
@@ -244,11 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--before", required=True, help="runs folder of the reference side, e.g. runs/cpu/levers_off")
     w.add_argument("--after", required=True, help="runs folder of the other side, e.g. runs/cpu/train")
-    for sp in (p, e, t, at, es, al, op, gr, dv, ho, m, g, u, v, q, c, x, w):
+    for sp in (p, e, t, op, dv, ho, m, g, u, v, q, c, x, w):
         sp.add_argument("--threads", type=int, default=2, help="torch threads (set explicitly: 2 cores here)")
-        if sp is not al:  # that one measures both
-            sp.add_argument("--allocator", choices=ALLOCATORS, default="tuned",
-                            help="glibc malloc settings (hardware.set_allocator; 'default': glibc as it is)")
+        sp.add_argument("--allocator", choices=ALLOCATORS, default="tuned",
+                        help="glibc malloc settings (hardware.set_allocator; 'default': glibc as it is)")
         sp.add_argument("--out", type=Path, help="JSON path (default runs/bench/<what>_<env>.json, or <what>.json without --env)")
     r = sub.add_parser("report", help="runs/bench/*.json as figures/bench_<machine>.md and the README's bench block")
     r.add_argument("--dir", type=Path, default=None, help="benchmark JSON folder (default runs/bench/)")
@@ -258,8 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             print(path)
         return 0
     torch.set_num_threads(args.threads)
-    if args.what != "allocator":
-        set_allocator(args.allocator)
+    set_allocator(args.allocator)
     t0, commit = time.time(), git_commit()  # the code that runs (files edited during a long run do not count)
     out = project_path(args.out) if args.out else runs_dir("bench", record_name(args.what, getattr(args, "env", None),
                                                                                    getattr(args, "method", None)))
@@ -296,17 +257,8 @@ def main(argv: list[str] | None = None) -> int:
                         budget_s=args.budget_s, warmup=not args.no_warmup)
     elif args.what == "runs":
         res = bench_runs(args.profile, args.env, tuple(args.methods.split(",")), args.seed, args.before, args.after)
-    elif args.what == "estimates":
-        res = bench_estimates(args.profile, args.env, args.iterations, args.parts, args.overrides,
-                              save=lambda r: atomic_write_json(out, record(r, partial=True)), float32=args.float32)
-    elif args.what == "allocator":
-        res = bench_allocator(args.profile, args.env, args.rounds, tuple(args.methods.split(",")), args.overrides)
     elif args.what == "ops":
         res = bench_ops(args.profile, args.env, args.overrides, args.method)
-    elif args.what == "grads":
-        res = bench_grads(args.profile, args.env, tuple(m for m in args.methods.split(",") if m), args.overrides)
-    elif args.what == "attention":
-        res = bench_attention(args.profile, args.env, args.repeats, args.overrides)
     elif args.what == "divergence":
         res = bench_divergence(args.profile, args.env, states=args.states, samples=args.samples,
                                batches_of=tuple(args.batch), family=args.family,

@@ -15,8 +15,8 @@
    (``full_budget``: 4,096 / 3,072 prompt tokens), the worst case of any batch's micro-batch.
 
 A random-weight model earns no reward, so every advantage is 0 and the passes over the
-surrogate alone would skip every row (``update.skip_zero_adv``): the bench sets
-``update.skip_zero_adv=false`` so that the update, SPrPO's replay and SAM's extra pass run
+surrogate alone would skip every row (``speed.skip_zero_adv``): the bench sets
+``speed.skip_zero_adv=false`` so that the update, SPrPO's replay and SAM's extra pass run
 over every row, the memory a trained policy's batch needs at worst.  Each stage's result is
 saved as it ends (``save``), and a stage that fails (out of memory, say) is recorded with its
 error while the others still run.
@@ -231,7 +231,7 @@ def bench_gpu(profile: str = "paper", envs: tuple[str, ...] = ("webshop", "alfwo
     if run_tests:
         res["cuda_tests"] = cuda_tests(device)
         saved()
-    ov = [f"model.spec={model}", f"model.device={device}", f"env.max_steps={max_steps}", "update.skip_zero_adv=false",
+    ov = [f"model.spec={model}", f"model.device={device}", f"env.max_steps={max_steps}", "speed.skip_zero_adv=false",
           *overrides]
     res["overrides"] = ov
     for i, env in enumerate(envs):

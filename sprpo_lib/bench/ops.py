@@ -7,7 +7,7 @@ autograd (``TorchDispatchMode``), and sorted into:
 - ``matmul``: ``mm``, ``addmm``, ``bmm`` and their in-place forms (the linears, the LoRA factors,
   the LM head): FLOPs against the matmul rate probed at the model's shapes;
 - ``attention``: the fused SDPA kernels, forward and backward: FLOPs of the full query x key
-  rectangle (masked entries included, :func:`sprpo_lib.bench.attention.attention_flops`)
+  rectangle (masked entries included, :func:`attention_flops`)
   against the same matmul rate;
 - ``memory``: every other op that writes new memory (elementwise maths, norms, copies,
   concatenations, reductions): bytes read and written against the measured memory bandwidth;
@@ -16,8 +16,7 @@ autograd (``TorchDispatchMode``), and sorted into:
 What the update spends outside the ops (Python, the autograd engine, dispatch) is its wall time,
 measured once without the spy just before, less the ops' sum.  ``eager_bound_s`` is what the
 same op-at-a-time execution would take with every matmul at the probed rate and every memory op
-at the measured bandwidth, attention as measured (no SDPA backend was faster per shape:
-``sprpo-bench attention``) and nothing outside the ops: a lower bound on an eager update, to set
+at the measured bandwidth, attention as measured and nothing outside the ops: a lower bound on an eager update, to set
 against its FLOP floor.  Operands that stay in cache can beat the bandwidth, so a memory class
 above 1.0x of it is possible, and the bound is approximate there.
 
@@ -36,7 +35,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from sprpo_lib.bench.attention import BACKWARD_FLOPS, attention_flops
 from sprpo_lib.bench.suite import (
     actor_passes,
     method_variants,
@@ -48,6 +46,18 @@ from sprpo_lib.bench.suite import (
 )
 from sprpo_lib.core import metrics as MK
 from sprpo_lib.infra import hardware as hw
+
+#: FLOPs of an attention backward over its forward: S = QK^T recomputed, dV, dP, dQ, dK (5 matmuls
+#: against the forward's 2), as FlashAttention-2 counts them.
+BACKWARD_FLOPS = 2.5
+
+
+def attention_flops(q_shape, k_shape) -> float:
+    """Forward FLOPs of one call: QK^T and PV over the full query x key rectangle (masked
+    entries included: a dense kernel computes them), ``q_shape`` ``(B, H, Tq, D)``."""
+    b, h, tq, d = q_shape
+    return 4.0 * b * h * tq * k_shape[2] * d
+
 
 CLASSES = ("matmul", "attention", "memory", "views")
 ALLOCATIONS = {"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like"}

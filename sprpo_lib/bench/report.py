@@ -109,8 +109,8 @@ def _flat_rows(res, prefix: str = "") -> list[str]:
 
 TRAIN_METHODS = ("vanilla", "sprpo", "sprpo_one_pass", "sprpo_subset", "sam")
 #: ``bench train``'s passes, in table order: the reference, the profile's shared prefixes, those
-#: with SDPA's attention (update.attention=sdpa), those with fused kernels (update.fused_kernels)
-#: and those with SPrPO's replay through every layer (update.replay_graph_gb=0)
+#: with SDPA's attention (speed.attention=sdpa), those with fused kernels (speed.fused_kernels)
+#: and those with SPrPO's replay through every layer (speed.replay_graph_gb=0)
 TRAIN_PATHS = ("whole", "shared", "sdpa", "fused", "full_replay")
 
 
@@ -178,11 +178,11 @@ def _train_rows(res: dict) -> list[str]:
         lines.append("With generation, update and extra pass all at their floors (what the methods' work alone costs): "
                      + ", ".join(f"{'SPrPO' if m == 'sprpo' else 'SAM'} {v}x Vanilla" for m, v in at.items()) + ".")
     if isinstance(res.get("fused_over_shared"), dict):
-        lines.append("\nFused kernels (update.fused_kernels: RMSNorm, SwiGLU, rotary compiled): update seconds "
+        lines.append("\nFused kernels (speed.fused_kernels: RMSNorm, SwiGLU, rotary compiled): update seconds "
                      "over the eager shared passes' (below 1: faster): "
                      + ", ".join(f"{m} {v}x" for m, v in res["fused_over_shared"].items()) + ".")
     if isinstance(res.get("sdpa_over_shared"), dict):
-        lines.append(f"\nSDPA's attention (update.attention=sdpa) against the profile's ({res.get('attention')}, "
+        lines.append(f"\nSDPA's attention (speed.attention=sdpa) against the profile's ({res.get('attention')}, "
                      f"{res.get('dtype')}): update seconds over the shared passes' (above 1: SDPA slower): "
                      + ", ".join(f"{m} {v}x" for m, v in res["sdpa_over_shared"].items())
                      + "; extra pass: " + (", ".join(f"{m} {v}x" for m, v in (res.get("sdpa_extra_over_shared") or {}).items())
@@ -199,15 +199,15 @@ def _train_rows(res: dict) -> list[str]:
 
 
 def _replay_graph_lines(res: dict) -> list[str]:
-    """``bench train``: SPrPO's replay from the graph its update kept (update.replay_graph_gb), its
+    """``bench train``: SPrPO's replay from the graph its update kept (speed.replay_graph_gb), its
     seconds and S_hat against the replay through every layer (the ``full_replay`` path)."""
     lines = []
     for path, g in (res.get("replay_graph") or {}).items():
         lines.append(f"\n{path}: SPrPO's update kept the graph below the LoRA layers for {g['rows']} of the replay's "
                      f"{g['replay_rows']} rows ({g['kept_gib']} GiB of a {g['budget_gib']} GiB budget, "
-                     "update.replay_graph_gb); their replay ran the LoRA layers and one backward through it.")
+                     "speed.replay_graph_gb); their replay ran the LoRA layers and one backward through it.")
     if "full_replay_extra_over_shared" in res:
-        lines.append(f"SPrPO's replay through every layer (update.replay_graph_gb=0) took "
+        lines.append(f"SPrPO's replay through every layer (speed.replay_graph_gb=0) took "
                      f"{res['full_replay_extra_over_shared']}x the seconds of the replay from the kept graph.")
     if isinstance(res.get("graph_vs_full_replay"), dict):
         cmp = res["graph_vs_full_replay"]
@@ -226,7 +226,7 @@ def _full_replay_phrase(res: dict) -> str:
 
 
 def _diff_text(res: dict) -> str:
-    """``configs differ in update.prefix_min 0 -> 16, ...``: what two compared sets of runs differ in."""
+    """``configs differ in speed.prefix_min 0 -> 16, ...``: what two compared sets of runs differ in."""
     diff = ", ".join(f"{k} {b} -> {a}" for k, (b, a) in (res.get("config_diff") or {}).items())
     return f"configs differ in {diff}" if diff else "the same config"
 
@@ -342,104 +342,6 @@ def gpu_peaks(phases: dict) -> tuple[float, float]:
                  for key in ("peak_cuda_gib", "peak_cuda_reserved_gib"))
 
 
-def _attention_rows(res: dict) -> list[str]:
-    """``bench attention``: per SDPA backend, the replay's attention seconds against their floor;
-    the shapes that cost the most."""
-    lines = [(f"{res.get('env')} `{res.get('profile')}`{_overrides_text(res)} replay (Alg. 1 line 7) of {res.get('rows')} "
-              f"rows with A != 0, {res.get('dtype')}: {res.get('replay_s')} s, {res.get('calls')} attention calls of "
-              f"{res.get('shapes')} shapes; floor {res.get('floor_s')} s (their FLOPs, masked entries included, at "
-              f"{res.get('matmul_gflops')} GFLOP/s, the linears' matmul rate).\n"),
-             "| backend | forward s | backward s | total s (x floor) | backward / forward | share of the replay |",
-             "|---|---|---|---|---|---|"]
-    order = res.get("backend_order") or list(res.get("backends") or {})
-    for b in order:
-        r = res["backends"][b]
-        share = round(r["total_s"] / res["replay_s"], 3) if res.get("replay_s") else "-"
-        lines.append(f"| {b} | {r['forward_s']} | {r['backward_s']} | {r['total_s']} ({r['over_floor']}x) | "
-                     f"{r['backward_over_forward']} | {share} |")
-    wins = ", ".join(f"{b} {n}" for b, n in (res.get("fastest_counts") or {}).items())
-    lines.append(f"\nThe fastest backend per shape ({wins} shapes): {res.get('fastest_per_shape_s')} s, "
-                 f"{res.get('fastest_over_first')}x {order[0]}'s. Largest relative difference of an output or input "
-                 f"gradient from {order[0]}'s ({res.get('dtype')}): " + ", ".join(f"{b} {d}" for b, d in (res.get("max_rel_diff") or {}).items()) + ".")
-    top = (res.get("by_shape") or [])[:5]
-    if top:
-        lines += ["\n| q (B, H, Tq, D) | k | causal | calls | " + " | ".join(f"{b} fwd / bwd ms" for b in order)
-                  + " |", "|---|---|---|---|" + "---|" * len(order)]
-        lines += [f"| {tuple(r['q'])} | {tuple(r['k'])} | {'yes' if r['causal'] else 'no'} | {r['calls']} | "
-                  + " | ".join(f"{r[f'{b}_ms'][0]} / {r[f'{b}_ms'][1]}" for b in order) + " |" for r in top]
-    return lines
-
-
-def _estimates_rows(res: dict) -> list[str]:
-    """``bench estimates``: per iteration of the SPrPO run, a 1/parts replay against line 7's replay
-    for that batch and through the EMAs, beside how much the replay itself moves between batches;
-    with ``--float32``, the replay against its float32 twin too."""
-    f32, dt = bool(res.get("float32")), res.get("dtype")
-    lines = [(f"{res.get('env')} `{res.get('profile')}`{_overrides_text(res)}, {res.get('dtype')}: SPrPO iterations whose "
-              f"line 7 replay runs as {res.get('parts')} disjoint parts (each a `method.replay_frac={res.get('replay_frac')}` "
-              "replay). S_hat Spearman: per batch, a part against the replay (mean over parts), one half of the rows "
-              "against the other, the replay against the previous iteration's (another batch, theta and xi); through the EMAs, the S-bar of a method "
-              "fed one part per iteration against the run's, and the relative L2 of the sigma each draws next, beside "
-              "the run's own sigma step.\n"),
-             ("| k | rows A != 0 | replay s: all parts (first part) | part vs replay | half vs half | replay vs previous | S-bar Spearman | "
-              "sigma rel. L2 | run's sigma step |" + (f" float32 replay s | {dt} vs float32: Spearman (S sum ratio) | "
-                                                      "sigma rel. L2 vs float32's |" if f32 else "")),
-             "|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if f32 else "")]
-    for r in res.get("iterations") or []:
-        if "ema" not in r:
-            lines.append(f"| {r['k']} | {r['rows_nonzero_adv']} | - | skipped: {r.get('skipped')} | | | | | |" + (" | | |" if f32 else ""))
-            continue
-        part, half, ema = r.get("part_vs_replay") or {}, r.get("half_vs_half") or {}, r["ema"]
-        d32 = r.get("dtype_vs_float32") or {}
-        lines.append(f"| {r['k']} | {r['rows_nonzero_adv']} | {r['replay_parts_s']} ({r['part0_s']}) | {part.get('S_spearman', '-')} | "
-                     f"{half.get('S_spearman', '-')} | {'-' if r['replay_vs_previous_spearman'] is None else r['replay_vs_previous_spearman']} | {ema['S_bar_spearman']} | "
-                     f"{ema['sigma_rel_l2']} | {ema['sigma_step_rel_l2']} |"
-                     + (f" {r.get('float32_s', '-')} | {d32.get('S_spearman', '-')} ({d32.get('S_sum_ratio', '-')}) | "
-                        f"{(r.get('ema_float32') or {}).get('sigma_rel_l2', '-')} |" if f32 else ""))
-    sm = res.get("summary") or {}
-    if sm.get("measured"):
-        pv, hh = sm.get("part_vs_replay") or {}, sm.get("half_vs_half") or {}
-        lines.append(f"\nMeans over {sm['measured']} batches: part vs replay S_hat Spearman {pv.get('S_spearman')}, "
-                     f"relative L2 {pv.get('S_rel_l2')}, m_hat relative difference {pv.get('m_hat_rel_diff')}; half vs "
-                     f"half Spearman {hh.get('S_spearman')}; replay vs previous {sm.get('replay_vs_previous_spearman')}. "
-                     f"Sigma relative L2 through the EMAs {sm.get('ema_sigma_rel_l2_mean')} (the run's own step "
-                     f"{sm.get('sigma_step_rel_l2_mean')}). Seconds per iteration: rollout {sm.get('rollout_s_mean')}, "
-                     f"update {sm.get('update_s_mean')}, replay in parts {sm.get('replay_parts_s_mean')} (the first part "
-                     f"alone, what a 1/parts replay costs: {sm.get('part0_s_mean')}).")
-        if d32 := sm.get("dtype_vs_float32"):
-            lines.append(f"\nThe run's {dt} replay against the same replay in float32 (same theta and xi, old log-probs in "
-                         "float32 at theta_k), "
-                         f"means over the batches: S_hat Spearman {d32.get('S_spearman')}, relative L2 {d32.get('S_rel_l2')}, "
-                         f"S_hat total {d32.get('S_sum_ratio')}x float32's, m_hat relative difference "
-                         f"{d32.get('m_hat_rel_diff')}, one batch's sigma relative L2 {d32.get('sigma_rel_l2')} (a float32 "
-                         f"replay with the run's {dt} old log-probs: Spearman "
-                         f"{(sm.get('old_logp_rounding') or {}).get('S_spearman')}); after "
-                         f"{sm['measured']} iterations the sigma drawn from the EMAs differs by a relative L2 of "
-                         f"{sm['ema_float32_last'].get('sigma_rel_l2')}. The float32 replay took "
-                         f"{sm.get('float32_s_mean')} s per batch.")
-    return lines
-
-
-def _allocator_rows(res: dict) -> list[str]:
-    """``bench allocator``: each method's passes under glibc's own malloc settings and tuned, one process."""
-    lines = [(f"{res.get('env')} `{res.get('profile')}`{_overrides_text(res)} batch of {res.get('samples')} rows, "
-              f"{res.get('dtype')}: each method's update and extra pass from one adapter state, {res.get('rounds')} "
-              "rounds under glibc's malloc settings as the process started, then as many tuned "
-              "(`hardware.set_allocator`); medians, the page faults and kernel seconds of both passes.\n"),
-             "| method | update s: default -> tuned | extra pass s | minor page faults | kernel s |",
-             "|---|---|---|---|---|"]
-    d, t, ratio = res.get("default") or {}, res.get("tuned") or {}, res.get("tuned_over_default") or {}
-    for m, r in _in_method_order(ratio):
-        extra = (f"{d[m]['sensitivity_s']} -> {t[m]['sensitivity_s']} ({r['sensitivity_s']}x)"
-                 if "sensitivity_s" in r else "-")
-        lines.append(f"| {m} | {d[m]['update_s']} -> {t[m]['update_s']} ({r['update_s']}x) | {extra} | "
-                     f"{d[m]['minor_faults']:.0f} -> {t[m]['minor_faults']:.0f} | {d[m]['kernel_s']} -> {t[m]['kernel_s']} |")
-    if "peak_rss_mib" in d and "peak_rss_mib" in t:
-        lines.append(f"\nPeak resident memory: {d['peak_rss_mib']} MiB after the default rounds, {t['peak_rss_mib']} MiB "
-                     "after the tuned ones.")
-    return lines
-
-
 def _ops_rows(res: dict) -> list[str]:
     """``bench ops``: one update's seconds by op class, each against its roofline; for SPrPO its
     S_hat replay's (Alg. 1 line 7) after it, the same way."""
@@ -500,39 +402,6 @@ def _thin_matmuls(res: dict) -> str:
             f"time at {low['rate_over_roofline']}x the rate")
 
 
-#: ``bench grads``' comparisons as the table names them (``{dtype}``: the model's)
-GRADS_LABELS = {"levers_float32": "profile's passes vs reference, float32", "levers": "profile's passes vs reference, {dtype}",
-                "rounding_whole": "reference: {dtype} vs float32", "rounding_shared": "profile's passes: {dtype} vs float32",
-                "run_to_run": "profile's passes, {dtype}, run twice"}
-
-
-def _grads_rows(res: dict) -> list[str]:
-    """``bench grads``: each method's first gradient and parameter change, paths and dtypes compared."""
-    lines = [(f"{res.get('env')} `{res.get('profile')}`{_overrides_text(res)} batch of {res.get('samples')} rows "
-              f"({res.get('samples_nonzero_adv')} with a non-zero advantage), {res.get('dtype')}, {res.get('lora_params')} "
-              "LoRA parameters: each method's update from one adapter state on the profile's passes and on the reference "
-              "passes (every lever off), in the model's dtype and in float32. Relative L2 differences of the first "
-              "optimizer step's LoRA gradient and of the whole update's parameter change.\n"),
-             "| method | comparison | first gradient, rel. L2 | same sign | parameter change, rel. L2 | S_hat rel. L2 (Spearman) |",
-             "|---|---|---|---|---|---|"]
-    for m, r in _in_method_order(res.get("methods") or {}):
-        for key, label in GRADS_LABELS.items():
-            if key in r:
-                c, sh = r[key], r[key].get("S_hat") or {}
-                s_text = f"{sh['S_rel_l2']} ({sh['S_spearman']})" if sh else "-"
-                lines.append(f"| {m} | {label.format(dtype=res.get('dtype'))} | {c['grad_rel_l2']} | {c['grad_sign_agree']} | "
-                             f"{c['delta_rel_l2']} | {s_text} |")
-    lines += ["\nEach update (path/precision): seconds with the extra pass, optimizer steps, and the first step's "
-              "tokens where the PPO clip (dual clip) is active and largest ratio, at theta_k, where new and old log-probs "
-              "differ by the rounding of two passes alone:\n",
-              "| method | update | seconds (extra pass) | steps | first step: clipped (dual) | ratio max |", "|---|---|---|---|---|---|"]
-    for m, r in _in_method_order(res.get("methods") or {}):
-        lines += [f"| {m} | {name} | {u['seconds']} ({u['extra_pass_s']}) | {u['optimizer_steps']} | "
-                  f"{u.get('first_step_clipfrac', '-')} ({u.get('first_step_dual_clipfrac', '-')}) | {u.get('first_step_ratio_max', '-')} |"
-                  for name, u in (r.get("updates") or {}).items()]
-    return lines
-
-
 def _divergence_rows(res: dict) -> list[str]:
     """The divergence pass per state at each batch size, each phase against its floor."""
     rows = ["| what | value |", "|---|---|",
@@ -587,8 +456,7 @@ def _host_headline(res: dict) -> str | None:
 
 
 SUMMARIES = {"eval": _eval_rows, "churn": _churn_rows, "machine": _machine_rows, "train": _train_rows, "gpu": _gpu_rows,
-             "runs": _runs_rows, "attention": _attention_rows, "estimates": _estimates_rows,
-             "allocator": _allocator_rows, "ops": _ops_rows, "grads": _grads_rows,
+             "runs": _runs_rows, "ops": _ops_rows,
              "divergence": _divergence_rows, "host": _host_rows}
 
 
@@ -603,24 +471,6 @@ def _eval_headline(spec: str, ev: dict) -> str:
         out += (f"; its prefill {ev['prefill_over_floor']}x the floor ({ev['prefill_over_cached_floor']}x the "
                 f"cached floor), its decoding {ev['decode_over_floor']}x its floor")
     return out
-
-
-def _grads_headline(method: str, r: dict, dtype: str) -> str:
-    """:func:`headline` of one method in ``bench grads``: the paths' first gradients and parameter
-    changes apart, in float32 and in the model's dtype, beside that dtype's own rounding."""
-    lv, f32, own = r.get("levers") or {}, r.get("levers_float32"), r.get("rounding_whole")
-    return (f"{method}'s first gradient, profile's passes against the reference: "
-            + (f"{f32['grad_rel_l2']} relative L2 in float32, " if f32 else "")
-            + f"{lv.get('grad_rel_l2')} in {dtype}"
-            + (f" (the reference's own {dtype} rounding {own['grad_rel_l2']})" if own else "")
-            + f"; after the whole update {lv.get('delta_rel_l2')}" + (f" ({f32['delta_rel_l2']} in float32)" if f32 else ""))
-
-
-def _grads_headlines(res: dict) -> str | None:
-    """``bench grads``' phrase: :func:`_grads_headline` of each method."""
-    if not isinstance(res.get("methods"), dict):
-        return None
-    return f"{res.get('env')} " + "; ".join(_grads_headline(m, r, res.get("dtype")) for m, r in _in_method_order(res["methods"]))
 
 
 def _ops_headline(res: dict) -> str | None:
@@ -642,23 +492,7 @@ def _ops_classes_phrase(res: dict) -> str:
 
 
 #: the benchmarks whose README phrase has its own function (the rest: in :func:`headline`)
-def _estimates_headline(res: dict) -> str | None:
-    """``bench estimates``' phrase: a 1/parts replay against line 7's, per batch and through the
-    EMAs, and (``--float32``) the replay in the model's dtype against its float32 twin."""
-    sm = res.get("summary") or {}
-    if not sm.get("measured"):
-        return None
-    return (f"{res.get('env')}: a {res.get('replay_frac')} replay's S_hat against line 7's replay, Spearman "
-            f"{sm['part_vs_replay'].get('S_spearman')} per batch (halves of one batch "
-            f"{sm['half_vs_half'].get('S_spearman')}, consecutive replays {sm['replay_vs_previous_spearman']}); "
-            f"after {sm['measured']} iterations its sigma differs from the replay's by a relative L2 of "
-            f"{sm['ema_last']['sigma_rel_l2']} (the run's own last step {sm['ema_last']['sigma_step_rel_l2']})"
-            + (f"; the {res.get('dtype')} replay against float32's: Spearman {sm['dtype_vs_float32'].get('S_spearman')} "
-               f"per batch, sigma through the EMAs {sm['ema_float32_last'].get('sigma_rel_l2')}"
-               if sm.get("dtype_vs_float32") else ""))
-
-
-HEADLINES = {"grads": _grads_headlines, "ops": _ops_headline, "estimates": _estimates_headline,
+HEADLINES = {"ops": _ops_headline,
              "divergence": _divergence_headline, "host": _host_headline}
 
 
@@ -714,15 +548,6 @@ def headline(record: dict) -> str | None:
         return (f"{res.get('env')} RL runs ({_diff_text(res)}): iteration "
                 + ", ".join(f"{m} {r['iteration_ratio']}x" for m, r in _in_method_order(res["methods"]))
                 + ("; the same success and valid-action rate at every iteration" if same else "") + held)
-    if name == "attention" and isinstance(res.get("backends"), dict) and "flash" in res["backends"]:
-        fl = res["backends"]["flash"]
-        return (f"{res.get('env')} replay's attention (flash) {fl['total_s']} s = {res.get('flash_share_of_replay')} of "
-                f"the replay, {fl['over_floor']}x its FLOP floor, backward {fl['backward_over_forward']}x its forward; "
-                f"the fastest backend per shape {res.get('fastest_over_first')}x flash's")
-    if name == "allocator" and isinstance(res.get("tuned_over_default"), dict):
-        return (f"{res.get('env')} passes with the tuned malloc settings, tuned / default: "
-                + ", ".join(f"{m} update {r['update_s']}x" + (f", extra pass {r['sensitivity_s']}x" if "sensitivity_s" in r else "")
-                            for m, r in _in_method_order(res["tuned_over_default"])))
     if name == "generate":
         alone = res.get("new_tokens") == 1 and res.get("prefix_caching") is False
         rows = [f"`{eng}:{dtype}` T={t[1:]} {row['wall_over_prefill_floor']}x its prefill floor"
@@ -801,20 +626,27 @@ def overview_row(machine: dict, env: str, records: list[tuple[Path, dict]]) -> s
 
 def readme_block(machines: list[tuple[str, list[tuple[Path, dict]]]]) -> str:
     """The README's ``bench`` block: one overview table of each CPU machine's main records per
-    environment (:func:`overview_row`), then, folded per machine, every record's :func:`headline`
-    and a link to its tables (``machines``: the tables' file name and its records)."""
-    rows, folds = [], []
+    environment (:func:`overview_row`), then a link to each machine's tables, which open with
+    every record's :func:`headline` (``machines``: the tables' file name and its records)."""
+    rows, links = [], []
     for md_name, records in machines:
         machine = machine_of(records[0][1])
         if not machine.get("gpu"):
             rows += [r for env in ("webshop", "alfworld") if (r := overview_row(machine, env, records))]
-        phrases = [f"- `{p.stem}`: {h}" for p, rec in records if (h := headline(rec))]
-        host = f"host {machine.get('cpu_model')}, " if machine.get("gpu") else ""
-        title = f"{machine.get('gpu') or machine.get('cpu_model', md_name)} ({host}class {machine.get('cpu_class', '?')})"
-        folds.append(f"<details><summary>{title}: every record</summary>\n\n[All tables](figures/{md_name}).\n\n"
-                     + "\n".join(phrases or [f"- `{p.stem}`" for p, _ in records]) + "\n\n</details>")
+        links.append(f"[{machine_title(machine, md_name)}](figures/{md_name})")
     table = [OVERVIEW_HEADER + "\n" + "\n".join(rows), OVERVIEW_NOTE] if rows else []
-    return "\n\n".join(table + folds) + "\n"
+    return "\n\n".join(table + ["Every record, per machine: " + " · ".join(links) + "."]) + "\n"
+
+
+def machine_title(machine: dict, fallback: str = "?") -> str:
+    """A machine as its pages name it: the GPU (with its host) or the CPU, and its class."""
+    host = f"host {machine.get('cpu_model')}, " if machine.get("gpu") else ""
+    return f"{machine.get('gpu') or machine.get('cpu_model', fallback)} ({host}class {machine.get('cpu_class', '?')})"
+
+
+def headlines(records: list[tuple[Path, dict]]) -> str:
+    """Every record's :func:`headline`, one line each (its name where it has none)."""
+    return "\n".join(f"- `{p.stem}`: {h}" if (h := headline(rec)) else f"- `{p.stem}`" for p, rec in records) + "\n"
 
 
 def section(record: dict, path: Path) -> str:
@@ -853,6 +685,7 @@ def report(bench_dir: Path | None = None, out_dir: Path | None = None, readme: P
         machine = machine_of(records[0][1])
         md = (f"# Benchmarks on {machine.get('gpu') or machine.get('cpu_model', slug)}\n\nMachine: {machine_line(machine)}.\n"
               f"Generated by `sprpo-bench report` from `runs/bench/*.json`; compare ratios within one run only.\n\n"
+              + "## Every record in one line\n\n" + headlines(records) + "\n## Tables\n\n"
               + "\n".join(section(rec, p) for p, rec in records))
         texts = {out_dir / f"bench_{slug}.md": md,
                  out_dir / f"bench_{slug}.json": json.dumps({p.stem: rec for p, rec in records}, indent=1, default=str) + "\n"}

@@ -1,5 +1,5 @@
 """``sprpo-bench runs``: two sets of finished RL runs of one profile, environment and seed
-(e.g. the update's speed levers off, ``update.prefix_min=0 update.reuse_frozen=false``, and
+(e.g. the update's speed levers off, ``speed.prefix_min=0 speed.reuse_frozen=false``, and
 on), compared method by method: seconds per iteration and per phase, the update's seconds
 per step row, and whether the two learned alike.
 

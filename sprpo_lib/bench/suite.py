@@ -39,8 +39,10 @@ from sprpo_lib.bench.report import TRAIN_PATHS
 from sprpo_lib.core.actor import Actor
 from sprpo_lib.core.batch import Batch, PrefixGroup, Sample, build_batch
 from sprpo_lib.core.compress import fisher_scores, rtn_quantize, sparsegpt_prune
-from sprpo_lib.core.methods import MethodConfig, energy_sigma, make_method, rank_correlation, replay_rows
+from sprpo_lib.core.config import UpdateConfig
+from sprpo_lib.core.methods import MethodConfig, make_method, replay_rows
 from sprpo_lib.core.perturb import FFNChannels, below_resolution, sample_xi
+from sprpo_lib.core.sigma import energy_sigma, rank_correlation
 from sprpo_lib.infra import hardware as hw
 from sprpo_lib.infra.paths import cache_dir
 from sprpo_lib.infra.progress import progress_bar
@@ -490,10 +492,10 @@ def actor_levers(actor) -> dict:
 def path_levers(own: dict, path: str, prefix_min: int) -> dict:
     """The actor's pass settings on one bench path, from its own (``own``: :func:`actor_levers`
     as the profile set them).  ``shared``: the profile's passes with shared prefixes of
-    ``prefix_min`` tokens (``update.prefix_min``; a profile with sharing off is measured at 16); ``whole``: the reference (every row whole, every layer at every step,
+    ``prefix_min`` tokens (``speed.prefix_min``; a profile with sharing off is measured at 16); ``whole``: the reference (every row whole, every layer at every step,
     peft's LoRA forward, log-probs and entropy apart, K and V repeated, SDPA, every row's old
     log-probs from their own pass, the replay through every layer); ``sdpa``: shared with SDPA
-    attention; ``fused``: shared with ``update.fused_kernels``; ``full_replay``: shared with the
+    attention; ``fused``: shared with ``speed.fused_kernels``; ``full_replay``: shared with the
     replay through every layer.  Only ``fused`` compiles kernels, whatever the profile says."""
     whole = path == "whole"
     return {"prefix_min": 0 if whole else prefix_min or 16, "reuse_frozen": own["reuse_frozen"] and not whole,
@@ -544,13 +546,13 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
                 methods: tuple[str, ...] | None = None) -> dict:
     """Seconds per iteration by phase for Vanilla, SPrPO (Alg. 1 line 7's replay, and the
     one-pass estimate) and SAM on one rollout batch, each phase against its FLOP floor, for
-    the profile's passes (``shared``: shared prefixes of ``update.prefix_min``, with
-    ``update.reuse_frozen`` steps that start at the lowest LoRA layer, ``update.fused_lora``,
-    ``update.fused_entropy``, ``update.native_gqa`` and ``update.first_step_logp``) and the
+    the profile's passes (``shared``: shared prefixes of ``speed.prefix_min``, with
+    ``speed.reuse_frozen`` steps that start at the lowest LoRA layer, ``speed.fused_lora``,
+    ``speed.fused_entropy``, ``speed.native_gqa`` and ``speed.first_step_logp``) and the
     reference (``whole``: every row whole, every layer at every step, peft's LoRA forward,
     log-probs and entropy apart, K and V repeated per query head, every row's old log-probs
     from their own pass), side by side; ``fused``: the shared
-    passes with ``update.fused_kernels`` (RMSNorm, SwiGLU and the rotary embedding compiled; the
+    passes with ``speed.fused_kernels`` (RMSNorm, SwiGLU and the rotary embedding compiled; the
     ``shared`` and ``whole`` passes run eagerly whatever the profile says).
 
     One rollout batch is collected with :meth:`Trainer.collect` (timed, under SPrPO's
@@ -595,8 +597,8 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
     # the shared path is the profile's own (shared prefixes, kept states below the LoRA layers);
     # the whole path is the reference: every row whole, every layer at every step
     own = actor_levers(a)
-    levers = {path: path_levers(own, path, cfg.update.prefix_min) for path in paths}
-    shared_min = path_levers(own, "shared", cfg.update.prefix_min)["prefix_min"]
+    levers = {path: path_levers(own, path, cfg.speed.prefix_min) for path in paths}
+    shared_min = path_levers(own, "shared", cfg.speed.prefix_min)["prefix_min"]
     subset = replay_rows(batch, replay_frac, cfg.seed, 0)[0].samples if replay_frac else None
     variants = method_variants(cfg.method)
     if replay_frac:
@@ -676,11 +678,11 @@ def bench_train(profile: str = "cpu", env: str = "webshop", repeats: int = 1, ov
         res["sdpa_extra_over_shared"] = {n: round(res["sdpa"][n]["sensitivity_s"] / res["shared"][n]["sensitivity_s"], 3)
                                          for n in variants if res["shared"][n].get("sensitivity_s")}
         res["attention"] = levers["shared"]["attention"]
-    if any(kept.values()):  # SPrPO's replay from the graph its update kept (update.replay_graph_gb)
+    if any(kept.values()):  # SPrPO's replay from the graph its update kept (speed.replay_graph_gb)
         res["replay_graph"] = {path: {"budget_gib": levers[path]["replay_graph_gb"], "kept_gib": kept_gib[path], "rows": len(kept[path]),
                                       "replay_rows": len(nonzero)} for path in paths if kept[path]}
     # the kept graph against the replay through every layer: only when the shared path kept one
-    # (update.replay_graph_gb > 0 given; at the default 0 both paths replay every layer)
+    # (speed.replay_graph_gb > 0 given; at the default 0 both paths replay every layer)
     graph_pair = {"shared", "full_replay"} <= set(paths) and bool(kept["shared"])
     if graph_pair:
         res["full_replay_extra_over_shared"] = round(res["full_replay"]["sprpo"]["sensitivity_s"]
@@ -986,7 +988,7 @@ def bench_update(model: str = "smollm2-135m", dtypes: tuple[str, ...] = ("float3
         pol = load_policy(model, dtype=dt)
         add_lora(pol, lora_on_last_layers(pol.model, LoraSettings(rank=16, alpha=32), lora_layers), seed=0)
         params = [p for p in pol.model.parameters() if p.requires_grad]
-        actors[dt] = Actor(pol.model, pol.tokenizer.pad_token_id, torch.optim.Adam(params, lr=1e-4), micro_batch=4)
+        actors[dt] = Actor(pol.model, pol.tokenizer.pad_token_id, torch.optim.Adam(params, lr=1e-4), UpdateConfig(micro_batch=4))
     walls: dict[str, list[float]] = {dt: [] for dt in dtypes}
     for _ in range(repeats):
         for dt, a in actors.items():

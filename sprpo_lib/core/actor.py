@@ -15,6 +15,7 @@ negative of the paper's objective, so ``dL/dv = -dloss/dv``.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from contextlib import contextmanager, nullcontext
 from itertools import chain
@@ -24,8 +25,8 @@ import torch
 
 from sprpo_lib.core import metrics as MK
 from sprpo_lib.core.batch import Batch, MicroBatch
+from sprpo_lib.core.config import SpeedConfig, UpdateConfig
 from sprpo_lib.core.losses import (
-    PPOLossConfig,
     agg_loss,
     get_policy_loss,
     kl_penalty,
@@ -36,10 +37,7 @@ from sprpo_lib.core.losses import (
 from sprpo_lib.core.perturb import FFNChannels, below_resolution, float32_compute
 from sprpo_lib.model.fused import fused_kernels
 from sprpo_lib.model.layers import (
-    QUERY_CHUNK,
     below_layer,
-    check_attention_chunk,
-    check_attention_kernel,
     checkpointed_layers,
     decoder_layers,
     from_layer,
@@ -98,112 +96,31 @@ class Actor:
     """Policy model + Adam over its trainable (LoRA) parameters + the FFN channels.
 
     Args:
-        model: the (peft) causal LM; ``pad_id`` its tokenizer's pad token.
-        opt: optimizer over ``params``; ``grad_clip``: global-norm clip before a step.
-        loss_name, loss_cfg: the policy loss (:data:`sprpo_lib.core.losses.POLICY_LOSSES`).
-        micro_batch: samples per forward/backward (gradients accumulate; exact for
-            the token-mean).  Micro-batches are cut from the length-sorted batch, so
-            each pads its rows to similar lengths (verl balances micro-batches by token
-            count for the same reason); results come back in batch order.  The attribute
-            ``sort_micro_batches = False`` keeps batch order.
-        kl_coef, kl_type: KL loss to the reference policy (the model with its adapter
-            disabled), verl's ``use_kl_loss``; 0 disables.
-        mini_batch, epochs: :meth:`ppo_update`'s optimizer steps (verl's
-            ``ppo_mini_batch_size``, ``ppo_epochs``).
-        skip_zero_adv: a pass that differentiates the token-mean surrogate alone skips
-            the rows whose advantage is 0 (:meth:`rows_with_gradient`): the gradient is
-            the same, the cost falls by their share.  ``False`` runs every row (verl).
-        prefix_min: every pass computes a prefix shared by several rows once
-            (:meth:`passes`) when it is at least this many tokens; ``0`` computes every
-            row whole (the reference path).
-        micro_batch_tokens: a micro-batch of several rows also stays within this many
-            padded token positions (rows x longest row, a shared prefix not counted);
-            ``None``: rows alone decide.
-        grad_checkpointing: the passes that differentiate keep only each decoder layer's
-            input and recompute the layer in the backward
-            (:func:`sprpo_lib.model.layers.checkpointed_layers`): activation memory per token falls
-            from every intermediate of every layer to one hidden state per layer, for about
-            one more forward of compute.  Same gradients.
-        reuse_frozen: an update of several optimizer steps keeps, from the pass that fills
-            the old log-probs, every row's hidden states at the input of the lowest
-            trainable layer, and its steps run the layers from there on only: the layers
-            below hold no trainable parameter and see the same xi, so their output does
-            not change within the update (up to float rounding).  A pass that
-            differentiates xi or the channel gain runs every layer.  ``False``: every
-            step runs every layer (the reference path).
-        fused_kernels: the passes run RMSNorm, SwiGLU and the rotary embedding as compiled
-            fused kernels (:func:`sprpo_lib.model.fused.fused_kernels`); same results up to
-            float rounding.  ``False``: eager PyTorch (the reference path).
-        fused_lora: the passes compute each adapted linear as one fused function
-            (:class:`sprpo_lib.model.lora.LoraLinear`: the adapter's output accumulated into
-            the base's, no separate scale and add); same results up to float rounding.
-            ``False``: peft's forward (the reference path).
-        fused_entropy: a pass with the entropy bonus takes the log-probs and the entropy from
-            one softmax (:func:`sprpo_lib.core.losses.token_logprobs_entropy`); same results up
-            to float rounding.  ``False``: the two functions' own graphs (the reference path).
-        native_gqa: the passes' masked grouped-query attention reads each key/value head
-            for its query heads (:func:`sprpo_lib.model.layers.native_gqa`) on a CPU; same
-            results up to float rounding.  ``False``: transformers repeats K and V first
-            (the reference path).
-        attention: ``"auto"`` (default) computes the passes' 16-bit attention as two matmuls
-            and a softmax accumulated in float32 (:func:`sprpo_lib.model.layers.matmul_attention`), where on a
-            CPU PyTorch's fused kernel is the slower, and float32 attention with SDPA;
-            ``"matmul"`` always the matmuls; ``"sdpa"``: SDPA (the reference path).  Same
-            results up to float rounding.
-        attention_chunk: the matmuls' causal calls run in query chunks of this many queries
-            (at most 4 chunks), each chunk's product stopping at its last query's key
-            (:func:`sprpo_lib.model.layers.query_chunks`); same results up to float rounding.
-            ``0``: one product over every key (the masked half computed too).
-        first_step_logp: an update of several optimizer steps takes the old log-probs of the
-            rows its first step runs from that step's own forward, which is at theta_k under
-            the same xi (what :meth:`backward` does for a row without them), so the pass that
-            fills the old log-probs leaves those rows out: with ``reuse_frozen`` it runs only
-            the layers below the lowest trainable one for them (it needs their states there),
-            without it nothing.  Same old log-probs up to float rounding.  Off when the model
-            drops anything in training mode.  ``False``: every row in that pass (verl's
-            ``compute_log_prob``; the reference path).
-        replay_graph_gb: SPrPO's replay (Alg. 1 line 7) runs at theta_{k+1} under the xi of
-            the update, and the layers below the lowest trainable one hold no trainable
-            weight, so their forward is the update's own.  With ``reuse_frozen`` and several
-            optimizer steps, the update's pass below those layers keeps its autograd graph
-            (from the replay's xi leaf) for line 7's rows, up to this many GiB of saved
-            activations (measured as the pass runs); the replay then runs the trainable
-            layers alone from those states and one backward through the kept graph.  Rows
-            beyond the budget run every layer.  Same dL/dxi and gradient up to float
-            rounding.  ``0``: the replay runs every layer (the reference path).
+        model: the (peft) causal LM; ``pad_id`` its tokenizer's pad token; ``opt`` the
+            optimizer over its trainable parameters.
+        update: the update's knobs (:class:`sprpo_lib.core.config.UpdateConfig`: loss, clip,
+            micro- and mini-batches, epochs, KL).  Micro-batches are cut from the
+            length-sorted batch (``sort_micro_batches = False`` keeps batch order).
+        speed: the speed levers (:class:`sprpo_lib.core.config.SpeedConfig`, each documented
+            there): the same steps up to float rounding.
     """
 
-    def __init__(self, model, pad_id: int, opt: torch.optim.Optimizer, *, grad_clip: float = 1.0,
-                 loss_name: str = "ppo_dual_clip", loss_cfg: PPOLossConfig | None = None, micro_batch: int = 8,
-                 kl_coef: float = 0.0, kl_type: str = "low_var_kl", mini_batch: int | None = None, epochs: int = 1,
-                 skip_zero_adv: bool = True, prefix_min: int = 16, micro_batch_tokens: int | None = None,
-                 grad_checkpointing: bool = False, reuse_frozen: bool = True, fused_kernels: bool = False,
-                 fused_lora: bool = True, fused_entropy: bool = True, native_gqa: bool = True,
-                 first_step_logp: bool = True, attention: str = "auto", attention_chunk: int = QUERY_CHUNK,
-                 replay_graph_gb: float = 0.0):
+    def __init__(self, model, pad_id: int, opt: torch.optim.Optimizer, update: UpdateConfig | None = None,
+                 speed: SpeedConfig | None = None):
+        u, sp = update or UpdateConfig(), speed or SpeedConfig()
         self.model, self.pad_id, self.opt = model, pad_id, opt
         self.params = [p for g in opt.param_groups for p in g["params"]]
-        self.grad_clip = grad_clip
-        self.loss_fn = get_policy_loss(loss_name)
-        self.loss_cfg = loss_cfg or PPOLossConfig()
-        self.micro_batch = micro_batch
+        self.grad_clip = u.grad_clip
+        self.loss_fn = get_policy_loss(u.loss_name)
+        self.loss_cfg = u.loss
+        self.micro_batch = u.micro_batch
         self.sort_micro_batches = True
-        self.kl_coef, self.kl_type = kl_coef, kl_type
-        self.mini_batch, self.epochs = mini_batch, epochs
-        self.skip_zero_adv = skip_zero_adv
-        self.prefix_min = prefix_min
-        self.micro_batch_tokens = micro_batch_tokens
-        self.grad_checkpointing = grad_checkpointing
-        self.reuse_frozen = reuse_frozen
-        self.fused_kernels = fused_kernels
-        self.fused_lora = fused_lora
-        self.fused_entropy = fused_entropy
-        self.native_gqa = native_gqa
-        self.attention = check_attention_kernel(attention)  # a bad name fails here, not in the first pass
-        self.attention_chunk = check_attention_chunk(attention_chunk)
-        self.first_step_logp = first_step_logp
+        self.kl_coef, self.kl_type = u.kl_coef, u.kl_type
+        self.mini_batch, self.epochs = u.ppo_mini_batch_size, u.ppo_epochs
+        for f in dataclasses.fields(sp):  # each lever an attribute of its own name (self.prefix_min, ...)
+            setattr(self, f.name, getattr(sp, f.name))
+        self.replay_graph_gb = float(sp.replay_graph_gb)
         self._frozen: dict[int, torch.Tensor] | None = None  # per sample: hidden states below the trainable layers
-        self.replay_graph_gb = float(replay_graph_gb)
         self._graph: dict[int, torch.Tensor] | None = None  # per sample: those states with their graph from _graph_xi
         self._graph_xi: torch.Tensor | None = None
         self.graph_bytes = 0  # the saved activations the last kept graph holds

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from sprpo_lib.agent.engines import GenerationConfig, close_engine, make_engine
-from sprpo_lib.agent.prompt import AgentConfig, token_counter
-from sprpo_lib.agent.rollout import SerialEnvs, run_groups
+from sprpo_lib.agent.engines import GenerationConfig
+from sprpo_lib.agent.play import playing
+from sprpo_lib.agent.prompt import AgentConfig
 from sprpo_lib.infra.io import CorruptFileError, atomic_write_json, canonical_hash, key_fields, read_json
 
 logger = logging.getLogger(__name__)
@@ -66,29 +66,22 @@ def sampled_steps(policy, pool, agent: AgentConfig | None = None, *, n: int, spl
         raise ValueError(f"{pool.name} has no split {split!r}; expected one of {sorted(pool.splits())}")
     rng = random.Random(seed)
     gen = GenerationConfig(temperature=temperature, max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed)
-    eng = make_engine(engine, policy, gen, agent)
     out: list[SampledStep] = []
     task = first_task
-    envs = SerialEnvs(lambda: pool)
-    try:
-        policy.model.eval()
+    with playing(policy, pool, engine, gen, agent, max_steps) as run:
         while len(out) < n:
             if task >= size:
                 raise ValueError(f"{split!r} of {pool.name} ran out of tasks after {len(out)} of {n} steps; raise "
                                  "per_episode or lower n")
             batch = [(split, i) for i in range(task, min(size, task + tasks_per_batch))]
             task += len(batch)
-            episodes, _ = run_groups(envs, batch, 1, eng, agent, max_steps, progress=progress,
-                                     count_tokens=token_counter(policy.tokenizer, agent))
+            episodes, _ = run(batch, progress=progress)
             for ep in episodes:
                 steps = [s for s in ep.steps if s.prompt_ids and s.response_ids]
                 for s in sorted(rng.sample(steps, min(per_episode, len(steps))), key=lambda s: s.step):
                     if len(out) < n:
                         out.append(SampledStep(ep.split, ep.task_index, s.step, [int(t) for t in s.prompt_ids],
                                                [int(t) for t in s.response_ids]))
-    finally:
-        envs.close()
-        close_engine(eng)
     return out
 
 

@@ -16,10 +16,10 @@ import pandas as pd
 import safetensors.torch as st
 from annotated_types import Ge, Interval
 
-from sprpo_lib.agent.engines import ENGINES, GenerationConfig, close_engine, make_engine
+from sprpo_lib.agent.engines import ENGINES, GenerationConfig
 from sprpo_lib.agent.envs import ENVIRONMENTS, data_header, make_pool
-from sprpo_lib.agent.prompt import AgentConfig, token_counter
-from sprpo_lib.agent.rollout import SerialEnvs, run_groups
+from sprpo_lib.agent.play import playing
+from sprpo_lib.agent.prompt import AgentConfig
 from sprpo_lib.core.compress import PAPER_LEVELS, PERTURBATIONS, fisher_scores, perturbation
 from sprpo_lib.evaluate.calibration import CalibrationPool, load_calibration
 from sprpo_lib.evaluate.cells import (
@@ -354,14 +354,8 @@ def play_cell(policy, pool, tasks: Sequence[tuple[str, int]], cfg: EvalConfig, s
     """Play one episode per task with evaluation seed ``seed`` under whatever
     perturbation is in force on ``policy.model``; a fresh engine, so generation
     depends only on the seed.  Returns the rows, or ``(rows, episode_log)``."""
-    eng = make_engine(cfg.engine, policy, cfg.generation(seed), cfg.agent)
-    envs = SerialEnvs(lambda: pool)
-    try:
-        records, _ = run_groups(envs, list(tasks), 1, eng, cfg.agent, cfg.max_steps, progress=progress,
-                                count_tokens=token_counter(policy.tokenizer, cfg.agent))
-    finally:
-        envs.close()
-        close_engine(eng)
+    with playing(policy, pool, cfg.engine, cfg.generation(seed), cfg.agent, cfg.max_steps) as run:
+        records, _ = run(tasks, progress=progress)
     return (episode_rows(records), episode_log(records)) if with_log else episode_rows(records)
 
 

@@ -162,8 +162,7 @@ def set_allocator(mode: str = "tuned") -> str:
     A pass allocates and frees activations of a few MiB each, thousands of times.  Under
     glibc's defaults the heap shrinks back to the OS whenever its free top passes the trim
     threshold, so the next pass page-faults the same memory in again: on the cpu profile's
-    WebShop batch, up to 140,000-300,000 faults and 2-5 s of kernel time per update and replay
-    (how many depends on the heap's history; ``sprpo-bench allocator`` measures both settings).
+    WebShop batch, seconds of kernel time per update and replay.
     ``"tuned"`` serves every block up to 32 MiB from the heap and keeps up to 1 GiB of
     freed memory mapped, as the tuned allocators that PyTorch's CPU performance guide
     recommends (jemalloc, tcmalloc) do, without preloading a library.  ``"default"``:
@@ -186,7 +185,7 @@ def set_allocator(mode: str = "tuned") -> str:
 def keep_freed(gib: float) -> bool:
     """Under the ``tuned`` allocator, keep up to ``gib`` GiB of freed memory mapped (glibc's trim
     threshold; never lowered below the tuned 1 GiB): a pass that holds that much at once (the
-    replay's kept graph, ``update.replay_graph_gb``) then finds its pages already faulted in
+    replay's kept graph, ``speed.replay_graph_gb``) then finds its pages already faulted in
     from the second iteration on.  On the cpu profile's WebShop batch the pass that kept an
     8.6 GiB graph took 2.2-2.7x its usual seconds while the heap first grew to it.  Returns
     whether the setting took; under ``default`` (or without glibc) it does nothing."""

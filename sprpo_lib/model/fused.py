@@ -1,4 +1,4 @@
-"""Fused elementwise kernels for the training passes (``update.fused_kernels``).
+"""Fused elementwise kernels for the training passes (``speed.fused_kernels``).
 
 On a CPU a Llama/Qwen2 decoder layer of SmolLM2's width spends more of its forward and
 backward in elementwise ops than in matmuls: RMSNorm's upcast, square, mean, rsqrt and
@@ -66,7 +66,7 @@ def fused_kernels_available(dtype: torch.dtype = torch.float32) -> tuple[bool, s
         return True, ""
     except Exception as err:  # noqa: BLE001  (no C++ compiler, an unsupported platform, ...: any failure means eager)
         why = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-        logger.warning("update.fused_kernels: torch.compile fails here (%s); the passes run eagerly", why)
+        logger.warning("speed.fused_kernels: torch.compile fails here (%s); the passes run eagerly", why)
         return False, why
 
 

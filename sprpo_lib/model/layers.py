@@ -18,7 +18,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NATIVE_GQA = "sprpo_native_gqa"  # the attention implementation :func:`native_gqa` switches to
-ATTENTION_KERNELS = ("auto", "sdpa", "matmul")  # update.attention
+ATTENTION_KERNELS = ("auto", "sdpa", "matmul")  # speed.attention
 
 
 def ffn_modules(model: nn.Module) -> list[nn.Module]:
@@ -154,7 +154,7 @@ def full_mask(t: int, tk: int, causal: bool, device: torch.device) -> torch.Tens
     return torch.ones(t, tk, dtype=torch.bool, device=device).tril(tk - t)[None, None]
 
 
-QUERY_CHUNK = 160  # matmul_attention: queries per chunk of a causal call (update.attention_chunk's default)
+QUERY_CHUNK = 160  # matmul_attention: queries per chunk of a causal call (speed.attention_chunk's default)
 MAX_CHUNKS = 4  # and at most this many chunks
 
 
@@ -176,10 +176,7 @@ def query_chunks(mask: torch.Tensor, t: int, chunk: int) -> tuple[int, ...]:
     ``[B, 1, T, Tk]`` when each chunk sees no key after its last query's own (a causal call,
     padded or not; checked on the mask), else ``(0, t)``.  A causal product computes about
     half its ``T x T`` own-key scores only to mask them; chunked, the chunks' products skip
-    most of them.  On the cpu WebShop replay's attention calls (``sprpo-bench attention``,
-    ``matmul`` against ``matmul_whole``, side by side) chunks of 160 took 0.91x the seconds
-    overall, 0.81-1.08x per shape of T >= 320; chunks of 80 only 0.95x (losing on T of
-    300-400).  A query that sees no key at all (a left-padded row without a prefix) gets the
+    most of them.  A query that sees no key at all (a left-padded row without a prefix) gets the
     mean of its chunk's values instead of all values: no valid query reads it either way."""
     n = min(MAX_CHUNKS, t // chunk) if chunk > 0 else 1
     if n < 2:
@@ -231,9 +228,8 @@ def matmul_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     heads that share a key/value head are stacked as one matrix against it.  A boolean mask
     is applied as its :class:`MaskPlan` says: added over the keys after a shared prefix, and a
     causal call in query chunks that stop at their last query's key (``query_chunk`` queries
-    each, default ``QUERY_CHUNK``; 0: one chunk).  On the CPUs measured, AMX included,
-    PyTorch's fused kernel runs a 16-bit model's attention, its backward above all, slower
-    than these matmuls (``sprpo-bench attention``).  Other
+    each, default ``QUERY_CHUNK``; 0: one chunk), faster than PyTorch's fused kernel for a
+    16-bit model's attention on the CPUs measured (git holds the study).  Other
     calls (one query, dropout, extra arguments) go to :func:`native_gqa_attention`."""
     b, h, t, d = query.shape
     hk, tk = key.shape[1], key.shape[2]
@@ -266,9 +262,9 @@ def matmul_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
 
 
 def check_attention_kernel(kernel: str) -> str:
-    """``kernel`` when it names an ``update.attention`` choice; one clear error otherwise."""
+    """``kernel`` when it names an ``speed.attention`` choice; one clear error otherwise."""
     if kernel not in ATTENTION_KERNELS:
-        raise ValueError(f"update.attention={kernel!r}: expected one of {', '.join(ATTENTION_KERNELS)} "
+        raise ValueError(f"speed.attention={kernel!r}: expected one of {', '.join(ATTENTION_KERNELS)} "
                          "('auto': two matmuls for a 16-bit model on a CPU, SDPA otherwise)")
     return kernel
 
@@ -276,8 +272,8 @@ def check_attention_kernel(kernel: str) -> str:
 def check_attention_chunk(chunk: int) -> int:
     """``chunk`` when it is a query count for :func:`query_chunks` (0: no chunks); one clear error otherwise."""
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
-        raise ValueError(f"update.attention_chunk={chunk!r}: expected an integer >= 0 (queries per chunk of a causal "
-                         f"attention call; 0: one product over every key), e.g. update.attention_chunk={QUERY_CHUNK}")
+        raise ValueError(f"speed.attention_chunk={chunk!r}: expected an integer >= 0 (queries per chunk of a causal "
+                         f"attention call; 0: one product over every key), e.g. speed.attention_chunk={QUERY_CHUNK}")
     return chunk
 
 

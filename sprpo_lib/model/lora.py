@@ -1,6 +1,6 @@
 """LoRA adapters with peft (App. B "Base model and optimization": all attention and FFN
 projections, rank/alpha 64/64), on every layer or only the last ones; the adapted linear as
-one fused function for the training passes (``update.fused_lora``); and their files: saved
+one fused function for the training passes (``speed.fused_lora``); and their files: saved
 atomically (safetensors), checked whole before loading, merged for deployment."""
 from __future__ import annotations
 

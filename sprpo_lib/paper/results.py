@@ -35,7 +35,6 @@ from sprpo_lib.paper.stats import paired_bootstrap, success_intervals, summarize
 from sprpo_lib.paper.style import METHOD_COLORS, METHOD_MARKERS, NEUTRAL, pyplot, role
 from sprpo_lib.paper.tables import ENV_LABELS, FAMILY_LABELS, METHOD_LABELS, strength_label
 
-
 __all__ = ["COLORS", "save_figure", "quiet_iterations", "plot_motivation", "plot_curves", "plot_landscape", "landscape_grid", "plot_longer",
            "plot_ablation", "paired_comparisons", "perturbation_losses", "landscape_drop", "overhead", "overhead_latex",
            "EXAMPLE_RULE", "pick_examples", "examples_markdown", "headline", "headline_markdown", "merged_headline",
@@ -368,7 +367,7 @@ def surface_sentence(rows: pd.DataFrame, methods: Sequence[str]) -> str:
     a, b = (METHOD_LABELS.get(m, m) for m in methods[:2])
     lo, hi, mde = r["success_lo"], r["success_hi"], r["success_mde80"]
     says = (f"the surfaces differ ({b} {'flatter' if lo > 0 else 'steeper'})" if lo > 0 or hi < 0 else
-            f"this design cannot tell the surfaces apart" + ("" if pd.isna(mde) else f" by less than {mde:.1f} pp"))
+            "this design cannot tell the surfaces apart" + ("" if pd.isna(mde) else f" by less than {mde:.1f} pp"))
     return (f" {a}'s drop from the centre minus {b}'s: {r['success_diff']:+.1f} pp [{lo:+.1f}, {hi:+.1f}]"
             + ("" if pd.isna(mde) else f", MDE80 {mde:.1f} pp") + f": {says}.")
 

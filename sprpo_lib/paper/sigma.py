@@ -20,7 +20,8 @@ import pandas as pd
 import torch
 
 from sprpo_lib.core import metrics as MK
-from sprpo_lib.core.methods import make_method, rank_correlation
+from sprpo_lib.core.methods import make_method
+from sprpo_lib.core.sigma import rank_correlation
 from sprpo_lib.evaluate import ModelSource, fisher_scores_cached, load_calibration
 from sprpo_lib.infra.io import read_json
 from sprpo_lib.infra.paths import project_path

@@ -37,7 +37,6 @@ from sprpo_lib.infra.paths import project_path
 from sprpo_lib.paper.figcheck import warn_problems
 from sprpo_lib.paper.style import legend_below, pyplot, role
 
-
 # --------------------------------------------------------------------------------------
 # sizes
 # --------------------------------------------------------------------------------------
@@ -1125,7 +1124,7 @@ def plot_corollary1(cor1: dict):
                        color=colors[i], label=name, capsize=2)
     ax[0].axhline(1, color="k", ls="--", lw=1)
     ax[0].set(xscale="log", xlabel=r"$\sigma$ (isotropic, per channel)", ylabel=r"Var$[L_\xi] / \sum_i \sigma_i^2 S_i$",
-              title=f"Gaussian Poincare (App. A.2): ratio " + r"$\leq$ 1" + f"\n(Bonferroni {100 * cor1['level']:.2f}% intervals)",
+              title="Gaussian Poincare (App. A.2): ratio " + r"$\leq$ 1" + f"\n(Bonferroni {100 * cor1['level']:.2f}% intervals)",
               ylim=(0, 1.1))
     for i, name in enumerate(names):
         g = al[al["update"] == name]

@@ -8,8 +8,8 @@ paper's prompt budget is 4,096 tokens for WebShop and 3,072 for ALFWorld, verl-a
 scripts normalise GiGPO by ``mean`` for WebShop and ``mean_std`` for ALFWorld); they
 apply after ``env.name`` is known and before command-line overrides.  Sub-configs are
 the library's own dataclasses (:class:`GenerationConfig`, :class:`AgentConfig`,
-:class:`LoraSettings`, :class:`AdvantageConfig`, :class:`PPOLossConfig`,
-:class:`MethodConfig`, :class:`SFTConfig`), nested rather than copied field by field.
+:class:`LoraSettings`, :class:`UpdateConfig` and :class:`SpeedConfig`, :class:`MethodConfig`,
+:class:`SFTConfig`), nested rather than copied field by field.
 """
 from __future__ import annotations
 
@@ -25,18 +25,16 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from annotated_types import Ge, Gt, Interval
+from annotated_types import Ge
 
 from sprpo_lib.agent.engines import ENGINES, GenerationConfig
 from sprpo_lib.agent.prompt import AgentConfig
-from sprpo_lib.core.advantages import AdvantageConfig
-from sprpo_lib.core.losses import KL_ESTIMATORS, PPOLossConfig
+from sprpo_lib.core.config import SpeedConfig, UpdateConfig
 from sprpo_lib.core.methods import MethodConfig
 from sprpo_lib.infra.hardware import ALLOCATORS
 from sprpo_lib.infra.io import NOT_A_KEY, OMIT_AT_DEFAULT, key_fields
 from sprpo_lib.infra.ranges import check_ranges, check_value, show, valid_example
 from sprpo_lib.infra.tracking import check_loggers
-from sprpo_lib.model.layers import QUERY_CHUNK, check_attention_kernel
 from sprpo_lib.model.lora import LoraSettings
 from sprpo_lib.warmstart.sft import SFTConfig
 
@@ -109,111 +107,6 @@ class RolloutConfig:
 
 
 @dataclass
-class UpdateConfig:
-    """The PPO update (App. B, Table 2; verl's actor where the paper is silent).
-
-    ``ppo_mini_batch_size``: step samples per optimizer step (``None``: the whole
-    batch, one step per epoch: Alg. 1 line 6's single update); ``ppo_epochs`` passes
-    over the batch.  Old log-probs are taken once, at theta_k, before the first step
-    (verl's ``old_log_prob``).  verl-agent's scripts use ``ppo_mini_batch_size`` 64-128
-    step rows, 1 epoch, and a ``low_var_kl`` loss to the reference policy with
-    ``kl_coef`` 0.01; the paper states neither, so the defaults are one step and no
-    KL.  ``micro_batch``: samples per forward/backward (gradient accumulation, exact
-    for the token-mean).  ``skip_zero_adv``: passes over the token-mean surrogate alone
-    skip the rows with advantage 0, whose gradient is exactly 0 (the update, SPrPO's
-    replay and SAM's channel gradient; the result is the same up to float rounding,
-    the cost falls by their share: ``grad_token_frac`` in the metrics); ``false`` runs
-    every row, as verl does.  ``prefix_min``: every pass computes a token prefix shared by
-    several rows (a group's task text; the whole prompt at a state several rollouts
-    reached) once when it is at least this long, the rows' own tokens attending to its keys
-    and values (Prefix Grouper's idea; same gradient up to rounding); ``0`` computes every
-    row whole, as verl does.  ``micro_batch_tokens``: a micro-batch of several rows also
-    keeps its padded token positions (rows x longest row) within this budget, so that
-    activation memory follows tokens rather than rows (verl's ``ppo_max_token_len_per_gpu``);
-    ``null``: rows alone decide.  ``grad_checkpointing``: each decoder layer keeps only its
-    input for the backward and is recomputed there (verl's ``enable_gradient_checkpointing``):
-    far less activation memory for about one more forward.  ``reuse_frozen``: with several
-    optimizer steps, each step runs the layers from the lowest trainable one on, from the
-    hidden states the old-log-prob pass kept there (the layers below hold no trainable
-    weight and see the same xi: same steps up to rounding); ``false`` runs every layer at
-    every step, as verl does.  ``fused_kernels``: the passes run RMSNorm, SwiGLU and the
-    rotary embedding as compiled fused kernels (:mod:`sprpo_lib.model.fused`; verl's
-    ``use_fused_kernels``, off there too): same steps up to rounding, needs a C++ compiler
-    (without one the passes run eagerly, said once).  ``fused_lora``: the passes compute each
-    adapted linear as one function, the adapter's output accumulated into the base's
-    (:class:`sprpo_lib.model.lora.LoraLinear`; no separate scale and add, about 5% of a CPU
-    update): same steps up to rounding; ``false`` runs peft's forward.  ``fused_entropy``: a
-    pass with the entropy bonus takes log-probs and entropy from one softmax
-    (:func:`sprpo_lib.core.losses.token_logprobs_entropy`, a third of the passes over the
-    vocabulary-wide logits): same steps up to rounding; ``false`` runs the two functions.
-    ``native_gqa``: on a CPU the passes' masked grouped-query attention reads each key/value
-    head for its query heads (SDPA's ``enable_gqa``, :func:`sprpo_lib.model.layers.native_gqa`)
-    where transformers copies K and V once per query head (1% of a CPU update on WebShop, 3%
-    on ALFWorld): same steps up to rounding; ``false`` keeps transformers' copy.
-    ``attention``: ``auto`` computes a 16-bit pass's attention as two matmuls and a softmax
-    accumulated in float32 (:func:`sprpo_lib.model.layers.matmul_attention`, the stacked query heads of a
-    key/value head against it): on a CPU PyTorch's fused kernel runs 16-bit attention far
-    below the matmul rate (``sprpo-bench attention``), while in float32 it is the faster, so
-    float32 keeps SDPA; same steps up to rounding; ``sdpa`` always SDPA, ``matmul`` always
-    the matmuls.
-    ``attention_chunk``: the matmuls run a causal call of at least twice this many queries in
-    up to 4 query chunks, each chunk's product stopping at its last query's key, so most of
-    the masked half of the own-key scores is never computed
-    (:func:`sprpo_lib.model.layers.query_chunks`): same steps up to rounding; ``0`` one
-    product over every key.
-    ``first_step_logp``: with several optimizer steps, the rows of the first step take their
-    old log-probs from that step's own forward at theta_k, so the pass that fills the old
-    log-probs runs only the layers below the adapters for them (with ``reuse_frozen``; without
-    it, nothing; 6% of a CPU update on WebShop, 3% on ALFWorld): same steps up to rounding;
-    ``false`` fills every row first, as verl does.
-    ``replay_graph_gb``: SPrPO's replay (Alg. 1 line 7) runs the layers below the adapters
-    under the update's xi with unchanged weights, so with ``reuse_frozen`` and several
-    optimizer steps the update's pass there can keep its autograd graph for line 7's rows, up
-    to this many GiB of saved activations, and the replay then runs the adapted layers alone
-    plus one backward through that graph (rows beyond the budget run every layer): the same
-    steps and, up to rounding, the same S_hat and m_hat.  ``0`` (the default) keeps none and
-    replays every layer.  On one batch, repeated, the replay takes 0.62-0.67x its seconds
-    (``sprpo-bench train --paths shared,full_replay update.replay_graph_gb=10``), but in cpu
-    RL runs, where each iteration's batch is new, the update that keeps the graph is as much
-    slower (first-touch of up to 15 GiB of fresh memory; ``sprpo-bench runs``): no net gain
-    there, at 3x the memory.  The process keeps that much freed memory mapped
-    (:func:`sprpo_lib.infra.hardware.keep_freed`)."""
-
-    lr: Annotated[float, Gt(0)] = 3e-6
-    betas: tuple[Annotated[float, Interval(ge=0, lt=1)], Annotated[float, Interval(ge=0, lt=1)]] = (0.9, 0.999)
-    weight_decay: Annotated[float, Ge(0)] = 0.0
-    grad_clip: Annotated[float, Ge(0)] = 1.0
-    micro_batch: Annotated[int, Ge(1)] = 8
-    ppo_mini_batch_size: Annotated[int, Ge(1)] | None = None
-    ppo_epochs: Annotated[int, Ge(1)] = 1
-    kl_coef: Annotated[float, Ge(0)] = 0.0
-    kl_type: str = "low_var_kl"
-    estimator: str = "gigpo"
-    adv: AdvantageConfig = field(default_factory=AdvantageConfig)
-    loss_name: str = "ppo_dual_clip"
-    loss: PPOLossConfig = field(default_factory=PPOLossConfig)
-    skip_zero_adv: bool = field(default=True, metadata=OMIT_AT_DEFAULT)
-    prefix_min: Annotated[int, Ge(0)] = field(default=16, metadata=OMIT_AT_DEFAULT)
-    micro_batch_tokens: Annotated[int, Ge(1)] | None = field(default=None, metadata=OMIT_AT_DEFAULT)
-    grad_checkpointing: bool = field(default=False, metadata=OMIT_AT_DEFAULT)
-    reuse_frozen: bool = field(default=True, metadata=OMIT_AT_DEFAULT)
-    fused_kernels: bool = field(default=False, metadata=OMIT_AT_DEFAULT)
-    fused_lora: bool = field(default=True, metadata=OMIT_AT_DEFAULT)
-    fused_entropy: bool = field(default=True, metadata=OMIT_AT_DEFAULT)
-    native_gqa: bool = field(default=True, metadata=OMIT_AT_DEFAULT)
-    first_step_logp: bool = field(default=True, metadata=OMIT_AT_DEFAULT)
-    attention: str = field(default="auto", metadata=OMIT_AT_DEFAULT)
-    attention_chunk: Annotated[int, Ge(0)] = field(default=QUERY_CHUNK, metadata=OMIT_AT_DEFAULT)
-    replay_graph_gb: Annotated[float, Ge(0)] = field(default=0.0, metadata=OMIT_AT_DEFAULT)
-
-    def __post_init__(self):
-        check_ranges(self)
-        check_attention_kernel(self.attention)
-        if self.kl_type not in KL_ESTIMATORS:
-            raise ValueError(f"update.kl_type must be one of {KL_ESTIMATORS}, got {self.kl_type!r}")
-
-
-@dataclass
 class TrainConfig:
     """Everything a run depends on; profiles are YAML files of overrides.
 
@@ -249,6 +142,7 @@ class TrainConfig:
     env: EnvConfig = field(default_factory=EnvConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     update: UpdateConfig = field(default_factory=UpdateConfig)
+    speed: SpeedConfig = field(default_factory=SpeedConfig, metadata=OMIT_AT_DEFAULT)
     method: MethodConfig = field(default_factory=MethodConfig)
     logger: tuple[str, ...] = field(default=("jsonl",), metadata=NOT_A_KEY)
 
@@ -277,6 +171,9 @@ def build(cls, data: dict, where: str = ""):
     hints = typing.get_type_hints(cls, include_extras=True)
     kwargs = {}
     for k, v in data.items():
+        if cls is UpdateConfig and k in SPEED_LEVERS:
+            raise ValueError(f"{where + k}: a speed lever, set as speed.{k} (SpeedConfig); the update's section "
+                             f"holds App. B's knobs")
         if k not in fields:
             raise ValueError(f"unknown config key {where + k!r}; valid keys here: {sorted(fields)}")
         default = _default(fields[k])
@@ -444,6 +341,18 @@ def config_dict(cfg) -> dict:
     return json.loads(json.dumps(key_fields(cfg), default=list))
 
 
+#: The speed levers' names (``speed.<name>``; configs stored before they had a section kept them under ``update``).
+SPEED_LEVERS = frozenset(f.name for f in dataclasses.fields(SpeedConfig))
+
+
+def moved_levers(data: dict) -> dict:
+    """A stored config (``config.json``) with the levers it kept under ``update`` moved to ``speed``."""
+    update = dict(data.get("update") or {})
+    moved = {k: update.pop(k) for k in list(update) if k in SPEED_LEVERS}
+    return {**data, "update": update, "speed": {**moved, **(data.get("speed") or {})}} if moved else data
+
+
 def config_from_dict(data: dict) -> TrainConfig:
-    """Inverse of :func:`config_dict` (keys added since take their defaults)."""
-    return build(TrainConfig, data)
+    """Inverse of :func:`config_dict` (keys added since take their defaults; stored levers under
+    ``update``, :func:`moved_levers`)."""
+    return build(TrainConfig, moved_levers(data))

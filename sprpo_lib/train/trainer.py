@@ -58,7 +58,7 @@ from sprpo_lib.infra.tracking import Tracking
 from sprpo_lib.model.load import load_policy, resolve_device
 from sprpo_lib.model.lora import adapter_is_whole, adapter_nbytes, add_lora, lora_on_last_layers, save_peft
 from sprpo_lib.train.checkpoint import load_checkpoint, save_checkpoint
-from sprpo_lib.train.config import TrainConfig, config_dict, load_config
+from sprpo_lib.train.config import TrainConfig, config_dict, load_config, moved_levers
 from sprpo_lib.warmstart.cache import warm_start_policy
 from sprpo_lib.warmstart.heldout import eval_is_current, evaluate_policy
 
@@ -77,8 +77,8 @@ class Trainer:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         set_allocator(cfg.allocator)
-        if cfg.update.replay_graph_gb:  # the replay's kept graph, every iteration: its pages stay mapped
-            keep_freed(cfg.update.replay_graph_gb + 1)
+        if cfg.speed.replay_graph_gb:  # the replay's kept graph, every iteration: its pages stay mapped
+            keep_freed(cfg.speed.replay_graph_gb + 1)
         self.out = Path(out)
         # the environment first: missing or damaged data is one error before the model loads
         factory = partial(make_pool, cfg.env.name, cfg.env.data_dir, cfg.env.seed)
@@ -103,15 +103,7 @@ class Trainer:
         u = cfg.update
         params = [p for p in self.model.parameters() if p.requires_grad]
         opt = torch.optim.Adam(params, lr=u.lr, betas=u.betas, weight_decay=u.weight_decay)
-        self.actor = Actor(self.model, self.policy.tokenizer.pad_token_id, opt, grad_clip=u.grad_clip,
-                           loss_name=u.loss_name, loss_cfg=u.loss, micro_batch=u.micro_batch, kl_coef=u.kl_coef,
-                           kl_type=u.kl_type, mini_batch=u.ppo_mini_batch_size, epochs=u.ppo_epochs,
-                           skip_zero_adv=u.skip_zero_adv, prefix_min=u.prefix_min,
-                           micro_batch_tokens=u.micro_batch_tokens, grad_checkpointing=u.grad_checkpointing,
-                           reuse_frozen=u.reuse_frozen, fused_kernels=u.fused_kernels,
-                           fused_lora=u.fused_lora, fused_entropy=u.fused_entropy, native_gqa=u.native_gqa,
-                           first_step_logp=u.first_step_logp, attention=u.attention, attention_chunk=u.attention_chunk,
-                           replay_graph_gb=u.replay_graph_gb)
+        self.actor = Actor(self.model, self.policy.tokenizer.pad_token_id, opt, u, cfg.speed)
         self.shape = self.actor.shape
         self.method = make_method(cfg.method, self.shape, cfg.seed)
 
@@ -301,7 +293,7 @@ def is_complete(cfg: TrainConfig, out: Path) -> bool:
     if not (meta.is_file() and metrics.is_file() and adapter_is_whole(out / "final" / "adapter")):
         return False
     saved = read_cached(meta)  # a damaged config.json: not complete (train() rewrites it)
-    if not isinstance(saved, dict) or saved.get("config") != config_dict(cfg):
+    if not isinstance(saved, dict) or moved_levers(saved.get("config") or {}) != config_dict(cfg):
         return False
     if saved.get("data", GENERATED) != data_source(cfg.env.name, cfg.env.data_dir):  # other data: not this run
         return False

@@ -15,8 +15,8 @@ from typing import Iterable, Sequence
 
 from sprpo_lib.agent.engines import GenerationConfig, close_engine, make_engine
 from sprpo_lib.agent.envs.base import TaskPool
-from sprpo_lib.agent.prompt import AgentConfig, extract_action, parse_actions, token_counter
-from sprpo_lib.agent.rollout import EpisodeLog, SerialEnvs, run_groups
+from sprpo_lib.agent.play import playing
+from sprpo_lib.agent.prompt import AgentConfig, extract_action, parse_actions
 from sprpo_lib.infra.io import (
     CorruptFileError,
     atomic_write_json,
@@ -38,18 +38,9 @@ def play(policy: Policy, pool: TaskPool, split: str, indices: Iterable[int], age
     """``policy`` plays the tasks through :func:`rollout.run_groups` with the generation
     ``engine`` (the code path of RL rollouts; ``gen`` defaults to temperature 0.4, the
     paper's validation temperature); returns the episode records and timing stats."""
-    agent = agent or AgentConfig()
-    gen = gen or GenerationConfig(temperature=0.4)
-    tasks = [(split, i) for i in indices]
-    envs = SerialEnvs(lambda: pool)
-    eng = make_engine(engine, policy, gen, agent)
-    try:
-        policy.model.eval()
-        return run_groups(envs, tasks, group_size, eng, agent, max_steps, EpisodeLog(log_path) if log_path else None,
-                          progress, count_tokens=token_counter(policy.tokenizer, agent))
-    finally:
-        envs.close()
-        close_engine(eng)
+    with playing(policy, pool, engine, gen or GenerationConfig(temperature=0.4), agent or AgentConfig(),
+                 max_steps) as run:
+        return run([(split, i) for i in indices], group_size, log_path, progress)
 
 
 def admissible_from_prompt(prompt: str) -> list[str]:
