@@ -269,21 +269,6 @@ def test_engine_options_are_checked(monkeypatch):
     assert _ov(pol, greedy()).call_deadline(10) == 45
 
 
-def test_bench_churn_counts_builds_hangs_and_injected_stalls(tmp_path):
-    import json
-
-    from sprpo_lib.bench import cli as bench_cli
-
-    out = tmp_path / "churn.json"
-    argv = ["churn", "--rounds", "2", "--deadline", "2", "--stall-every", "2", "--stall-s", "30", "--threads", "1",
-            "--out", str(out)]
-    assert bench_cli.main(argv) == 0
-    res = json.loads(out.read_text())["results"]
-    assert res["builds"] == 4 and res["calls"] == 8 and res["mismatches"] == 0 and res["unrecovered"] == 0
-    assert res["injected"] == 1 and res["retries"] >= 1 and res["hangs"] == res["retries"] - 1
-    assert res["machine"]["cpu_class"] in SERVED_BF16
-
-
 def test_baked_lora_and_perturbation_load_into_the_engine(tiny_spec):
     pol = lora_policy(tiny_spec)
     fc = FFNChannels(pol.model)
@@ -399,25 +384,6 @@ def test_end_of_turn_is_kept(backend):
     got = _ov(pol, greedy(stop=NEVER), backend=backend)(PROMPTS[:5])
     assert same_tokens(HFEngine(pol, greedy(stop=NEVER))(PROMPTS[:5]), got) == 5
     assert all(g.text == "ok" and g.response_ids[-1] == pol.tokenizer.eos_token_id for g in got)
-
-
-def test_bench_generate_compares_openvino_side_by_side(tmp_path):
-    import json
-
-    from sprpo_lib.bench import cli as bench_cli
-
-    out = tmp_path / "generate.json"
-    argv = ["generate", "--model", "tiny-llama", "--prompts", "3", "--new-tokens", "6", "--repeats", "1",
-            "--engines", "hf_generator,hf,openvino,openvino_loop", "--dtypes", "float32", "--temperatures", "0",
-            "--threads", "1", "--out", str(out)]
-    assert bench_cli.main(argv) == 0
-    res = json.loads(out.read_text())["results"]
-    for name in ("hf", "openvino", "openvino_loop"):
-        assert res["float32"]["T0"][name]["greedy_equal"] == "3/3"
-        assert res["float32"]["T0"][name]["wall_over_prefill_floor"] > 0
-    ov = res["openvino"]
-    assert ov["openvino:float32"]["backend"] == "genai" and ov["openvino_loop:float32"]["backend"] == "loop"
-    assert ov["openvino:float32"]["precision"] == "float32" and ov["openvino:float32"]["reload_s"] >= 0
 
 
 def test_prefix_caching_reuses_prefixes_and_changes_no_output(tiny_spec):

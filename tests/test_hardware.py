@@ -166,19 +166,6 @@ def test_machine_info_and_manifests_record_the_cpu_class(tmp_path, monkeypatch):
     assert m["host"]["cpu_class"] == hardware.cpu_class() and m["host"]["isa_limits"] == {"ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
-def test_bench_machine_reports_rates_and_floors(tmp_path):
-    from sprpo_lib.bench import cli as bench_cli
-
-    out = tmp_path / "machine.json"
-    assert bench_cli.main(["machine", "--model", "tiny-qwen2", "--out", str(out)]) == 0
-    res = json.loads(out.read_text())["results"]
-    assert res["shapes"]["hidden"] == 64 and res["fast_dtype"] in ("float32", "bfloat16")
-    for d in ("float32", "bfloat16"):
-        assert res["prefill_gflops"][d] > 0 and res["decode_gflops"][d] > 0
-        assert res["prefill_floor_s_per_1k_tokens"][d] > 0
-    assert res["bandwidth_gbs"] > 0 and res["machine"]["capability"]
-
-
 def test_peak_memory_per_phase_sees_an_allocation_and_resets():
     """A 300 MB buffer touched inside a phase raises that phase's peak RSS by about its
     size; the next phase, started after it is freed, does not see it (Linux resets the

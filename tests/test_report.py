@@ -5,7 +5,6 @@ import json
 
 import pytest
 
-from sprpo_lib.bench.report import headline
 from sprpo_lib.paper.report import paired_outcomes
 
 
@@ -98,15 +97,6 @@ def test_heldout_rows_follow_a_run_from_its_warm_start(tmp_path, monkeypatch):
     cur = heldout_curve(rows, n_resamples=200)
     assert cur["iteration"].tolist() == [1, 2] and (cur["tasks"] == 3).all()
     assert cur["diff"].tolist() == pytest.approx(list(cur["success"] - cur["start"]))
-
-
-def test_generate_headline_says_when_the_wall_is_the_prefill_alone():
-    row = {"wall_over_prefill_floor": 1.03, "wall_s": 10.8}
-    rec = {"bench": "generate", "results": {"new_tokens": 1, "prefix_caching": False,
-                                            "float32": {"T0": {"openvino": row}}}}
-    assert headline(rec) == "`openvino:float32` T=0 1.03x its prefill floor (one new token, no prefix cache: the prefill alone)"
-    rec["results"]["new_tokens"] = 48
-    assert headline(rec) == "`openvino:float32` T=0 1.03x its prefill floor"
 
 
 def test_merged_headline_keeps_the_other_environments_numbers(tmp_path):
