@@ -153,6 +153,26 @@ def test_state_pool_and_cells_are_content_keyed_and_never_served_damaged(tmp_pat
     assert D.divergence(cfg, states, samples=2, progress=False).kl.tolist() == rows.kl.tolist()  # recomputed alike
 
 
+def test_settings_of_one_policy_share_its_clean_side(tmp_path, monkeypatch):
+    """A ``shared`` dict across one policy's settings draws the clean side once and gives the rows
+    that separate calls give."""
+    import dataclasses
+
+    cfg = config(tmp_path)
+    states, _ = D.state_pool(cfg, 3, progress=False)
+    other = dataclasses.replace(cfg, family="dropout", strengths=(0.1,), cache_dir=str(tmp_path / "apart"))
+    apart = [D.divergence(c, states, samples=2, progress=False) for c in (cfg, other)]
+    calls = []
+    real = D.clean_sides
+    monkeypatch.setattr(D, "clean_sides", lambda *a, **k: calls.append(1) or real(*a, **k))
+    shared: dict = {}
+    together = [D.divergence(dataclasses.replace(c, cache_dir=str(tmp_path / "together")), states, samples=2,
+                             progress=False, shared=shared) for c in (cfg, other)]
+    assert len(calls) == 1  # one batch of 3 states, drawn for the first setting only
+    for a, b in zip(apart, together):
+        assert a.kl.tolist() == b.kl.tolist() and a.flip.tolist() == b.flip.tolist()
+
+
 def test_cli_prints_and_writes_the_table(tmp_path, capsys):
     out, pool = tmp_path / "rows.csv", tmp_path / "states.json"
     argv = ["--metric", "divergence", "--model", "tiny-qwen2", "--env", "webshop", "--family", "rtn", "--strength",
