@@ -295,7 +295,7 @@ def test_kl_power_recovers_the_variance_components_and_sizes_the_design():
     import numpy as np
     import pandas as pd
 
-    from sprpo_lib.paper.divergence import kl_design, kl_mde, kl_power
+    from sprpo_lib.paper.divergence import kl_design, kl_frontier, kl_mde, kl_power
     from sprpo_lib.paper.stats import Z80
 
     rng = np.random.default_rng(1)
@@ -327,6 +327,15 @@ def test_kl_power_recovers_the_variance_components_and_sizes_the_design():
             assert s_ == 1 or kl_mde(p, states=s_ - 1, samples=r.samples, draws=r.draws, pilot_samples=4) > 0.05
             assert r.seconds_per_setting == pytest.approx(s_ * r.draws * (1.0 + 0.1 * r.samples))
     assert design["seconds_per_setting"].is_monotonic_increasing
+    q = {**p, "kl_b": 2 * p["kl_b"]}  # a second comparison, half as hard
+    front = kl_frontier([p, q], pilot_samples=4, seconds_per_state=lambda k: 1.0 + 0.1 * k, states=(10, 100))
+    assert len(front) == 3 * 2 * 2 and front["comparisons"].eq(2).all()
+    for r in front.itertuples():
+        mdes = [kl_mde(x, states=r.states, samples=r.samples, draws=r.draws, pilot_samples=4) for x in (p, q)]
+        assert r.mde80_worst == pytest.approx(max(mdes)) and r.mde80_median == pytest.approx(sum(mdes) / 2)
+        assert r.meet_target == sum(m <= 0.1 for m in mdes)
+        assert r.seconds_per_setting == pytest.approx(r.states * r.draws * (1.0 + 0.1 * r.samples))
+        assert r.mde80_floor == pytest.approx(Z80 * (p["v_t"] / 3) ** 0.5 / p["kl_b"]) and r.mde80_floor < r.mde80_worst
 
 
 def test_flips_from_the_teacher_forced_greedy_response_match_full_greedy_decoding(monkeypatch):
