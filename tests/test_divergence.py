@@ -153,6 +153,26 @@ def test_state_pool_and_cells_are_content_keyed_and_never_served_damaged(tmp_pat
     assert D.divergence(cfg, states, samples=2, progress=False).kl.tolist() == rows.kl.tolist()  # recomputed alike
 
 
+def test_settings_of_one_policy_share_its_clean_side(tmp_path, monkeypatch):
+    """A ``shared`` dict across one policy's settings draws the clean side once and gives the rows
+    that separate calls give."""
+    import dataclasses
+
+    cfg = config(tmp_path)
+    states, _ = D.state_pool(cfg, 3, progress=False)
+    other = dataclasses.replace(cfg, family="dropout", strengths=(0.1,), cache_dir=str(tmp_path / "apart"))
+    apart = [D.divergence(c, states, samples=2, progress=False) for c in (cfg, other)]
+    calls = []
+    real = D.clean_sides
+    monkeypatch.setattr(D, "clean_sides", lambda *a, **k: calls.append(1) or real(*a, **k))
+    shared: dict = {}
+    together = [D.divergence(dataclasses.replace(c, cache_dir=str(tmp_path / "together")), states, samples=2,
+                             progress=False, shared=shared) for c in (cfg, other)]
+    assert len(calls) == 1  # one batch of 3 states, drawn for the first setting only
+    for a, b in zip(apart, together):
+        assert a.kl.tolist() == b.kl.tolist() and a.flip.tolist() == b.flip.tolist()
+
+
 def test_cli_prints_and_writes_the_table(tmp_path, capsys):
     out, pool = tmp_path / "rows.csv", tmp_path / "states.json"
     argv = ["--metric", "divergence", "--model", "tiny-qwen2", "--env", "webshop", "--family", "rtn", "--strength",
@@ -275,7 +295,7 @@ def test_kl_power_recovers_the_variance_components_and_sizes_the_design():
     import numpy as np
     import pandas as pd
 
-    from sprpo_lib.paper.divergence import kl_design, kl_mde, kl_power
+    from sprpo_lib.paper.divergence import kl_design, kl_frontier, kl_mde, kl_power
     from sprpo_lib.paper.stats import Z80
 
     rng = np.random.default_rng(1)
@@ -307,6 +327,15 @@ def test_kl_power_recovers_the_variance_components_and_sizes_the_design():
             assert s_ == 1 or kl_mde(p, states=s_ - 1, samples=r.samples, draws=r.draws, pilot_samples=4) > 0.05
             assert r.seconds_per_setting == pytest.approx(s_ * r.draws * (1.0 + 0.1 * r.samples))
     assert design["seconds_per_setting"].is_monotonic_increasing
+    q = {**p, "kl_b": 2 * p["kl_b"]}  # a second comparison, half as hard
+    front = kl_frontier([p, q], pilot_samples=4, seconds_per_state=lambda k: 1.0 + 0.1 * k, states=(10, 100))
+    assert len(front) == 3 * 2 * 2 and front["comparisons"].eq(2).all()
+    for r in front.itertuples():
+        mdes = [kl_mde(x, states=r.states, samples=r.samples, draws=r.draws, pilot_samples=4) for x in (p, q)]
+        assert r.mde80_worst == pytest.approx(max(mdes)) and r.mde80_median == pytest.approx(sum(mdes) / 2)
+        assert r.meet_target == sum(m <= 0.1 for m in mdes)
+        assert r.seconds_per_setting == pytest.approx(r.states * r.draws * (1.0 + 0.1 * r.samples))
+        assert r.mde80_floor == pytest.approx(Z80 * (p["v_t"] / 3) ** 0.5 / p["kl_b"]) and r.mde80_floor < r.mde80_worst
 
 
 def test_flips_from_the_teacher_forced_greedy_response_match_full_greedy_decoding(monkeypatch):

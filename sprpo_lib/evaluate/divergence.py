@@ -401,7 +401,8 @@ def _cell_problem(key: str):
     return check
 
 
-def divergence(cfg: EvalConfig, states: StatePool, *, samples: int = 4, progress: bool = True) -> pd.DataFrame:
+def divergence(cfg: EvalConfig, states: StatePool, *, samples: int = 4, progress: bool = True,
+               shared: dict | None = None) -> pd.DataFrame:
     """Per state and setting of ``cfg`` (its family, strengths and seeds: the M draws of a random
     family), how far the perturbation moves ``cfg``'s policy on ``states``: one row each
     (:data:`DIVERGENCE_COLUMNS`).  Each setting over the pool is a cell, content-keyed by the model,
@@ -409,13 +410,22 @@ def divergence(cfg: EvalConfig, states: StatePool, *, samples: int = 4, progress
     ``<cache_dir>/divergence/`` and verified when read (a damaged cell is recomputed).  States go
     through in batches of ``cfg.batch_size`` (a speed lever: the same rows up to rounding).  A cell
     records its ``seconds`` (the setting's pass) and ``clean_seconds`` (the clean side, where it was
-    computed with this cell); rows carry ``cell_seconds``."""
+    computed with this cell); rows carry ``cell_seconds``.  Calls on the same policy and pool
+    that pass one ``shared`` dict (one per policy) load the policy and draw the clean side once."""
     cfg.validate()
     if samples < 1:
         raise ValueError(f"--samples: {samples}; expected at least 1 sampled response per state")
     store = project_path(cfg.cache_dir)
+    shared = {} if shared is None else shared
     source = ModelSource(cfg, store / "file_hashes.json")
     ident = source.identity()
+    clean_key = canonical_hash({"model": ident, "states": states.hash, "samples": samples, "batch": cfg.batch_size,
+                                "temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens,
+                                "stop": cfg.generation(0).stop})
+    if shared.get("key") != clean_key:
+        shared.clear()
+        shared.update(key=clean_key, source=source, clean=None)
+    source = shared["source"]
     cells = list(dict.fromkeys(c.canonical() for c in cfg.cells()))
     calib = load_calibration(project_path(cfg.calibration)) if any(c.family in CALIBRATED_FAMILIES for c in cells) else None
     stop = cfg.generation(0).stop
@@ -426,7 +436,7 @@ def divergence(cfg: EvalConfig, states: StatePool, *, samples: int = 4, progress
                                 "calibration": calib.hash if c.family in CALIBRATED_FAMILIES else None}) for c in cells}
     paths = {c: store / "divergence" / f"{k[:32]}.json" for c, k in keyed.items()}
     results = {c: read_cached(paths[c], read_json, _cell_problem(keyed[c])) for c in cells}
-    clean: list[CleanSide] | None = None
+    clean: list[CleanSide] | None = shared["clean"]
     bar = progress_bar(total=len(cells) * len(states), desc=f"divergence {cfg.env} {cfg.family}", unit="state",
                        disable=not progress, initial=sum(len(states) for c in cells if results[c] is not None))
     groups = batches(states.prompts, cfg.batch_size)
@@ -445,6 +455,7 @@ def divergence(cfg: EvalConfig, states: StatePool, *, samples: int = 4, progress
                 for i, side in zip(group, sides):
                     clean[i] = side
             clean_s = time.perf_counter() - t0
+            shared["clean"] = clean
         kw = perturbation_kwargs(cfg, policy, c.family, calib, store, ident, progress)
         rows = [None] * len(states)
         with perturbation(model, "none" if c.family == "clean" else c.family, c.strength, c.seed, **kw):

@@ -203,12 +203,34 @@ def kl_design(powers: Sequence[dict], *, pilot_samples: int, seconds_per_state, 
     return pd.DataFrame(out).sort_values("seconds_per_setting", na_position="last", kind="stable").reset_index(drop=True)
 
 
-def kl_power_table(rows: pd.DataFrame, plan: Plan) -> tuple[pd.DataFrame, pd.DataFrame]:
+def kl_frontier(powers: Sequence[dict], *, pilot_samples: int, seconds_per_state,
+                states: Sequence[int] = (8, 16, 32, 64, 128, 256, 512, 1024), samples: Sequence[int] = (1, 2, 4),
+                draws: Sequence[int] = (1, 2), target: float = INFORMATIVE_MDE) -> pd.DataFrame:
+    """What a fixed design detects where no design meets ``target``: per K, M and states, the
+    worst and median relative MDE over the comparisons of ``powers`` (:func:`kl_mde`), how many of
+    them meet ``target``, the seconds one policy's setting costs, and the floor no number of
+    states passes (the training seeds' own spread, ``Z80 * sqrt(v_t / n) / KL_b``)."""
+    floor = max(Z80 * math.sqrt(p["v_t"] / p["train_seeds"]) / abs(p["kl_b"]) if p["kl_b"] else math.inf
+                for p in powers)
+    out = []
+    for k in samples:
+        for m in draws:
+            for s in states:
+                mdes = [kl_mde(p, states=s, samples=k, draws=m, pilot_samples=pilot_samples) for p in powers]
+                out.append({"samples": k, "draws": m, "states": s, "seconds_per_setting": s * m * seconds_per_state(k),
+                            "mde80_worst": max(mdes), "mde80_median": float(np.median(mdes)),
+                            "meet_target": sum(x <= target for x in mdes), "comparisons": len(mdes),
+                            "mde80_floor": floor})
+    return pd.DataFrame(out).sort_values(["seconds_per_setting", "mde80_worst"], kind="stable").reset_index(drop=True)
+
+
+def kl_power_table(rows: pd.DataFrame, plan: Plan) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """These rows as a pilot: per SPrPO comparison (C2-KL, T1-KL) at Table 1's settings, the
     variance components (:func:`kl_power`) and the relative MDE of this design; and per K and M
     the states per split that would detect :data:`INFORMATIVE_MDE` in every one of them, with the
     seconds one policy's setting would take (this pass's seconds per state, scaled by the tokens a
-    state costs: the prompt, K responses and the greedy one)."""
+    state costs: the prompt, K responses and the greedy one); and :func:`kl_frontier`, what each
+    affordable design detects where none meets the target."""
     have = set(rows["method"])
     k0 = plan.divergence_samples
     powers = []
@@ -220,7 +242,7 @@ def kl_power_table(rows: pd.DataFrame, plan: Plan) -> tuple[pd.DataFrame, pd.Dat
                 powers.append({"id": cid, **p, "samples": k0})
     table = pd.DataFrame(powers)
     if table.empty:
-        return table, pd.DataFrame()
+        return table, pd.DataFrame(), pd.DataFrame()
     timed = rows.dropna(subset=["cell_seconds"]) if "cell_seconds" in rows else rows.iloc[:0]
     per_state = (timed.groupby("cell")["cell_seconds"].first() / timed.groupby("cell").size()).median() \
         if len(timed) else float("nan")
@@ -232,7 +254,7 @@ def kl_power_table(rows: pd.DataFrame, plan: Plan) -> tuple[pd.DataFrame, pd.Dat
     splits = max(1, rows["split"].nunique())
     design = kl_design(powers, pilot_samples=k0, seconds_per_state=seconds)
     design.insert(3, "states_per_split", [None if pd.isna(n) else math.ceil(n / splits) for n in design["states"]])
-    return table, design
+    return table, design, kl_frontier(powers, pilot_samples=k0, seconds_per_state=seconds)
 
 
 def kl_success_correlation(kl: pd.DataFrame, success: pd.DataFrame, *, n_resamples: int = N_RESAMPLES,
@@ -345,7 +367,7 @@ def plot_kl_surface(summary: pd.DataFrame, methods: Sequence[str], path: str | P
 def render(rows: pd.DataFrame, plan: Plan, out: Path, *, success: pd.DataFrame | None = None) -> list[Path]:
     """Notebook 09's artifacts for one environment from its divergence rows: the summary
     (``_summary.csv``), Fig. 3 and Fig. 4 in KL, the KL claims (``_claims.csv/.md``), this pass
-    read as a pilot (``_power.csv``, ``_design.csv``: :func:`kl_power_table`) and the
+    read as a pilot (``_power.csv``, ``_design.csv``, ``_frontier.csv``: :func:`kl_power_table`) and the
     KL-success correlation (``_correlation.json``, against notebook 04's rows where given)."""
     env, stem = plan.env, out / f"09_divergence_{plan.env}"
     summary = kl_summary(rows)
@@ -358,11 +380,12 @@ def render(rows: pd.DataFrame, plan: Plan, out: Path, *, success: pd.DataFrame |
                                 title=f"{label}: KL over the plane w1*xi1 + w2*xi2 (Fig. 4 in KL)")
     claims = kl_claims(rows, env, plan.table)
     to_csv(claims, f"{stem}_claims.csv", digits=6)
-    power, design = kl_power_table(rows, plan)
+    power, design, frontier = kl_power_table(rows, plan)
     if len(power):  # this pass as a pilot: what each comparison detects, and the design that detects 10%
         to_csv(power, f"{stem}_power.csv", digits=6)
         to_csv(design, f"{stem}_design.csv", digits=3)
-        arts += [Path(f"{stem}_power.csv"), Path(f"{stem}_design.csv")]
+        to_csv(frontier, f"{stem}_frontier.csv", digits=3)
+        arts += [Path(f"{stem}_power.csv"), Path(f"{stem}_design.csv"), Path(f"{stem}_frontier.csv")]
     atomic_write_text(f"{stem}_claims.md", kl_markdown(kl_claim_rows(claims)))
     arts += [Path(f"{stem}_claims.csv"), Path(f"{stem}_claims.md")]
     if success is not None:

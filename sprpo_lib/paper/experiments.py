@@ -425,7 +425,8 @@ def divergence_rows(p: Plan, runs: Mapping[tuple[str, int], Path], *, cache_dir:
                                          seeds=(0,), tags={**base.tags, "w2": float(w2)},
                                          perturbation_options={"w2": float(w2), "direction_seed": p.direction_seed})
                      for w2 in p.landscape_grid]
-        frames += [divergence(c, states, samples=p.divergence_samples, progress=progress) for c in cfgs]
+        shared: dict = {}  # one load of the policy and one clean side for all its settings
+        frames += [divergence(c, states, samples=p.divergence_samples, progress=progress, shared=shared) for c in cfgs]
     rows = pd.concat(frames, ignore_index=True)
     rows["w2"] = rows["w2"].fillna(0.0) if "w2" in rows else 0.0
     return rows[[c for c in cols if c in rows]]
