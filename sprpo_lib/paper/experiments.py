@@ -108,8 +108,8 @@ class Plan:
             ``divergence_draws`` draws of each random family (M), the same for every policy.
         divergence_curves: the strengths per family of Fig. 3 in KL (``None``: ``curves``;
             ``app_c`` in a profile: App. C's levels of every family), beside Table 1's settings.
-        divergence_curve_seeds: training seeds measured at those strengths off Table 1
-            (``None``: all); every policy is measured at Table 1's settings.
+        divergence_curve_seeds: training seeds of the ``curve_methods`` measured at those strengths
+            off Table 1 (``None``: all); every policy is measured at Table 1's settings.
     """
 
     profile: str
@@ -256,8 +256,16 @@ def plan(profile: str, env: str, **changes) -> Plan:
         raise ValueError(f"env: profile {profile!r} has no plan for {env!r} (it runs {sorted(PLANS[profile])}); "
                          f"run the paper profile for the other environment")
     p = PLANS[profile][env]
+    unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(Plan)})
+    if unknown:
+        raise ValueError(f"plan changes: unknown field(s) {unknown}; expected fields of Plan "
+                         f"(sprpo_lib/paper/experiments.py), e.g. divergence_states")
     if changes.get("seeds") is not None:
         changes["seeds"] = {m: tuple(v) for m, v in changes["seeds"].items()}
+    for key in ("curves", "divergence_curves"):
+        if isinstance(changes.get(key), Mapping):
+            changes[key] = {f: _tuples(v) for f, v in changes[key].items()}
+    changes = {k: (_tuples(v) if isinstance(v, list) else v) for k, v in changes.items()}
     return dataclasses.replace(p, **{k: v for k, v in changes.items() if v is not None})
 
 
@@ -392,7 +400,7 @@ def divergence_rows(p: Plan, runs: Mapping[tuple[str, int], Path], *, cache_dir:
     """How far each policy of the plan (and the warm start, as ``warm_start``) moves under each
     perturbation, per agent state (the paper's alpha: :func:`sprpo_lib.evaluate.divergence.divergence`):
     every Table 1 setting, the KL curves' strengths (:meth:`Plan.divergence_settings`) on the
-    ``divergence_curve_seeds`` policies and the warm start, the random families at the same
+    ``divergence_curve_seeds`` policies of the ``curve_methods`` and the warm start, the random families at the same
     ``divergence_draws`` draws for every policy, and the landscape plane (Fig. 4's grid, rows with ``w2``) for the
     landscape policies; all on one state pool from the warm start's held-out episodes (the first
     Vanilla policy's where the profile has no warm start).  Cached per cell."""
@@ -415,8 +423,9 @@ def divergence_rows(p: Plan, runs: Mapping[tuple[str, int], Path], *, cache_dir:
     bases = [eval_config(p, runs[k], cache_dir) for k in p.runs()] + ([ws] if ws is not None else [])
     for base in bases:
         seed = base.tags["train_seed"]
-        on_curve = (p.divergence_curve_seeds is None or seed in p.divergence_curve_seeds
-                    or base.tags["method"] == WARM_START)
+        method = base.tags["method"]
+        on_curve = method == WARM_START or ((p.divergence_curve_seeds is None or seed in p.divergence_curve_seeds)
+                                            and (p.curve_methods is None or method in p.curve_methods))
         cfgs = [dataclasses.replace(c, seeds=draws if c.family in RANDOM_FAMILIES else (0,))
                 for c in settings_configs(base, settings if on_curve else table, tasks=None, calibration=calib)]
         if (p.landscape_grid and base.tags["method"] in p.landscape_methods

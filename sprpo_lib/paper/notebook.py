@@ -68,11 +68,12 @@ class ResultsPage:
     """One results notebook's run: ``name`` (``"04_robustness"``) prefixes its files in
     ``out_dir``; relative folders are taken under the project root, so the notebook
     writes to the project's ``figures/`` from whatever folder it runs in.  ``overrides``
-    (``key=value`` training-config changes, e.g. ``model.spec=...``) apply to every plan."""
+    (``key=value`` training-config changes, e.g. ``model.spec=...``) apply to every plan;
+    ``plan_changes`` replace plan fields (e.g. a pilot's ``{"divergence_states": 8}``)."""
 
     def __init__(self, name: str, profile: str, envs: Sequence[str], *, out_dir: str | Path = "figures",
                  cache_dir: str | Path = DEFAULT_CACHE, runs_root: str | Path | None = None,
-                 render_only: bool = False, overrides: Sequence[str] = ()):
+                 render_only: bool = False, overrides: Sequence[str] = (), plan_changes: Mapping | None = None):
         self.t_start = time.time()
         self.name, self.profile, self.envs, self.render_only = name, profile, list(envs), render_only
         self.out = project_path(out_dir)
@@ -81,7 +82,8 @@ class ResultsPage:
         for line in R.absent_envs(profile, ALL_ENVS):
             print(line)
         # training-config overrides (sprpo-reproduce --model) reach every plan's runs
-        self.plans = {env: X.plan(profile, env, overrides=tuple(overrides) or None) for env in self.envs}
+        self.plans = {env: X.plan(profile, env, overrides=tuple(overrides) or None, **dict(plan_changes or {}))
+                      for env in self.envs}
         self._runs: dict[str, dict] = {}
         if render_only:  # redraw the committed state: the plan its manifests recorded, where they did
             self.plans.update({env: p for env in self.envs if (p := self.recorded_plan(env)) is not None})
