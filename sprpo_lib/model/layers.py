@@ -196,10 +196,8 @@ def mask_plan(mask: torch.Tensor, t: int, dtype: torch.dtype, chunk: int | None 
     the keys from there; the query chunks (:func:`query_chunks` of ``chunk``, default
     ``QUERY_CHUNK``).  Built once per mask: every layer of a pass gets the same mask object,
     and the one cached entry is reused while that object lives unchanged (its identity and
-    version).  An add takes 0.75-0.8x a
-    ``masked_fill_``'s seconds with the softmax and their backward on the cpu profile's
-    shapes, and its backward is the identity (the masked entries' gradient is the softmax's
-    exact 0 either way)."""
+    version).  An add rather than ``masked_fill_``: cheaper, and its backward is the identity
+    (the masked entries' gradient is the softmax's exact 0 either way)."""
     chunk = QUERY_CHUNK if chunk is None else chunk
     key = (mask._version, dtype, t, chunk, MAX_CHUNKS)
     if _PLAN.get("mask", lambda: None)() is mask and _PLAN["key"] == key:
@@ -229,7 +227,7 @@ def matmul_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     is applied as its :class:`MaskPlan` says: added over the keys after a shared prefix, and a
     causal call in query chunks that stop at their last query's key (``query_chunk`` queries
     each, default ``QUERY_CHUNK``; 0: one chunk), faster than PyTorch's fused kernel for a
-    16-bit model's attention on the CPUs measured (git holds the study).  Other
+    16-bit model's attention on CPUs.  Other
     calls (one query, dropout, extra arguments) go to :func:`native_gqa_attention`."""
     b, h, t, d = query.shape
     hk, tk = key.shape[1], key.shape[2]

@@ -317,12 +317,14 @@ def plot_kl_curves(summary: pd.DataFrame, path: str | Path, *, title: str = "") 
         if fam == "rtn":
             ax.invert_xaxis()  # fewer bits is the stronger perturbation
         ax.set(title=FAMILY_LABELS.get(fam, fam), xlabel="strength", ylabel="KL(pi || pi^xi) per state")
-    axes[0][0].legend(loc="best")
+    handles, labels = axes[0][0].get_legend_handles_labels()  # one legend under the panels, clear of the data
+    fig.legend(handles, labels, loc="lower center", bbox_to_anchor=(0.5, 0.07), ncol=len(labels), frameon=False,
+               fontsize=7)
     per = flat.groupby(["states", "train_seeds", "draws"]).size().index.tolist()
     note = "; ".join(f"{s} states x {t} training seed(s) x {d} draw(s)" for s, t, d in per)
     fig.text(0.01, 0.01, f"Mean over {note}; bars: 95% two-way bootstrap (seeds x states).", fontsize=7,
              ha="left", va="bottom")
-    fig.subplots_adjust(bottom=0.25, top=0.84, wspace=0.4)
+    fig.subplots_adjust(bottom=0.36, top=0.84, wspace=0.4)
     if title:
         fig.suptitle(title, fontsize=9)
     return save_figure(fig, path)

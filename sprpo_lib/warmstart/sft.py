@@ -130,9 +130,8 @@ class SFTConfig:
         lora: LoRA adapters added if the model is not peft-wrapped yet (paper: 64/64).
         lora_layers: put the adapters only on the last ``lora_layers`` decoder layers
             (``None``: all layers, as the paper).  Backpropagation then stops at the
-            lowest adapted layer: on CPU, LoRA on the last 8 of SmolLM2's 30 layers
-            halves the cost of a step.  The adapter is merged into the base weights
-            before RL anyway, so this only trades warm-start quality for speed.
+            lowest adapted layer, a cheaper step; the adapter is merged into the base
+            weights before RL, so this only trades warm-start quality for speed.
         seed: LoRA initialisation, shuffling and DAgger-lite actions.
         n_tasks, split, expert_prob: demonstration collection for :func:`warm_start`
             (the first ``n_tasks`` tasks of ``split``).
@@ -146,16 +145,15 @@ class SFTConfig:
             infer).  See :func:`~sprpo_lib.warmstart.demos.collect_demonstrations`.
         episode_steps: step limit of a demonstration episode (None: the pool's own, 15 on
             WebShop and 50 on ALFWorld).  Set to RL's ``env.max_steps``, the demonstrations
-            cover the states and the ``[Step k]`` numbers RL's prompts show, and no longer
-            the long wanders that random actions cause after that limit (on ALFWorld they
-            were 31% of the labels, two thirds of them ``go to``).
+            cover the states and the ``[Step k]`` numbers RL's prompts show, not the long
+            wanders that random actions cause after that limit.
         repeat_prob: probability of executing the previous action again during the
             collection (the state after a rejected repeat, labelled with the way out; see
             the module docstring).  0 (default): never.
         balance: weight a demonstration's loss by ``(share of its action's verb)^-balance``
             (:func:`~sprpo_lib.warmstart.demos.label_weights`; 0: every response token weighs the same, 1: every verb
-            weighs the same in all).  On ALFWorld the search's ``go to`` is most labels and
-            the decision to ``take`` the object in sight a few percent.
+            weighs the same in all): on ALFWorld the search's ``go to`` outnumbers the
+            decision to ``take`` the object in sight.
         dagger_rounds: rounds of DAgger (Ross et al., 2011) after the first cloning
             (:func:`sprpo_lib.warmstart.dagger.dagger`): the clone plays ``dagger_tasks`` demonstration tasks at
             ``dagger_temperature``, the demonstrator labels every state it reached, and the
@@ -170,9 +168,9 @@ class SFTConfig:
             validation temperature, the states an evaluation reaches).
         dagger_replay: earlier demonstrations drawn (seeded, without replacement) per new
             label into a round's training set.  Classic DAgger retrains on everything
-            collected; on 2 CPU cores a round then costs as much as the first cloning, so
-            a round trains on its new labels and ``dagger_replay`` times as many old ones
-            (1: half new, half old), continuing from the previous round's adapter.
+            collected, a round as costly as the first cloning; here a round trains on its
+            new labels and ``dagger_replay`` times as many old ones (1: half new, half
+            old), continuing from the previous round's adapter.
         log_every: optimizer steps between lines of ``metrics.jsonl`` (and the progress
             bar's loss); the first and last step are always logged.
         shuffle: reshuffle the demonstrations every epoch (seeded).
