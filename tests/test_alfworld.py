@@ -547,3 +547,35 @@ def test_pool_prior_and_episode_explorer_action(cache, small, monkeypatch):
     with pytest.raises(ValueError, match="explorer_action"):
         ep.explorer_action([action])
     task.close()
+
+
+def test_a_game_is_translated_once_per_machine_and_a_damaged_translation_is_redone(pool, monkeypatch, tmp_path):
+    """The PDDL -> SAS translation of a game is stored on disk by content: a process with an empty
+    memo plays the game from the store without translating, step for step as from a fresh
+    translation (the expert's episode: every observation and command list); a damaged entry is
+    translated again (never served) and rewritten whole."""
+    import gzip
+
+    from sprpo_lib.agent.envs import alfworld as A
+
+    monkeypatch.setenv("SPRPO_CACHE", str(tmp_path))
+    real, calls = A._PDDL2SAS, []
+    monkeypatch.setattr(A, "_PDDL2SAS", lambda *a, **k: calls.append(1) or real(*a, **k))
+    index = _small_game("valid_seen", "pick_and_place_simple")
+
+    def expert_episode():
+        A._TRANSLATIONS.clear()  # a new process: nothing remembered
+        episode = pool.open("valid_seen", index).spawn()
+        seen = [episode.reset()]
+        while not seen[-1].done:
+            seen.append(episode.step(episode.expert_action()))
+        return [(o.text, tuple(o.admissible), o.done) for o in seen]
+
+    want = expert_episode()
+    stored = sorted((tmp_path / "alfworld" / "sas").glob("*.json.gz"))
+    assert len(calls) == len(stored) >= 2 and want[-1][2]
+    assert expert_episode() == want and len(calls) == len(stored)  # served from the store
+    stored[0].write_bytes(stored[0].read_bytes()[:100])  # a truncated entry
+    assert expert_episode() == want and len(calls) == len(stored) + 1
+    assert isinstance(json.loads(gzip.decompress(stored[0].read_bytes()))["sas"], str)  # rewritten whole
+    assert expert_episode() == want and len(calls) == len(stored) + 1

@@ -55,12 +55,16 @@ import collections
 import contextlib
 import copy
 import ctypes
+import gzip
+import importlib.metadata
 import json
+import logging
 import os
 import re
 import sys
 import threading
 import weakref
+import zlib
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -75,6 +79,10 @@ from textworld.generator.game import EntityInfo
 from sprpo_lib.agent.envs import alfworld_gen
 from sprpo_lib.agent.envs.alfworld_explorer import receptacle_prior, visible_explorer_action
 from sprpo_lib.agent.envs.base import GENERATED, DataError, Observation, check_split, resolve_data_dir
+from sprpo_lib.infra.io import CorruptFileError, atomic_write_bytes, canonical_hash, read_cached
+from sprpo_lib.infra.paths import cache_dir
+
+log = logging.getLogger(__name__)
 
 MAX_STEPS = 50  # App. B: ALFWorld episodes end after 50 environment steps.
 PRIOR_GAMES = 60  # training games whose object placements give the explorer's search order
@@ -122,20 +130,65 @@ class _LibraryPool:
 _LIBRARIES = _LibraryPool()
 _TRANSLATOR_LOCK = threading.Lock()
 _PDDL2SAS = fast_downward.pddl2sas
+#: what a stored translation depends on besides the PDDL text: the translator's release
+TRANSLATOR_VERSION = f"fast_downward_textworld {importlib.metadata.version('fast_downward_textworld')}"
 #: translations kept per process (a game's plain and optimised SAS+ task, ~1 s each to
 #: compute): an evaluation opens the same held-out games once per cell
 TRANSLATION_MEMO_SIZE = 1024
 _TRANSLATIONS: collections.OrderedDict = collections.OrderedDict()
 
 
+def _read_sas(path: Path, key: str) -> str:
+    """The SAS text of a stored translation, checked against its key."""
+    try:
+        entry = json.loads(gzip.decompress(path.read_bytes()).decode("utf-8"))
+    except (OSError, EOFError, ValueError, zlib.error) as err:
+        raise CorruptFileError(path, f"not a whole gzip-compressed JSON entry ({type(err).__name__})") from None
+    if not isinstance(entry, dict) or entry.get("key") != key or not isinstance(entry.get("sas"), str):
+        raise CorruptFileError(path, "not the translation of this game")
+    return entry["sas"]
+
+
+def _parsed_task(domain: str, problem: str):
+    """The PDDL task ``fast_downward.pddl2sas`` returns beside the SAS text: its parse and
+    normalize steps (the translation itself leaves the task as they made it)."""
+    sys.argv = ["translate.py", "domain", "task"]  # the translator's options module parses argv on import
+    from fast_downward.translate import normalize
+    from fast_downward.translate.pddl_parser import lisp_parser, parsing_functions
+
+    task = parsing_functions.parse_task(lisp_parser.parse_nested_list(domain.split("\n")),
+                                        lisp_parser.parse_nested_list(problem.split("\n")))
+    normalize.normalize(task)
+    return task
+
+
+def _stored_pddl2sas(domain: str, problem: str, verbose: bool, optimize: bool):
+    """``fast_downward.pddl2sas`` (``(task, sas)``) with the SAS text, its costly part, in a
+    content-keyed store on disk, ``<cache>/alfworld/sas/`` (:func:`~sprpo_lib.infra.paths.cache_dir`):
+    every process that opens a game (evaluation cells, notebooks, workers) translates it once
+    per machine.  An entry is checked when read; a damaged one is translated again."""
+    key = canonical_hash([TRANSLATOR_VERSION, domain, problem, bool(optimize)])
+    path = cache_dir() / "alfworld" / "sas" / f"{key[:40]}.json.gz"
+    sas = read_cached(path, _read_sas, key)
+    if sas is not None:
+        return _parsed_task(domain, problem), sas
+    task, sas = _PDDL2SAS(domain, problem, verbose=verbose, optimize=optimize)
+    try:
+        atomic_write_bytes(path, gzip.compress(json.dumps({"key": key, "sas": sas}).encode("utf-8"), mtime=0))
+    except OSError as err:  # a read-only or full cache: translate without storing
+        log.warning("ALFWorld translation store %s: %s; translating without it", path.parent, err)
+    return task, sas
+
+
 def _memo_pddl2sas(domain: str, problem: str, verbose: bool = False, optimize: bool = False):
-    """``fast_downward.pddl2sas`` remembered by its inputs (least recently used out).  The
-    translation is a pure function of the PDDL text, and TextWorld's ``PddlState`` only
-    reads the returned task, so states of the same game may share it."""
+    """``fast_downward.pddl2sas`` remembered by its inputs (least recently used out), over the
+    store on disk (:func:`_stored_pddl2sas`).  The translation is a pure function of the PDDL
+    text, and TextWorld's ``PddlState`` only reads the returned task, so states of the same
+    game may share it."""
     key = (domain, problem, bool(optimize))
     hit = _TRANSLATIONS.get(key)
     if hit is None:
-        hit = _TRANSLATIONS[key] = _PDDL2SAS(domain, problem, verbose=verbose, optimize=optimize)
+        hit = _TRANSLATIONS[key] = _stored_pddl2sas(domain, problem, verbose, optimize)
         while len(_TRANSLATIONS) > TRANSLATION_MEMO_SIZE:
             _TRANSLATIONS.popitem(last=False)
     else:
