@@ -556,15 +556,20 @@ def test_a_game_is_translated_once_per_machine_and_a_damaged_translation_is_redo
     translated again (never served) and rewritten whole."""
     import gzip
 
-    from sprpo_lib.agent.envs import alfworld as A
+    from sprpo_lib.agent.envs.alfworld import forget_translations, translations_made
 
     monkeypatch.setenv("SPRPO_CACHE", str(tmp_path))
-    real, calls = A._PDDL2SAS, []
-    monkeypatch.setattr(A, "_PDDL2SAS", lambda *a, **k: calls.append(1) or real(*a, **k))
     index = _small_game("valid_seen", "pick_and_place_simple")
+    made = translations_made()
+
+    class Calls:  # translations computed since the test began
+        def __len__(self):
+            return translations_made() - made
+
+    calls = Calls()
 
     def expert_episode():
-        A._TRANSLATIONS.clear()  # a new process: nothing remembered
+        forget_translations()  # a new process: nothing remembered
         episode = pool.open("valid_seen", index).spawn()
         seen = [episode.reset()]
         while not seen[-1].done:

@@ -136,6 +136,7 @@ TRANSLATOR_VERSION = f"fast_downward_textworld {importlib.metadata.version('fast
 #: compute): an evaluation opens the same held-out games once per cell
 TRANSLATION_MEMO_SIZE = 1024
 _TRANSLATIONS: collections.OrderedDict = collections.OrderedDict()
+_MADE: collections.Counter = collections.Counter()
 
 
 def _read_sas(path: Path, key: str) -> str:
@@ -152,9 +153,10 @@ def _read_sas(path: Path, key: str) -> str:
 def _parsed_task(domain: str, problem: str):
     """The PDDL task ``fast_downward.pddl2sas`` returns beside the SAS text: its parse and
     normalize steps (the translation itself leaves the task as they made it)."""
-    sys.argv = ["translate.py", "domain", "task"]  # the translator's options module parses argv on import
-    from fast_downward.translate import normalize
-    from fast_downward.translate.pddl_parser import lisp_parser, parsing_functions
+    sys.argv = ["translate.py", "domain", "task"]
+    # imported after sys.argv is set: the translator's options module parses argv on import
+    from fast_downward.translate import normalize  # (see the line above)
+    from fast_downward.translate.pddl_parser import lisp_parser, parsing_functions  # (as above)
 
     task = parsing_functions.parse_task(lisp_parser.parse_nested_list(domain.split("\n")),
                                         lisp_parser.parse_nested_list(problem.split("\n")))
@@ -173,6 +175,7 @@ def _stored_pddl2sas(domain: str, problem: str, verbose: bool, optimize: bool):
     if sas is not None:
         return _parsed_task(domain, problem), sas
     task, sas = _PDDL2SAS(domain, problem, verbose=verbose, optimize=optimize)
+    _MADE["translations"] += 1
     try:
         atomic_write_bytes(path, gzip.compress(json.dumps({"key": key, "sas": sas}).encode("utf-8"), mtime=0))
     except OSError as err:  # a read-only or full cache: translate without storing
@@ -199,6 +202,16 @@ def _memo_pddl2sas(domain: str, problem: str, verbose: bool = False, optimize: b
 def translations_cached() -> int:
     """How many game translations this process remembers (:func:`_memo_pddl2sas`)."""
     return len(_TRANSLATIONS)
+
+
+def translations_made() -> int:
+    """How many game translations this process computed (not served from memory or disk)."""
+    return _MADE["translations"]
+
+
+def forget_translations() -> None:
+    """Empty this process's memory of translations (the store on disk stays)."""
+    _TRANSLATIONS.clear()
 
 
 @contextlib.contextmanager
