@@ -36,6 +36,20 @@ def test_plan_lookup_and_validation():
     assert dict(X.PLANS["paper"]["alfworld"].table)["sparsegpt"] == 0.70  # Table 1's ALFWorld column
 
 
+def test_a_pilot_changes_plan_fields_by_name_and_a_misspelt_one_is_one_error():
+    """Plan changes as papermill passes them (lists, nested dicts) become the plan's tuples; a
+    notebook page applies them to every environment; an unknown field names itself and the fix."""
+    from sprpo_lib.paper.notebook import ResultsPage
+
+    p = X.plan("cpu", "webshop", divergence_states=8, divergence_curves={"rtn": [8, 4]}, landscape_grid=[])
+    assert (p.divergence_states, p.divergence_curves, p.landscape_grid) == (8, {"rtn": (8, 4)}, ())
+    assert X.plan("cpu", "webshop").divergence_states == 16  # the profile's own plan is untouched
+    page = ResultsPage("09_divergence", "cpu", ["webshop", "alfworld"], plan_changes={"divergence_states": 3})
+    assert [page.plans[e].divergence_states for e in ("webshop", "alfworld")] == [3, 3]
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['divergence_state'\].*divergence_states"):
+        X.plan("cpu", "webshop", divergence_state=8)
+
+
 def test_plans_and_studies_are_read_from_the_profile_yaml(tmp_path, monkeypatch):
     """A profile's ``plan`` and ``ablation`` sections: per-env keys override, dotted keys reach
     into ``curves``, a seed list applies to every method, ``app_c`` is App. C's levels; an
