@@ -205,6 +205,13 @@ def _tuples(v):
     return tuple(_tuples(x) for x in v) if isinstance(v, list) else v
 
 
+def _plan_values(fields: Mapping) -> dict:
+    """Field values as :class:`Plan` holds them: lists as tuples, in the per-family and
+    per-method maps too (as YAML and papermill give them: lists)."""
+    return {k: {f: _tuples(x) for f, x in v.items()} if isinstance(v, Mapping) else _tuples(v)
+            for k, v in fields.items()}
+
+
 def plan_from_profile(profile: str, env: str) -> Plan:
     """The ``plan`` section of ``sprpo_lib/configs/<profile>.yaml`` for ``env``: its keys are
     :class:`Plan`'s fields, ``per_env.<env>`` overrides them (dotted keys reach into
@@ -225,17 +232,13 @@ def plan_from_profile(profile: str, env: str) -> Plan:
     unknown = sorted(set(section) - names)
     if unknown:
         raise ValueError(f"plan of profile {profile!r}: unknown key(s) {unknown}; expected Plan fields {sorted(names)}")
-    kw = {k: _tuples(v) for k, v in section.items()}
+    kw = _plan_values(section)
     for key in ("curves", "divergence_curves"):
         if kw.get(key) == "app_c":
             kw[key] = {f: FAMILIES[f].levels[env] for f in APP_C_CURVES}
-        elif isinstance(kw.get(key), Mapping):
-            kw[key] = {f: _tuples(v) for f, v in kw[key].items()}
     methods = kw.setdefault("methods", METHOD_ORDER)
     if isinstance(kw.get("seeds"), tuple):
         kw["seeds"] = {m: kw["seeds"] for m in methods}
-    elif "seeds" in kw:
-        kw["seeds"] = {m: _tuples(v) for m, v in kw["seeds"].items()}
     kw.setdefault("table", TABLE1[env])
     return Plan(profile, env, **kw)
 
@@ -260,13 +263,7 @@ def plan(profile: str, env: str, **changes) -> Plan:
     if unknown:
         raise ValueError(f"plan changes: unknown field(s) {unknown}; expected fields of Plan "
                          f"(sprpo_lib/paper/experiments.py), e.g. divergence_states")
-    if changes.get("seeds") is not None:
-        changes["seeds"] = {m: tuple(v) for m, v in changes["seeds"].items()}
-    for key in ("curves", "divergence_curves"):
-        if isinstance(changes.get(key), Mapping):
-            changes[key] = {f: _tuples(v) for f, v in changes[key].items()}
-    changes = {k: (_tuples(v) if isinstance(v, list) else v) for k, v in changes.items()}
-    return dataclasses.replace(p, **{k: v for k, v in changes.items() if v is not None})
+    return dataclasses.replace(p, **{k: v for k, v in _plan_values(changes).items() if v is not None})
 
 
 # ----------------------------------------------------------------------------- policies
