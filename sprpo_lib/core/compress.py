@@ -117,11 +117,16 @@ def rtn_quantize(model: nn.Module, bits: int, group_size: int = 128) -> Snapshot
 def pad_batches(
     seqs: Calibration, batch_size: int, pad_id: int, device: torch.device | str = "cpu"
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Right-padded micro-batches ``(input_ids [B, T], attention_mask [B, T])``."""
+    """Right-padded micro-batches ``(input_ids [B, T], attention_mask [B, T])``.
+
+    Sequences are batched in order of length, so a micro-batch pads little; both callers
+    sum over sequences and tokens, so the order changes nothing but rounding.
+    """
     if len(seqs) == 0:
         raise ValueError("calibration set is empty: pass a list of token-id sequences")
     if any(len(s) < 2 for s in seqs):
         raise ValueError("every calibration sequence needs at least 2 tokens")
+    seqs = sorted(seqs, key=len)
     out = []
     for i in range(0, len(seqs), batch_size):
         chunk = seqs[i : i + batch_size]
@@ -243,35 +248,32 @@ def sparsegpt_matrix(
     dead = torch.diag(H) == 0
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
-    damp = percdamp * torch.mean(torch.diag(H))
-    H += damp * torch.eye(cols, device=W.device)
-    L = torch.linalg.cholesky(H)
-    Hinv = torch.cholesky_inverse(L)
-    U = torch.linalg.cholesky(Hinv, upper=True)
+    H.diagonal().add_(percdamp * torch.mean(torch.diag(H)))
+    # U (upper, H^-1 = U^T U) without forming H^-1: with J the reversal, J H J = M M^T
+    # gives H = V V^T for the upper V = J M J, so H^-1 = V^-T V^-1 and U = V^-1.
+    M = torch.linalg.cholesky(H.flip(0, 1))
+    eye = torch.eye(cols, dtype=H.dtype, device=H.device)
+    U = torch.linalg.solve_triangular(M, eye, upper=False).flip(0, 1)
     for i1 in range(0, cols, blocksize):
         i2 = min(i1 + blocksize, cols)
-        count = i2 - i1
-        W1 = W[:, i1:i2].clone()
-        Q1 = torch.zeros_like(W1)
-        Err1 = torch.zeros_like(W1)
+        W1 = W[:, i1:i2]  # a view: the block is updated in place
         U1 = U[i1:i2, i1:i2]
-        d = torch.diag(U1)
+        d = U1.diagonal()
         score = W1.pow(2) / d.pow(2)[None, :]
         k = int(math.floor(ratio * score.numel()))
-        mask1 = torch.zeros_like(W1, dtype=torch.bool)
+        keep = torch.ones_like(W1)
         if k > 0:
-            idx = torch.argsort(score.flatten(), stable=True)[:k]
-            mask1.view(-1)[idx] = True
-        for j in range(count):
-            w = W1[:, j]
-            q = w.clone()
-            q[mask1[:, j]] = 0.0
-            Q1[:, j] = q
-            err = (w - q) / d[j]
-            W1[:, j:] -= err[:, None] * U1[j, j:][None, :]
-            Err1[:, j] = err
-        W[:, i1:i2] = Q1
-        W[:, i2:] -= Err1 @ U[i1:i2, i2:]
+            idx = torch.topk(score.flatten(), k, largest=False, sorted=False).indices
+            keep.view(-1)[idx] = 0.0
+        drop = (1.0 - keep) / d[None, :]
+        Err1 = torch.empty_like(W1)
+        for j in range(i2 - i1):
+            # err_j = (w_j - q_j) / U_jj, q_j = w_j with the selected weights zeroed;
+            # the update of column j itself leaves exactly q_j there (zeroed below).
+            err = torch.mul(W1[:, j], drop[:, j], out=Err1[:, j])
+            W1[:, j:].addr_(err, U1[j, j:], alpha=-1.0)
+        W1.mul_(keep)
+        W[:, i2:].addmm_(Err1, U[i1:i2, i2:], alpha=-1.0)
     return W.to(weight.dtype)
 
 

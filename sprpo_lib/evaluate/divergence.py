@@ -43,7 +43,7 @@ from sprpo_lib.infra.progress import progress_bar
 
 STATES_FORMAT = "sprpo-states"
 #: Changes whenever what a divergence cell computes changes (its cache key holds it).
-DIVERGENCE_VERSION = 2
+DIVERGENCE_VERSION = 3
 #: Per-state columns of :func:`divergence`'s rows, before ``cfg.tags``.
 DIVERGENCE_COLUMNS = ("env", "state", "split", "split_label", "task_index", "step", "prompt_tokens", "family",
                       "strength", "seed", "kl", "kl_se", "log_ratio", "tv_bound", "tokens", "flip", "cell_seconds",
