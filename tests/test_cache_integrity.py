@@ -25,6 +25,7 @@ from sprpo_lib.agent.prompt import AgentConfig
 from sprpo_lib.infra.io import CorruptFileError, file_record, read_json_lines, read_safetensors, verify_file
 from sprpo_lib.paper.experiments import calibration_pool, plan
 from sprpo_lib.train.trainer import Trainer, load_config, train
+from sprpo_lib.warmstart.cache import prepare_warm_start
 
 AGENT = AgentConfig(max_obs_chars=100, history_len=1)  # short prompts for the byte-level tiny model
 
@@ -304,6 +305,7 @@ IDS = torch.randint(3, 250, (1, 12), generator=torch.Generator().manual_seed(0))
 
 def _warm_trainer(root, monkeypatch, name):
     monkeypatch.setenv("SPRPO_HOME", str(root))
+    prepare_warm_start(load_config("smoke", WARM), progress=False)  # the stage before RL, as sprpo-train runs it
     tr = Trainer(load_config("smoke", WARM), root / name, progress=False)
     tr.envs.close()
     return tr

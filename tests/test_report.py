@@ -83,10 +83,12 @@ def test_heldout_rows_follow_a_run_from_its_warm_start(tmp_path, monkeypatch):
     iteration's policy on the same held-out tasks, read back from their own episode logs."""
     from sprpo_lib.paper.report import heldout_curve, heldout_rows
     from sprpo_lib.train.trainer import load_config, train
+    from sprpo_lib.warmstart.cache import prepare_warm_start
 
     monkeypatch.setenv("SPRPO_HOME", str(tmp_path))
     ov = ["warm_start=true", "sft.n_tasks=2", "sft.epochs=1", "sft.lora.rank=4", "sft.eval_tasks=3",
           "eval_tasks=3", "eval_every=1", "iterations=2", "rollout.tasks_per_step=1"]
+    prepare_warm_start(load_config("smoke", ov), progress=False)
     out = train(load_config("smoke", ov), tmp_path / "run", progress=False)
     rows = heldout_rows([out])
     assert sorted(set(rows["iteration"])) == [0, 1, 2]

@@ -19,6 +19,7 @@ from sprpo_lib.core.actor import SURROGATE
 from sprpo_lib.core.batch import build_batch
 from sprpo_lib.core.methods import grad_leaf
 from sprpo_lib.train.trainer import Trainer, load_config, train
+from sprpo_lib.warmstart.cache import prepare_warm_start
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -193,12 +194,21 @@ def test_kill9_resume_matches_uninterrupted_run(tmp_path):
     assert [__import__("json").loads(ln)["iteration"] for ln in lines] == [0, 1, 2]
 
 
+def _warm_trainer(cfg, out):
+    """An RL run's trainer after the warm-start stage, as sprpo-train and the notebooks run them."""
+    prepare_warm_start(cfg, progress=False)
+    return Trainer(cfg, out, progress=False)
+
+
 def test_warm_start_is_cached_and_merged(tmp_path, monkeypatch):
 
     monkeypatch.setenv("SPRPO_HOME", str(tmp_path))
     ov = ["warm_start=true", "sft.n_tasks=2", "sft.epochs=1", "sft.lora.rank=4", "iterations=1"]
+    with pytest.raises(ValueError, match="prepare_warm_start"):  # RL starts from a prepared warm start only
+        Trainer(load_config("smoke", ov), tmp_path / "a", progress=False)
+    sft_dir = prepare_warm_start(load_config("smoke", ov), progress=False)
     a = Trainer(load_config("smoke", ov), tmp_path / "a", progress=False)
-    sft_dir = a.warm_start_dir
+    assert a.warm_start_dir == sft_dir
     assert (sft_dir / "adapter").is_dir() and (sft_dir / "demos.jsonl").is_file()
     b = Trainer(load_config("smoke", ov), tmp_path / "b", progress=False)  # loads the cached adapter
     assert b.warm_start_dir == sft_dir
@@ -206,6 +216,24 @@ def test_warm_start_is_cached_and_merged(tmp_path, monkeypatch):
     torch.testing.assert_close(a.model(ids).logits, b.model(ids).logits)
     names = [n for n, p in b.model.named_parameters() if p.requires_grad]
     assert names and all("lora_" in n for n in names)  # fresh RL LoRA on the merged base
+
+
+def test_cli_prepares_the_warm_start_before_rl(tmp_path, monkeypatch, capsys):
+    """sprpo-train: --warm-start-only builds and scores the warm start, and prints it; a training
+    command prepares it first (here served from that cache) and trains from it."""
+    from sprpo_lib.train.trainer import main
+
+    monkeypatch.setenv("SPRPO_HOME", str(tmp_path))
+    ov = ["warm_start=true", "sft.n_tasks=2", "sft.epochs=1", "sft.lora.rank=4", "sft.eval_tasks=1",
+          "iterations=1", "rollout.tasks_per_step=1", "env.max_steps=2"]
+    assert main(["--profile", "smoke", "--no-progress", "--warm-start-only", *ov]) == 0
+    shown = capsys.readouterr().out
+    ws = next((tmp_path / "runs" / "sft").glob("webshop-*"))
+    assert f"warm start: {ws}" in shown and '"success_rate"' in shown
+    made = (ws / "adapter" / "adapter_model.safetensors").stat().st_mtime_ns
+    assert main(["--profile", "smoke", "--no-progress", "--out", str(tmp_path / "run"), *ov]) == 0
+    assert (tmp_path / "run" / "final" / "adapter").is_dir()
+    assert (ws / "adapter" / "adapter_model.safetensors").stat().st_mtime_ns == made  # not built again
 
 
 def test_dagger_warm_start_builds_on_the_cached_base(tmp_path, monkeypatch):
@@ -221,7 +249,7 @@ def test_dagger_warm_start_builds_on_the_cached_base(tmp_path, monkeypatch):
     monkeypatch.setenv("SPRPO_HOME", str(tmp_path))
     ov = ["warm_start=true", "sft.n_tasks=2", "sft.epochs=1", "sft.lora.rank=4", "iterations=1", "sft.episode_steps=2"]
     cfg = load_config("smoke", ov + ["sft.dagger_rounds=1", "sft.dagger_tasks=1"])
-    a = Trainer(cfg, tmp_path / "a", progress=False)
+    a = _warm_trainer(cfg, tmp_path / "a")
     base = warm_start_dir(dataclasses.replace(cfg, sft=without_dagger(cfg.sft)))
     assert a.warm_start_dir != base and base == warm_start_dir(load_config("smoke", ov))
     rounds = list(base.glob("dagger-*/round-1/round.json"))
@@ -230,15 +258,15 @@ def test_dagger_warm_start_builds_on_the_cached_base(tmp_path, monkeypatch):
     load_adapter(ref, a.warm_start_dir / "adapter", merge=True)
     ids = torch.randint(3, 250, (1, 12))
     torch.testing.assert_close(a.model(ids).logits, ref.model(ids).logits)  # RL's fresh LoRA starts at zero
-    b = Trainer(load_config("smoke", ov), tmp_path / "b", progress=False)  # the base is served from its cache
+    b = _warm_trainer(load_config("smoke", ov), tmp_path / "b")  # the base is served from its cache
     assert b.warm_start_dir == base
     import sprpo_lib.warmstart.dagger as dagger_mod
 
     calls = []
     real = dagger_mod.train_sft
     monkeypatch.setattr(dagger_mod, "train_sft", lambda *a, **k: calls.append(1) or real(*a, **k))
-    two = Trainer(load_config("smoke", ov + ["sft.dagger_rounds=2", "sft.dagger_tasks=1"]), tmp_path / "c",
-                  progress=False)  # a second round extends the first, which is not run again
+    two = _warm_trainer(load_config("smoke", ov + ["sft.dagger_rounds=2", "sft.dagger_tasks=1"]),
+                        tmp_path / "c")  # a second round extends the first, which is not run again
     assert len(calls) == 1 and sorted(p.name for p in rounds[0].parent.parent.iterdir()) == ["round-1", "round-2"]
     assert two.warm_start_dir not in (base, a.warm_start_dir)
 
@@ -320,6 +348,7 @@ def test_warm_start_and_final_eval_on_same_held_out_tasks(tmp_path, monkeypatch)
     monkeypatch.setenv("SPRPO_HOME", str(tmp_path))
     ov = ["warm_start=true", "sft.n_tasks=2", "sft.epochs=1", "sft.lora.rank=4", "sft.eval_tasks=3",
           "eval_tasks=3", "iterations=1", "rollout.tasks_per_step=1", "sft.agreement=true"]
+    prepare_warm_start(load_config("smoke", ov), progress=False)
     out = train(load_config("smoke", ov), tmp_path / "run", progress=False)
     start = json.loads(next((tmp_path / "runs" / "sft").glob("webshop-*/eval.json")).read_text())
     final = json.loads((out / "final" / "eval.json").read_text())

@@ -52,7 +52,7 @@ from sprpo_lib.model.lora import LoraSettings, add_lora, lora_on_last_layers
 from sprpo_lib.paper.quickstart import DEMO_OBJECTS, DEMO_PLACES, DEMO_PROMPT
 from sprpo_lib.train.config import load_config
 from sprpo_lib.train.trainer import Trainer, run_folder
-from sprpo_lib.warmstart.cache import warm_start_policy
+from sprpo_lib.warmstart.cache import prepare_warm_start, warm_start_policy
 from sprpo_lib.warmstart.demos import collect_demonstrations
 from sprpo_lib.warmstart.heldout import eval_temperature, held_out_tasks
 
@@ -533,6 +533,8 @@ def rollout_batch(profile: str, env: str, overrides: Sequence[str] | None = None
     closed; the setup seconds are the model load and warm start (built when not cached)."""
     cfg = load_config(profile, [hw.allocator_override(), *(overrides or []), f"env.name={env}", "method.name=sprpo"])
     t0 = time.perf_counter()
+    if cfg.warm_start:
+        prepare_warm_start(cfg, progress=True)
     tr = Trainer(cfg, run_folder(cfg), progress=True)
     setup_s = time.perf_counter() - t0
     eps, xi, rst = tr.collect(0)

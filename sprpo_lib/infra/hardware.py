@@ -19,13 +19,14 @@ benchmark can report its wall time against the floor ``flops / measured GFLOP/s`
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
 import os
 import platform
 import time
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -533,3 +534,12 @@ def peak_memory(device: str | torch.device = "cpu") -> dict[str, float]:
         out["peak_cuda_gib"] = round(torch.cuda.max_memory_allocated(dev) / 2**30, 3)
         out["peak_cuda_reserved_gib"] = round(torch.cuda.max_memory_reserved(dev) / 2**30, 3)
     return out
+
+
+@contextlib.contextmanager
+def measured_peak(device: str | torch.device, into: dict, phase: str) -> Iterator[dict]:
+    """The peak memory of the ``with`` block (:func:`reset_peak_memory`, then :func:`peak_memory`),
+    put into ``into`` as ``<phase>_<key>``."""
+    reset_peak_memory(device)
+    yield into
+    into.update({f"{phase}_{k}": v for k, v in peak_memory(device).items()})

@@ -29,7 +29,7 @@ from sprpo_lib.paper.stats import N_RESAMPLES, paired_bootstrap, sign_test
 from sprpo_lib.paper.style import METHOD_DISPLAY, legend_below, pyplot
 from sprpo_lib.train.config import TrainConfig, config_from_dict, load_config
 from sprpo_lib.train.trainer import default_out_dir, heldout_dir, heldout_due, train
-from sprpo_lib.warmstart.cache import warm_start_dir
+from sprpo_lib.warmstart.cache import prepare_warm_start, warm_start_dir
 from sprpo_lib.warmstart.heldout import load_eval
 
 
@@ -50,6 +50,8 @@ def run_grid(profile: str, env: str, methods: Sequence[str], seeds: Sequence[int
             raise ValueError(f"seeds: no training seeds given for method(s) {missing}; give a list per method "
                              f"(e.g. {{'vanilla': [0, 1]}}) or one list for all")
     jobs = [(cfg, out, False, progress) for cfg, out in _grid(profile, env, methods, seeds, overrides, out_root)]
+    for cfg in {warm_start_dir(c): c for c, *_ in reversed(jobs) if c.warm_start}.values():  # the first run's config
+        prepare_warm_start(cfg, progress)  # the stage before RL, once for every run that starts from it
     return (executor or current()).map(train, jobs, kind="run", desc=f"train {env}", progress=progress)
 
 

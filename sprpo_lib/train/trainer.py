@@ -41,7 +41,7 @@ from sprpo_lib.core.actor import Actor
 from sprpo_lib.core.batch import build_batch
 from sprpo_lib.core.methods import make_method
 from sprpo_lib.core.perturb import xi_stats
-from sprpo_lib.infra.hardware import keep_freed, peak_memory, reset_peak_memory, set_allocator
+from sprpo_lib.infra.hardware import keep_freed, measured_peak, set_allocator
 from sprpo_lib.infra.io import (
     JsonLines,
     as_disk_full,
@@ -59,7 +59,7 @@ from sprpo_lib.model.load import load_policy, resolve_device
 from sprpo_lib.model.lora import adapter_is_whole, adapter_nbytes, add_lora, lora_on_last_layers, save_peft
 from sprpo_lib.train.checkpoint import load_checkpoint, save_checkpoint
 from sprpo_lib.train.config import TrainConfig, config_dict, load_config, moved_levers
-from sprpo_lib.warmstart.cache import warm_start_policy
+from sprpo_lib.warmstart.cache import load_warm_start, prepare_warm_start
 from sprpo_lib.warmstart.heldout import eval_is_current, evaluate_policy
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ class Trainer:
                                   device=resolve_device(cfg.model.device))
         self.agent: AgentConfig = cfg.rollout.agent
         if cfg.warm_start:
-            self.warm_start_dir = warm_start_policy(self.policy, self.pool, cfg, self.agent, progress)
+            self.warm_start_dir = load_warm_start(self.policy, cfg)  # prepared before: prepare_warm_start
         if cfg.model.init_adapter:
             from peft import PeftModel  # heavy: loaded on first use
 
@@ -168,13 +168,12 @@ class Trainer:
         t0, cpu0 = time.perf_counter(), time.process_time()
         eng0 = dict(getattr(self.gen, "stats", {}))  # engine counters (retries, worker CPU) before the iteration
         sig = self.method.sigma_stats()
-        reset_peak_memory(self.actor.device)
-        episodes, xi, rst = self.collect(k)
-        mem = {f"rollout_{k2}": v for k2, v in peak_memory(self.actor.device).items()}
+        mem: dict = {}  # peak memory per phase
+        with measured_peak(self.actor.device, mem, "rollout"):
+            episodes, xi, rst = self.collect(k)
         batch, adv_stats = build_batch(episodes, cfg.update.adv, cfg.update.estimator)
-        reset_peak_memory(self.actor.device)
-        ustats = self.update(batch, xi, k)  # the update and the method's extra pass (replay, SAM's gradient)
-        mem.update({f"update_{k2}": v for k2, v in peak_memory(self.actor.device).items()})
+        with measured_peak(self.actor.device, mem, "update"):
+            ustats = self.update(batch, xi, k)  # the update and the method's extra pass (replay, SAM's gradient)
         played = episodes + rst["dropped"]  # the rollout's statistics: every episode played this iteration
         n = len(played)
         steps = [s for e in played for s in e.steps]
@@ -302,7 +301,8 @@ def is_complete(cfg: TrainConfig, out: Path) -> bool:
 
 
 def train(cfg: TrainConfig, out_dir: str | Path | None = None, fresh: bool = False, progress: bool = True) -> Path:
-    """Run (or resume, or extend) training; returns the output folder."""
+    """Run (or resume, or extend) training; returns the output folder.  With ``cfg.warm_start`` the
+    run starts from the prepared warm start (:func:`~sprpo_lib.warmstart.cache.prepare_warm_start`)."""
     out = run_folder(cfg, out_dir)
     if not fresh and is_complete(cfg, out):  # nothing to do: found without loading the model
         return out
@@ -398,17 +398,18 @@ def main(argv: list[str] | None = None) -> int:
         if not cfg.warm_start:
             ap.error(f"profile {cfg.profile!r} has warm_start: false; add the override warm_start=true")
         try:
-            tr = Trainer(cfg, run_folder(cfg, args.out), not args.no_progress)
+            ws = prepare_warm_start(cfg, not args.no_progress)
         except (ValueError, DataError) as err:
             if args.debug:
                 raise
             print(f"sprpo-train: error: {err}", file=sys.stderr)
             return 2
-        tr.envs.close()
-        shown = [tr.warm_start_dir / n for n in ("eval.json", "agreement.json")]
-        print(f"warm start: {tr.warm_start_dir}" + "".join(f"\n{p.read_text()}" for p in shown if p.is_file()))
+        shown = [ws / n for n in ("eval.json", "agreement.json")]
+        print(f"warm start: {ws}" + "".join(f"\n{p.read_text()}" for p in shown if p.is_file()))
         return 0
     try:
+        if cfg.warm_start:  # the stage before RL (App. B), built once and shared by every run of the profile
+            prepare_warm_start(cfg, not args.no_progress)
         out = train(cfg, args.out, args.fresh, not args.no_progress)
     except (ValueError, DataError) as err:  # a checkpoint of another config or dtype, missing data: one message
         if args.debug:

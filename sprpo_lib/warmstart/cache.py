@@ -1,7 +1,9 @@
-"""The warm start's cache: one folder per (base model, task pool, prompt format, SFT settings),
-shared by every method and seed of a profile, built once (under a lock: runs started together
-build it once), scored on held-out tasks, and rebuilt, never loaded, when damaged.  ``cfg`` is a
-:class:`~sprpo_lib.train.config.TrainConfig` (read by attribute: this layer sits below it)."""
+"""The warm start (App. B's supervised stage before RL) and its cache: one folder per (base model,
+task pool, prompt format, SFT settings), shared by every method and seed of a profile, built once
+(under a lock: stages started together build it once), scored on held-out tasks, and rebuilt,
+never loaded, when damaged.  :func:`prepare_warm_start` is the stage; an RL run starts from it with
+:func:`load_warm_start`.  ``cfg`` is a :class:`~sprpo_lib.train.config.TrainConfig` (read by
+attribute: this layer sits below it)."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,14 +13,15 @@ import logging
 import shutil
 from pathlib import Path
 
-from sprpo_lib.agent.envs import GENERATED, data_source
+from sprpo_lib.agent.envs import GENERATED, data_source, make_pool
 from sprpo_lib.agent.prompt import AgentConfig
 from sprpo_lib.infra.io import canonical_hash, file_lock, key_fields
 from sprpo_lib.infra.paths import runs_dir
+from sprpo_lib.model.load import load_policy, resolve_device
 from sprpo_lib.model.lora import adapter_is_whole, is_peft, load_adapter, merge_lora
 from sprpo_lib.warmstart.dagger import dagger, without_dagger
 from sprpo_lib.warmstart.demos import LABEL_VERSIONS
-from sprpo_lib.warmstart.heldout import evaluate_agreement, evaluate_policy
+from sprpo_lib.warmstart.heldout import current_agreement, eval_is_current, evaluate_agreement, evaluate_policy
 from sprpo_lib.warmstart.sft import warm_start
 
 log = logging.getLogger(__name__)
@@ -45,6 +48,41 @@ def warm_start_dir(cfg, agent: AgentConfig | None = None) -> Path:
     """The one folder of a warm start: ``runs/sft/<env>-<key>`` under the project root
     (adapter, ``eval.json``, ``eval_episodes.jsonl``); ``agent`` defaults to the run's."""
     return runs_dir("sft", f"{cfg.env.name}-{warm_start_key(cfg, agent or cfg.rollout.agent)}")
+
+
+def warm_start_ready(cfg) -> bool:
+    """The warm start of ``cfg`` is built (a whole adapter) and scored where ``cfg.sft`` asks
+    (a current held-out evaluation and agreement): found without loading a model."""
+    out, n = warm_start_dir(cfg), cfg.sft.eval_tasks
+    return (adapter_is_whole(out / "adapter") and (not n or eval_is_current(out / "eval.json", cfg, n))
+            and (not (n and cfg.sft.agreement) or current_agreement(out / "agreement.json", cfg, n) is not None))
+
+
+def prepare_warm_start(cfg, progress: bool = True) -> Path:
+    """The warm-start stage of ``cfg`` (``warm_start: true``), run before its RL runs: loads the
+    base model and the task pool, builds what is missing (:func:`warm_start_policy`) and returns
+    the folder.  A prepared one returns at once; ``sprpo-train`` and the notebooks call this."""
+    if not warm_start_ready(cfg):
+        pool = make_pool(cfg.env.name, cfg.env.data_dir, cfg.env.seed)  # missing data: one error before the model
+        policy = load_policy(cfg.model.spec, dtype=cfg.model.dtype, seed=cfg.seed,
+                             device=resolve_device(cfg.model.device))
+        warm_start_policy(policy, pool, cfg, cfg.rollout.agent, progress)
+    return warm_start_dir(cfg)
+
+
+def load_warm_start(policy, cfg) -> Path:
+    """An RL run's starting point (Alg. 1's initial theta): the prepared warm start merged into
+    ``policy``'s base weights, frozen, so RL adds its own fresh LoRA on top; one clear error when
+    :func:`prepare_warm_start` has not built it."""
+    out = warm_start_dir(cfg)
+    if not adapter_is_whole(out / "adapter"):
+        raise ValueError(f"warm_start: true, but {out} holds no whole warm start; prepare it first with "
+                         f"sprpo_lib.warmstart.cache.prepare_warm_start(cfg) (sprpo-train --warm-start-only; "
+                         f"sprpo-train and the notebooks do it before training)")
+    load_adapter(policy, out / "adapter", merge=True)
+    for p in policy.model.parameters():
+        p.requires_grad_(False)
+    return out
 
 
 def warm_start_policy(policy, pool, cfg, agent: AgentConfig, progress: bool = True) -> Path:
