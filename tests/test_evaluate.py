@@ -276,6 +276,41 @@ def test_calibration_pool_and_calibrated_families(tmp_path, pool, counter, sharp
     assert list(rows["sparsegpt"]["trace"]) != list(clean["trace"])
 
 
+def test_kept_pruned_weights_give_the_same_rows_and_prune_once(tmp_path, pool, counter, sharp, monkeypatch, caplog):
+    """keep_pruned: SparseGPT runs once per model and ratio; a cell that reads the kept weights has
+    the rows of one that prunes; a damaged file is pruned again, never served."""
+    import importlib
+
+    from sprpo_lib.core.compress import ffn_weights
+
+    S = importlib.import_module("sprpo_lib.evaluate.sweep")  # the module (the package exports a function of its name)
+    cfg = config(tmp_path, tasks=2, **sharp)
+    calib = E.build_calibration_pool(E.ModelSource(cfg).policy(), pool, AGENT, n=4, per_episode=2, max_new_tokens=8,
+                                     max_steps=2, tasks_per_batch=2, progress=False)
+    path = str(E.save_calibration(tmp_path / "calib.json", calib))
+    pruned = []
+    real = S.sparsegpt_prune
+    monkeypatch.setattr(S, "sparsegpt_prune", lambda *a, **k: pruned.append(a[2]) or real(*a, **k))
+    plain = E.evaluate(config(tmp_path / "plain", tasks=2, family="sparsegpt", strengths=(0.3,), calibration=path,
+                              **sharp), pool=pool, progress=False)
+    kept = [E.evaluate(config(tmp_path / "kept", tasks=2, family="sparsegpt", strengths=(0.3,), calibration=path,
+                              seeds=seeds, keep_pruned=True, **sharp), pool=pool, progress=False)
+            for seeds in ((0,), (1,))]  # two cells of one model and ratio
+    assert pruned == [0.3]  # the plain cell prunes in compress, the kept ones once here
+    assert list(kept[0]["trace"]) == list(plain["trace"]) and list(kept[0]["success"]) == list(plain["success"])
+    files = list((tmp_path / "kept" / "sparsegpt").glob("*.safetensors"))
+    assert len(files) == 1
+    weights = S.read_safetensors(files[0])
+    model = E.ModelSource(cfg).policy().model
+    assert set(weights) == set(ffn_weights(model))
+    assert all(abs(float((w == 0).float().mean()) - 0.3) < 0.02 for w in weights.values())
+    files[0].write_bytes(files[0].read_bytes()[:100])  # truncated: pruned again, with a warning
+    again = E.evaluate(config(tmp_path / "kept", tasks=2, family="sparsegpt", strengths=(0.3,), calibration=path,
+                              seeds=(2,), keep_pruned=True, **sharp), pool=pool, progress=False)
+    assert pruned == [0.3, 0.3] and len(again) == 2
+    assert any(str(files[0]) in r.getMessage() for r in caplog.records)
+
+
 # ----------------------------------------------------------------------------- errors
 @pytest.mark.parametrize("kw, option, expected", [
     ({"family": "noise"}, "--family", "expected one of"),

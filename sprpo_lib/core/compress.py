@@ -277,6 +277,13 @@ def sparsegpt_matrix(
     return W.to(weight.dtype)
 
 
+def ffn_weights(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The weights SparseGPT prunes (App. C: every FFN's gate, up and down), named
+    ``layers.<i>.mlp.<proj>``."""
+    return {f"layers.{i}.mlp.{k}": _plain_linear(getattr(mlp, k), f"layers.{i}.mlp.{k}").weight
+            for i, mlp in enumerate(ffn_modules(model)) for k in ("gate_proj", "up_proj", "down_proj")}
+
+
 def _capture_layer0(model: nn.Module, batches) -> tuple[list[torch.Tensor], list[dict]]:
     """Run the model up to the first transformer block; return its inputs and kwargs
     (attention mask, rotary embeddings, positions) per micro-batch."""
@@ -336,11 +343,7 @@ def sparsegpt_prune(
     """
     layers = decoder_layers(model)
     mlps = ffn_modules(model)
-    params = []
-    for i, mlp in enumerate(mlps):
-        for k in ("gate_proj", "up_proj", "down_proj"):
-            params.append(_plain_linear(getattr(mlp, k), f"layers.{i}.mlp.{k}").weight)
-    snap = Snapshot(params)
+    snap = Snapshot(list(ffn_weights(model).values()))
     device = next(model.parameters()).device
     batches = pad_batches(calib, batch_size, pad_id, device)
     valid = [att.bool() for _, att in batches]
@@ -436,7 +439,14 @@ def _fisher(model, r, seed, *, calib=None, pad_id=0, batch_size=8, scores=None, 
 
 
 @PERTURBATIONS.register("sparsegpt")
-def _sparsegpt(model, r, seed, *, calib=None, pad_id=0, batch_size=8, blocksize=128, percdamp=0.01):
+def _sparsegpt(model, r, seed, *, calib=None, pad_id=0, batch_size=8, blocksize=128, percdamp=0.01, pruned=None):
+    if pruned is not None:  # this model's FFN weights pruned at r before (:func:`ffn_weights` names): put in place
+        weights = ffn_weights(model)
+        snap = Snapshot(list(weights.values()))
+        with torch.no_grad():
+            for name, w in weights.items():
+                w.copy_(pruned[name])
+        return snap.restore, {}
     if calib is None:
         raise ValueError("sparsegpt needs calib=<list of token sequences> (App. C: 128 sequences)")
     snap = sparsegpt_prune(model, calib, float(r), blocksize, percdamp, batch_size, pad_id)

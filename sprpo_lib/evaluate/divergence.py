@@ -456,7 +456,7 @@ def divergence(cfg: EvalConfig, states: StatePool, *, samples: int = 4, progress
                     clean[i] = side
             clean_s = time.perf_counter() - t0
             shared["clean"] = clean
-        kw = perturbation_kwargs(cfg, policy, c.family, calib, store, ident, progress)
+        kw = perturbation_kwargs(cfg, policy, c.family, c.strength, calib, store, ident, progress)
         rows = [None] * len(states)
         with perturbation(model, "none" if c.family == "clean" else c.family, c.strength, c.seed, **kw):
             for group in groups:

@@ -20,7 +20,14 @@ from sprpo_lib.agent.engines import ENGINES, GenerationConfig
 from sprpo_lib.agent.envs import ENVIRONMENTS, data_header, make_pool
 from sprpo_lib.agent.play import playing
 from sprpo_lib.agent.prompt import AgentConfig
-from sprpo_lib.core.compress import PAPER_LEVELS, PERTURBATIONS, fisher_scores, perturbation
+from sprpo_lib.core.compress import (
+    PAPER_LEVELS,
+    PERTURBATIONS,
+    ffn_weights,
+    fisher_scores,
+    perturbation,
+    sparsegpt_prune,
+)
 from sprpo_lib.evaluate.calibration import CalibrationPool, load_calibration
 from sprpo_lib.evaluate.cells import (
     CALIBRATED_FAMILIES,
@@ -107,6 +114,9 @@ class EvalConfig:
         dtype, device, trust_remote_code, model_seed: how the model is loaded (``device``
             ``auto``: CUDA when there is one; the key records the device type).
         cache_dir: the cell cache (default ``runs/eval_cache``; relative to the project root).
+        keep_pruned: keep SparseGPT's pruned FFN weights per policy and ratio under
+            ``<cache_dir>/sparsegpt/`` (one FFN copy each), so other cells and the divergence
+            pass do not prune again (a speed lever: the same weights).
         tags: columns added to every row (e.g. ``{"method": "sprpo", "train_seed": 0}``);
             not part of the cache key.
     """
@@ -137,6 +147,7 @@ class EvalConfig:
     trust_remote_code: bool = False
     model_seed: Annotated[int, Ge(0)] = 0
     cache_dir: str = str(DEFAULT_CACHE)
+    keep_pruned: bool = False
     tags: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -359,10 +370,11 @@ def play_cell(policy, pool, tasks: Sequence[tuple[str, int]], cfg: EvalConfig, s
     return (episode_rows(records), episode_log(records)) if with_log else episode_rows(records)
 
 
-def perturbation_kwargs(cfg: EvalConfig, policy, family: str, calib: CalibrationPool | None, store: Path,
-                        identity: Mapping, progress: bool) -> dict:
-    """The keywords :func:`~sprpo_lib.core.compress.perturbation` takes for ``family`` on
-    ``policy``: the options, the shared calibration pool (App. C), Fisher's cached scores."""
+def perturbation_kwargs(cfg: EvalConfig, policy, family: str, strength: float, calib: CalibrationPool | None,
+                        store: Path, identity: Mapping, progress: bool) -> dict:
+    """The keywords :func:`~sprpo_lib.core.compress.perturbation` takes for ``family`` at ``strength`` on
+    ``policy``: the options, the shared calibration pool (App. C), Fisher's cached scores, SparseGPT's
+    kept pruned weights."""
     if family == "clean":
         return {}
     kw = {"pad_id": policy.tokenizer.pad_token_id, **cfg.perturbation_options}
@@ -372,7 +384,35 @@ def perturbation_kwargs(cfg: EvalConfig, policy, family: str, calib: Calibration
     if family == "fisher":
         kw["scores"] = fisher_scores_cached(policy, calib, store, identity, cfg.perturbation_options, progress)
         kw.pop("calib")
+    if family == "sparsegpt" and cfg.keep_pruned:
+        kw["pruned"] = sparsegpt_cached(policy, calib, strength, store, identity, cfg.perturbation_options, progress)
     return kw
+
+
+def sparsegpt_cached(policy, calib: CalibrationPool, ratio: float, store: Path, identity: Mapping, options: Mapping,
+                     progress: bool) -> dict[str, torch.Tensor]:
+    """SparseGPT's pruned FFN weights of this model at ``ratio`` on the shared pool (App. C), kept
+    as safetensors under ``<cache>/sparsegpt/`` (``keep_pruned``), so the success cells and the
+    divergence pass prune a policy once per ratio; a file that is not this model's is recomputed."""
+    kw = {k: options[k] for k in ("batch_size", "blocksize", "percdamp") if k in options}
+    key = canonical_hash({"evaluator": EVALUATOR_VERSION, "model": dict(identity), "calibration": calib.hash,
+                          "ratio": float(ratio), "options": kw})
+    path = store / "sparsegpt" / f"{key}.safetensors"
+    weights = ffn_weights(policy.model)
+    want = {n: (tuple(w.shape), w.dtype) for n, w in weights.items()}
+    with file_lock(path.with_name(f".{path.name}.lock")):  # cells of one model on several workers: pruned once
+        cached = read_cached(path, read_safetensors)
+        if cached is not None:
+            if ({n: (tuple(t.shape), t.dtype) for n, t in cached.items()} == want
+                    and all(bool(t.isfinite().all()) for t in cached.values())):
+                return cached
+            logger.warning("corrupt file %s: not this model's pruned FFN weights; recomputing them", path)
+        snap = sparsegpt_prune(policy.model, calib.sequences, float(ratio), pad_id=policy.tokenizer.pad_token_id,
+                               progress=progress, **kw)
+        pruned = {n: w.detach().clone() for n, w in weights.items()}
+        snap.restore()
+        atomic_write_bytes(path, st.save(pruned))
+    return pruned
 
 
 def fisher_scores_cached(policy, calib: CalibrationPool, store: Path, identity: Mapping, options: Mapping,
@@ -475,7 +515,7 @@ def evaluate(cfg: EvalConfig, *, progress: bool = True, pool=None) -> "pd.DataFr
         groups.setdefault((c.family, c.strength, c.seed if c.family in RANDOM_FAMILIES else None), []).append(c)
     for (family, strength, _), cells in groups.items():
         policy = source.policy()
-        kw = perturbation_kwargs(cfg, policy, family, calib, store, ident, progress)
+        kw = perturbation_kwargs(cfg, policy, family, strength, calib, store, ident, progress)
         with perturbation(policy.model, "none" if family == "clean" else family, strength, cells[0].seed, **kw):
             for c in cells:
                 bar.set_postfix_str(f"{c.family} {c.strength:g} seed {c.seed}")

@@ -110,6 +110,8 @@ class Plan:
             ``app_c`` in a profile: App. C's levels of every family), beside Table 1's settings.
         divergence_curve_seeds: training seeds of the ``curve_methods`` measured at those strengths
             off Table 1 (``None``: all); every policy is measured at Table 1's settings.
+        keep_pruned: SparseGPT's pruned weights kept per policy and ratio (``EvalConfig.keep_pruned``):
+            notebooks 04 and 09 prune each once; one FFN copy on disk each.
     """
 
     profile: str
@@ -140,6 +142,7 @@ class Plan:
     divergence_draws: Annotated[int, Ge(1)] = 2
     divergence_curves: Mapping[str, tuple[float, ...]] | None = None
     divergence_curve_seeds: tuple[Annotated[int, Ge(0)], ...] | None = None
+    keep_pruned: bool = False
 
     def __post_init__(self):
         check_ranges(self, "plan.")
@@ -284,7 +287,8 @@ def eval_config(p: Plan, run: Path, cache_dir: Path, **kw) -> EvalConfig:
     """The evaluation config of one of the plan's policies: its run's model and prompt
     settings, the plan's tasks, evaluation seeds and engine, and ``kw``."""
     extra = {"engine": p.engine} if p.engine else {}
-    return config_from_run(run, tasks=p.tasks, seeds=p.eval_seeds, cache_dir=str(cache_dir), **extra, **kw)
+    return config_from_run(run, tasks=p.tasks, seeds=p.eval_seeds, cache_dir=str(cache_dir), keep_pruned=p.keep_pruned,
+                           **extra, **kw)
 
 
 def calibration_pool(p: Plan, runs: Mapping[tuple[str, int], Path], cache_dir: str | Path = DEFAULT_CACHE,
