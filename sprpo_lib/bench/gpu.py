@@ -112,9 +112,9 @@ def generation(policy, engines: tuple[str, ...], batch: int, new_tokens: int, ba
         prefill_floor = hw.prefill_flops(config, [len(g.prompt_ids) for g in res]) / (rate * 1e9)
         out[name] = {"batch": batch, "new_tokens": tokens, "wall_s": round(wall, 2),
                      "tokens_per_s": round(tokens / wall, 1), "decode_floor_s": round(floor, 3),
-                     "floor_over_wall": round(floor / wall, 3), "prefill_s": round(prefill, 2),
+                     "floor_over_wall": float(f"{floor / wall:.3g}"), "prefill_s": round(prefill, 2),
                      "prefill_floor_s": round(prefill_floor, 3), "decode_s": round(wall - prefill, 2),
-                     "decode_floor_over_decode": round(floor / max(wall - prefill, 1e-9), 3),
+                     "decode_floor_over_decode": float(f"{floor / max(wall - prefill, 1e-9):.3g}"),
                      "matmul_gflops": rate, **{f"engine_{k}": v for k, v in counts[0].items()}}
     return out
 
