@@ -22,7 +22,8 @@ import sprpo_lib.warmstart.heldout as H
 from sprpo_lib.agent.engines import ENGINES, HFEngine
 from sprpo_lib.agent.envs import make_pool
 from sprpo_lib.agent.prompt import AgentConfig
-from sprpo_lib.infra.io import CorruptFileError, file_record, read_json_lines, read_safetensors, verify_file
+from sprpo_lib.infra.io import (CorruptFileError, atomic_write_json, file_record, read_json, read_json_lines,
+                               read_safetensors, verify_file)
 from sprpo_lib.paper.experiments import calibration_pool, plan
 from sprpo_lib.train.trainer import Trainer, load_config, train
 from sprpo_lib.warmstart.cache import prepare_warm_start
@@ -295,6 +296,21 @@ def test_d_a_damaged_final_adapter_is_written_again(run, tmp_path, damage, caplo
     got = read_safetensors(final)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     assert T.is_complete(cfg, out)
+
+
+def test_d_a_run_of_other_data_is_neither_complete_nor_continued(run, tmp_path, monkeypatch):
+    """A run folder whose config.json records another task pool is not this run: it is not
+    complete, and continuing it is one error naming both data sources and the fix, raised
+    before a model is loaded (a run never mixes two task pools)."""
+    out = tmp_path / "run"
+    shutil.copytree(run, out)
+    cfg = load_config("smoke", RUN + ["iterations=2"])
+    meta = read_json(out / "config.json")
+    atomic_write_json(out / "config.json", {**meta, "data": "/elsewhere/webshop"})
+    assert not T.is_complete(cfg, out)
+    monkeypatch.setattr(T, "Trainer", lambda *a, **k: pytest.fail("a model was loaded for a run of other data"))
+    with pytest.raises(ValueError, match=r"data /elsewhere/webshop.*would continue it on generated.*--fresh"):
+        train(cfg, out, progress=False)
 
 
 # ----------------------------------------------------------------------------- (e) warm start

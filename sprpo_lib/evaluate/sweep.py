@@ -14,6 +14,7 @@ from typing import Annotated, Iterable, Mapping, Sequence
 
 import pandas as pd
 import safetensors.torch as st
+import torch
 from annotated_types import Ge, Interval
 
 from sprpo_lib.agent.engines import ENGINES, GenerationConfig

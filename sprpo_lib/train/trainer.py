@@ -282,40 +282,49 @@ def _publish_adapter(model, final: Path) -> None:
         save_peft(model, tmp / "adapter")
 
 
-def is_complete(cfg: TrainConfig, out: Path) -> bool:
+def is_complete(cfg: TrainConfig, out: Path, record: dict | None = None) -> bool:
     """``out`` holds a finished run of exactly ``cfg``: same config, every iteration
     logged, the final adapter published and (when asked for) its held-out evaluation
-    current.  Such a run is found without loading a model."""
+    current.  Such a run is found without loading a model (``record``: ``config_dict(cfg)``
+    when the caller has it)."""
+    return _run_state(cfg, out, config_dict(cfg) if record is None else record)[0]
+
+
+def _run_state(cfg: TrainConfig, out: Path, record: dict) -> tuple[bool, dict]:
+    """(:func:`is_complete`, the run's stored ``config.json``: ``{}`` when there is none or it is damaged)."""
     meta, metrics = out / "config.json", out / "metrics.jsonl"
     evals = [heldout_dir(out, k) / "eval.json" for k in heldout_due(cfg)]  # the held-out curve, then the final
     evals += [out / "final" / "eval.json"] if cfg.eval_tasks else []
-    if not (meta.is_file() and metrics.is_file() and adapter_is_whole(out / "final" / "adapter")):
-        return False
-    saved = read_cached(meta)  # a damaged config.json: not complete (train() rewrites it)
-    if not isinstance(saved, dict) or moved_levers(saved.get("config") or {}) != config_dict(cfg):
-        return False
+    whole = metrics.is_file() and adapter_is_whole(out / "final" / "adapter")
+    saved = read_cached(meta) if meta.is_file() else None  # a damaged config.json: not complete (train() rewrites it)
+    saved = saved if isinstance(saved, dict) else {}
+    if not (saved and whole):
+        return False, saved
+    if moved_levers(saved.get("config") or {}) != record:
+        return False, saved
     if saved.get("data", GENERATED) != data_source(cfg.env.name, cfg.env.data_dir):  # other data: not this run
-        return False
+        return False, saved
     done = {row.get(MK.ITERATION) for row in JsonLines(metrics).read_rows()}
-    return done == set(range(cfg.iterations)) and all(eval_is_current(e, cfg, cfg.eval_tasks) for e in evals)
+    current = all(eval_is_current(e, cfg, cfg.eval_tasks) for e in evals)
+    return done == set(range(cfg.iterations)) and current, saved
 
 
 def train(cfg: TrainConfig, out_dir: str | Path | None = None, fresh: bool = False, progress: bool = True) -> Path:
     """Run (or resume, or extend) training; returns the output folder.  With ``cfg.warm_start`` the
     run starts from the prepared warm start (:func:`~sprpo_lib.warmstart.cache.prepare_warm_start`)."""
+    record = config_dict(cfg)  # what config.json and every checkpoint of this run record
     out = run_folder(cfg, out_dir)
-    if not fresh and is_complete(cfg, out):  # nothing to do: found without loading the model
+    if not fresh and _run_state(cfg, out, record)[0]:  # nothing to do: found without loading the model
         return out
     with file_lock(out.parent / f".{out.name}.lock"):  # one process per run folder at a time
-        if not fresh and is_complete(cfg, out):  # finished by the process that held the lock
+        done, old = (False, {}) if fresh else _run_state(cfg, out, record)
+        if done:  # finished by the process that held the lock
             return out
-        return _train(cfg, out, fresh, progress)
+        return _train(cfg, out, fresh, progress, record, old)
 
 
-def _train(cfg: TrainConfig, out: Path, fresh: bool, progress: bool) -> Path:
-    meta_path = out / "config.json"
-    old = read_cached(meta_path) if meta_path.is_file() and not fresh else None
-    old = old if isinstance(old, dict) else {}
+def _train(cfg: TrainConfig, out: Path, fresh: bool, progress: bool, record: dict, old: dict) -> Path:
+    """Train into ``out``; ``old``: the ``config.json`` a run there stored (``{}`` when none or ``fresh``)."""
     source = data_source(cfg.env.name, cfg.env.data_dir)
     if old and old.get("data", GENERATED) != source:  # a run never mixes two task pools
         raise ValueError(f"{out} was trained on {cfg.env.name} data {old.get('data', GENERATED)}, and this command "
@@ -326,12 +335,12 @@ def _train(cfg: TrainConfig, out: Path, fresh: bool, progress: bool) -> Path:
     if fresh and out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"config": config_dict(cfg), "data": tr.pool.data_source, "commit": git_commit(), "dtype": tr.dtype,
+    meta = {"config": record, "data": tr.pool.data_source, "commit": git_commit(), "dtype": tr.dtype,
             "dtype_probe": tr.policy.meta.get("dtype_probe"), "logger": list(cfg.logger)}
     if old:  # resumed / extended / re-entered: keep the commit the run started at
         meta["commit"] = old.get("commit", meta["commit"])
         meta["entered_at"] = list(dict.fromkeys(old.get("entered_at", []) + [git_commit()]))
-    atomic_write_json(meta_path, meta)
+    atomic_write_json(out / "config.json", meta)
     tracker = None
     try:
         done = tr.resume()
@@ -348,13 +357,13 @@ def _train(cfg: TrainConfig, out: Path, fresh: bool, progress: bool) -> Path:
             tracker.log(m, step=k)
             tr.save(k)
             bar.set_postfix(success=f"{m['success']:.2f}", valid=f"{m['valid_rate']:.2f}", last_s=f"{m['wall_s']:.0f}")
+        if start and start - 1 in due:  # resumed a finished run whose last evaluation was missing
+            tr.held_out(start - 1)
         lost = [k for k in due if k < start - 1 and not eval_is_current(heldout_dir(out, k) / "eval.json", cfg,
                                                                            cfg.eval_tasks)]
         if lost:  # eval_every set after these iterations ran: their policies are no longer kept
             log.warning("%s: no held-out evaluation after iteration(s) %s and their policies are gone; rerun with "
                         "--fresh for the whole curve", out, lost)
-        if start and start - 1 in due:  # resumed a finished run whose last evaluation was missing
-            tr.held_out(start - 1)
         final = out / "final"
         if start < cfg.iterations or not adapter_is_whole(final / "adapter"):  # (re)written with its eval dropped
             _publish_adapter(tr.model, final)
