@@ -455,7 +455,8 @@ def refresh_page(page: Path, prefix: str, profile: str, out_dir: str, root: Path
         text = replace_block(text, f"stages-{profile}", "<!-- generated from the manifests by sprpo-reproduce; "
                              "do not edit -->\n" + stage_table(profile, out_dir, previous=old), prefix=prefix)
 
-    for block, make, args in (("plans", budget.plans_summary, ()), ("paper-cost", budget.cost_summary, (out_dir,))):
+    blocks = (("plans", budget.plans_summary, ()), ("paper-cost", budget.cost_summary, (project_path(out_dir),)))
+    for block, make, args in blocks:  # the bench records read from the project's out_dir, whatever the cwd
         if f"<!-- {block}:begin -->" in text:
             text = replace_block(text, block, f"<!-- generated from sprpo_lib.paper.budget.{make.__name__}; "
                                  "do not edit -->\n" + make(*args), prefix=prefix)

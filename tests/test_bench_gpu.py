@@ -162,6 +162,24 @@ def test_the_readme_cost_line_comes_from_the_newest_gpu_record(tmp_path):
     assert line.startswith(f"About {hours:.0f} GPU-hours") and "bench_b.json" in line and "2026-12-06" in line
 
 
+def test_the_readme_cost_line_reads_the_project_figures_from_any_folder(tmp_path, monkeypatch):
+    """update_readme run from another working directory (a notebook's folder) finds the GPU record
+    in the project's figures/ and keeps the projected line, not the paper's table alone."""
+    from sprpo_lib.reproduce import update_readme
+
+    monkeypatch.setenv("SPRPO_HOME", str(tmp_path))
+    (tmp_path / "figures").mkdir()
+    web = {"rollout": {"episodes": 12, "samples": 36, "rollout_s": 30.0},
+           **{m: {"update_s": 6.0} for m in ("vanilla", "gaussian", "sam", "sprpo")}}
+    (tmp_path / "figures" / "bench_g.json").write_text(json.dumps({"gpu": _record(webshop=web)}))
+    page = tmp_path / "README.md"
+    page.write_text("a\n<!-- paper-cost:begin -->\n<!-- paper-cost:end -->\n")
+    (tmp_path / "notebooks").mkdir()
+    monkeypatch.chdir(tmp_path / "notebooks")
+    update_readme("cpu", "figures", readme=page)
+    assert "bench_g.json" in page.read_text() and "GPU-hours" in page.read_text()
+
+
 def test_restore_point_puts_parameters_and_optimizer_state_back():
     w = torch.nn.Parameter(torch.ones(3))
     actor = type("A", (), {"params": [w], "opt": torch.optim.Adam([w], lr=0.1)})()
