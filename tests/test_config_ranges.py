@@ -145,6 +145,26 @@ def test_every_profile_lies_within_the_ranges(profile, env):
     assert cfg.env.name == env
 
 
+def test_each_load_is_its_own_config_and_an_edited_profile_is_read_again(tmp_path, monkeypatch):
+    """Built configs are memoised: one caller's change never reaches another's config, and a
+    profile edited between calls is built from its new text."""
+    import sprpo_lib.train.config as C
+
+    monkeypatch.setattr(C, "PROFILES_DIR", tmp_path)
+    (tmp_path / "t.yaml").write_text("iterations: 3\nper_env:\n  alfworld: {iterations: 5}\n")
+    first = C.load_config("t", ["method.rho=0.1"])
+    first.iterations, first.method.rho = 99, 5.0
+    again = C.load_config("t", ["method.rho=0.1"])
+    assert (again.iterations, again.method.rho) == (3, 0.1) and again is not first
+    assert C.load_config("t", ["method.rho=0.1"], **{"env.name": "alfworld"}).iterations == 5
+    (tmp_path / "t.yaml").write_text("iterations: 4\n")
+    assert C.load_config("t", ["method.rho=0.1"]).iterations == 4
+    with pytest.raises(ValueError, match="update.lr=-0.1"):  # an error is raised again, never remembered
+        C.load_config("t", ["update.lr=-0.1"])
+    with pytest.raises(ValueError, match="update.lr=-0.1"):
+        C.load_config("t", ["update.lr=-0.1"])
+
+
 PLAN = dataclasses.replace(X.plan("smoke", "webshop"), curve_seeds=(0,), longer_seeds=(0,),
                            divergence_curve_seeds=(0,))  # tuples, not None
 ABLATION = A.ablation("smoke", "webshop")

@@ -13,6 +13,7 @@ the library's own dataclasses (:class:`GenerationConfig`, :class:`AgentConfig`,
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import json
@@ -301,13 +302,29 @@ def profile_section(profile: str, section: str) -> dict:
     return (yaml.safe_load(path.read_text()) or {}).get(section) or {}
 
 
+#: Configs built by :func:`load_config`, keyed on the profile's YAML text and the arguments.
+_BUILT: dict[tuple, TrainConfig] = {}
+
+
 def load_config(profile: str = "paper", overrides: list[str] | None = None, **top) -> TrainConfig:
     """Profile YAML + its ``per_env`` section for the chosen env + ``key.sub=value``
-    overrides (``top``: keyword overrides such as ``**{"env.name": "alfworld"}``)."""
+    overrides (``top``: keyword overrides such as ``**{"env.name": "alfworld"}``).  Each call
+    returns its own copy; building is memoised on the YAML's text and the arguments (the
+    budget planner asks for the same configs thousands of times)."""
     path = PROFILES_DIR / f"{profile}.yaml"
     if not path.is_file():
         raise ValueError(f"unknown profile {profile!r}; expected one of {profile_names()}")
-    data = yaml.safe_load(path.read_text()) or {}
+    text = path.read_text()
+    key = (profile, text, tuple(overrides or ()), repr(sorted(top.items())))
+    if key not in _BUILT:
+        if len(_BUILT) >= 256:
+            _BUILT.clear()
+        _BUILT[key] = _build_config(profile, text, overrides, top)
+    return copy.deepcopy(_BUILT[key])
+
+
+def _build_config(profile: str, text: str, overrides: list[str] | None, top: dict) -> TrainConfig:
+    data = yaml.safe_load(text) or {}
     for section in PLAN_SECTIONS:  # the notebooks' plan, not the training config
         data.pop(section, None)
     per_env = data.pop("per_env", {}) or {}
