@@ -249,6 +249,20 @@ def test_kl_claims_and_the_kl_success_correlation():
     c = kl_success_correlation(kl, succ, n_resamples=200)
     loss = [10.0, 40.0, 5.0, 60.0]  # a@8, a@4, b@8, b@4 in percentage points
     assert c["pairs"] == 4 and c["spearman"] == pytest.approx(spearmanr([0.1, 0.25, 0.3, 0.65], loss).statistic)
+    # its interval over 12 pairs with ties: scipy's Spearman on each resample (the same draws), degenerate ones out
+    x = np.round(rng.gamma(2.0, 0.1, 12), 1)  # KL per (method, strength), in the pairs' index order
+    y = np.round(100 * x + rng.normal(0, 8, 12), 0)
+    pairs = [(m, s) for m in "abcd" for s in (2.0, 4.0, 8.0)]
+    kl = pd.DataFrame([{"method": m, "train_seed": 0, "family": "rtn", "strength": s, "state": 0, "kl": v}
+                       for (m, s), v in zip(pairs, x)])
+    succ = pd.DataFrame([{"method": m, "train_seed": 0, "family": f, "strength": s, "success": v}
+                         for (m, s), v in zip(pairs, y) for f, s, v in (("clean", 0.0, 100.0), ("rtn", s, 100.0 - v))])
+    c = kl_success_correlation(kl, succ.drop_duplicates(), n_resamples=300)
+    boot = [spearmanr(x[i], y[i]).statistic for i in np.random.default_rng(0).integers(0, 12, (300, 12))
+            if np.ptp(x[i]) > 0 and np.ptp(y[i]) > 0]
+    assert c["pairs"] == 12 and c["spearman"] == pytest.approx(spearmanr(x, y).statistic)
+    assert [c["lo"], c["hi"]] == pytest.approx(list(np.quantile(boot, [0.025, 0.975])), abs=1e-12)
+    assert -1 < c["lo"] < c["hi"] < 1
 
 
 def test_kl_claims_join_the_success_claims_and_the_verdict(tmp_path):

@@ -55,6 +55,7 @@ import collections
 import contextlib
 import copy
 import ctypes
+import functools
 import gzip
 import importlib.metadata
 import json
@@ -74,6 +75,7 @@ from alfworld.agents.utils.misc import Demangler
 from textworld.core import GameState
 from textworld.envs import PddlEnv
 from textworld.envs.pddl import logic as pddl_logic
+from textworld.envs.pddl import textgen
 from textworld.generator.game import EntityInfo
 
 from sprpo_lib.agent.envs import alfworld_gen
@@ -199,6 +201,48 @@ def _memo_pddl2sas(domain: str, problem: str, verbose: bool = False, optimize: b
     return hit
 
 
+@functools.lru_cache(maxsize=8)
+def _game_logic(domain: str, grammar: str) -> pddl_logic.GameLogic:
+    """TextWorld's ``GameLogic`` once per (domain, grammar) text: parsing the grammar costs
+    ~0.3 s a game, and ALFWorld's games share both texts.  The logic is read, never changed,
+    after it is built (``PddlState`` adds the domain's types to it, the same for every game of
+    the domain, a repeat is ignored), so the games of one domain may share it."""
+    return pddl_logic.GameLogic(domain=domain, grammar=grammar)
+
+
+_TEXTGEN_PARSE = textgen._parse_and_convert
+_PARSE_MEMO = threading.local()
+
+
+@functools.lru_cache(maxsize=4096)
+def _parsed_symbols(text: str) -> tuple:
+    return tuple(_TEXTGEN_PARSE(text, rule_name="symbols"))
+
+
+def _textgen_parse(text: str, rule_name: str | None = None, **kwargs):
+    """TextWorld's grammar parse (tatsu, ~4 ms), which ``derive`` runs on every command
+    template of every step, remembered by text inside :func:`_remembered_parses`; a deep copy
+    is served, since ``derive`` sets each symbol's context.  Elsewhere (ALFWorld's own
+    ``PddlEnv``) it is TextWorld's parse unchanged."""
+    if getattr(_PARSE_MEMO, "on", False) and rule_name == "symbols" and not kwargs.get("trace"):
+        return copy.deepcopy(list(_parsed_symbols(text)))
+    return _TEXTGEN_PARSE(text, rule_name=rule_name, **kwargs)
+
+
+textgen._parse_and_convert = _textgen_parse
+
+
+@contextlib.contextmanager
+def _remembered_parses():
+    """Grammar derivations in this thread use :func:`_textgen_parse`'s memo."""
+    before = getattr(_PARSE_MEMO, "on", False)
+    _PARSE_MEMO.on = True
+    try:
+        yield
+    finally:
+        _PARSE_MEMO.on = before
+
+
 def translations_cached() -> int:
     """How many game translations this process remembers (:func:`_memo_pddl2sas`)."""
     return len(_TRANSLATIONS)
@@ -245,7 +289,7 @@ def _op_name(action: textworld.logic.Action) -> str:
 class _Grounding:
     """The expensive, shareable part of one game (computed once per task).
 
-    Holds the parsed grammar (``GameLogic``), a planner library with the grounded task
+    Holds the parsed grammar (``GameLogic``, shared: :func:`_game_logic`), a planner library with the grounded task
     loaded, the initial :class:`PddlState` (built by TextWorld itself, which is where the
     translation happens), ALFWorld's demangled entity names and the stored walkthrough.
     """
@@ -255,7 +299,7 @@ class _Grounding:
         self.game_file = game_file
         self.walkthrough: list[str] | None = game_data.get("walkthrough") or None
         self.lock = threading.RLock()
-        self.logic = pddl_logic.GameLogic(domain=game_data["pddl_domain"], grammar=game_data["grammar"])
+        self.logic = _game_logic(game_data["pddl_domain"], game_data["grammar"])
         self.lib = _LIBRARIES.acquire()
         self._finalizer = weakref.finalize(self, _LIBRARIES.release, self.lib)
         self._finalizer.atexit = False
@@ -272,7 +316,8 @@ class _Grounding:
             info.name = demangler.demangle_alfred_name(info.id)
         context = {"state": self.initial_state, "facts": self.initial_facts, "variables": {},
                    "mapping": {}, "entity_infos": self.entity_infos}
-        task_line = self.logic.grammar.derive("#task#", context).strip()
+        with _remembered_parses():
+            task_line = self.logic.grammar.derive("#task#", context).strip()
         self.instruction = re.sub(r"^Your task is to:\s*", "", task_line).rstrip(".").strip()
         self.goal_pddl = _goal_section(game_data["pddl_problem"])
         # Admissible-command cache (see _SharedPddlEnv._gather_infos).
@@ -493,7 +538,7 @@ class AlfworldEpisode:
     # -- protocol
     def reset(self) -> Observation:
         g = self.task._grounding
-        with g.lock:
+        with g.lock, _remembered_parses():
             g.lib.set_state_id(g.initial_sid)
             self._state = self._env.reset()
             self._sid = g.lib.get_state_id()
@@ -512,7 +557,7 @@ class AlfworldEpisode:
         prev = self._state
         valid = command.strip() in prev["_valid_commands"]
         op = _op_name(prev["_valid_actions"][prev["_valid_commands"].index(command.strip())]) if valid else None
-        with g.lock:
+        with g.lock, _remembered_parses():
             g.lib.set_state_id(self._sid)
             self._state, _, _ = self._env.step(command)
             self._sid = g.lib.get_state_id()
