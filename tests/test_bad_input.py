@@ -88,19 +88,22 @@ def test_every_parameters_cell_parses_without_a_papermill_warning(caplog):
     assert not [r for r in caplog.records if "Unable to parse" in r.getMessage()]
 
 
-@pytest.mark.parametrize("argv", [["sprpo_lib.train", "--profile", "smoke"],
-                                  ["sprpo_lib.evaluate", "--model", "tiny-qwen2"],
-                                  ["sprpo_lib.reproduce", "--profile", "smoke", "--only", "02"]])
-def test_missing_sprpo_home_is_one_line_and_creates_nothing(argv, tmp_path):
+def test_missing_sprpo_home_is_one_line_and_creates_nothing(tmp_path):
+    """Each command line, with ``SPRPO_HOME`` naming no folder (the three run side by side)."""
     import os
     import subprocess
     import sys
 
+    argvs = [["sprpo_lib.train", "--profile", "smoke"], ["sprpo_lib.evaluate", "--model", "tiny-qwen2"],
+             ["sprpo_lib.reproduce", "--profile", "smoke", "--only", "02"]]
     env = {**os.environ, "SPRPO_HOME": str(tmp_path / "typo")}
-    res = subprocess.run([sys.executable, "-m", *argv], env=env, capture_output=True, text=True, timeout=300)
-    err = res.stderr.strip()
-    assert res.returncode == 2 and len(err.splitlines()) == 1, err
-    assert "SPRPO_HOME=" in err and "no such folder" in err and not (tmp_path / "typo").exists()
+    procs = [subprocess.Popen([sys.executable, "-m", *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for argv in argvs]
+    for argv, proc in zip(argvs, procs):
+        err = proc.communicate(timeout=300)[1].strip()
+        assert proc.returncode == 2 and len(err.splitlines()) == 1, (argv, err)
+        assert "SPRPO_HOME=" in err and "no such folder" in err, (argv, err)
+    assert not (tmp_path / "typo").exists()
 
 
 @pytest.mark.parametrize("layout,names", [

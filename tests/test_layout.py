@@ -4,6 +4,7 @@ tests use public names only.  Every import counts, also those inside functions."
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -113,7 +114,8 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def defined_names(path: Path) -> set[str]:
+@functools.lru_cache(maxsize=None)  # a module is imported from many files: parse it once
+def defined_names(path: Path) -> frozenset[str]:
     """Names a module defines at its top level (functions, classes, assignments, imports)."""
     names = set()
     for node in ast.parse(path.read_text()).body:
@@ -124,7 +126,7 @@ def defined_names(path: Path) -> set[str]:
                 names |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             names |= {(a.asname or a.name).split(".")[0] for a in node.names}
-    return names
+    return frozenset(names)
 
 
 def unresolved(root: Path = PKG, files: list[Path] | None = None) -> list[str]:

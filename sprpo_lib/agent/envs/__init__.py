@@ -5,9 +5,6 @@ default.  Modules are imported on use: ALFWorld pulls in TextWorld."""
 from __future__ import annotations
 
 from sprpo_lib.agent.envs.base import GENERATED, DataError, data_header, data_source, data_vars_kept, resolve_data_dir
-
-with data_vars_kept():  # alfworld's import sets $ALFWORLD_DATA: only the user's own setting counts
-    from sprpo_lib.agent.envs.alfworld import make_alfworld_pool
 from sprpo_lib.agent.envs.webshop import make_webshop_pool
 from sprpo_lib.infra.registry import Registry
 
@@ -23,6 +20,10 @@ def _webshop(data_dir=None, seed: int = 0):
 
 @ENVIRONMENTS.register("alfworld")
 def _alfworld(data_dir=None, seed: int = 0):
+    # imported on use (TextWorld is heavy); the import sets $ALFWORLD_DATA: only the user's own setting counts
+    with data_vars_kept():
+        from sprpo_lib.agent.envs.alfworld import make_alfworld_pool  # (see above)
+
     return make_alfworld_pool(data_dir, seed=seed)
 
 
