@@ -203,8 +203,8 @@ def _memo_pddl2sas(domain: str, problem: str, verbose: bool = False, optimize: b
 
 @functools.lru_cache(maxsize=8)
 def _game_logic(domain: str, grammar: str) -> pddl_logic.GameLogic:
-    """TextWorld's ``GameLogic`` once per (domain, grammar) text: parsing the grammar costs
-    ~0.3 s a game, and ALFWorld's games share both texts.  The logic is read, never changed,
+    """TextWorld's ``GameLogic`` once per (domain, grammar) text: parsing the grammar is most
+    of opening a game, and ALFWorld's games share both texts.  The logic is read, never changed,
     after it is built (``PddlState`` adds the domain's types to it, the same for every game of
     the domain, a repeat is ignored), so the games of one domain may share it."""
     return pddl_logic.GameLogic(domain=domain, grammar=grammar)
@@ -220,7 +220,7 @@ def _parsed_symbols(text: str) -> tuple:
 
 
 def _textgen_parse(text: str, rule_name: str | None = None, **kwargs):
-    """TextWorld's grammar parse (tatsu, ~4 ms), which ``derive`` runs on every command
+    """TextWorld's grammar parse (tatsu), which ``derive`` runs on every command
     template of every step, remembered by text inside :func:`_remembered_parses`; a deep copy
     is served, since ``derive`` sets each symbol's context.  Elsewhere (ALFWorld's own
     ``PddlEnv``) it is TextWorld's parse unchanged."""
@@ -289,9 +289,10 @@ def _op_name(action: textworld.logic.Action) -> str:
 class _Grounding:
     """The expensive, shareable part of one game (computed once per task).
 
-    Holds the parsed grammar (``GameLogic``, shared: :func:`_game_logic`), a planner library with the grounded task
-    loaded, the initial :class:`PddlState` (built by TextWorld itself, which is where the
-    translation happens), ALFWorld's demangled entity names and the stored walkthrough.
+    Holds the parsed grammar (``GameLogic``, shared: :func:`_game_logic`), a planner library
+    with the grounded task loaded, the initial :class:`PddlState` (built by TextWorld itself,
+    which is where the translation happens), ALFWorld's demangled entity names and the stored
+    walkthrough.
     """
 
     def __init__(self, game_data: Mapping, game_file: str | None = None) -> None:
