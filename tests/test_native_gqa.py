@@ -64,7 +64,6 @@ def test_other_calls_go_to_transformers_sdpa(monkeypatch):
     """No mask, one query (decoding) or one head per key/value head: transformers' function."""
     seen = []
     monkeypatch.setattr(hf_sdpa, "sdpa_attention_forward", lambda *a, **k: seen.append(a[4]) or ("hf", None))
-    monkeypatch.setattr(layers, "sdpa_attention_forward", hf_sdpa.sdpa_attention_forward)
     q, k, v, keep = _case(torch.float32)
     assert native_gqa_attention(_Attn(), q, k, v, None)[0] == "hf"
     assert native_gqa_attention(_Attn(), q[:, :, :1], k, v, keep[:, :, :1])[0] == "hf"

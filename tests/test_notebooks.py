@@ -277,18 +277,23 @@ def notebooks_folder_untouched():
 
 def test_the_package_imports_from_the_notebooks_folder():
     """JupyterLab starts a notebook's kernel in notebooks/: the installed package (pip install -e .)
-    is the checkout's, and its project root is the checkout, not the working directory."""
+    is the checkout's, and its project root is the checkout, not the working directory.  What a
+    result notebook's first cell imports leaves transformers and TextWorld unloaded (a render-only
+    kernel needs neither; they load with a model or an ALFWorld game)."""
     import subprocess
     import sys
 
     from sprpo_lib.infra.paths import package_checkout
 
-    code = "import sprpo_lib, sprpo_lib.infra.paths as p; print(sprpo_lib.__file__); print(p.project_root())"
+    code = ("import sys, sprpo_lib, sprpo_lib.infra.paths as p; print(sprpo_lib.__file__); print(p.project_root());"
+            "from sprpo_lib.paper import experiments, pages, notebook;"
+            "print(sorted({'transformers', 'textworld', 'peft'} & set(sys.modules)))")
     env = {k: v for k, v in __import__("os").environ.items() if k not in ("PYTHONPATH", "SPRPO_HOME")}
     out = subprocess.run([sys.executable, "-c", code], cwd=NOTEBOOKS, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:] + "\nfix: pip install --no-deps -e . (README, first command)"
-    where, root = out.stdout.split()
+    where, root, heavy = out.stdout.split("\n")[:3]
     assert where == str(package_checkout() / "sprpo_lib" / "__init__.py") and root == str(package_checkout())
+    assert heavy == "[]"
 
 
 def test_jupyterlab_lists_the_numbered_notebooks():

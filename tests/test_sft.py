@@ -343,6 +343,30 @@ def test_adapter_saved_reloads_identically_and_runs_are_deterministic(demos, tmp
     assert len(_state(pol)) == n_lora
 
 
+def test_speed_levers_take_the_same_steps_up_to_rounding(demos, monkeypatch):
+    """The RL update's levers in the SFT (fused LoRA, native grouped-query attention, the matmul
+    kernel) train the same adapter as the reference path (peft's layers, transformers' SDPA)."""
+    import sprpo_lib.model.layers as layers
+    from sprpo_lib.core.config import SpeedConfig
+
+    calls = []
+    real = layers.matmul_attention
+    monkeypatch.setattr(layers, "matmul_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cfg = SFTConfig(epochs=1, max_steps=3, lr=1e-3, batch_size=2, lora=SMALL_LORA)
+    got = {}
+    for name, speed in (("reference", SpeedConfig(fused_lora=False, native_gqa=False, attention="sdpa")),
+                        ("levers", SpeedConfig(attention="matmul"))):
+        pol = load_policy("tiny-qwen2", dtype="float32")
+        assert pol.model.config.num_key_value_heads < pol.model.config.num_attention_heads  # grouped queries
+        res = train_sft(pol, demos, cfg, progress=False, agent=AGENT, speed=speed)
+        got[name] = (_state(pol), res["first_loss"], res["final_loss"])
+        assert bool(calls) == (name == "levers")  # the reference never takes the matmul kernel; the levers do
+    (ref, ref_first, ref_final), (fast, first, final) = got["reference"], got["levers"]
+    assert first == pytest.approx(ref_first, rel=1e-5) and final == pytest.approx(ref_final, rel=1e-4)
+    assert ref.keys() == fast.keys() and all(torch.allclose(fast[k], ref[k], atol=1e-5, rtol=1e-4) for k in ref)
+    assert all(fast[k].abs().max() > 1e-4 for k in fast if "lora_B" in k)  # the steps moved B off its zero init
+
+
 def test_long_prompts_are_skipped_and_config_checked(demos):
     pol = load_policy("tiny-qwen2")
     lens = sorted(len(encode_demo(pol.tokenizer, d, AGENT)[0]) for d in demos)

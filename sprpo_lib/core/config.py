@@ -56,7 +56,8 @@ class UpdateConfig:
 @dataclass
 class SpeedConfig:
     """How fast the update runs, not what it computes: each lever gives the same steps up to
-    float rounding, and its ``False`` / ``0`` is the reference path (verl's).
+    float rounding, and its ``False`` / ``0`` is the reference path (verl's).  The warm start's
+    SFT takes ``fused_lora``, ``native_gqa``, ``attention`` and ``attention_chunk``.
 
     Attributes:
         skip_zero_adv: passes over the surrogate alone skip rows with advantage 0 (their gradient is 0).

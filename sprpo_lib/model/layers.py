@@ -13,9 +13,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NATIVE_GQA = "sprpo_native_gqa"  # the attention implementation :func:`native_gqa` switches to
 ATTENTION_KERNELS = ("auto", "sdpa", "matmul")  # speed.attention
@@ -136,6 +133,8 @@ def native_gqa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tens
     repeat is a copy of K and V per layer and a sum of their gradients in the backward."""
     if (attention_mask is None or getattr(module, "num_key_value_groups", 1) == 1 or query.device.type != "cpu"
             or query.shape[2] == 1 or any(kwargs.get(k) is not None for k in ("position_bias", "cache", "softcap"))):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward  # heavy: loaded with a model
+
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
@@ -282,6 +281,8 @@ def _attention_fn(kernel: str, gqa: bool, chunk: int | None = None):
     in float32 the fused kernel is the faster), SDPA otherwise: decided per call, so a
     16-bit model's pass that runs in float32 (:func:`sprpo_lib.core.perturb.float32_compute`)
     keeps SDPA.  ``chunk``: :func:`matmul_attention`'s ``query_chunk``."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward  # heavy: loaded with a model
+
     sdpa = native_gqa_attention if gqa else sdpa_attention_forward
     if kernel == "sdpa":
         return sdpa
@@ -308,6 +309,9 @@ def native_gqa(model: nn.Module, on: bool = True, kernel: str = "sdpa", chunk: i
     if not (on or kernel != "sdpa") or getattr(config, "_attn_implementation", None) != "sdpa":
         yield False
         return
+    from transformers import AttentionInterface  # heavy: loaded with a model
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # (the same)
+
     AttentionInterface.register(NATIVE_GQA, _attention_fn(kernel, on, chunk))
     AttentionMaskInterface.register(NATIVE_GQA, sdpa_mask)
     config._attn_implementation = NATIVE_GQA

@@ -12,7 +12,6 @@ from typing import Mapping, Sequence
 
 import pandas as pd
 
-from sprpo_lib.agent.envs.alfworld import MAX_STEPS as ALFWORLD_MAX_STEPS
 from sprpo_lib.agent.envs.alfworld_gen import DEFAULT_SIZES
 from sprpo_lib.agent.envs.webshop import MAX_STEPS as WEBSHOP_MAX_STEPS
 from sprpo_lib.agent.envs.webshop import N_TEST_GOALS
@@ -46,8 +45,12 @@ PAPER_STEP_SECONDS: dict[tuple[str, str], tuple[float, float, float]] = {
     ("alfworld", "vanilla"): (143.8, 198.2, 343.6), ("alfworld", "sprpo"): (171.5, 400.1, 572.9),
     ("webshop", "vanilla"): (50.1, 60.0, 110.6), ("webshop", "sprpo"): (58.2, 138.7, 197.4)}
 
-#: The environments' own step limits (App. B), where a profile keeps them.
-ENV_MAX_STEPS = {"webshop": WEBSHOP_MAX_STEPS, "alfworld": ALFWORLD_MAX_STEPS}
+def env_max_steps(env: str) -> int:
+    """The environment's own step limit (App. B), where a profile keeps it."""
+    if env == "alfworld":
+        from sprpo_lib.agent.envs.alfworld import MAX_STEPS  # imported on use: ALFWorld pulls in TextWorld
+        return MAX_STEPS
+    return WEBSHOP_MAX_STEPS
 
 
 def split_tasks(env: str, tasks: int | None) -> int:
@@ -93,7 +96,7 @@ def missing_landscape(p: X.Plan) -> str:
 
 def _rl(profile: str, env: str) -> str:
     c = load_config(profile, **{"env.name": env})
-    steps = c.env.max_steps or ENV_MAX_STEPS[env]
+    steps = c.env.max_steps or env_max_steps(env)
     return f"{c.iterations} iterations x {c.rollout.tasks_per_step} tasks x {c.rollout.group_size} rollouts, {steps} steps"
 
 
@@ -231,7 +234,7 @@ def projected_costs(record: Mapping, iterations: int | None = None) -> pd.DataFr
         if not roll.get("episodes") or not roll.get("samples"):
             continue
         turns = roll["samples"] / roll["episodes"]
-        limit = ENV_MAX_STEPS[env]
+        limit = env_max_steps(env)
         scale = limit / turns
         cfg = load_config("paper", **{"env.name": env})
         iters = iterations or cfg.iterations

@@ -118,7 +118,7 @@ def build_warm_start(policy, pool, cfg, agent: AgentConfig, progress: bool) -> P
         if (out / "adapter").is_dir():
             return out
         if not cfg.sft.dagger_rounds:
-            warm_start(policy, pool, cfg.sft, agent, out, progress)
+            warm_start(policy, pool, cfg.sft, agent, out, progress, cfg.speed)
             return out
         base = build_warm_start(policy, pool, dataclasses.replace(cfg, sft=without_dagger(cfg.sft)), agent, progress)
         if is_peft(policy.model):  # the base was trained just now: DAgger loads it onto the plain model
@@ -128,5 +128,6 @@ def build_warm_start(policy, pool, cfg, agent: AgentConfig, progress: bool) -> P
         d |= {"max_new_tokens": cfg.rollout.generation.max_new_tokens, "top_p": cfg.rollout.generation.top_p,
               "engine": cfg.rollout.engine}
         rounds = base / f"dagger-{canonical_hash(d)[:12]}"
-        dagger(policy, pool, base, cfg.sft, agent, out, cfg.rollout.generation, cfg.rollout.engine, progress, rounds)
+        dagger(policy, pool, base, cfg.sft, agent, out, cfg.rollout.generation, cfg.rollout.engine, progress, rounds,
+               cfg.speed)
     return out

@@ -12,6 +12,7 @@ from pathlib import Path
 from sprpo_lib.agent.engines import GenerationConfig
 from sprpo_lib.agent.envs.base import TaskPool
 from sprpo_lib.agent.prompt import AgentConfig
+from sprpo_lib.core.config import SpeedConfig
 from sprpo_lib.infra.io import CorruptFileError, atomic_write_json, file_record, read_cached, read_json, verify_file
 from sprpo_lib.model.load import Policy
 from sprpo_lib.model.lora import check_adapter, load_adapter, save_adapter
@@ -63,6 +64,7 @@ def dagger(
     engine: str = "hf",
     progress: bool = True,
     rounds_dir: str | Path | None = None,
+    speed: SpeedConfig | None = None,
 ) -> dict:
     """DAgger (Ross et al., 2011) from a finished warm start ``base`` (its ``adapter/`` and
     ``demos.jsonl``), ``cfg.dagger_rounds`` rounds; each round:
@@ -72,7 +74,7 @@ def dagger(
        generation settings; the step limit is ``cfg.episode_steps`` or the pool's);
     2. :func:`~sprpo_lib.warmstart.demos.collect_demonstrations` replays each episode and the demonstrator labels
        every state the clone reached (``scripts``);
-    3. :func:`train_sft` continues the clone's adapter on those labels plus
+    3. :func:`train_sft` (speed levers ``speed``) continues the clone's adapter on those labels plus
        ``cfg.dagger_replay`` times as many earlier demonstrations.
 
     ``policy`` is a fresh base model (the adapter of ``base``, or of the last finished
@@ -106,7 +108,8 @@ def dagger(
         last = r
     load_adapter(policy, (rdir / f"round-{last}" if last else base) / "adapter", trainable=True)
     for r in range(last + 1, cfg.dagger_rounds + 1):
-        rec, new = _dagger_round(policy, pool, cfg, agent, gen, engine, progress, rdir / f"round-{r}", r, n, seen)
+        rec, new = _dagger_round(policy, pool, cfg, agent, gen, engine, progress, rdir / f"round-{r}", r, n, seen,
+                                 speed)
         rounds.append(rec)
         seen += new
     b = base_summary.get("result") or {}
@@ -122,7 +125,8 @@ def dagger(
 
 
 def _dagger_round(policy: Policy, pool: TaskPool, cfg: SFTConfig, agent: AgentConfig, gen, engine: str,
-                  progress: bool, rd: Path, r: int, n: int, seen: list[Demo]) -> tuple[dict, list[Demo]]:
+                  progress: bool, rd: Path, r: int, n: int, seen: list[Demo],
+                  speed: SpeedConfig | None = None) -> tuple[dict, list[Demo]]:
     """Round ``r`` of :func:`dagger` in ``rd`` (steps 1-3 there): its record (``round.json``,
     written last) and its new demonstrations."""
     t0 = time.perf_counter()
@@ -138,7 +142,7 @@ def _dagger_round(policy: Policy, pool: TaskPool, cfg: SFTConfig, agent: AgentCo
                                  max_steps=cfg.episode_steps, stats=stats, scripts=scripts)
     rng = random.Random(f"dagger:{cfg.seed}:{r}")
     replay = rng.sample(seen, min(len(seen), round(cfg.dagger_replay * len(new))))
-    res = train_sft(policy, new + replay, cfg, rd, progress, agent)
+    res = train_sft(policy, new + replay, cfg, rd, progress, agent, speed)
     save_demos(rd / "demos.jsonl", new)
     rec = {"round": r, "tasks": [tasks[0], tasks[-1]], "temperature": cfg.dagger_temperature,
            "clone_success_rate": sum(e.success for e in episodes) / max(1, len(episodes)),

@@ -64,6 +64,7 @@ from annotated_types import Ge, Gt, Interval
 
 from sprpo_lib.agent.envs.base import TaskPool
 from sprpo_lib.agent.prompt import AgentConfig, chat_text
+from sprpo_lib.core.config import SpeedConfig
 from sprpo_lib.core.losses import token_logprobs
 from sprpo_lib.infra.io import (
     NOT_A_KEY,
@@ -80,8 +81,9 @@ from sprpo_lib.infra.io import (
 from sprpo_lib.infra.progress import progress_bar
 from sprpo_lib.infra.ranges import check_ranges
 from sprpo_lib.infra.resume import load_resume_point, save_resume_point
+from sprpo_lib.model.layers import native_gqa
 from sprpo_lib.model.load import Policy
-from sprpo_lib.model.lora import LoraSettings, add_lora, is_peft, lora_on_last_layers, save_adapter
+from sprpo_lib.model.lora import LoraSettings, add_lora, fused_lora, is_peft, lora_on_last_layers, save_adapter
 from sprpo_lib.warmstart.demos import (
     DEMONSTRATORS,
     LABEL_VERSIONS,
@@ -312,6 +314,7 @@ def train_sft(
     out_dir: str | Path | None = None,
     progress: bool = True,
     agent: AgentConfig | None = None,
+    speed: SpeedConfig | None = None,
 ) -> dict:
     """Behaviour cloning with LoRA: minimise the response-token NLL of ``demos``.
 
@@ -326,6 +329,9 @@ def train_sft(
         progress: tqdm bar over optimizer steps.
         agent: the agent settings whose chat template wrapping (system prompt) the RL
             agent uses; default :class:`AgentConfig`.
+        speed: the RL update's speed levers that the forward and backward take (``fused_lora``,
+            ``native_gqa``, ``attention``, ``attention_chunk``): the same steps up to float
+            rounding; default :class:`SpeedConfig`.
 
     Returns:
         Summary dict: ``steps``, ``epochs_done``, ``demos``, ``skipped_long``,
@@ -337,6 +343,7 @@ def train_sft(
     split across functions, what a killed run must restore would no longer be in one place."""
     cfg = cfg or SFTConfig()
     agent = agent or AgentConfig()
+    speed = speed or SpeedConfig()
     t_start = time.perf_counter()
     tok = policy.tokenizer
     out = Path(out_dir) if out_dir is not None else None
@@ -414,16 +421,18 @@ def train_sft(
                     g["lr"] = lr
                 opt.zero_grad(set_to_none=True)
                 nll_sum = 0.0
-                for m0 in range(0, len(chunk), cfg.batch_size):
-                    nll = response_nll(model, collate(chunk[m0 : m0 + cfg.batch_size], pad_id))
-                    if weights is None:
-                        (nll.sum() / n_tok).backward()
-                    else:  # each response token weighs its demonstration's weight
-                        sub = ids[m0 : m0 + cfg.batch_size]
-                        w = torch.repeat_interleave(torch.tensor([weights[i] for i in sub], dtype=nll.dtype),
-                                                    torch.tensor([len(encoded[i][1]) for i in sub]))
-                        ((nll * w.to(nll.device)).sum() / w_tok).backward()
-                    nll_sum += float(nll.detach().sum())
+                with fused_lora(model, speed.fused_lora), \
+                        native_gqa(model, speed.native_gqa, speed.attention, speed.attention_chunk):
+                    for m0 in range(0, len(chunk), cfg.batch_size):
+                        nll = response_nll(model, collate(chunk[m0 : m0 + cfg.batch_size], pad_id))
+                        if weights is None:
+                            (nll.sum() / n_tok).backward()
+                        else:  # each response token weighs its demonstration's weight
+                            sub = ids[m0 : m0 + cfg.batch_size]
+                            w = torch.repeat_interleave(torch.tensor([weights[i] for i in sub], dtype=nll.dtype),
+                                                        torch.tensor([len(encoded[i][1]) for i in sub]))
+                            ((nll * w.to(nll.device)).sum() / w_tok).backward()
+                        nll_sum += float(nll.detach().sum())
                 grad_norm = None
                 if cfg.max_grad_norm:
                     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
@@ -488,9 +497,10 @@ def warm_start(
     agent: AgentConfig | None = None,
     out_dir: str | Path | None = None,
     progress: bool = True,
+    speed: SpeedConfig | None = None,
 ) -> dict:
     """Collect demonstrations on the first ``cfg.n_tasks`` tasks of ``cfg.split`` and
-    run :func:`train_sft`; returns its summary plus the collection stats
+    run :func:`train_sft` (with the speed levers ``speed``); returns its summary plus the collection stats
     (``collect``).  Writes ``demos.jsonl`` to ``out_dir`` too, with ``demos.json`` (its
     record, settings key and stats): a rerun into the same folder trains on them again."""
     cfg = cfg or SFTConfig()
@@ -514,7 +524,7 @@ def warm_start(
         if out_dir is not None:
             path = save_demos(Path(out_dir) / "demos.jsonl", demos)
             atomic_write_json(Path(out_dir) / "demos.json", {"key": key, "file": file_record(path), "collect": stats})
-    result = train_sft(policy, demos, cfg, out_dir, progress, agent)
+    result = train_sft(policy, demos, cfg, out_dir, progress, agent, speed)
     result["collect"] = stats
     if out_dir is not None:  # the summary records the collection too (its seconds join the stage table)
         summary = read_json(Path(out_dir) / "sft_summary.json")
