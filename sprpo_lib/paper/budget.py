@@ -45,6 +45,7 @@ PAPER_STEP_SECONDS: dict[tuple[str, str], tuple[float, float, float]] = {
     ("alfworld", "vanilla"): (143.8, 198.2, 343.6), ("alfworld", "sprpo"): (171.5, 400.1, 572.9),
     ("webshop", "vanilla"): (50.1, 60.0, 110.6), ("webshop", "sprpo"): (58.2, 138.7, 197.4)}
 
+
 def env_max_steps(env: str) -> int:
     """The environment's own step limit (App. B), where a profile keeps it."""
     if env == "alfworld":
