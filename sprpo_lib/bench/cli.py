@@ -5,6 +5,7 @@
     sprpo-bench train [--profile cpu] [--env webshop] [key=value ...]
     sprpo-bench ops [--env webshop]   # one update's time by op class, each against its roofline
     sprpo-bench divergence [--env webshop] [--states 4] [--samples 4] [--batch 1 8]   # KL per state: clean side and a setting vs floor
+    sprpo-bench sft [--env alfworld] [--steps 8]   # the warm start's SFT step, levers vs reference, vs floor
     sprpo-bench machine [--model smollm2-135m]
     sprpo-bench generate [--model smollm2-135m] [--prompts 16] [--engines hf_generator,hf,openvino]
     sprpo-bench eval [--engines hf:float32,hf:bfloat16,openvino,openvino:auto:prefix_caching=false] [--episodes 64]
@@ -33,6 +34,7 @@ from sprpo_lib.bench.host import bench_host
 from sprpo_lib.bench.ops import OPS_METHODS, bench_ops
 from sprpo_lib.bench.report import report
 from sprpo_lib.bench.runs import bench_runs
+from sprpo_lib.bench.sft import bench_sft
 from sprpo_lib.bench.suite import (
     GENERATE_ENGINES,
     bench_churn,
@@ -107,6 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     dv.add_argument("--family", default="rtn")
     dv.add_argument("--strength", type=float, default=4.0)
     dv.add_argument("--model", default=None, help="default: the profile's model")
+    sf = sub.add_parser("sft", help="the warm start's SFT step on the profile's demonstrations, the speed levers "
+                        "and the reference path side by side, each against its floor")
+    sf.add_argument("--profile", default="cpu")
+    sf.add_argument("--env", default="alfworld")
+    sf.add_argument("--steps", type=int, default=8, help="timed optimizer steps per round")
+    sf.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    sf.add_argument("--repeats", type=int, default=2, help="interleaved rounds (the median)")
+    sf.add_argument("--model", default=None, help="default: the profile's model")
     e = sub.add_parser("envs", help="environment steps/s and reset times")
     e.add_argument("--episodes", type=int, default=200)
     e.add_argument("--model", default="smollm2-135m", help="policy for the env-vs-generation ratio ('' to skip)")
@@ -207,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--before", required=True, help="runs folder of the reference side, e.g. runs/cpu/levers_off")
     w.add_argument("--after", required=True, help="runs folder of the other side, e.g. runs/cpu/train")
-    for sp in (p, e, t, op, dv, ho, m, g, u, v, q, c, x, w):
+    for sp in sub.choices.values():  # every benchmark (report, added below, measures nothing)
         sp.add_argument("--threads", type=int, default=2, help="torch threads (set explicitly: 2 cores here)")
         sp.add_argument("--allocator", choices=ALLOCATORS, default="tuned",
                         help="glibc malloc settings (hardware.set_allocator; 'default': glibc as it is)")
@@ -263,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         res = bench_divergence(args.profile, args.env, states=args.states, samples=args.samples,
                                batches_of=tuple(args.batch), family=args.family,
                                strength=args.strength, model=args.model)
+    elif args.what == "sft":
+        res = bench_sft(args.profile, args.env, args.steps, args.warmup, args.repeats, args.model)
     elif args.what == "host":
         res = bench_host(tuple(args.engines.split(",")), args.batch, args.new_tokens, repeats=args.repeats)
     elif args.what == "envs":

@@ -491,8 +491,18 @@ def _ops_classes_phrase(res: dict) -> str:
             + _thin_matmuls(res))
 
 
+def _sft_headline(res: dict) -> str | None:
+    """``bench sft``: the step on both paths against its floor, and their ratio."""
+    if "levers" not in res:
+        return None
+    lev, ref = res["levers"], res["reference"]
+    return (f"{res.get('env')} warm-start SFT step ({res.get('tokens_per_step')} tokens, {res.get('dtype')}) "
+            f"{lev['s_per_step']} s ({lev['over_floor']}x its floor) with the speed levers, {ref['s_per_step']} s "
+            f"({ref['over_floor']}x) on the reference path: {res.get('levers_over_reference')}x")
+
+
 #: the benchmarks whose README phrase has its own function (the rest: in :func:`headline`)
-HEADLINES = {"ops": _ops_headline,
+HEADLINES = {"ops": _ops_headline, "sft": _sft_headline,
              "divergence": _divergence_headline, "host": _host_headline}
 
 
