@@ -218,7 +218,8 @@ def test_paired_kl_bootstrap_against_closed_forms():
 
 def test_kl_claims_and_the_kl_success_correlation():
     """Claims on synthetic rows where SPrPO moves half as far as Vanilla (resolves, ratio 0.5) and
-    as far as SAM (no difference); the correlation is Spearman's rank correlation (scipy's)."""
+    as far as SAM (no difference), and a curve strength that only Vanilla and SPrPO were measured
+    at (its one comparison, no other); the correlation is Spearman's rank correlation (scipy's)."""
     import numpy as np
     import pandas as pd
     from scipy.stats import spearmanr
@@ -230,9 +231,12 @@ def test_kl_claims_and_the_kl_success_correlation():
     scale = {"vanilla": 1.0, "gaussian": 1.0, "sam": 0.5, "sprpo": 0.5}
     rows = pd.DataFrame([{"method": m, "train_seed": 0, "state": i, "family": f, "strength": s, "w2": w2, "seed": 0,
                           "kl": k * s * base[i] * (1 + 0.01 * rng.normal()), "flip": False}
-                         for m, k in scale.items() for f, s, w2 in (("rtn", 4.0, 0.0), ("plane", 0.2, 0.2))
-                         for i in range(60) if f != "plane" or m in ("vanilla", "sprpo")])
+                         for m, k in scale.items()
+                         for f, s, w2 in (("rtn", 4.0, 0.0), ("plane", 0.2, 0.2), ("gaussian", 0.02, 0.0))
+                         for i in range(60) if f == "rtn" or m in ("vanilla", "sprpo")])
     claims = kl_claims(rows, "webshop", [("rtn", 4.0)], n_resamples=500).set_index(["id", "b", "setting"])
+    curve = claims.xs("gaussian 0.02", level="setting")
+    assert list(curve.index) == [("C2-KL", "vanilla")] and (curve["where"] == "curve").all()
     c2 = claims.loc[("C2-KL", "vanilla", "rtn 4")]
     assert c2.ratio == pytest.approx(0.5, rel=0.02) and c2.hi < 0 and c2.reading.startswith("sprpo moves less")
     assert c2["where"] == "table"

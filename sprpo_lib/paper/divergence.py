@@ -97,15 +97,14 @@ def _claim_row(env: str, cid: str, claim: str, r: dict, where: str) -> dict:
 def kl_claims(rows: pd.DataFrame, env: str, table: Sequence[tuple[str, float]], *,
               n_resamples: int = N_RESAMPLES) -> pd.DataFrame:
     """Every KL claim row of one environment: each comparison of :data:`KL_CLAIMS` whose two
-    methods were measured, at every setting off the plane (``where``: ``table`` for Table 1's,
-    ``curve`` for Fig. 3's other strengths), and C4-KL on the plane's mean (SPrPO against Vanilla)."""
+    methods were measured at the setting, at every setting off the plane (``where``: ``table`` for
+    Table 1's, ``curve`` for Fig. 3's other strengths, where the plan may measure fewer policies), and
+    C4-KL on the plane's mean (SPrPO against Vanilla)."""
     out = []
     flat = rows[rows["family"] != "plane"]
-    settings = flat[["family", "strength"]].drop_duplicates().itertuples(index=False)
     table = {(f, float(s)) for f, s in table}
-    have = set(rows["method"])
-    for fam, s in settings:
-        where = "table" if (fam, float(s)) in table else "curve"
+    for (fam, s), at in flat.groupby(["family", "strength"], sort=False):
+        where, have = "table" if (fam, float(s)) in table else "curve", set(at["method"])
         for cid, a, b, claim in KL_CLAIMS:
             if {a, b} <= have:
                 out.append(_claim_row(env, cid, claim, paired_kl_bootstrap(flat, a, b, fam, s, n_resamples=n_resamples),
@@ -232,10 +231,10 @@ def kl_power_table(rows: pd.DataFrame, plan: Plan) -> tuple[pd.DataFrame, pd.Dat
     seconds one policy's setting would take (this pass's seconds per state, scaled by the tokens a
     state costs: the prompt, K responses and the greedy one); and :func:`kl_frontier`, what each
     affordable design detects where none meets the target."""
-    have = set(rows["method"])
     k0 = plan.divergence_samples
     powers = []
     for fam, st in plan.table:
+        have = set(rows.loc[(rows["family"] == fam) & (rows["strength"] == float(st)), "method"])
         for cid, a, b, _ in KL_CLAIMS:
             if cid in ("C2-KL", "T1-KL") and {a, b} <= have:
                 p = kl_power(rows, a, b, fam, float(st))
