@@ -224,7 +224,7 @@ def test_kl_claims_and_the_kl_success_correlation():
     import pandas as pd
     from scipy.stats import spearmanr
 
-    from sprpo_lib.paper.divergence import kl_claims, kl_success_correlation
+    from sprpo_lib.paper.divergence import correlation_sentence, kl_claims, kl_success_correlation
 
     rng = np.random.default_rng(0)
     base = rng.gamma(2.0, 0.05, 60)
@@ -250,9 +250,19 @@ def test_kl_claims_and_the_kl_success_correlation():
                          for m, clean, a8, a4 in (("a", 0.9, 0.8, 0.5), ("b", 0.7, 0.65, 0.1))
                          for f, s, p in (("clean", 0.0, clean), ("rtn", 8.0, a8), ("rtn", 4.0, a4))
                          for ok in [1] * int(round(p * 20)) + [0] * (20 - int(round(p * 20)))])
+    def named(frame, **other):  # each policy's weights named as the row writers name them
+        return frame.assign(model_hash="base", adapter_hash=frame["method"].map(lambda m: other.get(m, f"ad-{m}")))
+
+    kl, succ = named(kl), named(succ)
     c = kl_success_correlation(kl, succ, n_resamples=200)
     loss = [10.0, 40.0, 5.0, 60.0]  # a@8, a@4, b@8, b@4 in percentage points
     assert c["pairs"] == 4 and c["spearman"] == pytest.approx(spearmanr([0.1, 0.25, 0.3, 0.65], loss).statistic)
+    assert c["stale"] == 0 and "left out" not in correlation_sentence(c)
+    # success rows of other weights (a pass before a retrain) pair nothing; rows that name no weights neither
+    c = kl_success_correlation(kl, named(succ, b="ad-b-before"), n_resamples=200)
+    assert c["pairs"] == 2 and c["stale"] == 1 and "1 policy left out" in correlation_sentence(c)
+    c = kl_success_correlation(kl, succ.drop(columns=["adapter_hash"]), n_resamples=200)
+    assert c["pairs"] == 0 and c["unnamed"] and correlation_sentence(c).startswith("Whether KL tracks success is not")
     # its interval over 12 pairs with ties: scipy's Spearman on each resample (the same draws), degenerate ones out
     x = np.round(rng.gamma(2.0, 0.1, 12), 1)  # KL per (method, strength), in the pairs' index order
     y = np.round(100 * x + rng.normal(0, 8, 12), 0)
@@ -261,7 +271,7 @@ def test_kl_claims_and_the_kl_success_correlation():
                        for (m, s), v in zip(pairs, x)])
     succ = pd.DataFrame([{"method": m, "train_seed": 0, "family": f, "strength": s, "success": v}
                          for (m, s), v in zip(pairs, y) for f, s, v in (("clean", 0.0, 100.0), ("rtn", s, 100.0 - v))])
-    c = kl_success_correlation(kl, succ.drop_duplicates(), n_resamples=300)
+    c = kl_success_correlation(named(kl), named(succ.drop_duplicates()), n_resamples=300)
     boot = [spearmanr(x[i], y[i]).statistic for i in np.random.default_rng(0).integers(0, 12, (300, 12))
             if np.ptp(x[i]) > 0 and np.ptp(y[i]) > 0]
     assert c["pairs"] == 12 and c["spearman"] == pytest.approx(spearmanr(x, y).statistic)

@@ -47,7 +47,7 @@ DIVERGENCE_VERSION = 3
 #: Per-state columns of :func:`divergence`'s rows, before ``cfg.tags``.
 DIVERGENCE_COLUMNS = ("env", "state", "split", "split_label", "task_index", "step", "prompt_tokens", "family",
                       "strength", "seed", "kl", "kl_se", "log_ratio", "tv_bound", "tokens", "flip", "cell_seconds",
-                      "model", "adapters", "cell")
+                      "model", "adapters", "model_hash", "adapter_hash", "cell")
 
 
 # ============================================================================ the state pool
@@ -471,7 +471,7 @@ def divergence(cfg: EvalConfig, states: StatePool, *, samples: int = 4, progress
                                      "commit": git_commit()})
         results[c] = {"rows": rows, "seconds": seconds}
     bar.close()
-    out = []
+    out, hashes = [], source.hashes()
     for c in cfg.cells():
         canon = c.canonical()
         for i, r in enumerate(results[canon]["rows"]):
@@ -480,7 +480,7 @@ def divergence(cfg: EvalConfig, states: StatePool, *, samples: int = 4, progress
                         "task_index": task, "step": step, "prompt_tokens": len(states.prompts[i]),
                         "family": c.family, "strength": c.strength, "seed": c.seed, **r,
                         "cell_seconds": results[canon].get("seconds"), "model": cfg.model, "adapters": ";".join(cfg.adapters),
-                        "cell": keyed[canon][:12], **cfg.tags})
+                        **hashes, "cell": keyed[canon][:12], **cfg.tags})
     return pd.DataFrame(out, columns=[*DIVERGENCE_COLUMNS, *cfg.tags])
 
 

@@ -319,6 +319,13 @@ class ModelSource:
                               "dtype": dtype, "device": self.device.type}
         return self._identity
 
+    def hashes(self) -> dict[str, str]:
+        """The rows' short names of this policy's content: ``model_hash`` (the base weights) and
+        ``adapter_hash`` (its adapters, in order; empty without one)."""
+        ident = self.identity()
+        return {"model_hash": ident["base"][:12],
+                "adapter_hash": canonical_hash(ident["adapters"])[:12] if self.cfg.adapters else ""}
+
     def _load_base(self, dtype: str):
         if self._policy is None:
             self._policy = load_policy(self.cfg.model, dtype=dtype, device=self.device, seed=self.cfg.model_seed,
@@ -528,15 +535,13 @@ def evaluate(cfg: EvalConfig, *, progress: bool = True, pool=None) -> "pd.DataFr
                 bar.update(1)
     bar.close()
     out = []
-    adapters = ";".join(cfg.adapters)
-    adapter_hash = canonical_hash(ident["adapters"])[:12] if cfg.adapters else ""
+    adapters, hashes = ";".join(cfg.adapters), source.hashes()
     for c in requested:
         key = keyed[c.canonical()][0]
         for r in results[c.canonical()]:
             out.append({**r, "split_label": SPLIT_LABELS.get(r["split"], r["split"]), "family": c.family,
                         "strength": c.strength, "seed": c.seed, "model": cfg.model, "adapters": adapters,
-                        "model_hash": ident["base"][:12], "adapter_hash": adapter_hash, "cell": key[:12],
-                        **cfg.tags})
+                        **hashes, "cell": key[:12], **cfg.tags})
     return pd.DataFrame(out, columns=[*ROW_COLUMNS, *cfg.tags])
 
 

@@ -261,7 +261,20 @@ def kl_success_correlation(kl: pd.DataFrame, success: pd.DataFrame, *, n_resampl
                            seed: int = 0) -> dict:
     """Spearman's rank correlation, over the (policy, setting) pairs measured both ways, between
     a policy's mean KL at a setting and its success loss there (clean minus perturbed success, in
-    percentage points, on the same policy), with a 95% bootstrap interval over the pairs."""
+    percentage points, on the same policy), with a 95% bootstrap interval over the pairs.
+
+    The same policy means the same weights: success rows pair only where their ``model_hash`` and
+    ``adapter_hash`` equal the KL rows' (``stale``: the policies whose success rows name other
+    weights, e.g. a pass before a retrain); rows without the hashes pair nothing (``unnamed``)."""
+    ids = ["model_hash", "adapter_hash"]
+    if not all(c in frame and frame[c].notna().all() for frame in (kl, success) for c in ids):
+        return {"pairs": 0, "spearman": float("nan"), "lo": float("nan"), "hi": float("nan"), "stale": 0,
+                "unnamed": True}
+    named = kl.groupby(["method", "train_seed"])[ids].first().reset_index()
+    policies = success[["method", "train_seed", *ids]].drop_duplicates()
+    same = policies.merge(named, on=["method", "train_seed", *ids])
+    stale = len(policies.merge(named[["method", "train_seed"]], on=["method", "train_seed"])) - len(same)
+    success = success.merge(same, on=["method", "train_seed", *ids])
     k = (kl[kl["family"] != "plane"].groupby(["method", "train_seed", "family", "strength"])["kl"].mean()
          .rename("kl"))
     per = success.groupby(["method", "train_seed", "family", "strength"])["success"].mean() * 100
@@ -271,7 +284,8 @@ def kl_success_correlation(kl: pd.DataFrame, success: pd.DataFrame, *, n_resampl
     both = pd.concat([k, loss], axis=1, join="inner").dropna()
     n = len(both)
     if n < 3:
-        return {"pairs": n, "spearman": float("nan"), "lo": float("nan"), "hi": float("nan")}
+        return {"pairs": n, "spearman": float("nan"), "lo": float("nan"), "hi": float("nan"), "stale": stale,
+                "unnamed": False}
     x, y = both["kl"].rank().to_numpy(), both["loss"].rank().to_numpy()
     rho = float(np.corrcoef(x, y)[0, 1])
     rng = np.random.default_rng(seed)
@@ -279,17 +293,23 @@ def kl_success_correlation(kl: pd.DataFrame, success: pd.DataFrame, *, n_resampl
     rxs, rys = (rankdata(both[c].to_numpy()[idx], axis=1) for c in ("kl", "loss"))
     boot = [np.corrcoef(rx, ry)[0, 1] for rx, ry in zip(rxs, rys) if rx.std() > 0 and ry.std() > 0]
     lo, hi = np.quantile(boot, [0.025, 0.975]) if boot else (float("nan"), float("nan"))
-    return {"pairs": n, "spearman": rho, "lo": float(lo), "hi": float(hi)}
+    return {"pairs": n, "spearman": rho, "lo": float(lo), "hi": float(hi), "stale": stale, "unnamed": False}
 
 
 def correlation_sentence(c: dict) -> str:
     """One plain sentence on :func:`kl_success_correlation`."""
+    if c.get("unnamed"):
+        return ("Whether KL tracks success is not computed: the success rows or the KL rows do not name their "
+                "policies' weights (an older pass); run notebooks 04 and 09 again.")
+    stale = (f" ({c['stale']} polic{'y' if c['stale'] == 1 else 'ies'} left out: its success rows are of other "
+             "weights; run notebook 04 again)") if c.get("stale") else ""
     if c["pairs"] < 3 or math.isnan(c["spearman"]):
-        return f"Too few (policy, setting) pairs measured both ways ({c['pairs']}) to say whether KL tracks success."
+        return (f"Too few (policy, setting) pairs measured both ways ({c['pairs']}) to say whether KL tracks "
+                f"success{stale}.")
     what = ("tracks success loss" if c["lo"] > 0 else "runs against success loss" if c["hi"] < 0
             else "does not resolve a relation with success loss")
     return (f"Mean KL {what}: Spearman {c['spearman']:.2f} [{c['lo']:.2f}, {c['hi']:.2f}] over {c['pairs']} "
-            "(policy, setting) pairs.")
+            f"(policy, setting) pairs{stale}.")
 
 
 def plot_kl_curves(summary: pd.DataFrame, path: str | Path, *, title: str = "") -> list[Path]:

@@ -64,9 +64,10 @@ __all__ = ["Plan", "PLANS", "plan", "policies", "curve_rows", "calibration_pool"
 METHOD_ORDER = tuple(m for m in METHOD_DISPLAY if m in METHODS)
 #: The ``method`` of the warm-start policy's rows (a reference, not a trained method).
 WARM_START = "warm_start"
-#: Columns kept in the committed result CSVs (one row per episode).
+#: Columns kept in the committed result CSVs (one row per episode); the two hashes name the policy's
+#: content (its base weights and adapters), so that rows of two notebooks pair only the same policy.
 ROW_KEEP = ("env", "split", "split_label", "task_index", "family", "strength", "w2", "seed", "method", "train_seed",
-            "success", "score", "length", "valid_rate", "trace", "cell")
+            "success", "score", "length", "valid_rate", "trace", "model_hash", "adapter_hash", "cell")
 #: Table 1's strong settings (the paper's column headers).
 TABLE1 = {"webshop": (("gaussian", 0.20), ("dropout", 0.05), ("fisher", 0.20), ("sparsegpt", 0.40), ("rtn", 6)),
           "alfworld": (("gaussian", 0.20), ("dropout", 0.05), ("fisher", 0.20), ("sparsegpt", 0.70), ("rtn", 6))}
