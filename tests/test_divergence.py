@@ -387,3 +387,18 @@ def test_flips_from_the_teacher_forced_greedy_response_match_full_greedy_decodin
         assert got == want, strength
         seen |= set(want)
     assert seen == {False, True}  # both cases met
+
+
+def test_the_kl_curves_footnote_says_what_each_point_averages():
+    """Table 1's strengths (every policy, three seeds for two of them) apart from the curve's other
+    strengths (fewer policies, one seed): each design with the policies measured so."""
+    import pandas as pd
+
+    from sprpo_lib.paper.divergence import design_note
+
+    flat = pd.DataFrame([{"family": f, "strength": s, "method": m, "states": 16, "train_seeds": t, "draws": 1}
+                         for f, s, methods in (("rtn", 6.0, ("vanilla", "sam", "sprpo")), ("rtn", 8.0, ("vanilla", "sprpo")))
+                         for m in methods for t in [3 if m != "sam" and s == 6.0 else 1]])
+    assert design_note(flat, [("rtn", 6)]) == (
+        "States x training seeds x draws per point: at Table 1's strengths 16 x 1 x 1 (SAM), 16 x 3 x 1 (Vanilla, "
+        "SPrPO); at the other strengths 16 x 1 x 1 (Vanilla, SPrPO).")

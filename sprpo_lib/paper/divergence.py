@@ -312,10 +312,25 @@ def correlation_sentence(c: dict) -> str:
             f"(policy, setting) pairs{stale}.")
 
 
-def plot_kl_curves(summary: pd.DataFrame, path: str | Path, *, title: str = "") -> list[Path]:
+def design_note(flat: pd.DataFrame, table: Sequence[tuple[str, float]]) -> str:
+    """What each point of :func:`plot_kl_curves` averages, at Table 1's strengths and at the others:
+    states x training seeds x draws, and the policies measured so."""
+    at_table = {(f, float(s)) for f, s in table}
+    where = ["at Table 1's strengths" if (f, float(s)) in at_table else "at the other strengths"
+             for f, s in zip(flat["family"], flat["strength"])]
+    parts = []
+    for w, g in flat.assign(where=where).groupby("where", sort=False):
+        designs = [f"{s} x {t} x {d} ({', '.join(METHOD_LABELS.get(m, m) for m in dict.fromkeys(d_g['method']))})"
+                   for (s, t, d), d_g in g.groupby(["states", "train_seeds", "draws"], sort=True)]
+        parts.append(f"{w} " + ", ".join(designs))
+    return "States x training seeds x draws per point: " + "; ".join(parts) + "."
+
+
+def plot_kl_curves(summary: pd.DataFrame, path: str | Path, *, title: str = "",
+                   table: Sequence[tuple[str, float]] = ()) -> list[Path]:
     """Fig. 3 in KL: per family (the paper's panels), mean KL per method against strength with
     its 95% interval (log scale: KL spans orders of magnitude); a footnote gives states, seeds
-    and draws."""
+    and draws per point (:func:`design_note`, ``table``: Table 1's settings)."""
     flat = summary[summary["family"] != "plane"]
     fams = [f for f in FAMILY_LABELS if f in set(flat["family"])]
     if not fams:
@@ -333,14 +348,12 @@ def plot_kl_curves(summary: pd.DataFrame, path: str | Path, *, title: str = "") 
             ax.set_yscale("log")
         if fam == "rtn":
             ax.invert_xaxis()  # fewer bits is the stronger perturbation
-        ax.set(title=FAMILY_LABELS.get(fam, fam), xlabel="strength", ylabel="KL(pi || pi^xi) per state")
+        ax.set(title=FAMILY_LABELS.get(fam, fam), xlabel="strength", ylabel=r"KL$(\pi\,\|\,\pi^{\xi})$ per state")
     handles, labels = axes[0][0].get_legend_handles_labels()  # one legend under the panels, clear of the data
     fig.legend(handles, labels, loc="lower center", bbox_to_anchor=(0.5, 0.07), ncol=len(labels), frameon=False,
                fontsize=7)
-    per = flat.groupby(["states", "train_seeds", "draws"]).size().index.tolist()
-    note = "; ".join(f"{s} states x {t} training seed(s) x {d} draw(s)" for s, t, d in per)
-    fig.text(0.01, 0.01, f"Mean over {note}; bars: 95% two-way bootstrap (seeds x states).", fontsize=7,
-             ha="left", va="bottom")
+    fig.text(0.01, 0.01, design_note(flat, table) + " Bars: 95% two-way bootstrap (seeds x states).", fontsize=7,
+             ha="left", va="bottom", wrap=True)
     fig.subplots_adjust(bottom=0.36, top=0.84, wspace=0.4)
     if title:
         fig.suptitle(title, fontsize=9)
@@ -393,7 +406,8 @@ def render(rows: pd.DataFrame, plan: Plan, out: Path, *, success: pd.DataFrame |
     to_csv(summary, f"{stem}_summary.csv", digits=6)
     label = f"{ENV_LABELS.get(env, env)}, {plan.profile} profile"
     arts = [Path(f"{stem}_summary.csv")]
-    arts += plot_kl_curves(summary, f"{stem}_curves", title=f"{label}: how far each policy moves (Fig. 3 in KL)")
+    arts += plot_kl_curves(summary, f"{stem}_curves", title=f"{label}: how far each policy moves (Fig. 3 in KL)",
+                           table=plan.table)
     if (summary["family"] == "plane").any():
         arts += plot_kl_surface(summary, list(plan.landscape_methods), f"{stem}_surface",
                                 title=f"{label}: KL over the plane w1*xi1 + w2*xi2 (Fig. 4 in KL)")
