@@ -261,6 +261,9 @@ def test_kl_claims_and_the_kl_success_correlation():
     # success rows of other weights (a pass before a retrain) pair nothing; rows that name no weights neither
     c = kl_success_correlation(kl, named(succ, b="ad-b-before"), n_resamples=200)
     assert c["pairs"] == 2 and c["stale"] == 1 and "1 policy left out" in correlation_sentence(c)
+    base = {"a": "", "b": ""}  # the bare model's rows name no adapter: read back from a CSV, "" is NaN
+    c = kl_success_correlation(named(kl, **base).replace("", None), named(succ, **base), n_resamples=200)
+    assert c["pairs"] == 4 and c["stale"] == 0
     c = kl_success_correlation(kl, succ.drop(columns=["adapter_hash"]), n_resamples=200)
     assert c["pairs"] == 0 and c["unnamed"] and correlation_sentence(c).startswith("Whether KL tracks success is not")
     # its interval over 12 pairs with ties: scipy's Spearman on each resample (the same draws), degenerate ones out

@@ -464,3 +464,17 @@ def test_the_divergence_grid_is_table_1_then_the_kl_curves(monkeypatch):
     assert len(full.divergence_settings()) == len(set(full.divergence_settings()))
     assert full.divergence_curve_seeds == (0,) and full.curves == {}
     assert X.Plan.from_dict(full.as_dict()) == full
+
+
+def test_result_rows_read_back_the_policy_hashes_as_text(tmp_path):
+    """An all-digit hash with a leading zero, or one that looks like a float, reads back as written."""
+    import pandas as pd
+
+    from sprpo_lib.paper.experiments import load_rows, save_rows
+
+    rows = pd.DataFrame({"method": ["vanilla", "sprpo"], "model_hash": ["012345678901", "012345678901"],
+                         "adapter_hash": ["1234e5678901", "000000000042"]})
+    save_rows(rows, tmp_path / "r.csv")
+    back = load_rows(tmp_path / "r.csv", columns=("method",))
+    assert back["model_hash"].tolist() == rows["model_hash"].tolist()
+    assert back["adapter_hash"].tolist() == rows["adapter_hash"].tolist()

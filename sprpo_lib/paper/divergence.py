@@ -264,12 +264,15 @@ def kl_success_correlation(kl: pd.DataFrame, success: pd.DataFrame, *, n_resampl
     percentage points, on the same policy), with a 95% bootstrap interval over the pairs.
 
     The same policy means the same weights: success rows pair only where their ``model_hash`` and
-    ``adapter_hash`` equal the KL rows' (``stale``: the policies whose success rows name other
-    weights, e.g. a pass before a retrain); rows without the hashes pair nothing (``unnamed``)."""
+    ``adapter_hash`` (empty: no adapter) equal the KL rows' (``stale``: the policies whose success
+    rows name other weights, e.g. a pass before a retrain); rows without the hashes pair nothing
+    (``unnamed``)."""
     ids = ["model_hash", "adapter_hash"]
-    if not all(c in frame and frame[c].notna().all() for frame in (kl, success) for c in ids):
+    if not all(c in frame for frame in (kl, success) for c in ids) or kl["model_hash"].isna().any() \
+            or success["model_hash"].isna().any():
         return {"pairs": 0, "spearman": float("nan"), "lo": float("nan"), "hi": float("nan"), "stale": 0,
                 "unnamed": True}
+    kl, success = (f.assign(adapter_hash=f["adapter_hash"].fillna("")) for f in (kl, success))  # "": no adapter
     named = kl.groupby(["method", "train_seed"])[ids].first().reset_index()
     policies = success[["method", "train_seed", *ids]].drop_duplicates()
     same = policies.merge(named, on=["method", "train_seed", *ids])

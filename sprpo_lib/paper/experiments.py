@@ -486,8 +486,8 @@ def load_rows(path: str | Path, columns: Sequence[str] = (), *, verify: bool = T
             check_artifact(p)
         except CorruptFileError as err:
             raise err.with_fix(fix) from None
-    try:
-        rows = pd.read_csv(p)
+    try:  # the policy hashes stay text (an all-digit hash would read as a number, without its leading zeros)
+        rows = pd.read_csv(p, dtype={"model_hash": str, "adapter_hash": str})
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as err:
         raise CorruptFileError(p, f"not a whole CSV table ({type(err).__name__})", fix) from None
     missing = [c for c in columns if c not in rows]
