@@ -584,3 +584,28 @@ def test_a_game_is_translated_once_per_machine_and_a_damaged_translation_is_redo
     assert expert_episode() == want and len(calls) == len(stored) + 1
     assert isinstance(json.loads(gzip.decompress(stored[0].read_bytes()))["sas"], str)  # rewritten whole
     assert expert_episode() == want and len(calls) == len(stored) + 1
+
+
+def test_games_share_one_grammar_parse_and_each_keeps_its_goal(pool):
+    """Each game's GameLogic equals TextWorld's own parse of its grammar, rule for rule and
+    action for action, while the grammar is parsed once for all goals; a goal that is not a
+    plain terminal of TextWorld's grammar (a '#' starts a nonterminal) takes the whole parse."""
+    from textworld.envs.pddl import logic as pddl_logic
+
+    from sprpo_lib.agent.envs.alfworld import GOAL_PLACEHOLDER, parsed_game_logic, shared_game_logic
+
+    def described(logic):
+        return ({name: [repr(r) for r in rules] for name, rules in logic.grammar._rules.items()},
+                {name: (a.template, a.pddl, a.feedback_rule) for name, a in logic.actions.items()})
+
+    domain, template = gen.game_logic()
+    goals = [gen.sample_game(SEED, "valid_seen", i).task_desc for i in range(6)]
+    assert len(set(goals)) > 1
+    parsed_game_logic.cache_clear()
+    for goal in goals + ["put a #mug# in fridge"]:
+        grammar = template.replace(GOAL_PLACEHOLDER, goal)
+        ours, want = described(shared_game_logic(domain, grammar)), described(pddl_logic.GameLogic(domain, grammar))
+        assert ours == want, goal
+        assert not any(GOAL_PLACEHOLDER in r for r in ours[0]["task"])
+        assert any(goal in r for r in ours[0]["task"]) or "#" in goal
+    assert parsed_game_logic.cache_info().misses == 2  # the template once, the '#' goal whole

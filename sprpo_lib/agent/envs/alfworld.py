@@ -202,12 +202,46 @@ def _memo_pddl2sas(domain: str, problem: str, verbose: bool = False, optimize: b
 
 
 @functools.lru_cache(maxsize=8)
-def _game_logic(domain: str, grammar: str) -> pddl_logic.GameLogic:
+def parsed_game_logic(domain: str, grammar: str) -> pddl_logic.GameLogic:
     """TextWorld's ``GameLogic`` once per (domain, grammar) text: parsing the grammar is most
-    of opening a game, and ALFWorld's games share both texts.  The logic is read, never changed,
-    after it is built (``PddlState`` adds the domain's types to it, the same for every game of
-    the domain, a repeat is ignored), so the games of one domain may share it."""
+    of opening a game.  The logic is read, never changed, after it is built (``PddlState``
+    adds the domain's types to it, the same for every game of the domain, a repeat is
+    ignored), so the games of one domain may share it."""
     return pddl_logic.GameLogic(domain=domain, grammar=grammar)
+
+
+GOAL_PLACEHOLDER = "UNKNOWN GOAL"  # what ALFWorld's add_task_to_grammar replaces in alfred.twl2
+_TASK_RHS = re.compile(r'("rhs":\s*"Your task is to: )([^"\n]*)(\.")')
+_LITERAL = re.compile(r'[^;|"<>\[\]#{}\\\t\n]*')  # textgen.ebnf's Literal, less its escapes and whitespace
+
+
+def shared_game_logic(domain: str, grammar: str) -> pddl_logic.GameLogic:
+    """The game's ``GameLogic``.  ALFWorld's games differ in one grammar line, the task rule
+    ("Your task is to: <goal>.", :data:`GOAL_PLACEHOLDER` in ``alfred.twl2``), so the grammar
+    is parsed once with the placeholder (:func:`parsed_game_logic`) and each game gets a copy
+    whose task rule holds its goal.  A goal that is not one plain terminal of TextWorld's
+    grammar, or a grammar without exactly one task rule, is parsed whole."""
+    found = list(_TASK_RHS.finditer(grammar))
+    goal = found[0].group(2) if len(found) == 1 else None
+    if goal is None or not _LITERAL.fullmatch(goal) or GOAL_PLACEHOLDER in goal:
+        return parsed_game_logic(domain, grammar)
+    template = grammar[: found[0].start(2)] + GOAL_PLACEHOLDER + grammar[found[0].end(2):]
+    base = parsed_game_logic(domain, template)
+    logic = copy.copy(base)
+    logic.grammar = textgen.ContextSensitiveGrammar()
+    for name, rules in base.grammar._rules.items():
+        logic.grammar._rules[name] = [_with_goal(rule, goal) for rule in rules]
+    return logic
+
+
+def _with_goal(rule: textgen.ProductionRule, goal: str) -> textgen.ProductionRule:
+    """``rule`` with :data:`GOAL_PLACEHOLDER` in its terminal symbols replaced by ``goal``
+    (the rule itself where none holds it)."""
+    if not any(isinstance(s, textgen.TerminalSymbol) and GOAL_PLACEHOLDER in s.symbol for s in rule.rhs):
+        return rule
+    rhs = [textgen.TerminalSymbol(s.symbol.replace(GOAL_PLACEHOLDER, goal), s.context)
+           if isinstance(s, textgen.TerminalSymbol) else s for s in rule.rhs]
+    return textgen.ProductionRule(rule.lhs, rhs, rule.weight, rule.condition)
 
 
 _TEXTGEN_PARSE = textgen._parse_and_convert
@@ -289,7 +323,7 @@ def _op_name(action: textworld.logic.Action) -> str:
 class _Grounding:
     """The expensive, shareable part of one game (computed once per task).
 
-    Holds the parsed grammar (``GameLogic``, shared: :func:`_game_logic`), a planner library
+    Holds the parsed grammar (``GameLogic``, shared: :func:`shared_game_logic`), a planner library
     with the grounded task loaded, the initial :class:`PddlState` (built by TextWorld itself,
     which is where the translation happens), ALFWorld's demangled entity names and the stored
     walkthrough.
@@ -300,7 +334,7 @@ class _Grounding:
         self.game_file = game_file
         self.walkthrough: list[str] | None = game_data.get("walkthrough") or None
         self.lock = threading.RLock()
-        self.logic = _game_logic(game_data["pddl_domain"], game_data["grammar"])
+        self.logic = shared_game_logic(game_data["pddl_domain"], game_data["grammar"])
         self.lib = _LIBRARIES.acquire()
         self._finalizer = weakref.finalize(self, _LIBRARIES.release, self.lib)
         self._finalizer.atexit = False
