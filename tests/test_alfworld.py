@@ -384,7 +384,8 @@ def test_random_play_matches_alfworld_engine(pool, split, task_type):
     """Two interleaved episodes of one grounded task (sharing the admissible-command
     cache) against ALFWorld's own stack (TextWorld ``PddlEnv`` + ``AlfredDemangler``,
     every command derived by the grammar): same feedback, admissible commands and
-    ``won`` at every step of a seeded random admissible walk with a few invalid moves."""
+    ``won`` at every step of a seeded random admissible walk with a few invalid moves, from the
+    same first observation."""
     import random
 
     from alfworld.agents.environment.alfred_tw_env import AlfredDemangler
@@ -404,6 +405,7 @@ def test_random_play_matches_alfworld_engine(pool, split, task_type):
         refs.append(ref)
     obs = [e.reset() for e in episodes]
     ref_states = [r.reset() for r in refs]
+    assert obs[0].text == obs[1].text == ref_states[0].feedback.strip()  # the intro, derived once per game
     rng = random.Random(7)
     for t in range(40):
         for k in (0, 1):

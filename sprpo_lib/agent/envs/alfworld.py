@@ -139,6 +139,8 @@ TRANSLATOR_VERSION = f"fast_downward_textworld {importlib.metadata.version('fast
 TRANSLATION_MEMO_SIZE = 1024
 _TRANSLATIONS: collections.OrderedDict = collections.OrderedDict()
 _MADE: collections.Counter = collections.Counter()
+_INTROS: collections.OrderedDict = collections.OrderedDict()  # game texts -> #intro# (_Grounding.intro)
+_INTROS_LOCK = threading.Lock()
 
 
 def _read_sas(path: Path, key: str) -> str:
@@ -375,6 +377,25 @@ class _Grounding:
         state.add_facts(self.initial_facts)
         return state
 
+    def intro(self, state: pddl_logic.PddlState) -> str:
+        """The grammar's ``#intro#`` for ``state``, a fresh copy of the initial state: the same
+        text for every episode of the game, so derived once per game and process (remembered by
+        the game's texts, least recently used out) instead of on every reset."""
+        key = (self.game_data["pddl_domain"], self.game_data["grammar"], self.game_data["pddl_problem"])
+        with _INTROS_LOCK:
+            text = _INTROS.get(key)
+            if text is not None:
+                _INTROS.move_to_end(key)
+                return text
+        context = {"state": state, "facts": list(state.facts), "variables": {}, "mapping": {},
+                   "entity_infos": self.entity_infos}
+        text = self.logic.grammar.derive("#intro#", context)
+        with _INTROS_LOCK:
+            _INTROS[key] = text
+            while len(_INTROS) > TRANSLATION_MEMO_SIZE:
+                _INTROS.popitem(last=False)
+        return text
+
     def close(self) -> None:
         """Give the planner library back (episodes of this task become unusable)."""
         self._finalizer()
@@ -491,9 +512,7 @@ class _SharedPddlEnv(PddlEnv):
         self.state = GameState()
         self._last_action = None
         self._moves = 0
-        context = {"state": self._pddl_state, "facts": list(self._pddl_state.facts), "variables": {},
-                   "mapping": {}, "entity_infos": self._entity_infos}
-        self.state.feedback = self._logic.grammar.derive("#intro#", context)
+        self.state.feedback = self._grounding.intro(self._pddl_state)
         self.state.raw = self.state.feedback
         self._gather_infos()
         return self.state
