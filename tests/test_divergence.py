@@ -225,6 +225,7 @@ def test_kl_claims_and_the_kl_success_correlation():
     from scipy.stats import spearmanr
 
     from sprpo_lib.paper.divergence import correlation_sentence, kl_claims, kl_success_correlation
+    from sprpo_lib.paper.stats import holm as stats_holm
 
     rng = np.random.default_rng(0)
     base = rng.gamma(2.0, 0.05, 60)
@@ -243,6 +244,16 @@ def test_kl_claims_and_the_kl_success_correlation():
     sam = claims.loc[("T1-KL", "sam", "rtn 4")]
     assert sam.lo < 0 < sam.hi and sam.reading.startswith("no difference")  # the MDE is well under 10% here
     assert claims.loc[("C4-KL", "vanilla", "plane mean 0")].ratio == pytest.approx(0.5, rel=0.02)
+    # the family: every comparison's bootstrap p adjusted by Holm over the environment's comparisons
+    assert (claims.p_holm >= claims.p).all() and c2.p_holm < 0.05 and sam.p > 0.05
+    assert claims.p_holm.to_numpy() == pytest.approx(stats_holm(claims.p.to_numpy()))
+    from sprpo_lib.paper.claims import kl_claim_rows, kl_markdown
+
+    md = kl_markdown(kl_claim_rows(claims.reset_index()))
+    n, k = len(claims), int(claims.reading.str.contains(" moves ").sum())
+    assert f"{k} of {n} comparisons resolve at 95% each, where about {0.05 * n:.1f} would by chance" in md
+    family = md.split("Holm's correction", 1)[1].split("\n", 1)[0]
+    assert "C2-KL SPrPO vs Vanilla at Quantization INT4 (table)" in family and "SAM" not in family
     # success loss per (policy, setting) against mean KL
     kl = pd.DataFrame([{"method": m, "train_seed": 0, "family": "rtn", "strength": s, "state": 0, "kl": v}
                        for m, v0 in (("a", 0.1), ("b", 0.3)) for s, v in ((8.0, v0), (4.0, 2 * v0 + 0.05))])

@@ -334,3 +334,31 @@ def test_crossed_bootstrap_weights_and_means_by_hand():
     assert flat[0] == pytest.approx(100.0 * np.nanmean(grid))
     w_s, w_t = np.array([[2.0, 0.0]]), np.array([[0.0, 1.0, 3.0]])  # seed 0 twice; units 1 once, 2 three times
     assert stats.crossed_means(grid, w_s, w_t)[0] == pytest.approx(2.0)  # only cell (0, 1) = 2 is both weighted and present
+
+
+def test_holm_against_its_definition_and_a_worked_example():
+    """Holm's step-down: the worked example (0.01, 0.04, 0.03, 0.005) -> (0.03, 0.06, 0.06, 0.02),
+    and on random p-values with gaps the definition itself, max over the smaller ones of
+    min(1, (m - rank + 1) p), computed by a plain loop; a missing p stays missing, uncounted."""
+    assert stats.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    rng = np.random.default_rng(3)
+    p = rng.uniform(0, 0.2, 12)
+    p[[2, 7]] = np.nan
+    have = [i for i in range(12) if not math.isnan(p[i])]
+    ranked = sorted(have, key=lambda i: p[i])
+    want = {i: max(min(1.0, (len(have) - r) * p[j]) for r, j in enumerate(ranked[: ranked.index(i) + 1]))
+            for i in have}
+    got = stats.holm(p)
+    assert np.isnan(got[[2, 7]]).all() and [got[i] for i in have] == pytest.approx([want[i] for i in have])
+
+
+def test_bootstrap_p_agrees_with_the_percentile_interval():
+    """All replicates above 0: the smallest p the replicates allow, 2/(B+1); centred on 0: 1; and
+    p < 0.05 exactly where the 95% percentile interval of well-separated normal replicates
+    excludes 0 (shifts of 0.5 and 3 standard errors)."""
+    assert stats.bootstrap_p(np.linspace(0.1, 1, 999)) == pytest.approx(2 / 1000)
+    assert stats.bootstrap_p(np.array([-1.0, 1.0])) == 1.0
+    z = np.random.default_rng(0).standard_normal(20_000)
+    for shift in (0.5, 3.0):
+        lo, hi = np.quantile(z + shift, [0.025, 0.975])
+        assert (stats.bootstrap_p(z + shift) < 0.05) == (lo > 0 or hi < 0)

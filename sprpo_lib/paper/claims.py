@@ -16,6 +16,7 @@ import math
 from pathlib import Path
 from typing import Mapping
 
+import numpy as np
 import pandas as pd
 
 from sprpo_lib.infra.io import atomic_write_text
@@ -332,7 +333,7 @@ def verdict_sentence(rows: pd.DataFrame, *, profile: str) -> str:
 # ----------------------------------------------------------------------------- KL claims
 #: What the KL claims (notebook 09) add to the claims table; success rows leave them empty and
 #: have ``measure`` "success".
-KL_COLUMNS = ["measure", "ratio", "ratio_lo", "ratio_hi", "mde80_rel"]
+KL_COLUMNS = ["measure", "ratio", "ratio_lo", "ratio_hi", "mde80_rel", "p_holm"]
 #: The KL comparisons of SPrPO with another policy (the verdict sentence counts them).
 SPRPO_KL_IDS = ("C2-KL", "T1-KL", "C4-KL")
 
@@ -340,7 +341,8 @@ SPRPO_KL_IDS = ("C2-KL", "T1-KL", "C4-KL")
 def kl_claim_rows(kl: pd.DataFrame) -> pd.DataFrame:
     """KL claim rows (:func:`sprpo_lib.paper.divergence.kl_claims`) in the claims table's
     columns: ``diff``/``lo``/``hi``/``mde80`` in nats of mean KL per state, ``tasks`` the states,
-    ``measure`` "KL", the ratio of mean KLs with its interval and the MDE relative to the baseline."""
+    ``measure`` "KL", the ratio of mean KLs with its interval, the MDE relative to the baseline and
+    the Holm-adjusted p-value (``p_holm``)."""
     out = []
     for r in kl.to_dict("records"):
         family, strength = str(r["setting"]).rsplit(" ", 1)
@@ -351,7 +353,8 @@ def kl_claim_rows(kl: pd.DataFrame) -> pd.DataFrame:
                     "hi": r["hi"], "mde80": r["mde80"], "mde_pooled": False, "tasks": r["states"],
                     "train_seeds": r["train_seeds"], "wins": r.get("wins"), "losses": r.get("losses"),
                     "sign_p": r.get("sign_p"), "reading": r["reading"], "measure": "KL", "ratio": r["ratio"],
-                    "ratio_lo": r["ratio_lo"], "ratio_hi": r["ratio_hi"], "mde80_rel": r["mde80_rel"]})
+                    "ratio_lo": r["ratio_lo"], "ratio_hi": r["ratio_hi"], "mde80_rel": r["mde80_rel"],
+                    "p_holm": r.get("p_holm", float("nan"))})
     return pd.DataFrame(out, columns=[*CLAIM_COLUMNS, *KL_COLUMNS])
 
 
@@ -368,18 +371,37 @@ def kl_markdown(rows: pd.DataFrame) -> str:
              "09), paired by state and training seed (two-way bootstrap, 95%). Ratio: mean KL of the first policy over "
              "the second's; MDE80 relative to the second's mean KL; flips: the exact sign test on the states whose "
              "greedy action flips under one policy only. \"No difference\" is read only where the design detects 10% "
-             "of the baseline's KL."]
+             "of the baseline's KL. Holm p: the comparison's bootstrap p-value adjusted for all of its environment's "
+             "comparisons (family-wise error)."]
     for env, part in kl.groupby("env", sort=False):
-        lines += ["", f"**{ENV_LABELS.get(env, env)}, KL**", "",
-                  "| Id | Policies | Setting | Difference [95% CI] | Ratio [95% CI] | MDE80 | States x seeds | Reading |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += ["", f"**{ENV_LABELS.get(env, env)}, KL**", "", kl_multiplicity(part), "",
+                  "| Id | Policies | Setting | Difference [95% CI] | Ratio [95% CI] | MDE80 | Holm p | States x seeds "
+                  "| Reading |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in part.to_dict("records"):
             ratio = "" if pd.isna(r["ratio"]) else f"{r['ratio']:.3g} [{r['ratio_lo']:.3g}, {r['ratio_hi']:.3g}]"
             mde = "" if pd.isna(r["mde80_rel"]) else f"{100 * r['mde80_rel']:.1f}%"
+            p_holm = "" if pd.isna(r.get("p_holm", np.nan)) else f"{r['p_holm']:.2g}"
             lines.append(f"| {r['id']} | {r['versus']} | {r['setting']} | {r['diff']:+.3g} [{r['lo']:+.3g}, "
-                         f"{r['hi']:+.3g}] | {ratio} | {mde} | {int(r['tasks'])} x {r['train_seeds']} | "
+                         f"{r['hi']:+.3g}] | {ratio} | {mde} | {p_holm} | {int(r['tasks'])} x {r['train_seeds']} | "
                          f"{r['reading']} |")
     return "\n".join(lines) + "\n"
+
+
+def kl_multiplicity(part: pd.DataFrame, level: float = 0.05) -> str:
+    """One environment's KL comparisons as a family: how many intervals exclude 0, how many would
+    by chance alone if no policy differed from another, and which keep their direction after
+    Holm's correction for all of them (``p_holm``; rows without it count as not kept)."""
+    n = len(part)
+    resolved = part["reading"].astype(str).str.contains(" moves (?:less|more) ", regex=True)
+    p_holm = pd.to_numeric(part.get("p_holm", pd.Series(np.nan, index=part.index)), errors="coerce")
+    kept = part[resolved & (p_holm < level)]
+    named = "; ".join(f"{r['id']} {r['versus']} at {r['setting']} (Holm p = {r['p_holm']:.2g})"
+                      for r in kept.to_dict("records"))
+    keeps = "keeps its" if len(kept) == 1 else "keep their"
+    return (f"{int(resolved.sum())} of {n} comparisons resolve at 95% each, where about {level * n:.1f} would by "
+            f"chance alone if no policy differed; {len(kept)} {keeps} direction after Holm's correction for the "
+            f"{n} comparisons" + (f": {named}." if named else "."))
 
 
 def kl_sentence(rows: pd.DataFrame) -> str:
@@ -392,8 +414,11 @@ def kl_sentence(rows: pd.DataFrame) -> str:
     r = kl["reading"].astype(str)
     less, more = int(r.str.contains("moves less").sum()), int(r.str.contains("moves more").sum())
     same = int(r.str.startswith("no difference").sum())
+    p_holm = pd.to_numeric(kl.get("p_holm", pd.Series(np.nan, index=kl.index)), errors="coerce")
+    held = int((r.str.contains(" moves (?:less|more) ", regex=True) & (p_holm < 0.05)).sum())
     return (f" In the policy's own terms (KL per agent state, notebook 09), SPrPO moves less than the other policy in "
-            f"{less} of {len(kl)} paired comparisons, more in {more}; {same} read no difference at an MDE of at most "
+            f"{less} of {len(kl)} paired comparisons, more in {more} ({held} of these {less + more} hold after Holm's "
+            f"correction for all of an environment's KL comparisons); {same} read no difference at an MDE of at most "
             f"10% and {len(kl) - less - more - same} are not resolved.")
 
 

@@ -30,7 +30,7 @@ from sprpo_lib.infra.io import atomic_write_json, atomic_write_text
 from sprpo_lib.paper.claims import kl_claim_rows, kl_markdown
 from sprpo_lib.paper.experiments import Plan
 from sprpo_lib.paper.results import save_figure
-from sprpo_lib.paper.stats import N_RESAMPLES, Z80, crossed_means, crossed_weights, paired_kl_bootstrap
+from sprpo_lib.paper.stats import N_RESAMPLES, Z80, crossed_means, crossed_weights, holm, paired_kl_bootstrap
 from sprpo_lib.paper.style import METHOD_COLORS, METHOD_MARKERS, pyplot, role
 from sprpo_lib.paper.tables import ENV_LABELS, FAMILY_LABELS, METHOD_LABELS, to_csv
 
@@ -44,7 +44,7 @@ KL_CLAIMS = (("C2-KL", "sprpo", "vanilla", "SPrPO moves less than Vanilla under 
 INFORMATIVE_MDE = 0.10
 KL_CLAIM_COLUMNS = ["env", "id", "claim", "a", "b", "setting", "where", "states", "train_seeds", "kl_a", "kl_b",
                     "diff", "lo", "hi", "ratio", "ratio_lo", "ratio_hi", "mde80", "mde80_rel", "flip_a", "flip_b",
-                    "wins", "losses", "sign_p", "reading"]
+                    "wins", "losses", "sign_p", "p", "p_holm", "reading"]
 
 
 def _setting(family: str, strength: float) -> str:
@@ -91,7 +91,7 @@ def _claim_row(env: str, cid: str, claim: str, r: dict, where: str) -> dict:
             "lo": r["diff_ci"][0], "hi": r["diff_ci"][1], "ratio": r["ratio"], "ratio_lo": r["ratio_ci"][0],
             "ratio_hi": r["ratio_ci"][1], "mde80": r["mde80"], "mde80_rel": r["mde80_rel"],
             "flip_a": r.get("flip_a"), "flip_b": r.get("flip_b"), "wins": r.get("wins"), "losses": r.get("losses"),
-            "sign_p": r.get("sign_p"), "reading": kl_reading(r)}
+            "sign_p": r.get("sign_p"), "p": r["diff_p"], "p_holm": np.nan, "reading": kl_reading(r)}
 
 
 def kl_claims(rows: pd.DataFrame, env: str, table: Sequence[tuple[str, float]], *,
@@ -99,7 +99,9 @@ def kl_claims(rows: pd.DataFrame, env: str, table: Sequence[tuple[str, float]], 
     """Every KL claim row of one environment: each comparison of :data:`KL_CLAIMS` whose two
     methods were measured at the setting, at every setting off the plane (``where``: ``table`` for
     Table 1's, ``curve`` for Fig. 3's other strengths, where the plan may measure fewer policies), and
-    C4-KL on the plane's mean (SPrPO against Vanilla)."""
+    C4-KL on the plane's mean (SPrPO against Vanilla).  ``p`` is each comparison's bootstrap p-value,
+    ``p_holm`` the same adjusted for all the environment's comparisons (:func:`~sprpo_lib.paper.stats.holm`):
+    the readings stay per comparison, the family-wise count is :func:`~sprpo_lib.paper.claims.kl_multiplicity`'s."""
     out = []
     flat = rows[rows["family"] != "plane"]
     table = {(f, float(s)) for f, s in table}
@@ -115,7 +117,9 @@ def kl_claims(rows: pd.DataFrame, env: str, table: Sequence[tuple[str, float]], 
         mean = mean.assign(family="plane mean", strength=0.0)
         r = paired_kl_bootstrap(mean, "sprpo", "vanilla", "plane mean", 0.0, n_resamples=n_resamples)
         out.append(_claim_row(env, "C4-KL", "SPrPO's surface is flatter: less KL over Fig. 4's plane", r, "plane"))
-    return pd.DataFrame(out, columns=KL_CLAIM_COLUMNS)
+    claims = pd.DataFrame(out, columns=KL_CLAIM_COLUMNS)
+    claims["p_holm"] = holm(claims["p"].to_numpy(float)) if len(claims) else claims["p"]
+    return claims
 
 
 def kl_power(rows: pd.DataFrame, a: str, b: str, family: str, strength: float) -> dict:

@@ -169,6 +169,30 @@ def sign_test(wins: int, losses: int) -> float:
     return min(1.0, 2.0 * tail)
 
 
+def bootstrap_p(diffs: np.ndarray) -> float:
+    """Two-sided p-value of "no difference" from bootstrap replicates of a difference: twice the
+    smaller share of replicates on either side of 0, each counted with the observed one
+    (``(k + 1) / (B + 1)``, never 0), at most 1: below 0.05 about where the 95% percentile
+    interval excludes 0."""
+    d = np.asarray(diffs, float)
+    d = d[~np.isnan(d)]
+    below, above = (int((d <= 0).sum()) + 1) / (len(d) + 1), (int((d >= 0).sum()) + 1) / (len(d) + 1)
+    return min(1.0, 2.0 * min(below, above))
+
+
+def holm(p: Sequence[float]) -> np.ndarray:
+    """Holm's step-down adjustment of ``p`` for its family of comparisons (the family-wise error
+    rate): the i-th smallest p times (m - i + 1), kept non-decreasing in that order, at most 1;
+    a missing p stays missing and does not count."""
+    p = np.asarray(p, float)
+    out = np.full(p.shape, np.nan)
+    have = np.flatnonzero(~np.isnan(p))
+    order = have[np.argsort(p[have], kind="stable")]
+    m = len(order)
+    out[order] = np.minimum(1.0, np.maximum.accumulate(p[order] * (m - np.arange(m))))
+    return out
+
+
 def _cell_sums(rows: pd.DataFrame, seed_col: str | None, unit: Sequence[str], seeds: list,
                tasks: pd.Index) -> tuple[np.ndarray, np.ndarray]:
     """Successes and episodes per (training seed, task): ``[seeds, tasks]`` arrays."""
@@ -276,7 +300,8 @@ def paired_kl_bootstrap(rows: pd.DataFrame, a: str, b: str, family: str, strengt
     random family averaged per state first).  Each replicate draws the states and, with ``seeds``,
     the training seeds with replacement (two-way, crossed), so the interval carries seed and state
     variance.  Returns ``diff`` = mean KL(a) - mean KL(b) and ``ratio`` = mean KL(a) / mean KL(b)
-    with percentile intervals, ``mde80`` (:data:`Z80` bootstrap standard errors of the difference)
+    with percentile intervals, ``diff_p`` (:func:`bootstrap_p`), ``mde80`` (:data:`Z80` bootstrap
+    standard errors of the difference)
     and its share of b's mean (``mde80_rel``), and on the flips (the greedy action changes under
     the perturbation): ``wins`` / ``losses`` the states where a flips less / more often than b,
     pooled over seeds and draws, and ``sign_p`` the exact sign test on them."""
@@ -324,6 +349,7 @@ def paired_kl_bootstrap(rows: pd.DataFrame, a: str, b: str, family: str, strengt
            "seeds_a": len(own[a]), "seeds_b": len(own[b]),
            "interval": "training seeds x states" if n_s > 1 else "states", "n_resamples": n_resamples,
            "kl_a": pa, "kl_b": pb, "diff": pa - pb, "diff_ci": tuple(float(v) for v in np.quantile(ma - mb, q)),
+           "diff_p": bootstrap_p(ma - mb),
            "ratio": pa / pb if pb > 0 else float("nan"),
            "ratio_ci": tuple(float(v) for v in np.nanquantile(ratios, q)) if pb > 0 else (np.nan, np.nan),
            "mde80": Z80 * se, "mde80_rel": Z80 * se / pb if pb > 0 else float("nan")}
