@@ -58,3 +58,51 @@ def test_the_cuda_lock_holds_the_paper_engine_and_the_versions_it_requires():
     cpu = _pins("requirements.txt")
     differ = {n for n in set(cpu) & set(gpu) if cpu[n] != gpu[n]}
     assert differ == {"torch", "transformers", "numpy"}, differ  # one set of versions everywhere else
+
+
+def _closure(reqs: list[Requirement]) -> set[str]:
+    """The installed distributions that ``reqs`` require, themselves included, with the extras
+    each requirement asks for (alfworld's ``textworld[pddl]``)."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    seen, todo = set(), [(canonicalize_name(r.name), extra) for r in reqs for extra in ("", *r.extras)]
+    while todo:
+        name, extra = todo.pop()
+        if (name, extra) in seen:
+            continue
+        seen.add((name, extra))
+        try:
+            lines = requires(name) or []
+        except PackageNotFoundError:
+            continue
+        for line in lines:
+            req = Requirement(line)
+            if req.marker is None or req.marker.evaluate({"extra": extra}):
+                todo += [(canonicalize_name(req.name), e) for e in ("", *req.extras)]
+    return {name for name, _ in seen}
+
+
+def test_every_module_level_import_is_a_declared_dependency():
+    """What the package imports when its modules load (a module-level ``import``, not one inside a
+    function that an optional engine guards) is installed by ``pip install sprpo``: its
+    distribution is a declared dependency or one that a declared dependency requires."""
+    import ast
+    import sys
+    from importlib.metadata import packages_distributions
+
+    core, _ = _declared()
+    installed = _closure(list(core.values()))
+    dists = packages_distributions()
+    undeclared = {}
+    for path in sorted((project_root() / "sprpo_lib").rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for top in {n.split(".")[0] for n in names} - set(sys.stdlib_module_names) - {"sprpo_lib"}:
+                if not {canonicalize_name(d) for d in dists.get(top, [top])} & installed:
+                    undeclared.setdefault(top, []).append(str(path.relative_to(project_root())))
+    assert not undeclared, f"imported at module level but not installed with the package: {undeclared}"
