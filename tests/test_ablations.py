@@ -296,21 +296,29 @@ def test_landscape_drop_is_the_centre_minus_the_ring_paired_by_goal():
 
 
 def test_overview_reads_each_claim_by_its_own_rule():
-    """C2 needs 4 of 5 families, C3 is non-inferiority at 2 pp, C4 has a direction and no number,
-    a claim without rows is "not measured"."""
-    def row(env, cid, diff, lo, hi, paper=5.0, p=0.01, wins=8, losses=0):
+    """C2 needs 4 of 5 families and C1 one of its settings, each after Holm's correction over the
+    claim's settings (a sign test at p = 0.02 alone among 5 settings does not carry C1: 0.1 after
+    Holm; one at 0.004 does), C3 is non-inferiority at 2 pp, C4 has a direction and no number, a
+    claim without rows is "not measured"."""
+    def row(env, cid, diff, lo, hi, paper=5.0, p=0.001, wins=8, losses=0):
         return {"env": env, "id": cid, "claim": "c", "versus": "Vanilla", "setting": f"s{lo}", "paper": paper,
                 "diff": diff, "lo": lo, "hi": hi, "mde80": 6.0, "mde_pooled": False, "tasks": 40, "train_seeds": "0 1 2",
                 "wins": wins, "losses": losses, "sign_p": p,
                 "reading": C.reading(diff, lo, hi, 6.0, paper, wins, losses, p)}
 
-    rows = [row("webshop", "C2", 9.0, 2.0 + k, 15.0) for k in range(4)] + [row("webshop", "C2", 1.0, -5.0, 7.0)]
-    rows += [row("alfworld", "C2", 9.0, 2.0 + k, 15.0) for k in range(3)] + [row("alfworld", "C2", 1.0, -5.0, 7.0)] * 2
+    rows = [row("webshop", "C2", 9.0, 2.0 + k, 15.0) for k in range(4)] + [row("webshop", "C2", 1.0, -5.0, 7.0, p=0.6)]
+    rows += [row("alfworld", "C2", 9.0, 2.0 + k, 15.0) for k in range(3)]
+    rows += [row("alfworld", "C2", 1.0, -5.0, 7.0, p=0.6)] * 2
+    for env, p in (("webshop", 0.02), ("alfworld", 0.004)):
+        rows += [row(env, "C1", 9.0, 2.0, 15.0, p=p)] + [row(env, "C1", 1.0, -5.0, 7.0, p=0.6)] * 4
     rows += [row("webshop", "C3", 2.0, -1.5, 6.0), row("alfworld", "C3", 1.0, -3.0, 5.0)]
     rows += [row("webshop", "C4", 3.0, 1.0, 5.0, paper=math.nan)]
     ov = C.overview(pd.DataFrame(rows, columns=C.CLAIM_COLUMNS)).set_index(["id", "env"])["verdict"]
-    assert ov["C2", "webshop"] == "agrees (4 of 5 agree; the claim needs 4)"
-    assert ov["C2", "alfworld"] == "not resolved (3 of 5 agree; the claim needs 4)"
+    assert ov["C2", "webshop"] == "agrees (4 of 5 agree, 4 of them after Holm's correction for the 5 settings; " \
+        "the claim needs 4)"
+    assert ov["C2", "alfworld"].startswith("not resolved (3 of 5 agree, 3 of them after Holm's")
+    assert ov["C1", "webshop"] == "not resolved (1 of 5 agree, 0 of them after Holm's correction for the 5 settings)"
+    assert ov["C1", "alfworld"] == "agrees (1 of 5 agree, 1 of them after Holm's correction for the 5 settings)"
     assert ov["C3", "webshop"].startswith("agrees") and ov["C3", "alfworld"].startswith("not resolved")
     assert ov["C4", "webshop"] == "agrees" and ov["C4", "alfworld"] == "not measured"
     assert ov["C6", "webshop"] == "not measured" and len(ov) == 2 * len(C.CLAIMS)

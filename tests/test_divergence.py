@@ -327,6 +327,8 @@ def test_kl_claims_join_the_success_claims_and_the_verdict(tmp_path):
     sentence = C.verdict_sentence(rows, profile="cpu")
     assert sentence.startswith("At the cpu profile's scale no SPrPO comparison resolves: all 1 paired")
     assert "moves less than the other policy in 1 of 2 paired comparisons, more in 0; 0 read no difference" in sentence
+    holm = C.verdict_sentence(rows.assign(p_holm=[None, 0.2, 0.3]), profile="cpu")  # rows written with Holm's p
+    assert "more in 0 (0 of these 1 hold after Holm's correction for all of an environment's KL comparisons);" in holm
     assert C.overview(rows[rows["measure"] == "success"])["id"].tolist().count("C2") == 1
 
 

@@ -21,6 +21,7 @@ import pandas as pd
 
 from sprpo_lib.infra.io import atomic_write_text
 from sprpo_lib.paper.results import landscape_drop, mde_text, paired_comparisons, setting_label
+from sprpo_lib.paper.stats import holm
 from sprpo_lib.paper.tables import ENV_LABELS, METHOD_LABELS, to_csv
 
 __all__ = ["PAPER", "CLAIMS", "C3_MARGIN", "C2_FAMILIES", "CLAIM_COLUMNS", "reading", "claim_rows", "c1_rows",
@@ -290,7 +291,8 @@ def claims_markdown(rows: pd.DataFrame, *, profile: str) -> str:
              "rho = 5e-3 minus SAM at rho = 0.1 (C6); MDE = the smallest difference this design detects with 80% "
              "power (~: no goal differed at that setting; the comparison's MDE pooled over its other settings). "
              "\"Agrees\" and \"opposite sign\" need the exact sign test on the goals whose outcomes differ at "
-             "p < 0.05 as well. Goals x seeds: the test goals and the training seeds the paired comparison rests on; "
+             "p < 0.05 as well; a claim that one (C1) or some (C2) of its settings can carry counts a setting only "
+             "where that test holds after Holm's correction over the claim's settings. Goals x seeds: the test goals and the training seeds the paired comparison rests on; "
              "x 1 (one seed) marks a comparison with a policy trained at one seed: only the other method's policy "
              "of that seed is paired with it, so the difference can disagree with the seed means of the tables. "
              + "".join(f"Paper numbers marked \u2020 for {k} are {v[len('derived: '):]}. " for k, v in derived.items())
@@ -416,10 +418,11 @@ def kl_sentence(rows: pd.DataFrame) -> str:
     same = int(r.str.startswith("no difference").sum())
     p_holm = pd.to_numeric(kl.get("p_holm", pd.Series(np.nan, index=kl.index)), errors="coerce")
     held = int((r.str.contains(" moves (?:less|more) ", regex=True) & (p_holm < 0.05)).sum())
+    holm_note = "" if p_holm.isna().all() else \
+        f" ({held} of these {less + more} hold after Holm's correction for all of an environment's KL comparisons)"
     return (f" In the policy's own terms (KL per agent state, notebook 09), SPrPO moves less than the other policy in "
-            f"{less} of {len(kl)} paired comparisons, more in {more} ({held} of these {less + more} hold after Holm's "
-            f"correction for all of an environment's KL comparisons); {same} read no difference at an MDE of at most "
-            f"10% and {len(kl) - less - more - same} are not resolved.")
+            f"{less} of {len(kl)} paired comparisons, more in {more}{holm_note}; {same} read no difference at an MDE "
+            f"of at most 10% and {len(kl) - less - more - same} are not resolved.")
 
 
 def write_claims(out: str | Path, profile: str, success: pd.DataFrame | None = None,
@@ -508,6 +511,20 @@ def _numbers(r: Mapping, versus: bool = False) -> str:
     return f"{r['setting']}{who}: {r['diff']:+.1f} [{r['lo']:+.1f}, {r['hi']:+.1f}], MDE {mde}{p}"
 
 
+def _holm_held(rows: list[dict], read: list[str], level: float = 0.05) -> tuple[list[dict], str]:
+    """The rows of a claim that any (or some) of its settings can carry whose reading holds as a
+    family: the sign test after Holm's correction over the claim's settings (a claim read from
+    its luckiest setting of several would otherwise agree more often than 5% by chance), and the
+    words that say so.  Rows written before the sign test have no p: they are kept as read."""
+    p = [float("nan") if r.get("sign_p") is None else float(r["sign_p"]) for r in rows]
+    if all(math.isnan(v) for v in p):
+        return [r for r, t in zip(rows, read) if t.startswith(("agrees", "opposite"))], ""
+    adjusted = holm(p)
+    held = [r for r, t, q in zip(rows, read, adjusted) if t.startswith(("agrees", "opposite")) and q < level]
+    n_read = sum(t.startswith(("agrees", "opposite")) for t in read)
+    return held, ("" if n_read == 0 else f", {len(held)} of them after Holm's correction for the {len(rows)} settings")
+
+
 def _verdict(cid: str, part: pd.DataFrame) -> tuple[str, str]:
     """(verdict, evidence) of one claim on one environment from its rows of the claims table."""
     rows = part.to_dict("records")
@@ -526,8 +543,10 @@ def _verdict(cid: str, part: pd.DataFrame) -> tuple[str, str]:
     agree = [r for r, t in zip(rows, read) if t.startswith("agrees")]
     opposite = [r for r, t in zip(rows, read) if t.startswith("opposite")]
     need = {"C1": 1, "C2": C2_FAMILIES}.get(cid, len(rows))
-    verdict = "agrees" if len(agree) >= need else "opposite" if len(opposite) >= need else "not resolved"
-    verdict += f" ({len(agree)} of {len(rows)} agree" + (f", {len(opposite)} opposite" if opposite else "") + \
+    held, note = _holm_held(rows, read) if need < len(rows) else (agree + opposite, "")
+    n_agree, n_opposite = sum(r in held for r in agree), sum(r in held for r in opposite)
+    verdict = "agrees" if n_agree >= need else "opposite" if n_opposite >= need else "not resolved"
+    verdict += f" ({len(agree)} of {len(rows)} agree" + (f", {len(opposite)} opposite" if opposite else "") + note + \
         (f"; the claim needs {need})" if need not in (1, len(rows)) else ")")
     shown = agree + opposite
     if shown:
@@ -543,7 +562,8 @@ def _verdict(cid: str, part: pd.DataFrame) -> tuple[str, str]:
 def overview(rows: pd.DataFrame, envs: list[str] | None = None) -> pd.DataFrame:
     """One row per claim of :data:`CLAIMS` and environment: its verdict from the claims table's
     rows (:func:`_verdict`: C1 agrees where any setting agrees, C2 where at least
-    :data:`C2_FAMILIES` families do, C3 by non-inferiority at :data:`C3_MARGIN`, C5 and T1
+    :data:`C2_FAMILIES` families do, each after Holm's correction over the claim's settings
+    (:func:`_holm_held`), C3 by non-inferiority at :data:`C3_MARGIN`, C5 and T1
     where every comparison does, C4 and C6 by their one reading) and the numbers it rests on;
     "not measured" where this profile's plan has no rows for it."""
     envs = envs or (list(dict.fromkeys(rows["env"])) if len(rows) else [])
