@@ -46,6 +46,8 @@ def test_real_probe_measures_both_dtypes_and_picks_one():
 
 
 def test_cache_hit_returns_the_same_numbers_without_probing(monkeypatch, tmp_path):
+    for var in hardware.ISA_LIMITS:  # uncapped to begin with, also where the caller's shell caps the kernels
+        monkeypatch.delenv(var, raising=False)
     calls: list = []
     monkeypatch.setattr(hardware, "default_probe", _fake_probe(100.0, 300.0, calls))
     d1, i1 = hardware.fast_dtype(SHAPES)
