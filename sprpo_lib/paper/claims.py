@@ -292,9 +292,10 @@ def claims_markdown(rows: pd.DataFrame, *, profile: str) -> str:
              "power (~: no goal differed at that setting; the comparison's MDE pooled over its other settings). "
              "\"Agrees\" and \"opposite sign\" need the exact sign test on the goals whose outcomes differ at "
              "p < 0.05 as well; a claim that one (C1) or some (C2) of its settings can carry counts a setting only "
-             "where that test holds after Holm's correction over the claim's settings. Goals x seeds: the test goals and the training seeds the paired comparison rests on; "
-             "x 1 (one seed) marks a comparison with a policy trained at one seed: only the other method's policy "
-             "of that seed is paired with it, so the difference can disagree with the seed means of the tables. "
+             "where that test holds after Holm's correction over the claim's settings. Goals x seeds: the test goals "
+             "and the training seeds the paired comparison rests on; x 1 (one seed) marks a comparison with a policy "
+             "trained at one seed: only the other method's policy of that seed is paired with it, so the difference "
+             "can disagree with the seed means of the tables. "
              + "".join(f"Paper numbers marked \u2020 for {k} are {v[len('derived: '):]}. " for k, v in derived.items())
              + "Claims: " + "; ".join(f"{k}, {v}" for k, v in CLAIMS.items()) + "."]
     for env, part in rows.groupby("env", sort=False):

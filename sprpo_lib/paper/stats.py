@@ -301,10 +301,10 @@ def paired_kl_bootstrap(rows: pd.DataFrame, a: str, b: str, family: str, strengt
     the training seeds with replacement (two-way, crossed), so the interval carries seed and state
     variance.  Returns ``diff`` = mean KL(a) - mean KL(b) and ``ratio`` = mean KL(a) / mean KL(b)
     with percentile intervals, ``diff_p`` (:func:`bootstrap_p`), ``mde80`` (:data:`Z80` bootstrap
-    standard errors of the difference)
-    and its share of b's mean (``mde80_rel``), and on the flips (the greedy action changes under
-    the perturbation): ``wins`` / ``losses`` the states where a flips less / more often than b,
-    pooled over seeds and draws, and ``sign_p`` the exact sign test on them."""
+    standard errors of the difference) and its share of b's mean (``mde80_rel``), and on the flips
+    (the greedy action changes under the perturbation): ``wins`` / ``losses`` the states where a
+    flips less / more often than b, pooled over seeds and draws, and ``sign_p`` the exact sign test
+    on them."""
     if n_resamples < 2 or not 0 < level < 1:
         raise ValueError(f"paired_kl_bootstrap: need n_resamples >= 2 and 0 < level < 1, got {n_resamples}, {level}")
     _need(rows, [method, unit, "family", "strength", "kl", *([seeds] if seeds else [])], "paired_kl_bootstrap")
