@@ -418,3 +418,40 @@ def test_the_kl_curves_footnote_says_what_each_point_averages():
     assert design_note(flat, [("rtn", 6)]) == (
         "States x training seeds x draws per point: at Table 1's strengths 16 x 1 x 1 (SAM), 16 x 3 x 1 (Vanilla, "
         "SPrPO); at the other strengths 16 x 1 x 1 (Vanilla, SPrPO).")
+
+
+def test_a_kl_curve_joins_one_design_and_draws_the_others_hollow(tmp_path, monkeypatch):
+    """Vanilla at Table 1's strength has three seeds, at its other strengths one: the line joins
+    the one-seed points only (tagged with that design, so the figure check finds nothing) and the
+    three-seed point stands apart, hollow, with its own interval."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import pandas as pd
+
+    from sprpo_lib.paper import divergence as D
+    from sprpo_lib.paper.figcheck import data_lines, figure_problems
+    from sprpo_lib.paper.style import METHOD_COLORS
+
+    rows = [{"method": m, "family": "gaussian", "strength": s, "w2": 0.0, "kl": kl, "lo": kl * 0.8, "hi": kl * 1.2,
+             "flip": 0.1, "states": 16, "train_seeds": 3 if (m == "vanilla" and s == 0.2) else 1, "draws": 1}
+            for m in ("vanilla", "sprpo") for s, kl in ((0.05, 0.1), (0.1, 0.4), (0.2, 1.5), (0.3, 3.0))]
+    drawn = {}
+    real_save = D.save_figure
+
+    def keep(fig, path, **kw):
+        drawn["fig"] = fig
+        return real_save(fig, path, **kw)
+
+    monkeypatch.setattr(D, "save_figure", keep)
+    D.plot_kl_curves(pd.DataFrame(rows), tmp_path / "curves.png", table=[("gaussian", 0.2)])
+    ax = drawn["fig"].get_axes()[0]
+    lines = {m: line for line in data_lines(ax) for m, c in METHOD_COLORS.items()
+             if m in ("vanilla", "sprpo") and line.get_color() == c}
+    assert len(data_lines(ax)) == 2 and sorted(lines) == ["sprpo", "vanilla"]
+    assert [t.get_text() for t in drawn["fig"].legends[0].get_texts()] == ["Vanilla", "SPrPO"]
+    assert list(lines["vanilla"].get_xdata()) == [0.05, 0.1, 0.3] and lines["vanilla"].get_gid() == "design:16x1"
+    assert list(lines["sprpo"].get_xdata()) == [0.05, 0.1, 0.2, 0.3]
+    hollow = [line for line in ax.get_lines() if line.get_markerfacecolor() == "white"]
+    assert [(list(h.get_xdata()), list(h.get_ydata())) for h in hollow] == [([0.2], [1.5])]
+    assert [p for p in figure_problems(drawn["fig"]) if "design" in p] == []

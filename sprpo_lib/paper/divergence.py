@@ -29,6 +29,7 @@ from scipy.stats import rankdata
 from sprpo_lib.infra.io import atomic_write_json, atomic_write_text
 from sprpo_lib.paper.claims import kl_claim_rows, kl_markdown
 from sprpo_lib.paper.experiments import Plan
+from sprpo_lib.paper.figcheck import design_gid
 from sprpo_lib.paper.results import save_figure
 from sprpo_lib.paper.stats import N_RESAMPLES, Z80, crossed_means, crossed_weights, holm, paired_kl_bootstrap
 from sprpo_lib.paper.style import METHOD_COLORS, METHOD_MARKERS, pyplot, role
@@ -348,22 +349,38 @@ def plot_kl_curves(summary: pd.DataFrame, path: str | Path, *, title: str = "",
         part = flat[flat["family"] == fam]
         for m, g in part.groupby("method", sort=False):
             g = g.sort_values("strength")
-            err = np.vstack([g["kl"] - g["lo"], g["hi"] - g["kl"]]).clip(min=0)
-            ax.errorbar(g["strength"], g["kl"], yerr=err, color=METHOD_COLORS.get(m), marker=METHOD_MARKERS.get(m, "o"),
-                        ms=4, lw=1.2, capsize=2, label=METHOD_LABELS.get(m, m))
+            design = list(zip(g["states"], g["train_seeds"]))
+            main = max(dict.fromkeys(design), key=design.count)  # the line joins one design's points
+            style = dict(color=METHOD_COLORS.get(m), marker=METHOD_MARKERS.get(m, "o"), ms=4, capsize=2)
+            for joined, sub in g.groupby([d == main for d in design], sort=False):
+                err = np.vstack([sub["kl"] - sub["lo"], sub["hi"] - sub["kl"]]).clip(min=0)
+                if joined:
+                    bars = ax.errorbar(sub["strength"], sub["kl"], yerr=err, lw=1.2, label=METHOD_LABELS.get(m, m),
+                                       **style)
+                    bars.lines[0].set_gid(design_gid(*main))
+                else:  # another design (Table 1's seeds): its own hollow points, not on the line
+                    ax.errorbar(sub["strength"], sub["kl"], yerr=err, linestyle="none", mfc="white", mew=1.1,
+                                lw=0.9, label="_" + METHOD_LABELS.get(m, m), **style)
         if (part["kl"] > 0).all():
             ax.set_yscale("log")
         if fam == "rtn":
             ax.invert_xaxis()  # fewer bits is the stronger perturbation
         ax.set(title=FAMILY_LABELS.get(fam, fam), xlabel="strength", ylabel=r"KL$(\pi\,\|\,\pi^{\xi})$ per state")
-    handles, labels = axes[0][0].get_legend_handles_labels()  # one legend under the panels, clear of the data
-    fig.legend(handles, labels, loc="lower center", bbox_to_anchor=(0.5, 0.07), ncol=len(labels), frameon=False,
-               fontsize=7)
-    fig.text(0.01, 0.01, design_note(flat, table) + " Bars: 95% two-way bootstrap (seeds x states).", fontsize=7,
-             ha="left", va="bottom", wrap=True)
-    fig.subplots_adjust(bottom=0.36, top=0.84, wspace=0.4)
+    inch = 1.0 / fig.get_figheight()
+    top = 1.0 - (0.45 * inch if title else 0.0)
     if title:
-        fig.suptitle(title, fontsize=9)
+        fig.suptitle(title, fontsize=9, y=0.995)
+    handles, labels = axes[0][0].get_legend_handles_labels()  # one legend over the panels, under the title
+    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, top), ncol=len(labels), frameon=False,
+               fontsize=7)
+    note = fig.text(0.5, 0.005, design_note(flat, table) + " Lines join one design's points; hollow points are of "
+                    "another. Bars: 95% two-way bootstrap (seeds x states).", fontsize=7, ha="center", va="bottom",
+                    wrap=True)
+    fig.canvas.draw()  # the wrapped footnote's height sets the bottom margin (x labels above it)
+    note_h = note.get_window_extent().height / fig.dpi
+    wide = 1.0 / fig.get_figwidth()
+    fig.subplots_adjust(left=0.75 * wide, right=1 - 0.15 * wide, bottom=(note_h + 0.55) * inch, top=top - 0.6 * inch,
+                        wspace=0.45)
     return save_figure(fig, path)
 
 
