@@ -72,6 +72,22 @@ def test_legend_rule_finds_legends_over_data_and_passes_legends_beside_it():
         F.figure_problems(plt.figure(), ("text", "legends"))
 
 
+def test_crossing_rule_finds_a_line_through_a_value_and_passes_one_behind_a_background():
+    """The dashed clean level through a bar's value label is found; the same label on an opaque
+    box drawn over the line is not; a label clear of the line never is."""
+    for boxed, want in ((None, 1), (dict(fc="white", ec="none", alpha=0.9), 0)):
+        fig, ax = plt.subplots(figsize=(3, 2))
+        ax.bar([0, 1], [18.0, 40.0])
+        ax.axhline(18.3, ls="--", color="k", gid="reference:clean success")
+        ax.text(0, 18.0, "18", ha="center", va="center", bbox=boxed, zorder=3)
+        ax.text(1, 41.0, "40", ha="center", va="bottom", bbox=boxed, zorder=3)
+        ax.set_ylim(0, 60)
+        found = F.crossing_problems(fig)
+        assert len(found) == want, found
+        assert all("reference:clean success" in p and "'18'" in p for p in found)
+        plt.close(fig)
+
+
 def test_off_view_tick_labels_are_not_texts():
     """matplotlib keeps labels for ticks outside the view; they are never drawn, never checked."""
     fig, ax = plt.subplots(figsize=(3, 2))

@@ -29,7 +29,7 @@ from matplotlib.text import Text
 from matplotlib.transforms import Bbox
 
 __all__ = ["DESIGN", "REFERENCE", "RULES", "warn_problems", "design_gid", "drawn_tick_labels", "data_lines", "text_problems",
-           "legend_problems", "line_problems", "figure_problems"]
+           "legend_problems", "line_problems", "crossing_problems", "figure_problems"]
 
 log = logging.getLogger(__name__)
 
@@ -198,12 +198,36 @@ def line_problems(fig) -> list[str]:
     return out
 
 
+def crossing_problems(fig) -> list[str]:
+    """Texts inside axes (value labels, notes) that a drawn line runs through, with no opaque
+    background drawn over the line (``bbox`` with a face, above the line's ``zorder``)."""
+    r = _renderer(fig)
+    out = []
+    for k, ax in enumerate(fig.get_axes()):
+        where = ax.get_title().replace("\n", " ")[:40] or f"axes {k}"
+        for t in ax.texts:
+            if not t.get_visible() or not t.get_text().strip():
+                continue
+            box = t.get_window_extent(r)
+            patch = t.get_bbox_patch()
+            for line in ax.get_lines():
+                if not line.get_visible() or _no_line(line.get_linestyle()):
+                    continue
+                covered = (patch is not None and patch.get_facecolor()[3] * (patch.get_alpha() or 1.0) >= 0.5
+                           and t.get_zorder() > line.get_zorder())
+                xy = line.get_transform().transform(np.asarray(line.get_xydata(), dtype=float))
+                if not covered and _path_hits(xy, box):
+                    name = line.get_label() if not str(line.get_label()).startswith("_") else (line.get_gid() or "a line")
+                    out.append(f"{where!r}: {name} runs through text {_name(t)}")
+    return out
+
+
 #: The rules by name (a figure that draws no measured lines, such as the theory checks,
 #: leaves out ``lines``).
-RULES = {"text": text_problems, "legend": legend_problems, "lines": line_problems}
+RULES = {"text": text_problems, "legend": legend_problems, "lines": line_problems, "crossed": crossing_problems}
 
 
-def figure_problems(fig, rules: Sequence[str] = ("text", "legend", "lines")) -> list[str]:
+def figure_problems(fig, rules: Sequence[str] = ("text", "legend", "lines", "crossed")) -> list[str]:
     """Every problem of ``fig`` under ``rules`` (names in :data:`RULES`)."""
     unknown = set(rules) - set(RULES)
     if unknown:
@@ -211,7 +235,7 @@ def figure_problems(fig, rules: Sequence[str] = ("text", "legend", "lines")) -> 
     return [p for name in rules for p in RULES[name](fig)]
 
 
-def warn_problems(fig, name: str, rules: Sequence[str] = ("text", "legend", "lines")) -> list[str]:
+def warn_problems(fig, name: str, rules: Sequence[str] = ("text", "legend", "lines", "crossed")) -> list[str]:
     """:func:`figure_problems` of ``fig`` logged as warnings under the figure's ``name`` (so a
     notebook's output shows them before the figure is saved); returns them."""
     problems = figure_problems(fig, rules)

@@ -209,7 +209,7 @@ def plot_demo(result: DemoResult, path):
     axes[1].set_ylabel("top-1 agreement with clean")
     axes[1].set_title("Greedy token unchanged along the clean response")
     fig.tight_layout()
-    warn_problems(fig, Path(path).name, ("text", "legend"))
+    warn_problems(fig, Path(path).name, ("text", "legend", "crossed"))
     fig.savefig(path, dpi=130, metadata={"Software": None})
     plt.close(fig)
     return path

@@ -283,10 +283,11 @@ def _heldout_panel(ax, heldout: pd.DataFrame | None, summary: pd.DataFrame | Non
         width, dx = (0.6, 0.0) if one_start else (0.4, 0.2)
         ax.bar([i + dx for i in x], s["final_success"], width=width, label="after RL (method colour)",
                color=[METHOD_DISPLAY[m].color if m in METHOD_DISPLAY else "0.5" for m in s["method"]])
+        box = dict(fc="white", ec="none", pad=0.4, alpha=0.9)  # the warm start's line passes behind a value
         for i, (a, b) in enumerate(zip(s["start_success"], s["final_success"])):
             if not one_start:
-                ax.text(i - dx, a + 0.01, f"{a:.2f}", ha="center", va="bottom", fontsize=6)
-            ax.text(i + dx, b + 0.01, f"{b:.2f}", ha="center", va="bottom", fontsize=6)
+                ax.text(i - dx, a + 0.01, f"{a:.2f}", ha="center", va="bottom", fontsize=6, bbox=box, zorder=3)
+            ax.text(i + dx, b + 0.01, f"{b:.2f}", ha="center", va="bottom", fontsize=6, bbox=box, zorder=3)
         ticks = [f"{METHOD_DISPLAY[m].label if m in METHOD_DISPLAY else m}\ns{sd}" for m, sd in zip(s["method"], s["seed"])]
         if "gained" in s:  # tasks solved only after / only before RL, exact McNemar p; short lines, no overlap
             ticks = [f"{t}\n+{g}/-{lo}\np={pv:.2g}" for t, g, lo, pv in zip(ticks, s["gained"], s["lost"], s["mcnemar_p"])]
@@ -361,7 +362,7 @@ def plot_training(metrics: pd.DataFrame, summary: pd.DataFrame | None, path: str
     if notes:
         fig.text(0.01, 0.005, "; ".join(notes).capitalize() + ".", fontsize=6.5, ha="left", va="bottom")
     fig.tight_layout(rect=(0, 0.25 / fig.get_figheight() if notes else 0, 1, 1))
-    warn_problems(fig, Path(path).name, ("text", "legend"))
+    warn_problems(fig, Path(path).name, ("text", "legend", "crossed"))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.stem + ".tmp" + path.suffix)

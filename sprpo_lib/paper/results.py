@@ -267,7 +267,8 @@ def plot_motivation(summary: pd.DataFrame, path: str | Path, *, method: str = "v
     def values(xs, heights, es):
         for xi, h, e in zip(xs, heights, es):
             if not math.isnan(h):
-                ax.text(xi, h + (0 if math.isnan(e) else e) + 1, pct_text(h), ha="center", va="bottom", fontsize=6)
+                ax.text(xi, h + (0 if math.isnan(e) else e) + 1, pct_text(h), ha="center", va="bottom", fontsize=6,
+                        bbox=dict(fc="white", ec="none", pad=0.4, alpha=0.9), zorder=3)  # over the dashed line
 
     ax.bar(x + dx, [b[1] for b in bars], w, yerr=errs(bars), capsize=2, color=COLORS.get(method),
            label=METHOD_LABELS.get(method, method))

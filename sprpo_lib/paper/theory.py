@@ -1226,7 +1226,7 @@ def save_figure(fig, out_dir: str | Path, stem: str, config: dict, seed: int | N
     The figure check's text and legend rules run first (these figures draw exact quantities,
     not evaluation designs); their problems are logged as warnings."""
     plt = _plt()
-    warn_problems(fig, stem, ("text", "legend"))
+    warn_problems(fig, stem, ("text", "legend", "crossed"))
     paths = []
     for ext, kw in (("png", {"dpi": 130, "metadata": {"Software": None}}),
                     ("pdf", {"metadata": {"CreationDate": None, "Producer": None}})):
