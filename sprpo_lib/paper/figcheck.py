@@ -47,8 +47,10 @@ def design_gid(goals: int, seeds: int) -> str:
 
 def _renderer(fig):
     """The figure drawn by an Agg canvas (a closed figure gets a new one), and its renderer."""
-    canvas = fig.canvas if hasattr(fig.canvas, "get_renderer") else FigureCanvasAgg(fig)
-    canvas.draw()
+    fresh = not hasattr(fig.canvas, "get_renderer")
+    canvas = FigureCanvasAgg(fig) if fresh else fig.canvas
+    if fresh or fig.stale:  # one draw serves every rule: a figure changed since its last draw is stale
+        canvas.draw()
     return canvas.get_renderer()
 
 
