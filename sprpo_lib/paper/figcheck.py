@@ -49,7 +49,7 @@ def _renderer(fig):
     """The figure drawn by an Agg canvas (a closed figure gets a new one), and its renderer."""
     fresh = not hasattr(fig.canvas, "get_renderer")
     canvas = FigureCanvasAgg(fig) if fresh else fig.canvas
-    if fresh or fig.stale:  # one draw serves every rule: a figure changed since its last draw is stale
+    if fresh or fig.stale:  # a figure changed since its last draw is stale
         canvas.draw()
     return canvas.get_renderer()
 
@@ -85,10 +85,10 @@ def _name(t) -> str:
     return repr(text if len(text) <= 40 else text[:37] + "...")
 
 
-def text_problems(fig, tolerance: float = OVERLAP_TOLERANCE_PX) -> list[str]:
+def text_problems(fig, tolerance: float = OVERLAP_TOLERANCE_PX, renderer=None) -> list[str]:
     """Texts outside the figure's canvas, and pairs of texts whose boxes overlap by more
-    than ``tolerance`` pixels in both directions."""
-    r = _renderer(fig)
+    than ``tolerance`` pixels in both directions (``renderer``: of the figure drawn as it is)."""
+    r = renderer or _renderer(fig)
     canvas = fig.bbox
     boxes = [(t, t.get_window_extent(r)) for t in _texts(fig)]
     out = []
@@ -152,9 +152,9 @@ def _hidden_by(ax, box, renderer) -> list[str]:
     return hits
 
 
-def legend_problems(fig) -> list[str]:
+def legend_problems(fig, renderer=None) -> list[str]:
     """Legends drawn over their axes' data (the part of the legend's box inside the axes)."""
-    r = _renderer(fig)
+    r = renderer or _renderer(fig)
     out = []
     for k, ax in enumerate(fig.get_axes()):
         lg = ax.get_legend()
@@ -183,7 +183,7 @@ def data_lines(ax) -> list:
     return out
 
 
-def line_problems(fig) -> list[str]:
+def line_problems(fig, renderer=None) -> list[str]:
     """Lines of data with no design tag, or whose tag names more than one design."""
     out = []
     for k, ax in enumerate(fig.get_axes()):
@@ -200,10 +200,10 @@ def line_problems(fig) -> list[str]:
     return out
 
 
-def crossing_problems(fig) -> list[str]:
+def crossing_problems(fig, renderer=None) -> list[str]:
     """Texts inside axes (value labels, notes) that a drawn line runs through, with no opaque
     background drawn over the line (``bbox`` with a face, above the line's ``zorder``)."""
-    r = _renderer(fig)
+    r = renderer or _renderer(fig)
     out = []
     for k, ax in enumerate(fig.get_axes()):
         where = ax.get_title().replace("\n", " ")[:40] or f"axes {k}"
@@ -234,7 +234,8 @@ def figure_problems(fig, rules: Sequence[str] = ("text", "legend", "lines", "cro
     unknown = set(rules) - set(RULES)
     if unknown:
         raise ValueError(f"figure_problems: unknown rule(s) {sorted(unknown)}; rules: {list(RULES)}")
-    return [p for name in rules for p in RULES[name](fig)]
+    renderer = _renderer(fig)  # one draw for every rule (reading tick labels marks a figure stale)
+    return [p for name in rules for p in RULES[name](fig, renderer=renderer)]
 
 
 def warn_problems(fig, name: str, rules: Sequence[str] = ("text", "legend", "lines", "crossed")) -> list[str]:
