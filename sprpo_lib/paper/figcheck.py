@@ -1,6 +1,6 @@
 """What a reader can trust at a glance, checked on the figure object before it is saved.
 
-Three rules, each a pure function of a matplotlib figure that returns readable problems
+Four rules, each a pure function of a matplotlib figure that returns readable problems
 (an empty list: the figure passes):
 
 * :func:`text_problems`: every visible text (titles, axis and tick labels, legend entries,
@@ -14,7 +14,9 @@ Three rules, each a pure function of a matplotlib figure that returns readable p
   (:func:`design_gid`: ``design:<goals>x<seeds>``, or ``reference:<what>`` for a line
   that is not measured data); a line with no such tag, or a tag naming several designs,
   is a problem.  A design is what sets a point's sampling error: test goals per split
-  and training seeds.
+  and training seeds;
+* :func:`crossing_problems`: no line runs through a text inside its axes (a value label on
+  a bar under the dashed clean level) unless the text sits on an opaque box drawn over it.
 """
 from __future__ import annotations
 
