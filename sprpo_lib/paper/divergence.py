@@ -26,6 +26,7 @@ import numpy as np
 import pandas as pd
 from scipy.stats import rankdata
 
+from sprpo_lib.core.compress import FAMILIES
 from sprpo_lib.infra.io import atomic_write_json, atomic_write_text
 from sprpo_lib.paper.claims import kl_claim_rows, kl_markdown
 from sprpo_lib.paper.experiments import Plan
@@ -365,7 +366,8 @@ def plot_kl_curves(summary: pd.DataFrame, path: str | Path, *, title: str = "",
             ax.set_yscale("log")
         if fam == "rtn":
             ax.invert_xaxis()  # fewer bits is the stronger perturbation
-        ax.set(title=FAMILY_LABELS.get(fam, fam), xlabel="strength", ylabel=r"KL$(\pi\,\|\,\pi^{\xi})$ per state")
+        ax.set(title=FAMILY_LABELS.get(fam, fam), xlabel=FAMILIES[fam].axis if fam in FAMILIES else "strength")
+    axes[0][0].set_ylabel(r"KL$(\pi\,\|\,\pi^{\xi})$ per state")  # once, at the left: every panel measures the same
     inch = 1.0 / fig.get_figheight()
     top = 1.0 - (0.45 * inch if title else 0.0)
     if title:
