@@ -127,6 +127,8 @@ def plot_curves(summary: pd.DataFrame, methods: Sequence[str], path: str | Path,
     Families with one strength, and quantization (BF16, INT8, INT6, INT4), sit on a
     categorical axis.  Error bars are each point's 95% interval where the summary has ``lo`` and
     ``hi`` (:func:`sprpo_lib.paper.stats.success_intervals`), else the std over training seeds.
+    Each environment's row has one y scale, ending just above its highest interval (at most
+    100%), so that success rates of a few tens of percent are not drawn flat.
     A footnote states the designs, from the data; ``<path>.csv`` holds every plotted point
     (not for the README's copy).  ``readme``: drawn at
     :data:`README_WIDTH_PX` (100 dpi), the size the README shows it."""
@@ -143,6 +145,9 @@ def plot_curves(summary: pd.DataFrame, methods: Sequence[str], path: str | Path,
     intervals = {"lo", "hi"} <= set(summary.columns)
     shift = {m: i - (len(methods) - 1) / 2 for i, m in enumerate(methods)}  # sideways, so equal values stay visible
     for row, (env, part) in zip(axes, parts):
+        drawn = part[part["method"].isin(methods)]
+        highest = (drawn["hi"] if intervals else drawn["mean"] + drawn.get("std", 0.0).fillna(0.0)).max()
+        top = float(min(102.0, max(20.0, 10.0 * math.ceil((float(highest) + 3.0) / 10.0))))  # one scale a row
         for ax, fam in zip(row, fams):
             zero = 16.0 if fam == "rtn" else 0.0
             levels = sorted({zero, *(float(b) for b in part.loc[part["family"] == fam, "strength"])},
@@ -187,7 +192,7 @@ def plot_curves(summary: pd.DataFrame, methods: Sequence[str], path: str | Path,
                         ax.plot([xs[levels.index(b)]], [r["mean"]], linestyle="none", mfc="white", mew=1.1,
                                 **style, label="_" + METHOD_LABELS.get(m, m))
             ax.set(xlabel="precision" if fam == "rtn" else _AXIS.get(fam, "strength"),
-                   title=FAMILY_LABELS.get(fam, fam), ylim=(-2, 102))
+                   title=FAMILY_LABELS.get(fam, fam), ylim=(-0.02 * top, top))
             ax.grid(alpha=0.3)
         label = ENV_LABELS.get(env, env) if env else env_label
         row[0].set_ylabel(f"success (%){' - ' + label if label else ''}")
