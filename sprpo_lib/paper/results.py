@@ -146,8 +146,10 @@ def plot_curves(summary: pd.DataFrame, methods: Sequence[str], path: str | Path,
     shift = {m: i - (len(methods) - 1) / 2 for i, m in enumerate(methods)}  # sideways, so equal values stay visible
     for row, (env, part) in zip(axes, parts):
         drawn = part[part["method"].isin(methods)]
-        highest = (drawn["hi"] if intervals else drawn["mean"] + drawn.get("std", 0.0).fillna(0.0)).max()
-        top = float(min(102.0, max(20.0, 10.0 * math.ceil((float(highest) + 3.0) / 10.0))))  # one scale a row
+        spread = drawn["std"].fillna(0.0) if "std" in drawn else 0.0
+        highest = float((drawn["hi"] if intervals else drawn["mean"] + spread).max())
+        highest = highest if math.isfinite(highest) else 100.0  # no interval drawn: the whole range
+        top = float(min(102.0, max(20.0, 10.0 * math.ceil((highest + 3.0) / 10.0))))  # one scale a row
         for ax, fam in zip(row, fams):
             zero = 16.0 if fam == "rtn" else 0.0
             levels = sorted({zero, *(float(b) for b in part.loc[part["family"] == fam, "strength"])},
