@@ -26,7 +26,7 @@ from sprpo_lib.infra.io import atomic_dir, read_json_lines
 from sprpo_lib.infra.paths import project_path, runs_dir
 from sprpo_lib.paper.figcheck import warn_problems
 from sprpo_lib.paper.stats import N_RESAMPLES, paired_bootstrap, sign_test
-from sprpo_lib.paper.style import METHOD_DISPLAY, legend_below, pyplot
+from sprpo_lib.paper.style import LABEL_BOX, METHOD_DISPLAY, legend_below, pyplot
 from sprpo_lib.train.config import TrainConfig, config_from_dict, load_config
 from sprpo_lib.train.trainer import default_out_dir, heldout_dir, heldout_due, train
 from sprpo_lib.warmstart.cache import prepare_warm_start, warm_start_dir
@@ -283,11 +283,10 @@ def _heldout_panel(ax, heldout: pd.DataFrame | None, summary: pd.DataFrame | Non
         width, dx = (0.6, 0.0) if one_start else (0.4, 0.2)
         ax.bar([i + dx for i in x], s["final_success"], width=width, label="after RL (method colour)",
                color=[METHOD_DISPLAY[m].color if m in METHOD_DISPLAY else "0.5" for m in s["method"]])
-        box = dict(fc="white", ec="none", pad=0.4, alpha=0.9)  # the warm start's line passes behind a value
         for i, (a, b) in enumerate(zip(s["start_success"], s["final_success"])):
             if not one_start:
-                ax.text(i - dx, a + 0.01, f"{a:.2f}", ha="center", va="bottom", fontsize=6, bbox=box, zorder=3)
-            ax.text(i + dx, b + 0.01, f"{b:.2f}", ha="center", va="bottom", fontsize=6, bbox=box, zorder=3)
+                ax.text(i - dx, a + 0.01, f"{a:.2f}", ha="center", va="bottom", fontsize=6, bbox=LABEL_BOX, zorder=3)
+            ax.text(i + dx, b + 0.01, f"{b:.2f}", ha="center", va="bottom", fontsize=6, bbox=LABEL_BOX, zorder=3)
         ticks = [f"{METHOD_DISPLAY[m].label if m in METHOD_DISPLAY else m}\ns{sd}" for m, sd in zip(s["method"], s["seed"])]
         if "gained" in s:  # tasks solved only after / only before RL, exact McNemar p; short lines, no overlap
             ticks = [f"{t}\n+{g}/-{lo}\np={pv:.2g}" for t, g, lo, pv in zip(ticks, s["gained"], s["lost"], s["mcnemar_p"])]

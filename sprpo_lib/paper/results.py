@@ -32,7 +32,7 @@ from sprpo_lib.paper.experiments import PLANS
 from sprpo_lib.paper.figcheck import design_gid, warn_problems
 from sprpo_lib.paper.report import load_metrics
 from sprpo_lib.paper.stats import paired_bootstrap, success_intervals, summarize
-from sprpo_lib.paper.style import METHOD_COLORS, METHOD_MARKERS, NEUTRAL, pyplot, role
+from sprpo_lib.paper.style import LABEL_BOX, METHOD_COLORS, METHOD_MARKERS, NEUTRAL, pyplot, role
 from sprpo_lib.paper.tables import ENV_LABELS, FAMILY_LABELS, METHOD_LABELS, strength_label
 
 __all__ = ["COLORS", "save_figure", "quiet_iterations", "plot_motivation", "plot_curves", "plot_landscape", "landscape_grid", "plot_longer",
@@ -275,7 +275,7 @@ def plot_motivation(summary: pd.DataFrame, path: str | Path, *, method: str = "v
         for xi, h, e in zip(xs, heights, es):
             if not math.isnan(h):
                 ax.text(xi, h + (0 if math.isnan(e) else e) + 1, pct_text(h), ha="center", va="bottom", fontsize=6,
-                        bbox=dict(fc="white", ec="none", pad=0.4, alpha=0.9), zorder=3)  # over the dashed line
+                        bbox=LABEL_BOX, zorder=3)  # over the dashed line
 
     ax.bar(x + dx, [b[1] for b in bars], w, yerr=errs(bars), capsize=2, color=COLORS.get(method),
            label=METHOD_LABELS.get(method, method))

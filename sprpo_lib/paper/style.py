@@ -19,7 +19,7 @@ import matplotlib
 import matplotlib.pyplot as plt
 import seaborn as sns
 
-__all__ = ["METHOD_DISPLAY", "METHOD_COLORS", "METHOD_MARKERS", "ROLE_COLORS", "NEUTRAL", "apply", "pyplot", "role"]
+__all__ = ["METHOD_DISPLAY", "METHOD_COLORS", "METHOD_MARKERS", "ROLE_COLORS", "NEUTRAL", "LABEL_BOX", "apply", "pyplot", "role"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,8 @@ METHOD_COLORS = {m: d.color for m, d in METHOD_DISPLAY.items()}
 METHOD_MARKERS = {m: d.marker for m, d in METHOD_DISPLAY.items()}
 #: Greys for what carries no identity (references, separators, clean baselines).
 NEUTRAL = {"light": "#c7c7c7", "mid": "#7f7f7f", "dark": "#3b3b3b"}
+#: A value label's opaque box (``bbox=``, with ``zorder`` above the lines): a reference line passes behind it.
+LABEL_BOX = {"fc": "white", "ec": "none", "pad": 0.4, "alpha": 0.9}
 #: Roles that are not methods, in colours no method wears (tab10's purple, brown, pink,
 #: olive and cyan; the methods hold its grey, blue, orange, red and green).
 ROLE_COLORS = {
