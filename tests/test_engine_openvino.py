@@ -146,8 +146,10 @@ def test_bfloat16_policy_on_an_emulated_lower_cpu_class(monkeypatch, caplog, cap
     """oneDNN capped at AVX2 / AVX512 without BF16 (the worker process inherits the cap)
     stands in for those CPU classes: a bfloat16 policy is served in float32 with an f32 KV
     cache and a notice, and decodes; forcing bfloat16 there is one clear error."""
-    from sprpo_lib.infra.hardware import CPU_CLASSES, cpu_class
+    from sprpo_lib.infra.hardware import CPU_CLASSES, ISA_LIMITS, cpu_class
 
+    for name in ISA_LIMITS:  # the test's cap alone (a suite run under an emulated class has its own)
+        monkeypatch.delenv(name, raising=False)
     want = min(cpu_class(), emulated, key=CPU_CLASSES.index)  # a cap never raises the class
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
     pol = load_policy("tiny-llama", dtype="bfloat16")

@@ -141,3 +141,23 @@ def test_without_a_compiler_the_passes_run_eagerly_and_say_so(tiny_spec, monkeyp
     finally:
         fused.compiled.cache_clear()
         fused_kernels_available.cache_clear()
+
+
+def test_a_miscompile_is_caught_and_the_passes_run_eagerly(monkeypatch):
+    """The availability check compares the compiled kernels with the eager functions: a
+    compiled kernel that returns wrong values (here: one NaN) is refused, with the reason."""
+    real = fused.torch.compile
+
+    def wrong(fn, **kw):
+        run = real(fn, **kw)
+        return lambda *a, **k: run(*a, **k) * torch.where(torch.rand(()) > 2, 1.0, float("nan"))
+
+    monkeypatch.setattr(fused.torch, "compile", wrong)
+    fused.compiled.cache_clear()
+    fused_kernels_available.cache_clear()
+    try:
+        ok, why = fused_kernels_available(torch.float32)
+        assert not ok and why.startswith("ArithmeticError: the compiled forward disagrees with eager")
+    finally:
+        fused.compiled.cache_clear()
+        fused_kernels_available.cache_clear()

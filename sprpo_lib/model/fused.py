@@ -57,14 +57,27 @@ def compiled(fn):
 
 @functools.cache
 def fused_kernels_available(dtype: torch.dtype = torch.float32) -> tuple[bool, str]:
-    """Whether the compiled kernels build and run here for ``dtype`` (forward and backward of
-    a small case, checked once per process); ``(False, why)`` otherwise, logged once."""
+    """Whether the compiled kernels build, run and agree with the eager functions here for
+    ``dtype`` (forward and gradients of a case wide enough for the vector loops and their
+    tails, checked once per process); ``(False, why)`` otherwise, logged once.  The value
+    check catches a miscompile (torch 2.13's inductor gave NaN on an AVX-512 CPU whose
+    kernels were capped with ``ATEN_CPU_CAPABILITY=avx2``)."""
     try:
-        x = torch.randn(2, 3, 8, dtype=dtype, requires_grad=True)
-        y = compiled(rms_norm)(x, torch.ones(8, dtype=dtype), 1e-6)
-        compiled(swiglu)(y, y).float().sum().backward()
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(2, 17, 72, generator=gen).to(dtype).requires_grad_()
+        w = (1 + 0.1 * torch.randn(72, generator=gen)).to(dtype).requires_grad_()
+        outs = []
+        for norm, act in ((rms_norm, swiglu), (compiled(rms_norm), compiled(swiglu))):
+            y = norm(x, w, 1e-6)
+            z = act(y, y * 0.5)
+            outs.append([z, *torch.autograd.grad(z.float().square().sum(), (x, w))])
+        tol = 1e-4 if dtype in (torch.float32, torch.float64) else 5e-2  # relative to each tensor's largest value
+        for name, ref, got in zip(("forward", "grad x", "grad weight"), *outs):
+            err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-12)).detach()
+            if not bool(torch.isfinite(err)) or err > tol:
+                raise ArithmeticError(f"the compiled {name} disagrees with eager (relative error {float(err):.3g})")
         return True, ""
-    except Exception as err:  # noqa: BLE001  (no C++ compiler, an unsupported platform, ...: any failure means eager)
+    except Exception as err:  # noqa: BLE001  (no C++ compiler, an unsupported platform, a miscompile: any failure means eager)
         why = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
         logger.warning("speed.fused_kernels: torch.compile fails here (%s); the passes run eagerly", why)
         return False, why
