@@ -75,14 +75,15 @@ def test_bench_generate_compares_engines_on_webshop_prompts(tmp_path):
 
 def test_bench_records_default_to_one_file_per_environment(tmp_path, monkeypatch):
     """Without --out a benchmark with --env writes runs/bench/<what>_<env>.json: a run on
-    another environment leaves the first record in place."""
+    another environment leaves the first record in place.  (The smoke profile: ALFWorld's
+    expert needs no receptacle prior, whose 60 generated games cost a minute on a new machine.)"""
     import json
 
     from sprpo_lib.bench import cli as bench_cli
 
     monkeypatch.setenv("SPRPO_HOME", str(tmp_path))
     for env in ("webshop", "alfworld"):
-        assert bench_cli.main(["prompts", "--model", "tiny-llama", "--episodes", "1", "--env", env,
+        assert bench_cli.main(["prompts", "--model", "tiny-llama", "--episodes", "1", "--env", env, "--profile", "smoke",
                                "--split", "test" if env == "webshop" else "valid_seen"]) == 0
     names = sorted(p.name for p in (tmp_path / "runs" / "bench").glob("*.json"))
     assert names == ["prompts_alfworld.json", "prompts_webshop.json"]

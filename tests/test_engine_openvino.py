@@ -364,12 +364,13 @@ def converted_cache(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("damage", ["truncate", "garbage"])
-@pytest.mark.parametrize("name", ["openvino_model.bin", "openvino_model.xml", "openvino_detokenizer.xml", "meta.json"])
+@pytest.mark.parametrize("name, damage", [("openvino_model.bin", "truncate"), ("openvino_model.xml", "garbage"),
+                                          ("openvino_detokenizer.xml", "truncate"), ("meta.json", "garbage")])
 def test_a_corrupt_cached_ir_is_converted_again(tmp_path, monkeypatch, converted_cache, name, damage):
-    """Each file of a cached IR, truncated or overwritten with garbage of the same size: the
-    next engine converts the model again (never reads it as a model) and decodes as HF.  A
-    whole copy of the cache folder is served as it is."""
+    """Each file of a cached IR, truncated (caught by its recorded size) or overwritten with
+    garbage of the same size (caught by its SHA-256), each kind on two files: the next engine
+    converts the model again (never reads it as a model) and decodes as HF.  A whole copy of
+    the cache folder is served as it is."""
     import shutil
 
     shutil.copytree(converted_cache, tmp_path, dirs_exist_ok=True)
