@@ -236,8 +236,15 @@ def test_group_spawn_shares_preparation(pool, small, monkeypatch):
         episode.reset()
         episodes.append(episode)
     assert calls == {"translate": 0, "grammar": 0, "load": 0}
-    pool.open(split, index).close()  # while grounding a game does all but the load and the grammar
+    again = pool.open(split, index)  # while grounding a game does all but the load and the grammar
     assert calls["translate"] == 1 and calls["grammar"] == 0  # (parsed once per domain and grammar)
+    from textworld.envs.pddl.textgen import ContextSensitiveGrammar
+
+    calls["derive"] = 0  # the next cell's grounding of the game derives no text the first one derived
+    monkeypatch.setattr(ContextSensitiveGrammar, "derive", counting("derive", ContextSensitiveGrammar.derive))
+    mine, first_cells = again.spawn().reset(), episodes[0].reset()
+    assert (mine.text, mine.admissible) == (first_cells.text, first_cells.admissible) and calls["derive"] == 0
+    again.close()
     # ... and the episodes are independent.
     first = episodes[0].step(task.walkthrough[0])
     assert first.info["valid_action"]
@@ -381,11 +388,11 @@ def test_expert_solves_sampled_games_slow(pool, task_type):
 @pytest.mark.parametrize("split,task_type", [("valid_seen", "pick_and_place_simple"),
                                              ("valid_unseen", "pick_heat_then_place_in_recep")])
 def test_random_play_matches_alfworld_engine(pool, split, task_type):
-    """Two interleaved episodes of one grounded task (sharing the admissible-command
-    cache) against ALFWorld's own stack (TextWorld ``PddlEnv`` + ``AlfredDemangler``,
-    every command derived by the grammar): same feedback, admissible commands and
-    ``won`` at every step of a seeded random admissible walk with a few invalid moves, from the
-    same first observation."""
+    """Two interleaved episodes of one grounded task (sharing the admissible-command cache
+    with each other and with the game's earlier grounding) against ALFWorld's own stack
+    (TextWorld ``PddlEnv`` + ``AlfredDemangler``, every command derived by the grammar):
+    same feedback, admissible commands and ``won`` at every step of a seeded random
+    admissible walk with a few invalid moves, from the same first observation."""
     import random
 
     from alfworld.agents.environment.alfred_tw_env import AlfredDemangler

@@ -109,11 +109,21 @@ def test_quickstart_notebook_smoke(tmp_path):
     assert (tmp_path / "runs" / "smoke" / "notebooks" / "00_quickstart.ipynb").is_file()
 
 
+@pytest.fixture(scope="module")
+def smoke_01(tmp_path_factory):
+    """Notebook 01 on the smoke profile, once for the module: the folder holding its ``runs``
+    and ``figs``.  The result notebooks start from a copy of its runs, as a reproduction's
+    03-09 find 01's (and train only what 01 does not)."""
+    root = tmp_path_factory.mktemp("smoke_01")
+    recs = run("smoke", only=["01"], force=True, runs_dir=root / "runs", out_dir=str(root / "figs"))
+    assert [r["status"] for r in recs] == ["ok"]
+    return root
+
+
 @pytest.mark.slow
-def test_training_notebook_smoke(tmp_path):
+def test_training_notebook_smoke(smoke_01):
+    tmp_path = smoke_01
     out = tmp_path / "figs"
-    recs = run("smoke", only=["01"], force=True, runs_dir=tmp_path / "runs", out_dir=str(out))
-    assert recs[0]["status"] == "ok"
     m = pd.read_csv(out / "01_training_webshop_metrics.csv")
     assert set(m.method) == {"vanilla", "sprpo"} and len(m) == 2 * 3  # smoke: 3 iterations per run
     assert m.success.between(0, 1).all() and (m.update_s > 0).all()
@@ -151,16 +161,22 @@ def test_training_notebook_smoke(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)  # seven notebooks on both environments: ~7 min alone on 2 AVX2 cores, twice that shared
-def test_result_notebooks_smoke_and_render_only(tmp_path):
-    """03-09 end to end on the tiny model (policies trained, cells evaluated and cached), then
-    --render-only redraws the same tables from the result CSVs without evaluating."""
+def test_result_notebooks_smoke_and_render_only(tmp_path, smoke_01):
+    """03-09 end to end on the tiny model (01's policies found, the others trained, cells evaluated
+    and cached), then --render-only redraws the same tables from the result CSVs without evaluating."""
     import hashlib
+    import shutil
 
     from sprpo_lib.evaluate import load_episode_log
 
     out = tmp_path / "figs"
+    shutil.copytree(smoke_01 / "runs", tmp_path / "runs")  # 01's runs: 03 trains only Gaussian and SAM
+    found = {p.parent.name: p.stat().st_mtime_ns for p in (tmp_path / "runs" / "smoke" / "train").glob("*/final")}
+    assert len(found) == 4
     recs = run("smoke", only=["03", "04", "05", "06", "07", "08", "09"], force=True, runs_dir=tmp_path / "runs",
                out_dir=str(out))
+    assert {n: p.stat().st_mtime_ns for n, p in ((p.parent.name, p) for p in
+            (tmp_path / "runs" / "smoke" / "train").glob("*/final")) if n in found} == found  # reused, not retrained
     assert [r["status"] for r in recs] == ["ok"] * 7
     from sprpo_lib.infra.manifest import DESIGN_KEYS, check_artifact
 
@@ -256,15 +272,16 @@ def test_result_notebooks_smoke_and_render_only(tmp_path):
 
     digest = rendered()
     # render-only: nothing evaluated (an empty cache would fail any evaluation), same tables
-    import shutil
-
     shutil.rmtree(tmp_path / "runs" / "smoke" / "eval_cache" / "cells")
-    again = run("smoke", only=["03", "04", "05", "06", "08", "09"], runs_dir=tmp_path / "runs", out_dir=str(out),
-                render_only=True)
+    # 03-06 for WebShop alone (ALFWorld's render-only pages: the committed render test): a pass on one
+    # environment rewrites its own files and the files gathering both (Table 1, Fig. 3, the headline)
+    # byte for byte as the two-environment pass wrote them, and keeps the other's
+    again = run("smoke", only=["03", "04", "05", "06", "08"], runs_dir=tmp_path / "runs", out_dir=str(out),
+                render_only=True, envs=["webshop"])
+    again += run("smoke", only=["09"], runs_dir=tmp_path / "runs", out_dir=str(out), render_only=True)
     assert [r["status"] for r in again] == ["rendered"] * 6
     changed = sorted(n for n, h in rendered().items() if digest.get(n) != h)
     assert changed == [], changed  # the computing pass and the render-only pass: the same bytes
-    # (one environment's pass keeping the other's files: the committed render test, byte for byte)
 
 
 @pytest.fixture(autouse=True)
@@ -337,16 +354,9 @@ def test_committed_results_render_byte_identical_from_the_notebooks_folder(tmp_p
     assert got == digest
     for env in ("alfworld", "webshop"):  # one cell, one number: Fig. 3's points are Table 1's cells
         assert_curves_match_table(out, env)
-    # one environment's pass replaces only its own part: every file that gathers both (Table 1's two
-    # blocks, Fig. 3's points, the headline) comes out byte for byte as the two-environment pass wrote it
-    before = {p.name: p.read_bytes() for p in out.iterdir() if p.suffix in (".csv", ".tex", ".md", ".json")
-              and not p.name.endswith(".manifest.json")}
-    pm.execute_notebook(str(NOTEBOOKS / "04_robustness.ipynb"), str(tmp_path / "04_webshop.ipynb"), cwd=str(NOTEBOOKS),
-                        parameters={"profile": "cpu", "envs": ["webshop"], "render_only": True, "out_dir": str(out),
-                                    "cache_dir": str(tmp_path / "no_cache")}, kernel_name="python3", progress_bar=False)
-    after = {name: (out / name).read_bytes() for name in before}
-    assert [n for n in before if before[n] != after[n]] == []
-    assert "ALFWorld" in (out / "04_robustness_table1.tex").read_text()
+    table1 = (out / "04_robustness_table1.tex").read_text()
+    assert "ALFWorld" in table1 and "WebShop" in table1
+    # (a pass on one environment keeping the other's files: the smoke result test, byte for byte)
 
 
 def assert_curves_match_table(out, env: str) -> None:

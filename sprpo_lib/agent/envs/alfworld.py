@@ -139,8 +139,8 @@ TRANSLATOR_VERSION = f"fast_downward_textworld {importlib.metadata.version('fast
 TRANSLATION_MEMO_SIZE = 1024
 _TRANSLATIONS: collections.OrderedDict = collections.OrderedDict()
 _MADE: collections.Counter = collections.Counter()
-_INTROS: collections.OrderedDict = collections.OrderedDict()  # game texts -> #intro# (_Grounding.intro)
-_INTROS_LOCK = threading.Lock()
+_GAME_TEXTS: collections.OrderedDict = collections.OrderedDict()  # game texts -> _game_texts's record
+_GAME_TEXTS_LOCK = threading.Lock()
 
 
 def _read_sas(path: Path, key: str) -> str:
@@ -185,6 +185,24 @@ def _stored_pddl2sas(domain: str, problem: str, verbose: bool, optimize: bool):
     except OSError as err:  # a read-only or full cache: translate without storing
         log.warning("ALFWorld translation store %s: %s; translating without it", path.parent, err)
     return task, sas
+
+
+def _game_texts(game_data: Mapping) -> dict:
+    """What the grammar derives alike in every grounding of one game, kept per process by the
+    game's texts (least recently used out): ``"intro"`` (:meth:`_Grounding.intro`) and
+    ``"commands"``, the state-free command texts (:meth:`_SharedPddlEnv._gather_infos`).  An
+    evaluation grounds the same held-out games once per cell; each cell then derives nothing
+    the previous ones derived."""
+    key = (game_data["pddl_domain"], game_data["grammar"], game_data["pddl_problem"])
+    with _GAME_TEXTS_LOCK:
+        record = _GAME_TEXTS.get(key)
+        if record is None:
+            record = _GAME_TEXTS[key] = {"intro": None, "commands": {}}
+            while len(_GAME_TEXTS) > TRANSLATION_MEMO_SIZE:
+                _GAME_TEXTS.popitem(last=False)
+        else:
+            _GAME_TEXTS.move_to_end(key)
+    return record
 
 
 def _memo_pddl2sas(domain: str, problem: str, verbose: bool = False, optimize: bool = False):
@@ -362,7 +380,8 @@ class _Grounding:
         changed = {eff.literal.predicate for act in task.actions for eff in act.effects}
         changed |= {ax.name for ax in task.axioms}  # derived predicates follow the state
         self.static_predicates = {pred.name for pred in task.predicates} - changed
-        self.command_cache: dict[tuple, str] = {}
+        self.texts = _game_texts(self.game_data)
+        self.command_cache: dict[tuple, str] = self.texts["commands"]  # shared by the game's groundings
         self.cacheable_templates = {name: _state_free_template(act.template, self.static_predicates)
                                     for name, act in self.logic.actions.items()}
         self.template_placeholders: dict[str, frozenset[str]] = {}  # operator -> names its template uses
@@ -379,22 +398,13 @@ class _Grounding:
 
     def intro(self, state: pddl_logic.PddlState) -> str:
         """The grammar's ``#intro#`` for ``state``, a fresh copy of the initial state: the same
-        text for every episode of the game, so derived once per game and process (remembered by
-        the game's texts, least recently used out) instead of on every reset."""
-        key = (self.game_data["pddl_domain"], self.game_data["grammar"], self.game_data["pddl_problem"])
-        with _INTROS_LOCK:
-            text = _INTROS.get(key)
-            if text is not None:
-                _INTROS.move_to_end(key)
-                return text
-        context = {"state": state, "facts": list(state.facts), "variables": {}, "mapping": {},
-                   "entity_infos": self.entity_infos}
-        text = self.logic.grammar.derive("#intro#", context)
-        with _INTROS_LOCK:
-            _INTROS[key] = text
-            while len(_INTROS) > TRANSLATION_MEMO_SIZE:
-                _INTROS.popitem(last=False)
-        return text
+        text for every episode of the game, so derived once per game and process
+        (:func:`_game_texts`) instead of on every reset."""
+        if self.texts["intro"] is None:
+            context = {"state": state, "facts": list(state.facts), "variables": {}, "mapping": {},
+                       "entity_infos": self.entity_infos}
+            self.texts["intro"] = self.logic.grammar.derive("#intro#", context)
+        return self.texts["intro"]
 
     def close(self) -> None:
         """Give the planner library back (episodes of this task become unusable)."""
@@ -524,8 +534,9 @@ class _SharedPddlEnv(PddlEnv):
         every step (a parser run and deep copies per action: ~0.2 s a step with ~40
         actions, most of an ALFWorld step).  Templates that are state-free (see
         :func:`_state_free_template`; all of ``alfred.twl2``'s) give the same command
-        for the same operator arguments in every state, so the derived text is cached
-        on the task's grounding (shared by its G episodes) under (operator, arguments);
+        for the same operator arguments in every state, so the derived text is kept per
+        game and process (:func:`_game_texts`: every grounding and episode of the game)
+        under (operator, arguments);
         other templates are derived exactly as TextWorld does.  The result is identical
         (tested against an uncached ``PddlEnv`` on the same action sequence)."""
         st, g = self.state, self._grounding
