@@ -324,3 +324,53 @@ def test_overview_reads_each_claim_by_its_own_rule():
     assert ov["C6", "webshop"] == "not measured" and len(ov) == 2 * len(C.CLAIMS)
     assert C.reading(-3.0, -5.0, -1.0, 6.0, math.nan, 0, 8, 0.01).startswith("opposite sign")
     assert C.reading(0.5, -1.0, 2.0, 6.0, math.nan).startswith("not resolved; the paper gives no number")
+
+
+def test_fig5_bars_average_each_goal_over_the_perturbed_settings_with_95_intervals(tmp_path, monkeypatch):
+    """ablation_bars: a variant's perturbed bar is each goal's mean over the perturbed settings,
+    averaged over goals and seeds (hand-computed), inside its two-way interval; a variant evaluated
+    at clean alone has none; one seed of identical goals has a zero-width interval.  plot_ablation
+    draws each whisker from the bar's interval."""
+    settings = [("clean", 0.0), ("gaussian", 0.2), ("rtn", 6.0)]
+    rng = np.random.default_rng(0)
+    outcome = {("full", s, t, f): bool(rng.random() < 0.4) for s in (0, 1) for t in range(6) for f, _ in settings}
+    rows = [{"env": "webshop", "split": "test", "task_index": t, "seed": 0, "method": "full", "train_seed": s,
+             "family": f, "strength": st, "success": outcome[("full", s, t, f)], "score": 0.0}
+            for s in (0, 1) for t in range(6) for f, st in settings]
+    rows += [{"env": "webshop", "split": "test", "task_index": t, "seed": 0, "method": "alpha0", "train_seed": 0,
+              "family": f, "strength": st, "success": True, "score": 1.0} for t in range(6) for f, st in settings]
+    rows += [{"env": "webshop", "split": "test", "task_index": t, "seed": 0, "method": "lr0", "train_seed": 0,
+              "family": "clean", "strength": 0.0, "success": t < 3, "score": 0.0} for t in range(6)]
+    bars = R.ablation_bars(pd.DataFrame(rows), settings).set_index(["method", "family"])
+    want = 100 * np.mean([np.mean([outcome[("full", s, t, f)] for f in ("gaussian", "rtn")])
+                          for s in (0, 1) for t in range(6)])
+    full = bars.loc[("full", R.PERTURBED_MEAN)]
+    assert full["mean"] == pytest.approx(want) and full["lo"] <= full["mean"] <= full["hi"] and full["n"] == 2
+    assert (bars.loc[("alpha0", R.PERTURBED_MEAN)][["mean", "lo", "hi"]] == 100.0).all()
+    assert ("lr0", R.PERTURBED_MEAN) not in bars.index and bars.loc[("lr0", "clean"), "mean"] == pytest.approx(50.0)
+    figs = []
+    monkeypatch.setattr(R, "save_figure", lambda fig, path, **kw: figs.append(fig) or [])
+    R.plot_ablation(bars.reset_index(), [("Components", [("full", "Full"), ("lr0", "lr")])], 2, tmp_path / "f5",
+                    env="webshop")
+    from matplotlib.container import BarContainer
+
+    clean, pert = [c for c in figs[0].axes[0].containers if isinstance(c, BarContainer)]
+    whisker = np.asarray(pert.errorbar.lines[2][0].get_segments()[0])[:, 1]
+    assert whisker == pytest.approx([full["lo"], full["hi"]])
+    assert "95% interval" in figs[0].texts[0].get_text() and "mean of 2 settings" in figs[0].texts[0].get_text()
+
+
+def test_motivation_whiskers_are_each_bars_95_interval(tmp_path, monkeypatch):
+    """Fig. 1 from a summary with ``lo``/``hi`` (every bar with its interval, as Fig. 3's points):
+    each whisker spans the bar's interval, a single run's too, and the note says so."""
+    summ = _summary({"vanilla": {("clean", 0.0): 40.0, ("gaussian", 0.2): 16.0}}).assign(
+        tasks=20, lo=[25.0, 5.0], hi=[55.0, 30.0])
+    figs = []
+    monkeypatch.setattr(R, "save_figure", lambda fig, path, **kw: figs.append(fig) or [])
+    R.plot_motivation(summ, tmp_path / "fig1")
+    from matplotlib.container import BarContainer
+
+    (bars,) = [c for c in figs[0].axes[0].containers if isinstance(c, BarContainer)]
+    spans = [np.asarray(seg)[:, 1].tolist() for seg in bars.errorbar.lines[2][0].get_segments()]
+    assert spans == [[25.0, 55.0], [5.0, 30.0]]
+    assert "95% interval, training seeds and goals resampled" in figs[0].texts[0].get_text()

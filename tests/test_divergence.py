@@ -297,6 +297,8 @@ def test_kl_claims_join_the_success_claims_and_the_verdict(tmp_path):
     """claims_<profile>.csv/.md: the success rows as notebook 08 wrote them, then every env's KL
     claims from notebook 09's files; rewriting from the files alone keeps both; the verdict
     sentence counts SPrPO's KL comparisons by their readings."""
+    import json
+
     import pandas as pd
 
     from sprpo_lib.paper import claims as C
@@ -315,20 +317,34 @@ def test_kl_claims_join_the_success_claims_and_the_verdict(tmp_path):
                         "kl_b": 1.0, "diff": 0.0, "lo": -0.3, "hi": 0.3, "ratio": 1.0, "ratio_lo": 0.7, "ratio_hi": 1.3,
                         "mde80": 0.4, "mde80_rel": 0.4, "flip_a": None, "flip_b": None, "wins": None, "losses": None,
                         "sign_p": None, "reading": "not resolved: the design detects only 40% of the baseline's KL"}])
+    sam = {**kl.iloc[0].to_dict(), "id": "T1-KL", "b": "sam", "seeds_a": 3, "seeds_b": 1}  # SAM trained at one seed
+    kl = pd.concat([kl, pd.DataFrame([sam])], ignore_index=True)
     kl.to_csv(tmp_path / "09_divergence_webshop_claims.csv", index=False)
+    corr = {"pairs": 12, "spearman": 0.61, "lo": 0.2, "hi": 0.85, "sentence": "Mean KL tracks success loss: Spearman "
+            "0.61 [0.20, 0.85] over 12 (policy, setting) pairs."}
+    (tmp_path / "09_divergence_webshop_correlation.json").write_text(json.dumps(corr))
     C.write_claims(tmp_path, "cpu", success=success)
     first = (tmp_path / "claims_cpu.md").read_text()
     C.write_claims(tmp_path, "cpu")  # notebook 09's call: both parts read back from the files
     rows = pd.read_csv(tmp_path / "claims_cpu.csv")
     assert (tmp_path / "claims_cpu.md").read_text() == first
-    assert list(rows["measure"]) == ["success", "KL", "KL"] and list(rows["id"]) == ["C2", "C2-KL", "C4-KL"]
+    assert list(rows["measure"]) == ["success", "KL", "KL", "KL", "correlation"]
+    assert list(rows["id"]) == ["C2", "C2-KL", "C4-KL", "T1-KL", "KL-success"]
+    # a one-seed baseline is marked beside its states x seeds (the warm start would not be)
+    assert "| 64 x 3 (SAM: one seed) |" in first and "| 64 x 3 |" in first and list(rows["one_seed"].fillna("")) == [
+        "", "", "", "SAM", ""]
+    # does KL track success: Spearman with its interval, in the file, the table and the first screen
+    assert rows.iloc[-1][["diff", "lo", "hi", "tasks"]].tolist() == [0.61, 0.2, 0.85, 12]
+    assert first.rstrip().endswith("- WebShop: " + corr["sentence"]) and "Does the divergence track success?" in first
+    assert C.verdict_sentence(rows, profile="cpu").endswith(" WebShop: " + corr["sentence"])
+    rows = rows[rows["measure"] != "correlation"]
     assert rows.loc[1, "setting"] == "Quantization INT4 (table)" and rows.loc[1, "versus"] == "SPrPO vs Vanilla"
     assert "**WebShop, KL**" in first and "0.5 [0.45, 0.55]" in first and "C2 | SPrPO keeps more" in first
     sentence = C.verdict_sentence(rows, profile="cpu")
     assert sentence.startswith("At the cpu profile's scale no SPrPO comparison resolves: all 1 paired")
-    assert "moves less than the other policy in 1 of 2 paired comparisons, more in 0; 0 read no difference" in sentence
-    holm = C.verdict_sentence(rows.assign(p_holm=[None, 0.2, 0.3]), profile="cpu")  # rows written with Holm's p
-    assert "more in 0 (0 of these 1 hold after Holm's correction for all of an environment's KL comparisons);" in holm
+    assert "moves less than the other policy in 2 of 3 paired comparisons, more in 0; 0 read no difference" in sentence
+    holm = C.verdict_sentence(rows.assign(p_holm=[None, 0.2, 0.3, 0.01]), profile="cpu")  # rows written with Holm's p
+    assert "more in 0 (1 of these 2 hold after Holm's correction for all of an environment's KL comparisons);" in holm
     assert C.overview(rows[rows["measure"] == "success"])["id"].tolist().count("C2") == 1
 
 

@@ -123,9 +123,10 @@ def test_design_seconds_counts_runs_iterations_and_episodes():
                     {"webshop": 2.0})
     p = B.design_plan("webshop", 2, 24)
     assert {m: len(s) for m, s in p.seeds.items()} == {"vanilla": 2, "gaussian": 1, "sam": 1, "sprpo": 2}
-    got = B.design_seconds("webshop", 2, 24, 7, rates, heldout_every=5, heldout_tasks=8)
+    got = B.design_seconds("webshop", 2, 24, 7, rates)
     assert got["train_s"] == pytest.approx(7 * (2 * 10 + 11 + 20 + 2 * 30 + (30 + 30 + 20)))
-    assert got["heldout_s"] == pytest.approx(9 * 1 * 8 * 2.0)  # 9 runs, one curve point (iteration 5) each
+    # 9 runs, one curve point (iteration 5: cpu.yaml's eval_every) each, of cpu.yaml's 64 WebShop tasks
+    assert got["heldout_s"] == pytest.approx(9 * 1 * 64 * 2.0)
     eps = B.planned_episodes(p)
     assert eps["ablations"] == 24 * 6 * 3  # the plan's goals, clean and Table 1's five settings, 3 variants
     assert got["eval_s"] == pytest.approx(2.0 * (eps["table"] + eps["curves"] + eps["landscape"] + eps["ablations"]))

@@ -217,6 +217,26 @@ def test_main_table_marks_a_method_with_fewer_training_seeds():
     assert "$^\\dagger$" not in tables.main_table(CRAFTED, {"webshop": [("clean", 0.0)]}, METHODS)
 
 
+def test_every_table_states_its_goals_and_daggers_a_method_of_fewer_seeds():
+    """Table 1, the appendix and the ablation tables say how many goals stand behind each cell
+    (per environment where they differ) and mark a trained method or variant of fewer training
+    seeds than the others with a dagger and its count; one design and no goal counts: no note."""
+    from sprpo_lib.paper import tables as T
+
+    one = CRAFTED.assign(n=CRAFTED["method"].map({"sam": 1}).fillna(3), tasks=20)
+    note = "SAM: 1 training seed, the others 3; no std, and a paired comparison with it uses the shared seeds."
+    app = T.appendix_table(one, "webshop", METHODS).splitlines()
+    assert app[2] == r"Perturbation & Strength & Vanilla & SAM$^\dagger$ & \textbf{SPrPO} \\"
+    assert app[-2] == (r"\multicolumn{5}{@{}l}{\footnotesize $^\dagger$ " + note + r" Goals per cell: 20.} \\")
+    two = pd.concat([one, one.assign(env="alfworld", tasks=40)], ignore_index=True)
+    main = T.main_table(two, {"webshop": [("clean", 0.0)], "alfworld": [("clean", 0.0)]}, METHODS).splitlines()
+    assert main[-2].endswith("Goals per cell: WebShop 20; ALFWorld 40.} \\\\") and note in main[-2]
+    assert T.main_frame(two, {"webshop": [("clean", 0.0)]}, METHODS)["tasks"].tolist() == [20, 20, 20]
+    abl = T.ablation_table(one, "webshop", [("", [("vanilla", "rho=0"), ("sam", "SAM")])], [("clean", 0.0)])
+    assert "SAM$^\\dagger$ & " in abl and "SAM: 1 training seed, the others 3" in abl and "Goals per cell: 20." in abl
+    assert "footnotesize" not in T.appendix_table(CRAFTED, "webshop", METHODS)  # one design, no goal counts
+
+
 def test_main_table_stacks_envs():
     two = pd.concat([CRAFTED, CRAFTED.assign(env="alfworld")], ignore_index=True)
     tex = tables.main_table(two, {"webshop": [("clean", 0.0), ("gaussian", 0.2)],
@@ -252,7 +272,7 @@ def test_appendix_groups_and_csv(tmp_path):
     assert len(frame) == 4 * 2 * 3 and frame["best"].sum() == 2 * (2 + 1 + 1 + 1)
     text = tables.to_csv(frame, tmp_path / "t.csv")
     back = pd.read_csv(tmp_path / "t.csv")
-    assert text.startswith("env,group,family,strength,method,mean,std,n,retention,best")
+    assert text.startswith("env,group,family,strength,method,mean,std,n,tasks,retention,best")
     pd.testing.assert_frame_equal(back, frame, check_dtype=False)
 
 

@@ -342,11 +342,10 @@ def design_plan(env: str, seeds: int, goals: int) -> X.Plan:
                   tasks=goals)
 
 
-def design_seconds(env: str, seeds: int, goals: int, iterations: int, rates: Rates,
-                   heldout_every: int = 0, heldout_tasks: int = 0) -> dict[str, float]:
+def design_seconds(env: str, seeds: int, goals: int, iterations: int, rates: Rates) -> dict[str, float]:
     """Seconds of the ``cpu`` design (:func:`design_plan`) on ``env`` at ``rates``: its RL
-    runs of ``iterations`` each, their held-out curve (``heldout_tasks`` episodes every
-    ``heldout_every`` iterations), the evaluation episodes of Table 1, the curves and the
+    runs of ``iterations`` each, their held-out curve (the profile's ``eval_tasks`` episodes on
+    ``env`` every ``eval_every`` iterations), the evaluation episodes of Table 1, the curves and the
     landscape, and the ablation study where the profile has one on ``env`` (its trained
     variants at the same length, with their curve, and its episodes: :func:`planned_episodes`)."""
     p = design_plan(env, seeds, goals)
@@ -355,15 +354,16 @@ def design_seconds(env: str, seeds: int, goals: int, iterations: int, rates: Rat
         ab = A.ablation(p.profile, env)
         runs += [(v.method, len(ab.seeds)) for v in A.trained_variants(ab, p)]
     train = sum(n * iterations * rates.iteration_s[env][m] for m, n in runs)
-    points = iterations // heldout_every if heldout_every else 0
-    curve = sum(n for _, n in runs) * points * heldout_tasks * rates.episode_s[env]
+    c = load_config(p.profile, **{"env.name": env})
+    points = iterations // c.eval_every if c.eval_every else 0
+    curve = sum(n for _, n in runs) * points * c.eval_tasks * rates.episode_s[env]
     eps = planned_episodes(p)
     evals = (eps["table"] + eps["curves"] + eps["landscape"] + eps.get("ablations", 0)) * rates.episode_s[env]
     return {"train_s": train, "heldout_s": curve, "eval_s": evals, "total_s": train + curve + evals}
 
 
 def choose_design(power: pd.DataFrame, rates: Rates, budget_s: float, seeds: Sequence[int], goals: Sequence[int],
-                  iterations: Sequence[int], envs: Sequence[str] = ("alfworld", "webshop"), **curve) -> dict:
+                  iterations: Sequence[int], envs: Sequence[str] = ("alfworld", "webshop")) -> dict:
     """The design (training seeds, test goals per split, RL iterations), the same on every
     env, that resolves the most of the main claims of ``power`` (:func:`~sprpo_lib.paper.power.claim_power`
     rows with components: C1, C2.<family>, C3; a claim whose pilot showed no variation cannot
@@ -384,7 +384,7 @@ def choose_design(power: pd.DataFrame, rates: Rates, budget_s: float, seeds: Seq
             claims[f"{r.env}:{r.claim}"] = (comps, effect)
 
     def cost(s, t, k):
-        return sum(design_seconds(env, s, t, k, rates, **curve)["total_s"] for env in envs)
+        return sum(design_seconds(env, s, t, k, rates)["total_s"] for env in envs)
 
     return P.best_design(claims, cost, budget_s, seeds, goals, iterations)
 
@@ -482,7 +482,7 @@ def bench_rates(bench: Mapping, reference: Rates, update_factor: float = MINIBAT
 
 def design_table(power: pd.DataFrame, rates: Rates, others: Sequence[Rates], budget_s: float,
                  iterations: Sequence[int], seeds: Sequence[int] = MIN_SEEDS,
-                 goals: Sequence[int] = (6, 8, 12, 16, 20, 24, 32, 48, 96), **curve) -> pd.DataFrame:
+                 goals: Sequence[int] = (6, 8, 12, 16, 20, 24, 32, 48, 96)) -> pd.DataFrame:
     """Per RL length: the design :func:`choose_design` picks within ``budget_s`` at ``rates``
     (its machine's hours), its hours at each of ``others``, and the claims it resolves;
     a length no design of the grid fits says so."""
@@ -490,21 +490,21 @@ def design_table(power: pd.DataFrame, rates: Rates, others: Sequence[Rates], bud
     for k in iterations:
         row = {"iterations": k, "machine": rates.machine, "budget_h": budget_s / 3600}
         try:
-            d = choose_design(power, rates, budget_s, seeds, goals, (k,), **curve)
+            d = choose_design(power, rates, budget_s, seeds, goals, (k,))
         except ValueError as err:
             out.append({**row, "note": str(err)})
             continue
         row.update(seeds=d["seeds"], goals_per_split=d["goals"], hours=d["cost_s"] / 3600,
                    resolved=len(d["resolved"]), claims=" ".join(d["resolved"]), note="")
         for o in others:
-            row[f"hours on {o.machine}"] = sum(design_seconds(env, d["seeds"], d["goals"], k, o, **curve)["total_s"]
+            row[f"hours on {o.machine}"] = sum(design_seconds(env, d["seeds"], d["goals"], k, o)["total_s"]
                                                for env in ("alfworld", "webshop")) / 3600
         out.append(row)
     return pd.DataFrame(out)
 
 
 def design_from_figures(out_dir, power: pd.DataFrame, budget_h: float = 8.0,
-                        iterations: Sequence[int] = (5, 10, 15, 20), **curve) -> pd.DataFrame:
+                        iterations: Sequence[int] = (5, 10, 15, 20)) -> pd.DataFrame:
     """:func:`design_table` from what ``out_dir`` (``figures/``) holds: the training runs'
     rates of notebook 01's ``_metrics.csv`` on the machine its manifest names, with that
     machine's ``bench_<machine>.json`` for the evaluation episode, and every other
@@ -533,5 +533,5 @@ def design_from_figures(out_dir, power: pd.DataFrame, budget_h: float = 8.0,
     # the other CPU machines (a GPU's record has no CPU rates to scale: the paper profile's cost is elsewhere)
     read = [n for n, b in benches.items() if n != ref_name and bench_machine(b).get("cpu_model")]
     others = [bench_rates(benches[n], ref) for n in read]
-    table = design_table(power, ref, others, budget_h * 3600, iterations, **curve)
+    table = design_table(power, ref, others, budget_h * 3600, iterations)
     return table.assign(bench_records=" ".join(f"{n}.json" for n in [ref_name, *read])) if len(table) else table

@@ -19,14 +19,16 @@ from typing import Mapping
 import numpy as np
 import pandas as pd
 
-from sprpo_lib.infra.io import atomic_write_text
+from sprpo_lib.infra.io import atomic_write_text, read_json
+from sprpo_lib.paper.experiments import WARM_START
 from sprpo_lib.paper.results import landscape_drop, mde_text, paired_comparisons, setting_label
 from sprpo_lib.paper.stats import holm
 from sprpo_lib.paper.tables import ENV_LABELS, METHOD_LABELS, to_csv
 
 __all__ = ["PAPER", "CLAIMS", "C3_MARGIN", "C2_FAMILIES", "CLAIM_COLUMNS", "reading", "claim_rows", "c1_rows",
            "c4_rows", "c6_rows", "claim_table", "all_claims", "claims_markdown", "claims_grid", "verdict_sentence", "overview",
-           "overview_markdown", "SPRPO_IDS", "KL_COLUMNS", "kl_claim_rows", "kl_markdown", "write_claims"]
+           "overview_markdown", "SPRPO_IDS", "KL_COLUMNS", "kl_claim_rows", "kl_markdown", "write_claims",
+           "KL_SUCCESS_ID", "correlation_rows", "correlation_markdown"]
 
 #: The paper's success (%) per method and Table 1 setting (both environments), and its
 #: WebShop component ablations.
@@ -316,8 +318,11 @@ def claims_markdown(rows: pd.DataFrame, *, profile: str) -> str:
 def verdict_sentence(rows: pd.DataFrame, *, profile: str) -> str:
     """One sentence of what the claims say at this profile's scale, from their readings:
     how many comparisons agree with the paper, go the other way, or resolve nothing; and,
-    where the table has them, one on SPrPO's KL comparisons (:func:`kl_sentence`)."""
-    kl = kl_sentence(rows)
+    where the table has them, one on SPrPO's KL comparisons (:func:`kl_sentence`) and whether KL
+    tracks success, per environment (:func:`correlation_rows`)."""
+    corr = rows[rows["measure"].eq("correlation")] if "measure" in rows else rows.iloc[:0]
+    kl = kl_sentence(rows) + "".join(f" {ENV_LABELS.get(r['env'], r['env'])}: {r['reading']}"
+                                     for r in corr.to_dict("records"))
     rows = rows[rows["id"].isin(SPRPO_IDS)] if "id" in rows else rows
     if rows.empty:
         return f"The {profile} profile's results support no reading of the paper's claims yet." + kl
@@ -336,7 +341,7 @@ def verdict_sentence(rows: pd.DataFrame, *, profile: str) -> str:
 # ----------------------------------------------------------------------------- KL claims
 #: What the KL claims (notebook 09) add to the claims table; success rows leave them empty and
 #: have ``measure`` "success".
-KL_COLUMNS = ["measure", "ratio", "ratio_lo", "ratio_hi", "mde80_rel", "p_holm"]
+KL_COLUMNS = ["measure", "ratio", "ratio_lo", "ratio_hi", "mde80_rel", "p_holm", "one_seed"]
 #: The KL comparisons of SPrPO with another policy (the verdict sentence counts them).
 SPRPO_KL_IDS = ("C2-KL", "T1-KL", "C4-KL")
 
@@ -345,9 +350,14 @@ def kl_claim_rows(kl: pd.DataFrame) -> pd.DataFrame:
     """KL claim rows (:func:`sprpo_lib.paper.divergence.kl_claims`) in the claims table's
     columns: ``diff``/``lo``/``hi``/``mde80`` in nats of mean KL per state, ``tasks`` the states,
     ``measure`` "KL", the ratio of mean KLs with its interval, the MDE relative to the baseline and
-    the Holm-adjusted p-value (``p_holm``)."""
+    the Holm-adjusted p-value (``p_holm``); ``one_seed`` names a trained policy of one seed compared
+    with the other method's several (each of them paired with it), "" otherwise (the warm start is
+    the one starting point of every seed, not a one-seed baseline)."""
     out = []
     for r in kl.to_dict("records"):
+        seeds = {m: r.get(f"seeds_{side}") for side, m in (("a", r["a"]), ("b", r["b"]))}
+        one = [m for m, n in seeds.items() if pd.notna(n) and int(n) == 1 and m != WARM_START
+               and any(pd.notna(k) and int(k) > 1 for k in seeds.values())]
         family, strength = str(r["setting"]).rsplit(" ", 1)
         setting = "plane mean" if r["where"] == "plane" else setting_label(family, float(strength))
         out.append({"env": r["env"], "id": r["id"], "claim": r["claim"],
@@ -357,12 +367,47 @@ def kl_claim_rows(kl: pd.DataFrame) -> pd.DataFrame:
                     "train_seeds": r["train_seeds"], "wins": r.get("wins"), "losses": r.get("losses"),
                     "sign_p": r.get("sign_p"), "reading": r["reading"], "measure": "KL", "ratio": r["ratio"],
                     "ratio_lo": r["ratio_lo"], "ratio_hi": r["ratio_hi"], "mde80_rel": r["mde80_rel"],
-                    "p_holm": r.get("p_holm", float("nan"))})
+                    "p_holm": r.get("p_holm", float("nan")),
+                    "one_seed": METHOD_LABELS.get(one[0], one[0]) if one else ""})
     return pd.DataFrame(out, columns=[*CLAIM_COLUMNS, *KL_COLUMNS])
 
 
 def _is_kl(rows: pd.DataFrame) -> pd.Series:
     return rows["measure"].eq("KL") if "measure" in rows else pd.Series(False, index=rows.index)
+
+
+def _is_success(rows: pd.DataFrame) -> pd.Series:
+    """Rows of success claims (a file written before the ``measure`` column holds only those)."""
+    return rows["measure"].isna() | rows["measure"].eq("success") if "measure" in rows else \
+        pd.Series(True, index=rows.index)
+
+
+#: The claims-table row per environment that says whether the divergence tracks success.
+KL_SUCCESS_ID = "KL-success"
+
+
+def correlation_rows(correlations: Mapping[str, Mapping]) -> pd.DataFrame:
+    """Per environment, notebook 09's ``09_divergence_<env>_correlation.json``
+    (:func:`sprpo_lib.paper.divergence.kl_success_correlation` and its sentence) as a claims row:
+    ``measure`` "correlation", ``diff`` Spearman's rho between a policy's mean KL at a setting and
+    its success loss there, ``lo``/``hi`` its 95% interval, ``tasks`` the (policy, setting) pairs."""
+    out = [{"env": env, "id": KL_SUCCESS_ID, "claim": "a policy's mean KL at a setting tracks its success loss there",
+            "versus": "every policy", "setting": "every setting measured both ways", "diff": c.get("spearman"),
+            "lo": c.get("lo"), "hi": c.get("hi"), "tasks": c.get("pairs"), "reading": c.get("sentence", ""),
+            "measure": "correlation"} for env, c in correlations.items()]
+    return pd.DataFrame(out, columns=[*CLAIM_COLUMNS, *KL_COLUMNS])
+
+
+def correlation_markdown(rows: pd.DataFrame) -> str:
+    """The correlation rows of a claims table (:func:`correlation_rows`): one line per environment."""
+    corr = rows[rows["measure"].eq("correlation")] if "measure" in rows else rows.iloc[:0]
+    if corr.empty:
+        return ""
+    lines = ["**Does the divergence track success?** Spearman's rank correlation between a policy's mean KL at a "
+             "setting and its success loss there (clean minus perturbed success of the same weights), over the "
+             "(policy, setting) pairs where both were measured, 95% bootstrap interval over the pairs:", ""]
+    lines += [f"- {ENV_LABELS.get(r['env'], r['env'])}: {r['reading']}" for r in corr.to_dict("records")]
+    return "\n".join(lines) + "\n"
 
 
 def kl_markdown(rows: pd.DataFrame) -> str:
@@ -375,7 +420,8 @@ def kl_markdown(rows: pd.DataFrame) -> str:
              "the second's; MDE80 relative to the second's mean KL; flips: the exact sign test on the states whose "
              "greedy action flips under one policy only. \"No difference\" is read only where the design detects 10% "
              "of the baseline's KL. Holm p: the comparison's bootstrap p-value adjusted for all of its environment's "
-             "comparisons (family-wise error)."]
+             "comparisons (family-wise error). States x seeds: (X: one seed) marks a policy trained at one seed, "
+             "paired with each of the other method's seeds: the interval carries none of X's own seed variance."]
     for env, part in kl.groupby("env", sort=False):
         lines += ["", f"**{ENV_LABELS.get(env, env)}, KL**", "", kl_multiplicity(part), "",
                   "| Id | Policies | Setting | Difference [95% CI] | Ratio [95% CI] | MDE80 | Holm p | States x seeds "
@@ -386,9 +432,15 @@ def kl_markdown(rows: pd.DataFrame) -> str:
             mde = "" if pd.isna(r["mde80_rel"]) else f"{100 * r['mde80_rel']:.1f}%"
             p_holm = "" if pd.isna(r.get("p_holm", np.nan)) else f"{r['p_holm']:.2g}"
             lines.append(f"| {r['id']} | {r['versus']} | {r['setting']} | {r['diff']:+.3g} [{r['lo']:+.3g}, "
-                         f"{r['hi']:+.3g}] | {ratio} | {mde} | {p_holm} | {int(r['tasks'])} x {r['train_seeds']} | "
-                         f"{r['reading']} |")
+                         f"{r['hi']:+.3g}] | {ratio} | {mde} | {p_holm} | {int(r['tasks'])} x {r['train_seeds']}"
+                         f"{_one_seed_mark(r)} | {r['reading']} |")
     return "\n".join(lines) + "\n"
+
+
+def _one_seed_mark(r: Mapping) -> str:
+    """`` (X: one seed)`` for a KL row whose ``one_seed`` names a policy, else ""."""
+    one = r.get("one_seed")
+    return f" ({one}: one seed)" if isinstance(one, str) and one else ""
 
 
 def kl_multiplicity(part: pd.DataFrame, level: float = 0.05) -> str:
@@ -429,20 +481,24 @@ def kl_sentence(rows: pd.DataFrame) -> str:
 def write_claims(out: str | Path, profile: str, success: pd.DataFrame | None = None,
                  kl: Mapping[str, pd.DataFrame] | None = None) -> list[Path]:
     """Write ``claims_<profile>.csv`` and ``.md``: the success claims (``success``, else those the
-    file already holds) and the KL claims of every environment (``kl``, else each
-    ``09_divergence_<env>_claims.csv`` in ``out``); the Markdown is the verdicts, the success
-    table, then the KL table.  Notebook 08 calls it with its claims, notebook 09 after its own."""
+    file already holds), the KL claims of every environment (``kl``, else each
+    ``09_divergence_<env>_claims.csv`` in ``out``) and whether KL tracks success (each
+    ``09_divergence_<env>_correlation.json``: :func:`correlation_rows`); the Markdown is the
+    verdicts, the success table, the KL table, then the correlation.  Notebook 08 calls it with its
+    claims, notebook 09 after its own."""
     out = Path(out)
     csv, md = out / f"claims_{profile}.csv", out / f"claims_{profile}.md"
     if success is None:
         old = pd.read_csv(csv) if csv.is_file() else pd.DataFrame(columns=CLAIM_COLUMNS)
-        success = old[~_is_kl(old)].reindex(columns=CLAIM_COLUMNS)  # a file from before a column: left empty
+        success = old[_is_success(old)].reindex(columns=CLAIM_COLUMNS)  # a file from before a column: left empty
     if kl is None:
         found = sorted(out.glob("09_divergence_*_claims.csv"))
         kl = {f.name[len("09_divergence_"):-len("_claims.csv")]: pd.read_csv(f) for f in found}
     kl_rows = [kl_claim_rows(t) for t in kl.values() if len(t)]
+    found = sorted(out.glob("09_divergence_*_correlation.json"))
+    corr = correlation_rows({f.name[len("09_divergence_"):-len("_correlation.json")]: read_json(f) for f in found})
     success = success.assign(measure="success")
-    rows = pd.concat([success, *kl_rows], ignore_index=True) if kl_rows else success
+    rows = pd.concat([success, *kl_rows, *([corr] if len(corr) else [])], ignore_index=True)
     rows = rows.reindex(columns=[*CLAIM_COLUMNS, *KL_COLUMNS])
     to_csv(rows, csv, digits=3)
     text = ""
@@ -450,6 +506,7 @@ def write_claims(out: str | Path, profile: str, success: pd.DataFrame | None = N
         text = (overview_markdown(overview(success), profile=profile) + "\n"
                 + claims_markdown(success, profile=profile))
     text += ("\n" if text else "") + kl_markdown(rows)
+    text += ("\n" if text and len(corr) else "") + correlation_markdown(rows)
     atomic_write_text(md, text or f"No claim of the paper can be read from the {profile} profile's results yet.\n")
     return [csv, md]
 

@@ -44,7 +44,8 @@ KL_CLAIMS = (("C2-KL", "sprpo", "vanilla", "SPrPO moves less than Vanilla under 
              ("RL-KL", "sprpo", "warm_start", "RL (SPrPO) moves more than its warm start"))
 #: A relative MDE at or below this makes "no difference" an informative reading.
 INFORMATIVE_MDE = 0.10
-KL_CLAIM_COLUMNS = ["env", "id", "claim", "a", "b", "setting", "where", "states", "train_seeds", "kl_a", "kl_b",
+KL_CLAIM_COLUMNS = ["env", "id", "claim", "a", "b", "setting", "where", "states", "train_seeds", "seeds_a", "seeds_b",
+                    "kl_a", "kl_b",
                     "diff", "lo", "hi", "ratio", "ratio_lo", "ratio_hi", "mde80", "mde80_rel", "flip_a", "flip_b",
                     "wins", "losses", "sign_p", "p", "p_holm", "reading"]
 
@@ -89,7 +90,8 @@ def kl_reading(r: dict) -> str:
 def _claim_row(env: str, cid: str, claim: str, r: dict, where: str) -> dict:
     return {"env": env, "id": cid, "claim": claim, "a": r["a"], "b": r["b"],
             "setting": _setting(r["family"], r["strength"]), "where": where, "states": r["states"],
-            "train_seeds": r["train_seeds"], "kl_a": r["kl_a"], "kl_b": r["kl_b"], "diff": r["diff"],
+            "train_seeds": r["train_seeds"], "seeds_a": r["seeds_a"], "seeds_b": r["seeds_b"],
+            "kl_a": r["kl_a"], "kl_b": r["kl_b"], "diff": r["diff"],
             "lo": r["diff_ci"][0], "hi": r["diff_ci"][1], "ratio": r["ratio"], "ratio_lo": r["ratio_ci"][0],
             "ratio_hi": r["ratio_ci"][1], "mde80": r["mde80"], "mde80_rel": r["mde80_rel"],
             "flip_a": r.get("flip_a"), "flip_b": r.get("flip_b"), "wins": r.get("wins"), "losses": r.get("losses"),

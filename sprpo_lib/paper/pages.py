@@ -171,7 +171,7 @@ def motivation(page: ResultsPage, rows: Mapping[str, pd.DataFrame], show: Show =
     paper's drop."""
     artifacts = []
     for env, r in rows.items():
-        summary = R.summary_of(r)
+        summary = R.summary_of(r, intervals=True)  # every bar with its 95% interval, as Fig. 3's points
         show(summary)
         stem = page.out / f"03_motivation_{env}"
         ref = X.WARM_START if (r["method"] == X.WARM_START).any() else None
@@ -364,7 +364,7 @@ def _ablation_env(study: Ablations, env: str, r: pd.DataFrame, ablation_paired: 
         show(S.noise_health(rules.assign(method=rules["rule"]), by="variant"))
     panels = [(R.plain(A.GROUP_TITLES[g]), A.star(ab.group(g), stars))
               for g in ("strategy", "schedule", "rho", "alpha") if ab.group(g)]
-    paths += R.plot_ablation(summary, panels, settings, f"{stem}_fig5", env=env,
+    paths += R.plot_ablation(R.ablation_bars(r, settings), panels, len(settings) - 1, f"{stem}_fig5", env=env,
                              title=f"{T.ENV_LABELS.get(env, env)}, {page.profile} profile: ablations")
     paths += [Path(f"{stem}{s}") for s in ("_rows.csv", "_summary.csv", "_components.tex", "_components.csv",
                                            "_hyperparameters.tex", "_hyperparameters.csv", "_paired.csv")]
@@ -412,7 +412,7 @@ def _power(page: ResultsPage, rows, show: Show) -> list[Path]:
         T.to_csv(power, out / f"claims_power_{profile}.csv", digits=3)
         paths.append(out / f"claims_power_{profile}.csv")
         show(power.drop(columns=["text"]))
-    design = B.design_from_figures(out, power if len(power) else None, heldout_every=5, heldout_tasks=32)
+    design = B.design_from_figures(out, power if len(power) else None)
     if len(design):
         T.to_csv(design, out / f"claims_design_{profile}.csv", digits=2)
         paths.append(out / f"claims_design_{profile}.csv")

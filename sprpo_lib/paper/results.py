@@ -33,10 +33,10 @@ from sprpo_lib.paper.figcheck import design_gid, warn_problems
 from sprpo_lib.paper.report import load_metrics
 from sprpo_lib.paper.stats import paired_bootstrap, success_intervals, summarize
 from sprpo_lib.paper.style import LABEL_BOX, METHOD_COLORS, METHOD_MARKERS, NEUTRAL, pyplot, role
-from sprpo_lib.paper.tables import ENV_LABELS, FAMILY_LABELS, METHOD_LABELS, strength_label
+from sprpo_lib.paper.tables import ENV_LABELS, FAMILY_LABELS, METHOD_LABELS, design_text, strength_label
 
 __all__ = ["COLORS", "save_figure", "quiet_iterations", "plot_motivation", "plot_curves", "plot_landscape", "landscape_grid", "plot_longer",
-           "plot_ablation", "paired_comparisons", "perturbation_losses", "landscape_drop", "overhead", "overhead_latex",
+           "plot_ablation", "ablation_bars", "PERTURBED_MEAN", "paired_comparisons", "perturbation_losses", "landscape_drop", "overhead", "overhead_latex",
            "EXAMPLE_RULE", "pick_examples", "examples_markdown", "headline", "headline_markdown", "merged_headline",
            "headline_caption", "seeds_text", "without_paired", "replace_block", "setting_label", "plain",
            "README_WIDTH_PX"]
@@ -102,11 +102,6 @@ def _design(row) -> tuple[int | None, int]:
     (goals ``None`` where the summary has no ``tasks``)."""
     tasks = row.get("tasks")
     return (int(tasks) if tasks is not None and pd.notna(tasks) else None), int(row.get("n", 1) or 1)
-
-
-def _design_text(d: tuple[int | None, int]) -> str:
-    goals, seeds = d
-    return (f"{goals} goals x " if goals is not None else "") + f"{seeds} training seed{'s' if seeds != 1 else ''}"
 
 
 #: The width the README shows its opening figure at (px): :func:`plot_curves` with ``readme=True``
@@ -216,10 +211,10 @@ def _legend_and_notes(fig, axes, methods: Sequence[str], mains: dict[str, set], 
     order = [METHOD_LABELS.get(m, m) for m in methods]
     labels = sorted(legend, key=lambda lab: order.index(lab) if lab in order else len(order))
     handles = [legend[lab] for lab in labels]
-    notes = ["; ".join(f"{name + ': ' if name else ''}{' / '.join(map(_design_text, sorted(ds, reverse=True)))}"
+    notes = ["; ".join(f"{name + ': ' if name else ''}{' / '.join(design_text(*d) for d in sorted(ds, reverse=True))}"
                        for name, ds in mains.items()) + " per point"]
     if others:
-        notes.append(f"hollow markers, not joined: {' / '.join(map(_design_text, sorted(others, reverse=True)))}")
+        notes.append(f"hollow markers, not joined: {' / '.join(design_text(*d) for d in sorted(others, reverse=True))}")
     notes.append("error bars: 95% interval, training seeds and goals resampled" if intervals else
                  "error bars: std over training seeds" + ("; single runs have none" if single else ""))
     notes.append("markers offset sideways so that equal values stay visible")
@@ -238,8 +233,9 @@ def _legend_and_notes(fig, axes, methods: Sequence[str], mains: dict[str, set], 
 
 def plot_motivation(summary: pd.DataFrame, path: str | Path, *, method: str = "vanilla",
                     reference: str | None = None, title: str = "", families: Sequence[str] = CURVE_FAMILIES) -> list[Path]:
-    """Fig. 1: one method's success at clean and at each family's strengths (bars, mean
-    +- std over its training seeds), the clean level as a dashed line; ``reference`` (the
+    """Fig. 1: one method's success at clean and at each family's strengths (bars: the mean
+    over its training seeds; whiskers: the 95% interval where the summary has ``lo`` and ``hi``,
+    as Fig. 3's points, else the std over seeds), the clean level as a dashed line; ``reference`` (the
     warm start) as outlined bars beside them, so the reader sees whether RL made the agent
     more or less fragile than its starting point.  Ticks give the strength; the family
     names the group of ticks beneath; the value labels sit above the whiskers.  Where the
@@ -247,18 +243,24 @@ def plot_motivation(summary: pd.DataFrame, path: str | Path, *, method: str = "v
     training seeds), ticks off the clean bar's design carry a dagger and a footnote says
     both, so that no bar passes for more evidence than it has."""
     plt = _plt()
+    intervals = {"lo", "hi"} <= set(summary.columns)
+
+    def whisker(r) -> tuple[float, float]:  # (below, above) the bar's top
+        if intervals:
+            return float(r["mean"] - r["lo"]), float(r["hi"] - r["mean"])
+        return (math.nan,) * 2 if pd.isna(r["std"]) or int(r.get("n", 1) or 1) < 2 else (float(r["std"]),) * 2
 
     def bars_of(m: str) -> list[tuple]:
         sel = summary[summary["method"] == m]
         clean = sel[sel["family"] == "clean"]
         out = [("Clean", float(clean["mean"].iloc[0]) if len(clean) else math.nan,
-                float(clean["std"].fillna(0).iloc[0]) if len(clean) else 0.0, "clean", 0.0,
+                whisker(clean.iloc[0]) if len(clean) else (math.nan,) * 2, "clean", 0.0,
                 _design(clean.iloc[0]) if len(clean) else None)]
         for fam in families:
             part = sel[sel["family"] == fam].sort_values("strength", ascending=(fam != "rtn"))
             for _, r in part.iterrows():
-                out.append((plain(strength_label(fam, r["strength"])), float(r["mean"]),
-                            float(0 if pd.isna(r["std"]) else r["std"]), fam, float(r["strength"]), _design(r)))
+                out.append((plain(strength_label(fam, r["strength"])), float(r["mean"]), whisker(r), fam,
+                            float(r["strength"]), _design(r)))
         return out
 
     bars = bars_of(method)
@@ -268,11 +270,11 @@ def plot_motivation(summary: pd.DataFrame, path: str | Path, *, method: str = "v
     w = 0.42 if ref else 0.8
     dx = -w / 2 if ref else 0.0
 
-    def errs(bs) -> list[float]:  # std over training seeds; a single run has none (not a zero-height bar)
-        return [b[2] if b[5] is not None and b[5][1] > 1 else math.nan for b in bs]
+    def errs(bs) -> np.ndarray:  # [2, bars]: below and above each top; NaN (no whisker) where none was measured
+        return np.clip(np.array([b[2] for b in bs], float).T.reshape(2, len(bs)), 0, None)
 
     def values(xs, heights, es):
-        for xi, h, e in zip(xs, heights, es):
+        for xi, h, e in zip(xs, heights, es[1]):
             if not math.isnan(h):
                 ax.text(xi, h + (0 if math.isnan(e) else e) + 1, pct_text(h), ha="center", va="bottom", fontsize=6,
                         bbox=LABEL_BOX, zorder=3)  # over the dashed line
@@ -281,7 +283,7 @@ def plot_motivation(summary: pd.DataFrame, path: str | Path, *, method: str = "v
            label=METHOD_LABELS.get(method, method))
     values(x + dx, [b[1] for b in bars], errs(bars))
     if ref:
-        rb = [ref.get((b[3], b[4]), (None, math.nan, 0.0, None, None, None)) for b in bars]
+        rb = [ref.get((b[3], b[4]), (None, math.nan, (math.nan,) * 2, None, None, None)) for b in bars]
         ax.bar(x + w / 2, [r[1] for r in rb], w, yerr=errs(rb), capsize=2, facecolor="none",
                edgecolor=COLORS.get(reference), hatch="//", label=METHOD_LABELS.get(reference, reference))
         values(x + w / 2, [r[1] for r in rb], errs(rb))
@@ -291,13 +293,14 @@ def plot_motivation(summary: pd.DataFrame, path: str | Path, *, method: str = "v
     main = bars[0][5]
     off = sorted({b[5] for b in bars if b[5] is not None and b[5] != main}, key=str)
     ax.set_xticks(x, [b[0] + ("\u2020" if off and b[5] != main else "") for b in bars], fontsize=7)
-    note = f"{METHOD_LABELS.get(method, method)}: {_design_text(main)} per bar" if main is not None else ""
+    note = f"{METHOD_LABELS.get(method, method)}: {design_text(*main)} per bar" if main is not None else ""
     if off:  # bars measured on another design than the clean bar's
-        note += "; \u2020 " + "; ".join(_design_text(d) for d in off)
+        note += "; \u2020 " + "; ".join(design_text(*d) for d in off)
     if ref and {b[5][1] for b in ref.values() if b[5]} == {1}:
         note += f". {METHOD_LABELS.get(reference, reference)} (hatched): one policy on the same goals"
     if main is not None:
-        note += ". Error bars: std over training seeds" + ("; single runs have none" if main[1] == 1 or ref else "")
+        note += (". Error bars: 95% interval, training seeds and goals resampled" if intervals else
+                 ". Error bars: std over training seeds" + ("; single runs have none" if main[1] == 1 or ref else ""))
         note += ". Dashed: clean success"
         fig.text(0.01, 0.01, note + ".", fontsize=6, ha="left", va="bottom", alpha=0.8, wrap=True)
     for fam in ("clean", *families):  # the family under its group of ticks
@@ -437,43 +440,60 @@ def plain(label: str) -> str:
     return label
 
 
-def plot_ablation(summary: pd.DataFrame, panels: Sequence[tuple[str, Sequence[tuple[str, str]]]],
-                  settings: Sequence[tuple[str, float]], path: str | Path, *, env: str, title: str = "") -> list[Path]:
+#: Fig. 5's second bar of every variant: its success averaged over Table 1's perturbed settings.
+PERTURBED_MEAN = "perturbed"
+
+
+def ablation_bars(rows: pd.DataFrame, settings: Sequence[tuple[str, float]]) -> pd.DataFrame:
+    """Fig. 5's bars from episode rows: per variant its clean success and, as family
+    :data:`PERTURBED_MEAN`, its success averaged over the perturbed ``settings`` (each goal's
+    mean over them first; a variant missing one of them gets no such bar), each with its 95%
+    interval (:func:`summary_of`, training seeds and goals resampled)."""
+    pert = {(f, float(s)) for f, s in settings if f != "clean"}
+    at = pd.Series([(f, float(s)) for f, s in zip(rows["family"], rows["strength"])], index=rows.index)
+    on = rows[at.isin(pert)]
+    n_settings = on.drop_duplicates(["method", "family", "strength"]).groupby("method").size()
+    on = on[on["method"].isin(n_settings[n_settings == len(pert)].index)]
+    keys = [c for c in ("method", "env", "train_seed", "split", "task_index", "seed") if c in rows.columns]
+    pooled = on.groupby(keys, dropna=False)[["success", "score"]].mean().reset_index()
+    pooled = pooled.assign(family=PERTURBED_MEAN, strength=0.0)
+    return summary_of(pd.concat([rows[rows["family"] == "clean"], pooled], ignore_index=True), intervals=True)
+
+
+def plot_ablation(bars: pd.DataFrame, panels: Sequence[tuple[str, Sequence[tuple[str, str]]]],
+                  n_settings: int, path: str | Path, *, env: str, title: str = "") -> list[Path]:
     """Fig. 5: one panel per group ``(title, [(variant key, label)])``: each variant's clean
-    success and its mean success over the perturbed ``settings`` (bars: mean over training
-    seeds; whiskers: the std where there are several seeds, none for a single run), in the
-    non-method colours of :mod:`sprpo_lib.paper.style` (clean grey, perturbed brown); a
+    success and its mean success over the ``n_settings`` perturbed settings (:func:`ablation_bars`:
+    bars the mean over training seeds, whiskers the 95% interval, as every point of Figs. 1 and 3),
+    in the non-method colours of :mod:`sprpo_lib.paper.style` (clean grey, perturbed brown); a
     footnote gives each bar's design and what the perturbed bar averages."""
     plt = _plt()
     fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(3.3 * max(1, len(panels)), 3.4), squeeze=False)
-    pert = [x for x in settings if x[0] != "clean"]
     designs: set = set()
+
+    def bar(k: str, family: str) -> tuple[float, float, float]:  # mean and the whisker below and above it
+        r = bars[(bars["env"] == env) & (bars["method"] == k) & (bars["family"] == family)]
+        if r.empty:
+            return (math.nan,) * 3
+        designs.add(_design(r.iloc[0]))
+        m, lo, hi = (float(r[c].iloc[0]) for c in ("mean", "lo", "hi"))
+        return m, max(0.0, m - lo), max(0.0, hi - m)
+
     for ax, (ptitle, members) in zip(axes[0], panels):
         x = np.arange(len(members))
-        clean, cstd, mean_p, pstd = [], [], [], []
-        for k, _ in members:
-            sel = summary[(summary["env"] == env) & (summary["method"] == k)]
-            c = sel[sel["family"] == "clean"]
-            several = len(c) and int(c["n"].iloc[0]) > 1  # std over training seeds exists
-            if len(c):
-                designs.add(_design(c.iloc[0]))
-            clean.append(float(c["mean"].iloc[0]) if len(c) else math.nan)
-            cstd.append(float(c["std"].iloc[0]) if several else math.nan)
-            ps = sel[[(f, st) in pert for f, st in zip(sel["family"], sel["strength"])]]
-            mean_p.append(float(ps["mean"].mean()) if len(ps) == len(pert) else math.nan)
-            pstd.append(float(ps["std"].mean()) if several and len(ps) == len(pert) else math.nan)
-        ax.bar(x - 0.2, clean, 0.4, yerr=cstd, capsize=2, color=role("clean"), label="clean")
-        ax.bar(x + 0.2, mean_p, 0.4, yerr=pstd, capsize=2, color=role("perturbed"),
-               label="mean over Table 1's perturbations")
-        for xi, a, ea, b, eb in zip(x, clean, cstd, mean_p, pstd):
-            for dx, v, e in ((-0.2, a, ea), (0.2, b, eb)):
+        bars_at = ((-0.2, "clean", role("clean"), "clean"),
+                   (0.2, PERTURBED_MEAN, role("perturbed"), "mean over Table 1's perturbations"))
+        for dx, family, colour, label in bars_at:
+            got = np.array([bar(k, family) for k, _ in members]).reshape(len(members), 3)
+            ax.bar(x + dx, got[:, 0], 0.4, yerr=got[:, 1:].T, capsize=2, color=colour, label=label)
+            for xi, (v, _, up) in zip(x, got):
                 if not math.isnan(v):  # above the whisker
-                    ax.text(xi + dx, v + (0 if math.isnan(e) else e) + 1, pct_text(v), ha="center", va="bottom",
+                    ax.text(xi + dx, v + (0 if math.isnan(up) else up) + 1, pct_text(v), ha="center", va="bottom",
                             fontsize=6)
         # long labels break at their first space (rotated ones collided at four bars a panel)
         ax.set_xticks(x, [plain(lab).replace(" ", "\n", 1) if len(plain(lab)) > 8 else plain(lab)
                           for _, lab in members], fontsize=7)
-        ax.set(title=plain(ptitle), ylim=(0, 100))
+        ax.set(title=plain(ptitle), ylim=(0, 110))
         ax.title.set_fontsize(8)
         ax.grid(axis="y", alpha=0.3)
         ax.grid(False, axis="x")  # no grid line through the bars
@@ -481,9 +501,9 @@ def plot_ablation(summary: pd.DataFrame, panels: Sequence[tuple[str, Sequence[tu
     axes[0][0].legend(fontsize=6, loc="upper right")
     if title:
         fig.suptitle(title, fontsize=9)
-    note = (f"Bars: {' / '.join(map(_design_text, sorted(designs, reverse=True)))}"
-            f" (* = main runs, Table 1's design); error bars: std over training seeds, none for a single run. "
-            f"Perturbed: the mean of {len(pert)} settings, above clean where a perturbation helped on these goals.")
+    note = (f"Bars: {' / '.join(design_text(*d) for d in sorted(designs, reverse=True))}"
+            f" (* = main runs, Table 1's design); error bars: 95% interval, training seeds and goals resampled. "
+            f"Perturbed: the mean of {n_settings} settings, above clean where a perturbation helped on these goals.")
     fig.text(0.01, 0.005, note, fontsize=6, ha="left", va="bottom", wrap=True)
     fig.tight_layout(rect=(0, 0.3 / fig.get_figheight(), 1, 1))
     return save_figure(fig, path)

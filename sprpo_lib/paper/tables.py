@@ -25,8 +25,8 @@ from sprpo_lib.core.methods import METHODS
 from sprpo_lib.infra.io import atomic_write_text
 from sprpo_lib.paper.style import METHOD_DISPLAY
 
-__all__ = ["FAMILY_LABELS", "METHOD_LABELS", "ENV_LABELS", "strength_label", "meanstd", "best_flags", "main_frame",
-           "main_table", "appendix_frame", "appendix_table", "default_levels", "ablation_frame", "ablation_table", "to_csv",
+__all__ = ["FAMILY_LABELS", "METHOD_LABELS", "ENV_LABELS", "strength_label", "design_text", "meanstd",
+           "best_flags", "main_frame", "main_table", "appendix_frame", "appendix_table", "default_levels", "ablation_frame", "ablation_table", "to_csv",
            "write_text", "markdown_table"]
 
 FAMILY_ORDER = ("clean", "gaussian", "dropout", "fisher", "sparsegpt", "rtn")
@@ -91,7 +91,37 @@ def _row(summary: pd.DataFrame, where: Mapping) -> pd.Series | None:
 def _cell(summary: pd.DataFrame, where: Mapping) -> dict:
     r = _row(summary, where)
     get = (lambda k: float(r[k]) if r is not None and k in r.index and pd.notna(r[k]) else float("nan"))
-    return {"mean": get("mean"), "std": get("std"), "n": get("n"), "retention": get("retention")}
+    return {"mean": get("mean"), "std": get("std"), "n": get("n"), "tasks": get("tasks"), "retention": get("retention")}
+
+
+def design_text(goals: int | None, seeds: int) -> str:
+    """``20 goals x 3 training seeds``: what sets a number's sampling error (goals ``None``: not known)."""
+    return (f"{goals} goals x " if goals is not None else "") + f"{seeds} training seed{'s' if seeds != 1 else ''}"
+
+
+def _fewer_seeds(frame: pd.DataFrame, key: str, trained: Sequence[str]) -> dict[str, tuple[int, int]]:
+    """The ``trained`` rows of ``frame`` (methods, variants) with fewer training seeds than the
+    most of them: key -> (its seeds, the most).  The warm start, one policy, is not trained."""
+    seeds = frame[frame[key].isin(list(trained))].groupby(key)["n"].max().dropna()
+    return {k: (int(n), int(seeds.max())) for k, n in seeds.items() if n < seeds.max()}
+
+
+def _design_footnote(fewer: Mapping[str, tuple[int, int]], goals: Mapping[str, set], ncols: int) -> str | None:
+    """The note under a table: the dagger's seed counts (``fewer``: label -> (seeds, the most)),
+    then the goals behind each cell (``goals``: block name, "" for one, -> goal counts); ``None``
+    where there is nothing to say."""
+    by_count: dict[tuple[int, int], list[str]] = {}
+    for m, km in fewer.items():
+        by_count.setdefault(km, []).append(m)
+    said = [rf"$^\dagger$ " + "; ".join(f"{', '.join(ms)}: {k} training seed{'s' * (k != 1)}, the others {most}"
+                                        for (k, most), ms in by_count.items())
+            + "; no std, and a paired comparison with it uses the shared seeds."] if fewer else []
+    known = {b: sorted(int(g) for g in gs if pd.notna(g)) for b, gs in goals.items()}
+    known = {b: gs for b, gs in known.items() if gs}
+    if known:
+        said.append("Goals per cell: " + "; ".join(f"{b + ' ' if b else ''}{' or '.join(map(str, gs))}"
+                                                  for b, gs in known.items()) + ".")
+    return rf"\multicolumn{{{ncols}}}{{@{{}}l}}{{\footnotesize {' '.join(said)}}} \\" if said else None
 
 
 # ----------------------------------------------------------------------------- Table 1
@@ -105,7 +135,7 @@ def main_frame(summary: pd.DataFrame, settings: Mapping[str, Sequence[tuple[str,
             cells = [_cell(summary, {"env": env, method: m, "family": fam, "strength": s}) for m in methods]
             for m, c, b in zip(methods, cells, best_flags([c["mean"] for c in cells], digits)):
                 out.append({"env": env, "method": m, "column": j, "family": fam, "strength": s, **c, "best": b})
-    return pd.DataFrame(out, columns=["env", "method", "column", "family", "strength", "mean", "std", "n",
+    return pd.DataFrame(out, columns=["env", "method", "column", "family", "strength", "mean", "std", "n", "tasks",
                                       "retention", "best"])
 
 
@@ -134,6 +164,7 @@ def main_table(summary: pd.DataFrame, settings: Mapping[str, Sequence[tuple[str,
     ncols = widths.pop()
     lines = [MACROS.rstrip("\n"), rf"\begin{{tabular}}{{@{{}}l{'c' * ncols}@{{}}}}", r"\toprule"]
     fewer: dict[str, tuple[int, int]] = {}  # method label -> (its seeds, the most in its block)
+    goals: dict[str, set] = {}  # env label -> the goal counts of its cells
     order = [e for e in TABLE1_ENV_ORDER if e in settings] + [e for e in settings if e not in TABLE1_ENV_ORDER]
     for i, (env, cols) in enumerate((e, settings[e]) for e in order):
         if i:
@@ -145,13 +176,14 @@ def main_table(summary: pd.DataFrame, settings: Mapping[str, Sequence[tuple[str,
                         rf"\shortstack{{{name}\\({strength_label(fam, s, short=True)})}}")
         lines.append("\n& ".join(head) + r" \\")
         lines.append(r"\midrule")
-        block = frame[(frame["env"] == env) & frame["method"].isin(list(METHODS))]  # trained methods
-        seeds = block.groupby("method")["n"].max().dropna()
+        block = frame[frame["env"] == env]
+        marked = _fewer_seeds(block, "method", list(METHODS))
+        fewer.update({labels.get(m, m): km for m, km in marked.items()})
+        goals[envs.get(env, env)] = set(block.loc[block["mean"].notna(), "tasks"])
         for m in methods:
-            sub = frame[(frame["env"] == env) & (frame["method"] == m)].sort_values("column")
+            sub = block[block["method"] == m].sort_values("column")
             name = labels.get(m, m)
-            if m in seeds.index and seeds[m] < seeds.max():
-                fewer[labels.get(m, m)] = (int(seeds[m]), int(seeds.max()))
+            if m in marked:
                 name = rf"{name}$^\dagger$"
             row = []
             if m == highlight:
@@ -166,14 +198,8 @@ def main_table(summary: pd.DataFrame, settings: Mapping[str, Sequence[tuple[str,
             row.append("\n& ".join(cells) + r" \\")
             lines.extend(row)
     lines.append(r"\bottomrule")
-    if fewer:
-        by_count: dict[tuple[int, int], list[str]] = {}
-        for m, km in fewer.items():
-            by_count.setdefault(km, []).append(m)
-        said = "; ".join(f"{', '.join(ms)}: {k} training seed{'s' * (k != 1)}, the others {most}"
-                         for (k, most), ms in by_count.items())
-        lines.append(rf"\multicolumn{{{ncols + 1}}}{{@{{}}l}}{{\footnotesize $^\dagger$ {said}; "
-                     r"no std, and a paired comparison with it uses the shared seeds.} \\")
+    note = _design_footnote(fewer, goals if len(goals) > 1 else {"": g for g in goals.values()}, ncols + 1)
+    lines += [note] if note else []
     lines.append(r"\end{tabular}")
     return "\n".join(lines) + "\n"
 
@@ -207,7 +233,7 @@ def appendix_frame(summary: pd.DataFrame, env: str, methods: Sequence[str], *, m
             cells = [_cell(summary, {**where, method: m}) for m in methods]
             for m, c, b in zip(methods, cells, best_flags([c["mean"] for c in cells], digits)):
                 out.append({"env": env, "group": gtitle, "family": fam, "strength": s, "method": m, **c, "best": b})
-    return pd.DataFrame(out, columns=["env", "group", "family", "strength", "method", "mean", "std", "n",
+    return pd.DataFrame(out, columns=["env", "group", "family", "strength", "method", "mean", "std", "n", "tasks",
                                       "retention", "best"])
 
 
@@ -223,7 +249,9 @@ def appendix_table(summary: pd.DataFrame, env: str, methods: Sequence[str], *, m
     frame = appendix_frame(summary, env, methods, method=method, groups=groups, group_col=group_col, levels=levels,
                            digits=digits)
     labels = {**METHOD_LABELS, **(method_labels or {})}
-    heads = [rf"\textbf{{{labels.get(m, m)}}}" if m == highlight else labels.get(m, m) for m in methods]
+    marked = _fewer_seeds(frame, "method", list(METHODS))
+    heads = [labels.get(m, m) + (r"$^\dagger$" if m in marked else "") for m in methods]
+    heads = [rf"\textbf{{{h}}}" if m == highlight else h for m, h in zip(methods, heads)]
     ngroups = len(groups) if groups else 1
     k = len(methods)
     lines = [rf"\begin{{tabular}}{{@{{}}ll{'c' * (k * ngroups)}@{{}}}}", r"\toprule"]
@@ -241,7 +269,9 @@ def appendix_table(summary: pd.DataFrame, env: str, methods: Sequence[str], *, m
         first = "" if fam == prev else FAMILY_LABELS.get(fam, fam)
         lines.append(" & ".join([first, strength_label(fam, s, clean_label=clean_label), *cells]) + r" \\")
         prev = fam
-    lines += [r"\bottomrule", r"\end{tabular}"]
+    note = _design_footnote({labels.get(m, m): km for m, km in marked.items()},
+                            {"": set(frame.loc[frame["mean"].notna(), "tasks"])}, 2 + k * ngroups)
+    lines += [r"\bottomrule", *([note] if note else []), r"\end{tabular}"]
     return "\n".join(lines) + "\n"
 
 
@@ -259,7 +289,7 @@ def ablation_frame(summary: pd.DataFrame, env: str, groups: Sequence[tuple[str, 
                 out.append({"env": env, "group": title, "variant": k, "label": label, "column": j, "family": fam,
                             "strength": s, **c, "best": b})
     return pd.DataFrame(out, columns=["env", "group", "variant", "label", "column", "family", "strength", "mean",
-                                      "std", "n", "retention", "best"])
+                                      "std", "n", "tasks", "retention", "best"])
 
 
 def ablation_table(summary: pd.DataFrame, env: str, groups: Sequence[tuple[str, Sequence[tuple[str, str]]]],
@@ -269,6 +299,7 @@ def ablation_table(summary: pd.DataFrame, env: str, groups: Sequence[tuple[str, 
     ``first_column`` then Table 1's columns (short headers), one italic title row per group
     when there are several, ``mean +- std`` cells with the group's best mean bold."""
     frame = ablation_frame(summary, env, groups, settings, method=method, digits=digits)
+    marked = _fewer_seeds(frame, "variant", list(frame["variant"]))  # every variant is trained
     heads = []
     for fam, s in settings:
         name = {"clean": "Clean", "fisher": "Struct.", "sparsegpt": "Unstruct."}.get(fam, FAMILY_LABELS.get(fam, fam))
@@ -286,8 +317,10 @@ def ablation_table(summary: pd.DataFrame, env: str, groups: Sequence[tuple[str, 
         for k, label in members:
             sub = frame[(frame["group"] == title) & (frame["variant"] == k)].sort_values("column")
             cells = [meanstd(c["mean"], c["std"], bool(c["best"]), digits) for _, c in sub.iterrows()]
-            lines.append(" & ".join([label, *cells]) + r" \\")
-    lines += [r"\bottomrule", r"\end{tabular}"]
+            lines.append(" & ".join([label + (r"$^\dagger$" if k in marked else ""), *cells]) + r" \\")
+    note = _design_footnote({label: marked[k] for _, members in groups for k, label in members if k in marked},
+                            {"": set(frame.loc[frame["mean"].notna(), "tasks"])}, n)
+    lines += [r"\bottomrule", *([note] if note else []), r"\end{tabular}"]
     return "\n".join(lines) + "\n"
 
 
