@@ -81,10 +81,11 @@ NOTEBOOK_INFO: dict[str, tuple[str, str]] = {
                      "`_paired.csv`, `claims_<profile>.md/.csv`, `claims_power_<profile>.md/.csv`"),
     "09_divergence": ("Fig. 3 and Fig. 4 in the policy's own terms: KL under each perturbation per agent state; claims "
                       "C2-KL, T1-KL, C4-KL, RL-KL (also in `claims_<profile>.md/.csv`), with Holm's correction over an "
-                      "environment's comparisons; whether KL tracks success; "
-                      "the pass as a pilot: the design that detects 10% of a baseline's KL",
+                      "environment's comparisons; whether KL tracks success (also in the claims files); "
+                      "the pass as a pilot: the design that detects 10% of a baseline's KL, and what each design "
+                      "detects where none does",
                       "`09_divergence_<env>_curves.png/.pdf`, `_surface.png/.pdf`, `_summary.csv`, `_claims.csv/.md`, "
-                      "`_power.csv`, `_design.csv`, `_correlation.json`, `_rows.csv`"),
+                      "`_power.csv`, `_design.csv`, `_frontier.csv`, `_correlation.json`, `_rows.csv`"),
 }
 
 
