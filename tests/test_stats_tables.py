@@ -235,6 +235,10 @@ def test_every_table_states_its_goals_and_daggers_a_method_of_fewer_seeds():
     abl = T.ablation_table(one, "webshop", [("", [("vanilla", "rho=0"), ("sam", "SAM")])], [("clean", 0.0)])
     assert "SAM$^\\dagger$ & " in abl and "SAM: 1 training seed, the others 3" in abl and "Goals per cell: 20." in abl
     assert "footnotesize" not in T.appendix_table(CRAFTED, "webshop", METHODS)  # one design, no goal counts
+    fewer_goals = one.assign(tasks=one["family"].map({"rtn": 10}).fillna(20))  # a row measured on other goals
+    rows = [ln.split(" & ")[1] for ln in T.appendix_table(fewer_goals, "webshop", METHODS).splitlines()[3:]
+            if " & " in ln and "footnotesize" not in ln]
+    assert rows == ["BF16", r"$\sigma=0.20$", "INT8 (10 goals)", "INT4 (10 goals)"]
 
 
 def test_main_table_stacks_envs():

@@ -245,7 +245,9 @@ def appendix_table(summary: pd.DataFrame, env: str, methods: Sequence[str], *, m
     ``highlight`` method's header bold), a ``\\midrule`` between families, the family
     name on its first row only, ``mean +- std`` cells with the row's best mean bold
     (ties included); ``groups`` repeats the method columns under ``\\multicolumn``
-    titles with ``\\cmidrule``s (ALFWorld ID / OOD)."""
+    titles with ``\\cmidrule``s (ALFWorld ID / OOD).  The note under it gives the goals of most
+    cells; a row measured on other goals says so beside its strength, and a trained method of
+    fewer training seeds wears a dagger."""
     frame = appendix_frame(summary, env, methods, method=method, groups=groups, group_col=group_col, levels=levels,
                            digits=digits)
     labels = {**METHOD_LABELS, **(method_labels or {})}
@@ -260,6 +262,8 @@ def appendix_table(summary: pd.DataFrame, env: str, methods: Sequence[str], *, m
                      + r" \\")
         lines.append("".join(rf"\cmidrule(lr){{{3 + i * k}-{2 + (i + 1) * k}}}" for i in range(ngroups)))
     lines.append(" & ".join(["Perturbation", "Strength", *heads * ngroups]) + r" \\")
+    measured = frame[frame["mean"].notna() & frame["tasks"].notna()]
+    common = measured["tasks"].mode().max() if len(measured) else None  # the goals of most cells
     prev = None
     for fam, s in (list(levels) if levels is not None else default_levels(summary, env)):
         if fam != prev:
@@ -267,10 +271,12 @@ def appendix_table(summary: pd.DataFrame, env: str, methods: Sequence[str], *, m
         sub = frame[(frame["family"] == fam) & (frame["strength"] == s)]
         cells = [meanstd(c["mean"], c["std"], bool(c["best"]), digits) for _, c in sub.iterrows()]
         first = "" if fam == prev else FAMILY_LABELS.get(fam, fam)
-        lines.append(" & ".join([first, strength_label(fam, s, clean_label=clean_label), *cells]) + r" \\")
+        goals = sorted({int(g) for g in sub["tasks"].dropna()} - {int(common)}) if common is not None else []
+        level = strength_label(fam, s, clean_label=clean_label) + (f" ({'/'.join(map(str, goals))} goals)" if goals else "")
+        lines.append(" & ".join([first, level, *cells]) + r" \\")
         prev = fam
     note = _design_footnote({labels.get(m, m): km for m, km in marked.items()},
-                            {"": set(frame.loc[frame["mean"].notna(), "tasks"])}, 2 + k * ngroups)
+                            {"": {common} if common is not None else set()}, 2 + k * ngroups)
     lines += [r"\bottomrule", *([note] if note else []), r"\end{tabular}"]
     return "\n".join(lines) + "\n"
 
