@@ -357,7 +357,10 @@ def test_fig5_bars_average_each_goal_over_the_perturbed_settings_with_95_interva
     clean, pert = [c for c in figs[0].axes[0].containers if isinstance(c, BarContainer)]
     whisker = np.asarray(pert.errorbar.lines[2][0].get_segments()[0])[:, 1]
     assert whisker == pytest.approx([full["lo"], full["hi"]])
-    assert "95% interval" in figs[0].texts[0].get_text() and "mean of 2 settings" in figs[0].texts[0].get_text()
+    note = figs[0].texts[0].get_text()
+    assert "95% interval" in note and "mean of 2 settings" in note
+    assert note.startswith("Bars: 6 goals x 2 training seeds") and "\u2020 6 goals x 1 training seed" in note
+    assert [t.get_text() for t in figs[0].axes[0].get_xticklabels()] == ["Full", "lr\u2020"]  # lr0: one seed
 
 
 def test_motivation_whiskers_are_each_bars_95_interval(tmp_path, monkeypatch):

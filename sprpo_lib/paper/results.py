@@ -466,16 +466,18 @@ def plot_ablation(bars: pd.DataFrame, panels: Sequence[tuple[str, Sequence[tuple
     success and its mean success over the ``n_settings`` perturbed settings (:func:`ablation_bars`:
     bars the mean over training seeds, whiskers the 95% interval, as every point of Figs. 1 and 3),
     in the non-method colours of :mod:`sprpo_lib.paper.style` (clean grey, perturbed brown); a
-    footnote gives each bar's design and what the perturbed bar averages."""
+    footnote gives the main runs' design (goals x training seeds), and a dagger on a variant's label
+    the design of those measured otherwise, and what the perturbed bar averages."""
     plt = _plt()
     fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(3.3 * max(1, len(panels)), 3.4), squeeze=False)
-    designs: set = set()
+    here = bars[bars["env"] == env]
+    design = {k: _design(g.iloc[0]) for k, g in here.groupby("method")}  # goals x training seeds per variant
+    main = max(design.values(), key=lambda d: (d[1], d[0] or 0)) if design else None  # the main runs' design
 
     def bar(k: str, family: str) -> tuple[float, float, float]:  # mean and the whisker below and above it
-        r = bars[(bars["env"] == env) & (bars["method"] == k) & (bars["family"] == family)]
+        r = here[(here["method"] == k) & (here["family"] == family)]
         if r.empty:
             return (math.nan,) * 3
-        designs.add(_design(r.iloc[0]))
         m, lo, hi = (float(r[c].iloc[0]) for c in ("mean", "lo", "hi"))
         return m, max(0.0, m - lo), max(0.0, hi - m)
 
@@ -490,9 +492,9 @@ def plot_ablation(bars: pd.DataFrame, panels: Sequence[tuple[str, Sequence[tuple
                 if not math.isnan(v):  # above the whisker
                     ax.text(xi + dx, v + (0 if math.isnan(up) else up) + 1, pct_text(v), ha="center", va="bottom",
                             fontsize=6)
-        # long labels break at their first space (rotated ones collided at four bars a panel)
-        ax.set_xticks(x, [plain(lab).replace(" ", "\n", 1) if len(plain(lab)) > 8 else plain(lab)
-                          for _, lab in members], fontsize=7)
+        # long labels break at their first space (rotated ones collided at four bars a panel); a dagger: another design
+        ax.set_xticks(x, [(plain(lab).replace(" ", "\n", 1) if len(plain(lab)) > 8 else plain(lab))
+                          + ("\u2020" if design.get(k, main) != main else "") for k, lab in members], fontsize=7)
         ax.set(title=plain(ptitle), ylim=(0, 110))
         ax.title.set_fontsize(8)
         ax.grid(axis="y", alpha=0.3)
@@ -501,8 +503,10 @@ def plot_ablation(bars: pd.DataFrame, panels: Sequence[tuple[str, Sequence[tuple
     axes[0][0].legend(fontsize=6, loc="upper right")
     if title:
         fig.suptitle(title, fontsize=9)
-    note = (f"Bars: {' / '.join(design_text(*d) for d in sorted(designs, reverse=True))}"
-            f" (* = main runs, Table 1's design); error bars: 95% interval, training seeds and goals resampled. "
+    others = sorted({d for d in design.values() if d != main}, reverse=True)
+    note = (f"Bars: {design_text(*main) if main else 'none'} (* = main runs, Table 1's design)"
+            + "".join(f"; \u2020 {design_text(*d)}" for d in others)
+            + "; error bars: 95% interval, training seeds and goals resampled. "
             f"Perturbed: the mean of {n_settings} settings, above clean where a perturbation helped on these goals.")
     fig.text(0.01, 0.005, note, fontsize=6, ha="left", va="bottom", wrap=True)
     fig.tight_layout(rect=(0, 0.3 / fig.get_figheight(), 1, 1))
