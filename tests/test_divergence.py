@@ -343,6 +343,8 @@ def test_kl_claims_join_the_success_claims_and_the_verdict(tmp_path):
     sentence = C.verdict_sentence(rows, profile="cpu")
     assert sentence.startswith("At the cpu profile's scale no SPrPO comparison resolves: all 1 paired")
     assert "moves less than the other policy in 2 of 3 paired comparisons, more in 0; 0 read no difference" in sentence
+    assert "and 1 are not resolved (the design detects a relative difference of 40% of the baseline's KL at the " \
+           "median, 40% at best, against the 10% target)." in sentence
     holm = C.verdict_sentence(rows.assign(p_holm=[None, 0.2, 0.3, 0.01]), profile="cpu")  # rows written with Holm's p
     assert "more in 0 (1 of these 2 hold after Holm's correction for all of an environment's KL comparisons);" in holm
     assert C.overview(rows[rows["measure"] == "success"])["id"].tolist().count("C2") == 1

@@ -473,9 +473,14 @@ def kl_sentence(rows: pd.DataFrame) -> str:
     held = int((r.str.contains(" moves (?:less|more) ", regex=True) & (p_holm < 0.05)).sum())
     holm_note = "" if p_holm.isna().all() else \
         f" ({held} of these {less + more} hold after Holm's correction for all of an environment's KL comparisons)"
+    unresolved = len(kl) - less - more - same
+    mde = pd.to_numeric(kl.get("mde80_rel", pd.Series(np.nan, index=kl.index)), errors="coerce")
+    mde = mde[~r.str.contains(" moves (?:less|more) ", regex=True) & ~r.str.startswith("no difference")].dropna()
+    reach = (f" (the design detects a relative difference of {100 * mde.median():.0f}% of the baseline's KL at the "
+             f"median, {100 * mde.min():.0f}% at best, against the 10% target)") if unresolved and len(mde) else ""
     return (f" In the policy's own terms (KL per agent state, notebook 09), SPrPO moves less than the other policy in "
             f"{less} of {len(kl)} paired comparisons, more in {more}{holm_note}; {same} read no difference at an MDE "
-            f"of at most 10% and {len(kl) - less - more - same} are not resolved.")
+            f"of at most 10% and {unresolved} are not resolved{reach}.")
 
 
 def write_claims(out: str | Path, profile: str, success: pd.DataFrame | None = None,
