@@ -320,7 +320,7 @@ def verdict_sentence(rows: pd.DataFrame, *, profile: str) -> str:
     how many comparisons agree with the paper, go the other way, or resolve nothing; and,
     where the table has them, one on SPrPO's KL comparisons (:func:`kl_sentence`) and whether KL
     tracks success, per environment (:func:`correlation_rows`)."""
-    corr = rows[rows["measure"].eq("correlation")] if "measure" in rows else rows.iloc[:0]
+    corr = rows[_measured(rows, "correlation")]
     kl = kl_sentence(rows) + "".join(f" {ENV_LABELS.get(r['env'], r['env'])}: {r['reading']}"
                                      for r in corr.to_dict("records"))
     rows = rows[rows["id"].isin(SPRPO_IDS)] if "id" in rows else rows
@@ -372,8 +372,9 @@ def kl_claim_rows(kl: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out, columns=[*CLAIM_COLUMNS, *KL_COLUMNS])
 
 
-def _is_kl(rows: pd.DataFrame) -> pd.Series:
-    return rows["measure"].eq("KL") if "measure" in rows else pd.Series(False, index=rows.index)
+def _measured(rows: pd.DataFrame, measure: str) -> pd.Series:
+    """Rows of one ``measure`` ("KL", "correlation"); none in a file from before the column."""
+    return rows["measure"].eq(measure) if "measure" in rows else pd.Series(False, index=rows.index)
 
 
 def _is_success(rows: pd.DataFrame) -> pd.Series:
@@ -400,7 +401,7 @@ def correlation_rows(correlations: Mapping[str, Mapping]) -> pd.DataFrame:
 
 def correlation_markdown(rows: pd.DataFrame) -> str:
     """The correlation rows of a claims table (:func:`correlation_rows`): one line per environment."""
-    corr = rows[rows["measure"].eq("correlation")] if "measure" in rows else rows.iloc[:0]
+    corr = rows[_measured(rows, "correlation")]
     if corr.empty:
         return ""
     lines = ["**Does the divergence track success?** Spearman's rank correlation between a policy's mean KL at a "
@@ -412,7 +413,7 @@ def correlation_markdown(rows: pd.DataFrame) -> str:
 
 def kl_markdown(rows: pd.DataFrame) -> str:
     """The KL rows of a claims table as one Markdown table per environment."""
-    kl = rows[_is_kl(rows)]
+    kl = rows[_measured(rows, "KL")]
     if kl.empty:
         return ""
     lines = ["KL claims: how far each policy moves under the perturbation, KL(pi || pi^xi) per agent state (notebook "
@@ -463,7 +464,7 @@ def kl_sentence(rows: pd.DataFrame) -> str:
     """One sentence (with a leading space) on SPrPO's KL comparisons, or "" where there are none."""
     if "id" not in rows:
         return ""
-    kl = rows[rows["id"].isin(SPRPO_KL_IDS) & _is_kl(rows)]
+    kl = rows[rows["id"].isin(SPRPO_KL_IDS) & _measured(rows, "KL")]
     if kl.empty:
         return ""
     r = kl["reading"].astype(str)
