@@ -30,6 +30,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Mapping
 
 import pandas as pd
 
@@ -243,7 +244,7 @@ def run(profile: str, only: list[str] | None = None, force: bool = False, model:
         if not (force or render_only) and stamp.is_file() and out_nb.is_file() and "+dirty" not in commit:
             old = read_cached(stamp)
             old = old if isinstance(old, dict) else {}
-            damaged = damaged_artifact(old.get("artifacts", []))
+            damaged = damaged_artifact(old.get("artifacts", []), old.get("sha256"))
             if old.get("key") == key and damaged:  # a figure, table or manifest changed since: computed again
                 print(f"{head}: {damaged}; running it again")
             elif old.get("key") == key:
@@ -276,20 +277,37 @@ def run(profile: str, only: list[str] | None = None, force: bool = False, model:
                "seconds": round(time.time() - t0, 1),
                "artifacts": _artifacts(project_path(params["out_dir"]), t0)}
         if not render_only:
-            atomic_write_json(stamp, {"key": key, **rec})
+            atomic_write_json(stamp, {"key": key, **rec, "sha256": written_digests(rec["artifacts"])})
         records.append(rec)
     return records
 
 
-def damaged_artifact(artifacts) -> str | None:
-    """What is wrong with the first of a notebook's recorded artifacts that is missing or
-    does not match its manifest (:func:`~sprpo_lib.infra.manifest.check_artifact`), else None."""
+def damaged_artifact(artifacts, written: Mapping[str, str] | None = None) -> str | None:
+    """What is wrong with the first of a notebook's recorded artifacts that is missing, does
+    not match its manifest (:func:`~sprpo_lib.infra.manifest.check_artifact`), or is not the
+    file the stage wrote (``written``: path -> SHA-256, from the stage's stamp; a file and
+    manifest restored from git agree with each other, not with the stamp), else None."""
+    written = written or {}
     for a in artifacts:
         try:
-            check_artifact(a)
+            m = check_artifact(a)
         except (CorruptFileError, FileNotFoundError) as err:
             return str(err)
+        if a in written and m.get("file", {}).get("sha256") != written[a]:
+            return f"{Path(a).name}: not the file this stage wrote (replaced since, e.g. restored from git)"
     return None
+
+
+def written_digests(artifacts) -> dict[str, str]:
+    """Each artifact's SHA-256 as its manifest records it: what a stamp keeps for
+    :func:`damaged_artifact`."""
+    out = {}
+    for a in artifacts:
+        try:
+            out[a] = check_artifact(a)["file"]["sha256"]
+        except (CorruptFileError, FileNotFoundError, KeyError, TypeError):  # checked again, and run again, on resume
+            continue
+    return out
 
 
 def notebooks_table() -> str:

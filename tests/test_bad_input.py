@@ -154,6 +154,29 @@ def test_a_damaged_figure_or_manifest_is_not_up_to_date(damage, tmp_path):
     assert msg and (art.name in msg or man.name in msg)
 
 
+def test_a_figure_restored_from_git_is_not_the_stages_output(tmp_path):
+    """A file and its manifest put back to an older, self-consistent state (``git checkout --
+    figures/``) pass their own check but not the stamp's record of what the stage wrote: the
+    stage runs again instead of leaving the old figure as if it were this pass's."""
+    from sprpo_lib.infra.manifest import write_manifest
+    from sprpo_lib.reproduce import damaged_artifact, written_digests
+
+    art = tmp_path / "01_training_webshop_metrics.csv"
+    art.write_text("method,success\nvanilla,0.5\n")
+    write_manifest(art, {"profile": "smoke"}, seed=0, wall_seconds=1.0, extra=DESIGN)
+    old = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    art.write_text("method,success\nvanilla,0.6\n")  # this pass's output and manifest
+    write_manifest(art, {"profile": "smoke"}, seed=0, wall_seconds=1.0, extra=DESIGN)
+    written = written_digests([str(art)])
+    assert list(written) == [str(art)] and damaged_artifact([str(art)], written) is None
+    for name, data in old.items():  # restored: consistent with its manifest, not with the stamp
+        (tmp_path / name).write_bytes(data)
+    assert damaged_artifact([str(art)]) is None  # what the manifest check alone sees
+    msg = damaged_artifact([str(art)], written)
+    assert msg and art.name in msg and "not the file this stage wrote" in msg
+    assert written_digests([str(tmp_path / "missing.csv")]) == {}  # nothing recorded, nothing raised
+
+
 @pytest.mark.parametrize("damage", ["truncated", "edited", "not a table"])
 def test_render_only_rows_are_verified_or_one_error_naming_the_file(damage, tmp_path):
     from sprpo_lib.infra.io import CorruptFileError
