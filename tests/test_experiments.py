@@ -2,6 +2,7 @@
 against hand-computed answers."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -464,6 +465,24 @@ def test_the_divergence_grid_is_table_1_then_the_kl_curves(monkeypatch):
     assert len(full.divergence_settings()) == len(set(full.divergence_settings()))
     assert full.divergence_curve_seeds == (0,) and full.curves == {}
     assert X.Plan.from_dict(full.as_dict()) == full
+
+
+def test_the_kl_curves_measure_every_method_where_success_curves_measure_two():
+    """The cpu plan: success curves on Vanilla and SPrPO alone (they cost episodes), the KL curves on
+    every method's first seed and the warm start (T1-KL along Fig. 3's strengths needs Gaussian and
+    SAM); without divergence_curve_methods the KL curves follow curve_methods."""
+    p = X.plan("cpu", "webshop")
+    assert p.curve_methods == ("vanilla", "sprpo")
+    on = {k for k in p.runs() if p.on_kl_curve(*k)}
+    assert on == {(m, 0) for m in p.methods} and p.on_kl_curve("warm_start", 0)
+    old = dataclasses.replace(p, divergence_curve_methods=None)
+    assert {k for k in old.runs() if old.on_kl_curve(*k)} == {("vanilla", 0), ("sprpo", 0)}
+    everyone = dataclasses.replace(p, curve_methods=None, divergence_curve_methods=None, divergence_curve_seeds=None)
+    assert all(everyone.on_kl_curve(*k) for k in everyone.runs())
+    with pytest.raises(ValueError, match="divergence_curve_methods: \\['sgd'\\] are not trained"):
+        dataclasses.replace(p, divergence_curve_methods=("vanilla", "sgd"))
+    with pytest.raises(ValueError, match="curve_methods"):
+        dataclasses.replace(p, curve_methods=("vanila",))
 
 
 def test_result_rows_read_back_the_policy_hashes_as_text(tmp_path):

@@ -110,3 +110,35 @@ def test_merged_headline_keeps_the_other_environments_numbers(tmp_path):
     assert merged_headline(path, {"webshop": {"clean": 4}}) == {"alfworld": {"clean": 2}, "webshop": {"clean": 4}}
     path.write_text("{garbage")
     assert merged_headline(path, {"webshop": {"clean": 4}}) == {"webshop": {"clean": 4}}  # damaged: nothing kept
+
+
+def test_training_figures_of_a_full_grid_pass_the_figure_check(tmp_path, caplog):
+    """Eight runs' before/after bars with three-line ticks (method and seed, gained/lost, McNemar p)
+    do not overlap, and the longer runs' gained/lost labels sit clear of the zero line even where
+    an interval's lower end is just above it (the cpu pass's WebShop values)."""
+    import logging
+
+    import pandas as pd
+
+    from sprpo_lib.paper.report import plot_training
+    from sprpo_lib.paper.results import plot_longer
+
+    runs = [("vanilla", 0), ("gaussian", 0), ("sam", 0), ("sprpo", 0), ("vanilla", 1), ("sprpo", 1),
+            ("vanilla", 2), ("sprpo", 2)]
+    metrics = pd.DataFrame([{"run": f"webshop-{m}-cpu-seed{s}", "method": m, "seed": s, "iteration": i,
+                             "success": 0.1 * i, "score": 0.1 * i + 0.05 * (i % 2), "valid_rate": 1.0,
+                             "temperature": 1.0} for m, s in runs for i in range(5)])
+    ps = [0.039, 1.0, 0.0078, 0.07, 0.039, 0.0078, 0.12, 0.12]
+    summary = pd.DataFrame([{"method": m, "seed": s, "start_success": 0.22, "final_success": 0.3,
+                             "gained": 8, "lost": 1, "mcnemar_p": p, "eval_episodes": 64}
+                            for (m, s), p in zip(runs, ps)])
+    held = pd.DataFrame([{"method": "vanilla", "train_seed": 0, "iteration": it, "success": v}
+                         for it, v in ((0, 0.22), (5, 0.33), (10, 0.27), (15, 0.34))])
+    curve = pd.DataFrame([{"method": "vanilla", "iteration": it, "diff": d, "lo": lo, "hi": hi, "wins": w,
+                           "losses": ls, "sign_p": p} for it, d, lo, hi, w, ls, p in
+                          ((5, 10.9, 3.1, 20.3, 8, 1, 0.039), (10, 4.7, -3.1, 12.5, 5, 2, 0.45),
+                           (15, 12.5, 3.1, 21.9, 9, 1, 0.021))])
+    with caplog.at_level(logging.WARNING):
+        plot_training(metrics, summary, tmp_path / "t.png")
+        plot_longer(held, curve, tmp_path / "t_longer")
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("figure ")] == []

@@ -109,8 +109,11 @@ class Plan:
             ``divergence_draws`` draws of each random family (M), the same for every policy.
         divergence_curves: the strengths per family of Fig. 3 in KL (``None``: ``curves``;
             ``app_c`` in a profile: App. C's levels of every family), beside Table 1's settings.
-        divergence_curve_seeds: training seeds of the ``curve_methods`` measured at those strengths
-            off Table 1 (``None``: all); every policy is measured at Table 1's settings.
+        divergence_curve_seeds: training seeds of the ``divergence_curve_methods`` measured at those
+            strengths off Table 1 (``None``: all); every policy is measured at Table 1's settings.
+        divergence_curve_methods: methods measured at the KL curves' strengths (``None``:
+            ``curve_methods``): divergence is cheap beside success, so every method can have its
+            curve where only some have success curves.
         keep_pruned: SparseGPT's pruned weights kept per policy and ratio (``EvalConfig.keep_pruned``):
             notebooks 04 and 09 prune each once; one FFN copy on disk each.
     """
@@ -143,6 +146,7 @@ class Plan:
     divergence_draws: Annotated[int, Ge(1)] = 2
     divergence_curves: Mapping[str, tuple[float, ...]] | None = None
     divergence_curve_seeds: tuple[Annotated[int, Ge(0)], ...] | None = None
+    divergence_curve_methods: tuple[str, ...] | None = None
     keep_pruned: bool = False
 
     def __post_init__(self):
@@ -150,6 +154,10 @@ class Plan:
         missing = [m for m in self.methods if m not in self.seeds]
         if missing:
             raise ValueError(f"Plan.seeds: no training seeds for method(s) {missing}")
+        for name in ("curve_methods", "divergence_curve_methods"):
+            bad = [m for m in getattr(self, name) or () if m not in self.methods]
+            if bad:
+                raise ValueError(f"Plan.{name}: {bad} are not trained in this plan ({list(self.methods)})")
         bad = [m for m in self.landscape_methods if m not in self.methods]
         if bad:
             raise ValueError(f"Plan.landscape_methods: {bad} are not trained in this plan ({list(self.methods)})")
@@ -183,6 +191,14 @@ class Plan:
         out = [(f, float(s)) for f, s in self.table]
         out += [(fam, float(s)) for fam, strengths in curves.items() for s in strengths]
         return list(dict.fromkeys(out))
+
+    def on_kl_curve(self, method: str, seed: int) -> bool:
+        """Whether the policy is measured at the KL curves' strengths off Table 1 (the warm start
+        always is): its method in ``divergence_curve_methods`` (``None``: ``curve_methods``) and
+        its seed in ``divergence_curve_seeds``."""
+        methods = self.curve_methods if self.divergence_curve_methods is None else self.divergence_curve_methods
+        return method == WARM_START or ((self.divergence_curve_seeds is None or seed in self.divergence_curve_seeds)
+                                        and (methods is None or method in methods))
 
     def as_dict(self) -> dict:
         return json.loads(json.dumps(dataclasses.asdict(self), default=list))
@@ -402,7 +418,7 @@ def divergence_rows(p: Plan, runs: Mapping[tuple[str, int], Path], *, cache_dir:
     """How far each policy of the plan (and the warm start, as ``warm_start``) moves under each
     perturbation, per agent state (the paper's alpha: :func:`sprpo_lib.evaluate.divergence.divergence`):
     every Table 1 setting, the KL curves' strengths (:meth:`Plan.divergence_settings`) on the
-    ``divergence_curve_seeds`` policies of the ``curve_methods`` and the warm start, the random families at the same
+    ``divergence_curve_seeds`` policies of the ``divergence_curve_methods`` and the warm start, the random families at the same
     ``divergence_draws`` draws for every policy, and the landscape plane (Fig. 4's grid, rows with ``w2``) for the
     landscape policies; all on one state pool from the warm start's held-out episodes (the first
     Vanilla policy's where the profile has no warm start).  Cached per cell."""
@@ -426,10 +442,9 @@ def divergence_rows(p: Plan, runs: Mapping[tuple[str, int], Path], *, cache_dir:
     for base in bases:
         seed = base.tags["train_seed"]
         method = base.tags["method"]
-        on_curve = method == WARM_START or ((p.divergence_curve_seeds is None or seed in p.divergence_curve_seeds)
-                                            and (p.curve_methods is None or method in p.curve_methods))
         cfgs = [dataclasses.replace(c, seeds=draws if c.family in RANDOM_FAMILIES else (0,))
-                for c in settings_configs(base, settings if on_curve else table, tasks=None, calibration=calib)]
+                for c in settings_configs(base, settings if p.on_kl_curve(method, seed) else table, tasks=None,
+                                          calibration=calib)]
         if (p.landscape_grid and base.tags["method"] in p.landscape_methods
                 and base.tags["train_seed"] == p.landscape_seed):
             cfgs += [dataclasses.replace(base, family="plane", strengths=tuple(float(w) for w in p.landscape_grid),

@@ -318,7 +318,10 @@ def plot_training(metrics: pd.DataFrame, summary: pd.DataFrame | None, path: str
     valid = metrics[MK.VALID_RATE].dropna()
     valid_shown = len(valid) and float(valid.max() - valid.min()) > VALID_FLAT
     kinds = ["success"] + ["score"] * score_shown + ["valid"] * bool(valid_shown) + ["eval"] * has_eval
-    fig, axes = plt.subplots(1, len(kinds), figsize=(4.3 * len(kinds), 3.6))
+    # bars before / after RL: the held-out panel widens with the runs so their three-line ticks fit
+    bars = 0 if has_curve or not has_eval else int(summary.dropna(subset=["start_success", "final_success"]).shape[0])
+    widths = [1.0] * (len(kinds) - has_eval) + [max(1.0, bars / 5)] * has_eval
+    fig, axes = plt.subplots(1, len(kinds), figsize=(4.3 * sum(widths), 3.6), gridspec_kw={"width_ratios": widths})
     panel = dict(zip(kinds, np.atleast_1d(axes)))
 
     styles = ("-", ":", "-.", (0, (5, 2)))

@@ -407,8 +407,8 @@ def plot_longer(held: pd.DataFrame, curve: pd.DataFrame, path: str | Path, *, ti
         bars = bx.errorbar(c["iteration"], c["diff"], yerr=[c["diff"] - c["lo"], c["hi"] - c["diff"]], color=disp[0],
                            marker=disp[1], ms=5, capsize=3, lw=1.2, label=METHOD_LABELS.get(method, method))
         bars.lines[0].set_gid(design_gid(goals, per.shape[1]))
-        for r in c.itertuples():
-            bx.annotate(f"+{r.wins}/-{r.losses}\np={r.sign_p:.2g}", (r.iteration, r.lo), textcoords="offset points",
+        for r in c.itertuples():  # under the interval and under the zero line, so the line never crosses it
+            bx.annotate(f"+{r.wins}/-{r.losses}\np={r.sign_p:.2g}", (r.iteration, min(r.lo, 0.0)), textcoords="offset points",
                         xytext=(0, -8), ha="center", va="top", fontsize=6)
     bx.axhline(0.0, color=NEUTRAL["mid"], lw=0.8, gid="reference:no change")
     n = int(held.groupby(["method", "train_seed", "iteration"]).size().max())
