@@ -195,6 +195,34 @@ def test_paired_comparisons_hand_cases():
     assert c["mde_pooled"] and c["success_mde80"] == pytest.approx(v["success_mde80"])
 
 
+def test_a_single_policy_is_paired_with_every_seed_of_the_other():
+    """The warm start (one policy) against SPrPO's two seeds: the difference is that of the
+    means a table shows (SPrPO 75% on seeds 0 and 1 together, the warm start 50%), over both
+    seeds' episodes; two methods with several seeds keep to the seeds they share."""
+    n = 20
+    half = [1] * 10 + [0] * 10
+    rows = pd.concat([_rows({("warm_start", "clean", 0.0): half, ("warm_start", "rtn", 4.0): half}),
+                      _rows({("sprpo", "clean", 0.0): half, ("sprpo", "rtn", 4.0): [1] * n}),
+                      _rows({("sprpo", "clean", 0.0): half, ("sprpo", "rtn", 4.0): half}).assign(train_seed=1)],
+                     ignore_index=True)
+    pc = R.paired_comparisons(rows, "sprpo", ["warm_start"], [("rtn", 4.0)], n_resamples=2000).iloc[0]
+    assert pc["success_diff"] == pytest.approx(25.0) and pc["episodes"] == 2 * n and pc["train_seeds"] == "0 1"
+    assert pc["one_seed"] == "warm_start" and pc["interval"] == "training seeds x tasks"
+    assert (pc["wins"], pc["losses"]) == (10, 0)
+    both, one = R.seed_paired(rows.assign(method=rows["method"].replace({"warm_start": "vanilla"}))
+                              .pipe(lambda r: pd.concat([r, r[r.method == "vanilla"].assign(train_seed=2)])),
+                              "sprpo", "vanilla")
+    assert one is None and set(both["train_seed"]) == {0} and len(both) == 4 * n
+    # a baseline trained at one seed: the claims table names it beside the goals x seeds
+    from sprpo_lib.paper import claims as C
+
+    pc = R.paired_comparisons(rows.replace({"method": {"warm_start": "gaussian"}}).assign(
+        strength=lambda r: r["strength"].where(r["family"] != "rtn", 6.0)), "sprpo", ["gaussian"],
+        [("clean", 0.0), ("rtn", 6.0)], n_resamples=200)
+    md = C.claims_markdown(C.claim_rows(pc, None, "webshop"), profile="smoke")
+    assert "| 20 x 2 (Gaussian: one seed) |" in md and md.count("(Gaussian: one seed)") == 2
+
+
 def test_perturbation_losses_pair_clean_and_perturbed_over_goals_and_seeds():
     """C1: Vanilla's clean minus perturbed success, by hand on two training seeds."""
     from sprpo_lib.paper import claims as C

@@ -129,7 +129,7 @@ C2_FAMILIES = 4
 
 #: The columns of a claims table (:func:`claim_rows`, :func:`c1_rows`, :func:`c4_rows`, :func:`c6_rows`).
 CLAIM_COLUMNS = ["env", "id", "claim", "versus", "setting", "paper", "paper_source", "diff", "lo", "hi", "mde80",
-                 "mde_pooled", "tasks", "train_seeds", "wins", "losses", "sign_p", "reading"]
+                 "mde_pooled", "tasks", "train_seeds", "one_seed", "wins", "losses", "sign_p", "reading"]
 #: Where each claim's paper number comes from (``paper_source``): read from a table, or derived.
 PAPER_SOURCES = {
     "C1": "derived: Vanilla's Table 1 clean minus perturbed success",
@@ -266,7 +266,9 @@ def _nums(r: Mapping) -> dict:
         return None if v is None or (isinstance(v, float) and math.isnan(v)) else v
 
     wins, losses, p = count("wins"), count("losses"), count("sign_p")
-    return {"diff": r["success_diff"], "lo": r["success_lo"], "hi": r["success_hi"], "mde80": mde,
+    one = r.get("one_seed")  # a one-seed policy paired with each seed of the other (not the warm start: one by nature)
+    one = METHOD_LABELS.get(one, one) if isinstance(one, str) and one and one != WARM_START else ""
+    return {"one_seed": one, "diff": r["success_diff"], "lo": r["success_lo"], "hi": r["success_hi"], "mde80": mde,
             "mde_pooled": r.get("mde_pooled") is True or r.get("mde_pooled") == 1,
             "tasks": r["tasks"], "train_seeds": r.get("train_seeds"), "wins": None if wins is None else int(wins),
             "losses": None if losses is None else int(losses), "sign_p": p}
@@ -295,9 +297,9 @@ def claims_markdown(rows: pd.DataFrame, *, profile: str) -> str:
              "\"Agrees\" and \"opposite sign\" need the exact sign test on the goals whose outcomes differ at "
              "p < 0.05 as well; a claim that one (C1) or some (C2) of its settings can carry counts a setting only "
              "where that test holds after Holm's correction over the claim's settings. Goals x seeds: the test goals "
-             "and the training seeds the paired comparison rests on; x 1 (one seed) marks a comparison with a policy "
-             "trained at one seed: only the other method's policy of that seed is paired with it, so the difference "
-             "can disagree with the seed means of the tables. "
+             "and the training seeds the paired comparison rests on; x 1 (one seed): both policies trained at one seed; "
+             "(X: one seed): X was trained at one seed and is paired with each of the other method's seeds, so the "
+             "difference is that of the tables' means and the interval carries none of X's own seed variance. "
              + "".join(f"Paper numbers marked \u2020 for {k} are {v[len('derived: '):]}. " for k, v in derived.items())
              + "Claims: " + "; ".join(f"{k}, {v}" for k, v in CLAIMS.items()) + "."]
     for env, part in rows.groupby("env", sort=False):
@@ -308,8 +310,9 @@ def claims_markdown(rows: pd.DataFrame, *, profile: str) -> str:
             mde = mde_text(r["mde80"], r.get("mde_pooled"))
             paper = "-" if math.isnan(r["paper"]) else f"{r['paper']:+.1f}" + ("\u2020" if r["id"] in derived else "")
             n = _seeds(r)
+            mark = _one_seed_mark(r) or (" (one seed)" if n == 1 else "")
             lines.append(f"| {r['id']} | {r['claim']} | {r['setting']} | {paper} | {r['diff']:+.1f} [{r['lo']:+.1f}, "
-                         f"{r['hi']:+.1f}] | {mde} | {int(r['tasks'])} x {n}{' (one seed)' if n == 1 else ''} | "
+                         f"{r['hi']:+.1f}] | {mde} | {int(r['tasks'])} x {n}{mark} | "
                          f"{r['reading']} |")
     return "\n".join(lines) + "\n"
 
@@ -341,7 +344,7 @@ def verdict_sentence(rows: pd.DataFrame, *, profile: str) -> str:
 # ----------------------------------------------------------------------------- KL claims
 #: What the KL claims (notebook 09) add to the claims table; success rows leave them empty and
 #: have ``measure`` "success".
-KL_COLUMNS = ["measure", "ratio", "ratio_lo", "ratio_hi", "mde80_rel", "p_holm", "one_seed"]
+KL_COLUMNS = ["measure", "ratio", "ratio_lo", "ratio_hi", "mde80_rel", "p_holm"]
 #: The KL comparisons of SPrPO with another policy (the verdict sentence counts them).
 SPRPO_KL_IDS = ("C2-KL", "T1-KL", "C4-KL")
 
@@ -439,7 +442,7 @@ def kl_markdown(rows: pd.DataFrame) -> str:
 
 
 def _one_seed_mark(r: Mapping) -> str:
-    """`` (X: one seed)`` for a KL row whose ``one_seed`` names a policy, else ""."""
+    """`` (X: one seed)`` for a claim row whose ``one_seed`` names a policy, else ""."""
     one = r.get("one_seed")
     return f" ({one}: one seed)" if isinstance(one, str) and one else ""
 

@@ -36,7 +36,7 @@ from sprpo_lib.paper.style import LABEL_BOX, METHOD_COLORS, METHOD_MARKERS, NEUT
 from sprpo_lib.paper.tables import ENV_LABELS, FAMILY_LABELS, METHOD_LABELS, design_text, strength_label
 
 __all__ = ["COLORS", "save_figure", "quiet_iterations", "plot_motivation", "plot_curves", "plot_landscape", "landscape_grid", "plot_longer",
-           "plot_ablation", "ablation_bars", "PERTURBED_MEAN", "paired_comparisons", "perturbation_losses", "landscape_drop", "overhead", "overhead_latex",
+           "plot_ablation", "ablation_bars", "PERTURBED_MEAN", "paired_comparisons", "seed_paired", "perturbation_losses", "landscape_drop", "overhead", "overhead_latex",
            "EXAMPLE_RULE", "pick_examples", "examples_markdown", "headline", "headline_markdown", "merged_headline",
            "headline_caption", "seeds_text", "without_paired", "replace_block", "setting_label", "plain",
            "README_WIDTH_PX"]
@@ -530,7 +530,10 @@ def paired_comparisons(rows: pd.DataFrame, reference: str, baselines: Sequence[s
     and tasks (:func:`sprpo_lib.paper.stats.paired_bootstrap`; ``interval`` says which), on
     the training seeds both methods share (their policies are paired by seed), and the
     goals each side wins with the exact sign test on them (``wins``, ``losses``,
-    ``sign_p``).  A
+    ``sign_p``).  A method with one policy (the warm start, or a baseline trained on one seed)
+    is paired with every seed of the other, as :func:`sprpo_lib.paper.divergence.kl_power`
+    pairs KL, so the difference is that of the means a table shows; its own seed variance
+    is then not in the interval (``one_seed`` names that method, "" where none).  A
     setting either method lacks is skipped.  ``success_mde80`` is the smallest true
     difference this design detects with 80% power at two-sided 5% (normal approximation:
     (1.96 + 0.84) x the bootstrap standard error of the paired difference).  Where no task's
@@ -541,11 +544,10 @@ def paired_comparisons(rows: pd.DataFrame, reference: str, baselines: Sequence[s
     out = []
     for b in baselines:
         first = len(out)
-        shared = sorted(set(rows.loc[rows["method"] == reference, "train_seed"])
-                        & set(rows.loc[rows["method"] == b, "train_seed"]))
-        if not shared:
+        sub, one = seed_paired(rows, reference, b)
+        if sub.empty:
             continue
-        sub = rows[rows["method"].isin([reference, b]) & rows["train_seed"].isin(shared)]
+        shared = sorted(set(sub["train_seed"]))
         for fam, s in settings:
             have = sub[(sub["family"] == fam) & (sub["strength"] == s)]
             if set(have["method"]) != {reference, b}:
@@ -559,12 +561,28 @@ def paired_comparisons(rows: pd.DataFrame, reference: str, baselines: Sequence[s
                         "retention_diff": r["retention"] if fam != "clean" else math.nan,
                         "retention_lo": r["retention_ci"][0] if fam != "clean" else math.nan,
                         "retention_hi": r["retention_ci"][1] if fam != "clean" else math.nan,
-                        "interval": r["interval"], "wins": r["wins"], "losses": r["losses"], "sign_p": r["sign_p"]})
+                        "interval": r["interval"], "one_seed": one or "", "wins": r["wins"], "losses": r["losses"],
+                        "sign_p": r["sign_p"]})
         _add_mde(out[first:])
     cols = ["reference", "baseline", "family", "strength", "train_seeds", "tasks", "episodes", "success_diff",
             "success_lo", "success_hi", "success_mde80", "mde_pooled", "retention_diff", "retention_lo",
-            "retention_hi", "interval", "wins", "losses", "sign_p"]
+            "retention_hi", "interval", "one_seed", "wins", "losses", "sign_p"]
     return pd.DataFrame(out, columns=cols)
+
+
+def seed_paired(rows: pd.DataFrame, a: str, b: str) -> tuple[pd.DataFrame, str | None]:
+    """The rows of methods ``a`` and ``b`` paired by training seed: on the seeds both share,
+    or, where one of them has a single policy and the other several seeds, that policy's rows
+    repeated under each of the other's seeds (its name is returned beside the rows)."""
+    seeds = {m: sorted(set(rows.loc[rows["method"] == m, "train_seed"])) for m in (a, b)}
+    one = next((m for m in (a, b) if len(seeds[m]) == 1 and len(seeds[a if m == b else b]) > 1), None)
+    if one is None:
+        shared = set(seeds[a]) & set(seeds[b])
+        return rows[rows["method"].isin([a, b]) & rows["train_seed"].isin(shared)], None
+    other = seeds[a if one == b else b]
+    single = rows[rows["method"] == one]
+    many = rows[rows["method"] == (a if one == b else b)]
+    return pd.concat([many, *(single.assign(train_seed=t) for t in other)], ignore_index=True), one
 
 
 def _add_mde(comparisons: list[dict]) -> None:
@@ -894,7 +912,8 @@ def headline_markdown(h: Mapping, methods: Sequence[str]) -> str:
     text = "\n".join(lines) + "\n"
     if h.get("paired"):
         text += (f"\n{PAIRED_HEAD} (reference minus baseline, percentage points, 95% bootstrap over training seeds "
-                 "and tasks, over tasks alone where there is one training seed; MDE: the smallest difference the "
+                 "and tasks; a policy of one training seed is paired with each seed of the other, so the interval "
+                 "carries none of its own seed variance, and over tasks alone where both have one seed; MDE: the smallest difference the "
                  "design detects with 80% power, ~ where no goal's outcome differed at that setting and the MDE is "
                  "the pair's, pooled over its other settings):\n\n")
         text += "| Setting | vs. | Success diff [95% CI] | MDE | Retention diff [95% CI] |\n|---|---|---|---|---|\n"
