@@ -31,12 +31,12 @@ from sprpo_lib.infra.manifest import write_manifest
 from sprpo_lib.paper.experiments import PLANS
 from sprpo_lib.paper.figcheck import design_gid, warn_problems
 from sprpo_lib.paper.report import load_metrics
-from sprpo_lib.paper.stats import paired_bootstrap, success_intervals, summarize
+from sprpo_lib.paper.stats import paired_bootstrap, seed_paired, success_intervals, summarize
 from sprpo_lib.paper.style import LABEL_BOX, METHOD_COLORS, METHOD_MARKERS, NEUTRAL, pyplot, role
 from sprpo_lib.paper.tables import ENV_LABELS, FAMILY_LABELS, METHOD_LABELS, design_text, strength_label
 
 __all__ = ["COLORS", "save_figure", "quiet_iterations", "plot_motivation", "plot_curves", "plot_landscape", "landscape_grid", "plot_longer",
-           "plot_ablation", "ablation_bars", "PERTURBED_MEAN", "paired_comparisons", "seed_paired", "perturbation_losses", "landscape_drop", "overhead", "overhead_latex",
+           "plot_ablation", "ablation_bars", "PERTURBED_MEAN", "paired_comparisons", "perturbation_losses", "landscape_drop", "overhead", "overhead_latex",
            "EXAMPLE_RULE", "pick_examples", "examples_markdown", "headline", "headline_markdown", "merged_headline",
            "headline_caption", "seeds_text", "without_paired", "replace_block", "setting_label", "plain",
            "README_WIDTH_PX"]
@@ -568,21 +568,6 @@ def paired_comparisons(rows: pd.DataFrame, reference: str, baselines: Sequence[s
             "success_lo", "success_hi", "success_mde80", "mde_pooled", "retention_diff", "retention_lo",
             "retention_hi", "interval", "one_seed", "wins", "losses", "sign_p"]
     return pd.DataFrame(out, columns=cols)
-
-
-def seed_paired(rows: pd.DataFrame, a: str, b: str) -> tuple[pd.DataFrame, str | None]:
-    """The rows of methods ``a`` and ``b`` paired by training seed: on the seeds both share,
-    or, where one of them has a single policy and the other several seeds, that policy's rows
-    repeated under each of the other's seeds (its name is returned beside the rows)."""
-    seeds = {m: sorted(set(rows.loc[rows["method"] == m, "train_seed"])) for m in (a, b)}
-    one = next((m for m in (a, b) if len(seeds[m]) == 1 and len(seeds[a if m == b else b]) > 1), None)
-    if one is None:
-        shared = set(seeds[a]) & set(seeds[b])
-        return rows[rows["method"].isin([a, b]) & rows["train_seed"].isin(shared)], None
-    other = seeds[a if one == b else b]
-    single = rows[rows["method"] == one]
-    many = rows[rows["method"] == (a if one == b else b)]
-    return pd.concat([many, *(single.assign(train_seed=t) for t in other)], ignore_index=True), one
 
 
 def _add_mde(comparisons: list[dict]) -> None:
