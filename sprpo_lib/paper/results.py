@@ -29,10 +29,10 @@ from sprpo_lib.evaluate.cells import EVAL_SPLITS
 from sprpo_lib.infra.io import atomic_write_text, read_cached
 from sprpo_lib.infra.manifest import write_manifest
 from sprpo_lib.paper.experiments import PLANS
-from sprpo_lib.paper.figcheck import design_gid, warn_problems
+from sprpo_lib.paper.figcheck import design_gid
 from sprpo_lib.paper.report import load_metrics
 from sprpo_lib.paper.stats import paired_bootstrap, seed_paired, success_intervals, summarize
-from sprpo_lib.paper.style import LABEL_BOX, METHOD_COLORS, METHOD_MARKERS, NEUTRAL, pyplot, role
+from sprpo_lib.paper.style import LABEL_BOX, METHOD_COLORS, METHOD_MARKERS, NEUTRAL, pyplot, role, save_figure
 from sprpo_lib.paper.tables import ENV_LABELS, FAMILY_LABELS, METHOD_LABELS, design_text, strength_label
 
 __all__ = ["COLORS", "save_figure", "quiet_iterations", "plot_motivation", "plot_curves", "plot_landscape", "landscape_grid", "plot_longer",
@@ -53,27 +53,6 @@ _AXIS = {f: FAMILIES[f].axis for f in CURVE_FAMILIES}
 
 def _plt():
     return pyplot()
-
-
-def save_figure(fig, path: str | Path, dpi: int = 150) -> list[Path]:
-    """Save ``fig`` as PNG (at ``dpi``) and PDF beside each other (atomic renames); returns both
-    paths.  The figure check (:func:`sprpo_lib.paper.figcheck.warn_problems`) runs first and
-    its problems are logged as warnings, so a notebook's output shows them."""
-    plt = _plt()
-    warn_problems(fig, Path(path).name)
-    path = Path(path).with_suffix("")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    out = []
-    for ext in (".png", ".pdf"):
-        final = path.with_name(path.name + ext)
-        tmp = path.with_name(path.name + ".tmp" + ext)
-        # no creation date: the same figure renders to the same bytes (a render-only pass changes nothing)
-        meta = {"CreationDate": None} if ext == ".pdf" else {}
-        fig.savefig(tmp, dpi=dpi, bbox_inches="tight", metadata=meta)
-        tmp.replace(final)
-        out.append(final)
-    plt.close(fig)
-    return out
 
 
 def pct_text(v: float) -> str:
