@@ -172,17 +172,19 @@ def plot_curves(summary: pd.DataFrame, methods: Sequence[str], path: str | Path,
             ax.grid(alpha=0.3)
         label = ENV_LABELS.get(env, env) if env else env_label
         row[0].set_ylabel(f"success (%){' - ' + label if label else ''}")
-    top = _legend_and_notes(fig, axes, methods, mains, others, single, title, intervals)
+    top, above, below = _legend_and_notes(fig, axes, methods, mains, others, single, title, intervals)
     fig.tight_layout(rect=(0, 0.45 / fig.get_figheight(), 1, top))
+    _hug_panels(fig, axes, above, below)
     if not readme:  # the plotted points, each with its design: what a reader checks against the tables
         atomic_write_text(Path(path).with_suffix(".csv"), pd.DataFrame(points).round(3).to_csv(index=False))
     return save_figure(fig, path, dpi=100 if readme else 150) + ([] if readme else [Path(path).with_suffix(".csv")])
 
 
 def _legend_and_notes(fig, axes, methods: Sequence[str], mains: dict[str, set], others: set, single: bool,
-                      title: str, intervals: bool = False) -> float:
+                      title: str, intervals: bool = False) -> tuple[float, list, object]:
     """:func:`plot_curves`'s title, one legend for all panels and the footnote on the designs;
-    returns the top of the panels' area (a fraction of the figure's height)."""
+    returns the top of the panels' area (a fraction of the figure's height), the artists above
+    the panels (legend, then title) and the footnote."""
     legend: dict = {}  # every method drawn in any panel, once, in the order given
     for ax in axes.flat:
         for h, lab in zip(*ax.get_legend_handles_labels()):
@@ -197,17 +199,35 @@ def _legend_and_notes(fig, axes, methods: Sequence[str], mains: dict[str, set], 
     notes.append("error bars: 95% interval, training seeds and goals resampled" if intervals else
                  "error bars: std over training seeds" + ("; single runs have none" if single else ""))
     notes.append("markers offset sideways so that equal values stay visible")
-    top = 1.0
+    top, above = 1.0, []
     if title:
-        fig.suptitle(title, fontsize=9, y=0.995)
+        above.append(fig.suptitle(title, fontsize=9, y=0.995))
         top -= 0.45 / fig.get_figheight()
     if handles:  # one legend for all panels, under the title
-        fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, top), ncol=len(handles), fontsize=8,
-                   frameon=False)
+        above.insert(0, fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, top), ncol=len(handles),
+                                   fontsize=8, frameon=False))
         top -= 0.35 / fig.get_figheight()
-    fig.text(0.5, 0.005, ". ".join(n[0].upper() + n[1:] for n in notes) + ".", ha="center", va="bottom", fontsize=7,
-             wrap=True)
-    return top
+    note = fig.text(0.5, 0.005, ". ".join(n[0].upper() + n[1:] for n in notes) + ".", ha="center", va="bottom",
+                    fontsize=7, wrap=True)
+    return top, above, note
+
+
+def _hug_panels(fig, axes, above: Sequence, below) -> None:
+    """Move ``above`` (the legend, then the title) to just over the panels' labels and ``below``
+    (the footnote) to just under them, 0.08 in apart, so that the tight crop leaves no empty
+    band where ``tight_layout`` reserved more room than they take (one row of panels)."""
+    r = fig.canvas.get_renderer()
+    inv, gap = fig.transFigure.inverted(), 0.08 / fig.get_figheight()
+    boxes = [ax.get_tightbbox(r).transformed(inv) for ax in axes.flat if ax.get_visible()]
+    y = max(b.y1 for b in boxes) + gap
+    for a in above:  # each artist's top at y + its own height (legend: loc upper center; suptitle: va top)
+        y += a.get_window_extent(r).transformed(inv).height
+        if hasattr(a, "set_bbox_to_anchor"):
+            a.set_bbox_to_anchor((0.5, y), transform=fig.transFigure)
+        else:
+            a.set_y(y)
+        y += gap
+    below.set(y=min(b.y0 for b in boxes) - gap, va="top")
 
 
 def plot_motivation(summary: pd.DataFrame, path: str | Path, *, method: str = "vanilla",
