@@ -13,6 +13,7 @@ import pytest
 
 from sprpo_lib.paper import experiments as X
 from sprpo_lib.paper import results as R
+from sprpo_lib.paper import stats as S
 from sprpo_lib.train.config import config_dict, load_config
 
 
@@ -209,7 +210,7 @@ def test_a_single_policy_is_paired_with_every_seed_of_the_other():
     assert pc["success_diff"] == pytest.approx(25.0) and pc["episodes"] == 2 * n and pc["train_seeds"] == "0 1"
     assert pc["one_seed"] == "warm_start" and pc["interval"] == "training seeds x tasks"
     assert (pc["wins"], pc["losses"]) == (10, 0)
-    both, one = R.seed_paired(rows.assign(method=rows["method"].replace({"warm_start": "vanilla"}))
+    both, one = S.seed_paired(rows.assign(method=rows["method"].replace({"warm_start": "vanilla"}))
                               .pipe(lambda r: pd.concat([r, r[r.method == "vanilla"].assign(train_seed=2)])),
                               "sprpo", "vanilla")
     assert one is None and set(both["train_seed"]) == {0} and len(both) == 4 * n

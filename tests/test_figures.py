@@ -113,6 +113,17 @@ def test_line_rule_needs_one_stated_design():
     plt.close(fig)
 
 
+def _curve_rows(p: X.Plan, rows: pd.DataFrame) -> pd.DataFrame:
+    """The rows of the old Fig. 3's one design: the curve policies' training seeds (``curve_seeds``)
+    and the first ``curve_tasks`` goals of each split, at every setting, so that a line
+    joins points measured alike (Table 1's larger design stays in Table 1)."""
+    goals = p.curve_tasks or p.tasks
+    keep = rows["train_seed"].isin(p.curve_seeds) if p.curve_seeds is not None else True
+    if goals is not None:
+        keep = keep & (rows["task_index"] < goals)
+    return rows[keep]
+
+
 def _committed_summary() -> tuple[pd.DataFrame, pd.DataFrame]:
     """The committed cpu rows of both envs: their summary (Table 1's design at clean and the
     table settings, the curve design elsewhere) and the summary of Fig. 3's one design."""
@@ -123,7 +134,7 @@ def _committed_summary() -> tuple[pd.DataFrame, pd.DataFrame]:
     rows = {e: X.load_rows(p) for e, p in paths.items()}
     plans = {e: _recorded_plan(out, e) for e in rows}
     whole = pd.concat([R.summary_of(r) for r in rows.values()])
-    curve = pd.concat([R.summary_of(X.curve_rows(plans[e], r)) for e, r in rows.items()])
+    curve = pd.concat([R.summary_of(_curve_rows(plans[e], r)) for e, r in rows.items()])
     return whole, curve
 
 

@@ -32,7 +32,8 @@ from sprpo_lib.paper.claims import kl_claim_rows, kl_markdown
 from sprpo_lib.paper.experiments import Plan
 from sprpo_lib.paper.figcheck import design_gid
 from sprpo_lib.paper.results import save_figure
-from sprpo_lib.paper.stats import N_RESAMPLES, Z80, crossed_means, crossed_weights, holm, paired_kl_bootstrap
+from sprpo_lib.paper.stats import (N_RESAMPLES, Z80, crossed_means, crossed_weights, holm, paired_kl_bootstrap,
+                                  seed_paired)
 from sprpo_lib.paper.style import METHOD_COLORS, METHOD_MARKERS, pyplot, role
 from sprpo_lib.paper.tables import ENV_LABELS, FAMILY_LABELS, METHOD_LABELS, to_csv
 
@@ -138,23 +139,14 @@ def kl_power(rows: pd.DataFrame, a: str, b: str, family: str, strength: float) -
     * ``v_s``: the variance between states of a seed's difference beyond both;
     * ``v_t``: the variance between training seeds of the mean difference beyond the states'.
 
-    A single policy on one side (the warm start) is paired with every seed of the other."""
-    sel = rows[(rows["family"] == family) & (rows["strength"] == strength)]
+    A single policy on one side (the warm start) is paired with every seed of the other
+    (:func:`~sprpo_lib.paper.stats.seed_paired`)."""
+    sel = seed_paired(rows[(rows["family"] == family) & (rows["strength"] == strength)], a, b)[0]
     cells = {m: sel[sel["method"] == m].groupby(["train_seed", "state", "seed"])[["kl", "kl_se"]].mean()
              for m in (a, b)}
     if any(c.empty for c in cells.values()):
         raise ValueError(f"kl_power: no rows of {a!r} or {b!r} at {family} {strength}")
-
-    def widen(m, seeds):
-        c = cells[m]
-        own = sorted(set(c.index.get_level_values(0)))
-        if len(own) == 1 and len(seeds) > 1:
-            c = pd.concat({t: c.droplevel(0) for t in seeds}, names=["train_seed"])
-        return c
-
-    seeds = sorted(set(cells[a].index.get_level_values(0)) | set(cells[b].index.get_level_values(0)))
-    ca, cb = widen(a, seeds), widen(b, seeds)
-    both = ca.add_suffix("_a").join(cb.add_suffix("_b"), how="inner")
+    both = cells[a].add_suffix("_a").join(cells[b].add_suffix("_b"), how="inner")
     if both.empty:
         raise ValueError(f"kl_power: {a!r} and {b!r} share no (seed, state, draw) at {family} {strength}")
     d = both["kl_a"] - both["kl_b"]

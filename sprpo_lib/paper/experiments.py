@@ -57,7 +57,7 @@ from sprpo_lib.paper.report import run_grid
 from sprpo_lib.paper.style import METHOD_DISPLAY
 from sprpo_lib.train.config import load_config, profile_names, profile_section
 
-__all__ = ["Plan", "PLANS", "plan", "policies", "curve_rows", "calibration_pool", "robustness_rows", "landscape_rows",
+__all__ = ["Plan", "PLANS", "plan", "policies", "calibration_pool", "robustness_rows", "landscape_rows",
            "save_rows", "load_rows", "ROW_KEEP", "METHOD_ORDER", "eval_config", "TABLE1",
            "WARM_START", "warm_start_config", "settings_configs", "slim_rows"]
 
@@ -346,17 +346,6 @@ def slim_rows(rows: pd.DataFrame, extra: Sequence[str] = ()) -> pd.DataFrame:
         if c not in rows:
             rows[c] = 0.0 if c == "w2" else None
     return rows[list(dict.fromkeys([*ROW_KEEP, *(c for c in extra if c in rows)]))]
-
-
-def curve_rows(p: Plan, rows: pd.DataFrame) -> pd.DataFrame:
-    """The rows of Fig. 3's one design: the curve policies' training seeds (``curve_seeds``)
-    and the first ``curve_tasks`` goals of each split, at every setting, so that a line
-    joins points measured alike (Table 1's larger design stays in Table 1)."""
-    goals = p.curve_tasks or p.tasks
-    keep = rows["train_seed"].isin(p.curve_seeds) if p.curve_seeds is not None else True
-    if goals is not None:
-        keep = keep & (rows["task_index"] < goals)
-    return rows[keep]
 
 
 def warm_start_config(p: Plan, runs: Mapping[tuple[str, int], Path], cache_dir: Path, **kw) -> EvalConfig | None:

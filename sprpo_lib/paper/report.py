@@ -24,9 +24,8 @@ from sprpo_lib.core import metrics as MK
 from sprpo_lib.infra.executor import current
 from sprpo_lib.infra.io import atomic_dir, read_json_lines
 from sprpo_lib.infra.paths import project_path, runs_dir
-from sprpo_lib.paper.figcheck import warn_problems
 from sprpo_lib.paper.stats import N_RESAMPLES, paired_bootstrap, sign_test
-from sprpo_lib.paper.style import LABEL_BOX, METHOD_DISPLAY, legend_below, pyplot
+from sprpo_lib.paper.style import LABEL_BOX, METHOD_DISPLAY, legend_below, pyplot, save_figure
 from sprpo_lib.train.config import TrainConfig, config_from_dict, load_config
 from sprpo_lib.train.trainer import default_out_dir, heldout_dir, heldout_due, train
 from sprpo_lib.warmstart.cache import prepare_warm_start, warm_start_dir
@@ -364,11 +363,4 @@ def plot_training(metrics: pd.DataFrame, summary: pd.DataFrame | None, path: str
     if notes:
         fig.text(0.01, 0.005, "; ".join(notes).capitalize() + ".", fontsize=6.5, ha="left", va="bottom")
     fig.tight_layout(rect=(0, 0.25 / fig.get_figheight() if notes else 0, 1, 1))
-    warn_problems(fig, Path(path).name, ("text", "legend", "crossed"))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.stem + ".tmp" + path.suffix)
-    fig.savefig(tmp, dpi=130, bbox_inches="tight", metadata={"Software": None})
-    plt.close(fig)
-    tmp.replace(path)
-    return path
+    return save_figure(fig, path, dpi=130, rules=("text", "legend", "crossed"), formats=("png",))[0]

@@ -29,14 +29,14 @@ from sprpo_lib.evaluate.cells import EVAL_SPLITS
 from sprpo_lib.infra.io import atomic_write_text, read_cached
 from sprpo_lib.infra.manifest import write_manifest
 from sprpo_lib.paper.experiments import PLANS
-from sprpo_lib.paper.figcheck import design_gid, warn_problems
+from sprpo_lib.paper.figcheck import design_gid
 from sprpo_lib.paper.report import load_metrics
-from sprpo_lib.paper.stats import paired_bootstrap, success_intervals, summarize
-from sprpo_lib.paper.style import LABEL_BOX, METHOD_COLORS, METHOD_MARKERS, NEUTRAL, pyplot, role
+from sprpo_lib.paper.stats import paired_bootstrap, seed_paired, success_intervals, summarize
+from sprpo_lib.paper.style import LABEL_BOX, METHOD_COLORS, METHOD_MARKERS, NEUTRAL, pyplot, role, save_figure
 from sprpo_lib.paper.tables import ENV_LABELS, FAMILY_LABELS, METHOD_LABELS, design_text, strength_label
 
 __all__ = ["COLORS", "save_figure", "quiet_iterations", "plot_motivation", "plot_curves", "plot_landscape", "landscape_grid", "plot_longer",
-           "plot_ablation", "ablation_bars", "PERTURBED_MEAN", "paired_comparisons", "seed_paired", "perturbation_losses", "landscape_drop", "overhead", "overhead_latex",
+           "plot_ablation", "ablation_bars", "PERTURBED_MEAN", "paired_comparisons", "perturbation_losses", "landscape_drop", "overhead", "overhead_latex",
            "EXAMPLE_RULE", "pick_examples", "examples_markdown", "headline", "headline_markdown", "merged_headline",
            "headline_caption", "seeds_text", "without_paired", "replace_block", "setting_label", "plain",
            "README_WIDTH_PX"]
@@ -53,27 +53,6 @@ _AXIS = {f: FAMILIES[f].axis for f in CURVE_FAMILIES}
 
 def _plt():
     return pyplot()
-
-
-def save_figure(fig, path: str | Path, dpi: int = 150) -> list[Path]:
-    """Save ``fig`` as PNG (at ``dpi``) and PDF beside each other (atomic renames); returns both
-    paths.  The figure check (:func:`sprpo_lib.paper.figcheck.warn_problems`) runs first and
-    its problems are logged as warnings, so a notebook's output shows them."""
-    plt = _plt()
-    warn_problems(fig, Path(path).name)
-    path = Path(path).with_suffix("")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    out = []
-    for ext in (".png", ".pdf"):
-        final = path.with_name(path.name + ext)
-        tmp = path.with_name(path.name + ".tmp" + ext)
-        # no creation date: the same figure renders to the same bytes (a render-only pass changes nothing)
-        meta = {"CreationDate": None} if ext == ".pdf" else {}
-        fig.savefig(tmp, dpi=dpi, bbox_inches="tight", metadata=meta)
-        tmp.replace(final)
-        out.append(final)
-    plt.close(fig)
-    return out
 
 
 def pct_text(v: float) -> str:
@@ -193,17 +172,19 @@ def plot_curves(summary: pd.DataFrame, methods: Sequence[str], path: str | Path,
             ax.grid(alpha=0.3)
         label = ENV_LABELS.get(env, env) if env else env_label
         row[0].set_ylabel(f"success (%){' - ' + label if label else ''}")
-    top = _legend_and_notes(fig, axes, methods, mains, others, single, title, intervals)
+    top, above, below = _legend_and_notes(fig, axes, methods, mains, others, single, title, intervals)
     fig.tight_layout(rect=(0, 0.45 / fig.get_figheight(), 1, top))
+    _hug_panels(fig, axes, above, below)
     if not readme:  # the plotted points, each with its design: what a reader checks against the tables
         atomic_write_text(Path(path).with_suffix(".csv"), pd.DataFrame(points).round(3).to_csv(index=False))
     return save_figure(fig, path, dpi=100 if readme else 150) + ([] if readme else [Path(path).with_suffix(".csv")])
 
 
 def _legend_and_notes(fig, axes, methods: Sequence[str], mains: dict[str, set], others: set, single: bool,
-                      title: str, intervals: bool = False) -> float:
+                      title: str, intervals: bool = False) -> tuple[float, list, object]:
     """:func:`plot_curves`'s title, one legend for all panels and the footnote on the designs;
-    returns the top of the panels' area (a fraction of the figure's height)."""
+    returns the top of the panels' area (a fraction of the figure's height), the artists above
+    the panels (legend, then title) and the footnote."""
     legend: dict = {}  # every method drawn in any panel, once, in the order given
     for ax in axes.flat:
         for h, lab in zip(*ax.get_legend_handles_labels()):
@@ -218,17 +199,35 @@ def _legend_and_notes(fig, axes, methods: Sequence[str], mains: dict[str, set], 
     notes.append("error bars: 95% interval, training seeds and goals resampled" if intervals else
                  "error bars: std over training seeds" + ("; single runs have none" if single else ""))
     notes.append("markers offset sideways so that equal values stay visible")
-    top = 1.0
+    top, above = 1.0, []
     if title:
-        fig.suptitle(title, fontsize=9, y=0.995)
+        above.append(fig.suptitle(title, fontsize=9, y=0.995))
         top -= 0.45 / fig.get_figheight()
     if handles:  # one legend for all panels, under the title
-        fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, top), ncol=len(handles), fontsize=8,
-                   frameon=False)
+        above.insert(0, fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, top), ncol=len(handles),
+                                   fontsize=8, frameon=False))
         top -= 0.35 / fig.get_figheight()
-    fig.text(0.5, 0.005, ". ".join(n[0].upper() + n[1:] for n in notes) + ".", ha="center", va="bottom", fontsize=7,
-             wrap=True)
-    return top
+    note = fig.text(0.5, 0.005, ". ".join(n[0].upper() + n[1:] for n in notes) + ".", ha="center", va="bottom",
+                    fontsize=7, wrap=True)
+    return top, above, note
+
+
+def _hug_panels(fig, axes, above: Sequence, below) -> None:
+    """Move ``above`` (the legend, then the title) to just over the panels' labels and ``below``
+    (the footnote) to just under them, 0.08 in apart, so that the tight crop leaves no empty
+    band where ``tight_layout`` reserved more room than they take (one row of panels)."""
+    r = fig.canvas.get_renderer()
+    inv, gap = fig.transFigure.inverted(), 0.08 / fig.get_figheight()
+    boxes = [ax.get_tightbbox(r).transformed(inv) for ax in axes.flat if ax.get_visible()]
+    y = max(b.y1 for b in boxes) + gap
+    for a in above:  # each artist's top at y + its own height (legend: loc upper center; suptitle: va top)
+        y += a.get_window_extent(r).transformed(inv).height
+        if hasattr(a, "set_bbox_to_anchor"):
+            a.set_bbox_to_anchor((0.5, y), transform=fig.transFigure)
+        else:
+            a.set_y(y)
+        y += gap
+    below.set(y=min(b.y0 for b in boxes) - gap, va="top")
 
 
 def plot_motivation(summary: pd.DataFrame, path: str | Path, *, method: str = "vanilla",
@@ -568,21 +567,6 @@ def paired_comparisons(rows: pd.DataFrame, reference: str, baselines: Sequence[s
             "success_lo", "success_hi", "success_mde80", "mde_pooled", "retention_diff", "retention_lo",
             "retention_hi", "interval", "one_seed", "wins", "losses", "sign_p"]
     return pd.DataFrame(out, columns=cols)
-
-
-def seed_paired(rows: pd.DataFrame, a: str, b: str) -> tuple[pd.DataFrame, str | None]:
-    """The rows of methods ``a`` and ``b`` paired by training seed: on the seeds both share,
-    or, where one of them has a single policy and the other several seeds, that policy's rows
-    repeated under each of the other's seeds (its name is returned beside the rows)."""
-    seeds = {m: sorted(set(rows.loc[rows["method"] == m, "train_seed"])) for m in (a, b)}
-    one = next((m for m in (a, b) if len(seeds[m]) == 1 and len(seeds[a if m == b else b]) > 1), None)
-    if one is None:
-        shared = set(seeds[a]) & set(seeds[b])
-        return rows[rows["method"].isin([a, b]) & rows["train_seed"].isin(shared)], None
-    other = seeds[a if one == b else b]
-    single = rows[rows["method"] == one]
-    many = rows[rows["method"] == (a if one == b else b)]
-    return pd.concat([many, *(single.assign(train_seed=t) for t in other)], ignore_index=True), one
 
 
 def _add_mde(comparisons: list[dict]) -> None:

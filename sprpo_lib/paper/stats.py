@@ -14,6 +14,8 @@ functions on the tidy episode rows of :func:`sprpo_lib.evaluate.evaluate`.
   interval of the difference in success and in retention from resampling training seeds
   and tasks (a two-way bootstrap: both are random samples, crossed), and the goals whose
   outcome differs between the two with :func:`sign_test` on them;
+* :func:`seed_paired`: the rows of two methods paired by training seed, a single policy
+  (the warm start, a one-seed baseline) repeated under every seed of the other side;
 * :func:`paired_kl_bootstrap`: the same design on the divergence rows of
   :func:`sprpo_lib.evaluate.divergence.divergence` (a policy's KL under a perturbation per
   agent state): difference and ratio of mean KL, training seeds x states resampled, the
@@ -33,7 +35,7 @@ import numpy as np
 import pandas as pd
 
 __all__ = ["policy_success", "mean_std", "add_retention", "policy_retention", "summarize", "paired_bootstrap",
-           "sign_test", "paired_kl_bootstrap", "crossed_weights", "crossed_means", "N_RESAMPLES", "Z80"]
+           "seed_paired", "sign_test", "paired_kl_bootstrap", "crossed_weights", "crossed_means", "N_RESAMPLES", "Z80"]
 
 #: Bootstrap resamples of :func:`paired_bootstrap` (percentile intervals at 95% move by
 #: well under 0.5 percentage points between seeds at this size).
@@ -292,6 +294,22 @@ def paired_bootstrap(rows: pd.DataFrame, a: str, b: str, family: str, strength: 
     }
 
 
+def seed_paired(rows: pd.DataFrame, a: str, b: str, *, method: str = "method",
+                seeds: str = "train_seed") -> tuple[pd.DataFrame, str | None]:
+    """The rows of methods ``a`` and ``b`` paired by training seed: on the seeds both share,
+    or, where one of them has a single policy and the other several seeds, that policy's rows
+    repeated under each of the other's seeds (its name is returned beside the rows)."""
+    own = {m: sorted(set(rows.loc[rows[method] == m, seeds])) for m in (a, b)}
+    one = next((m for m in (a, b) if len(own[m]) == 1 and len(own[a if m == b else b]) > 1), None)
+    if one is None:
+        shared = set(own[a]) & set(own[b])
+        return rows[rows[method].isin([a, b]) & rows[seeds].isin(shared)], None
+    many = a if one == b else b
+    single = rows[rows[method] == one]
+    return pd.concat([rows[rows[method] == many], *(single.assign(**{seeds: t}) for t in own[many])],
+                     ignore_index=True), one
+
+
 def paired_kl_bootstrap(rows: pd.DataFrame, a: str, b: str, family: str, strength: float, *,
                         method: str = "method", seeds: str | None = "train_seed", unit: str = "state",
                         n_resamples: int = N_RESAMPLES, seed: int = 0, level: float = 0.95) -> dict:
@@ -309,30 +327,32 @@ def paired_kl_bootstrap(rows: pd.DataFrame, a: str, b: str, family: str, strengt
         raise ValueError(f"paired_kl_bootstrap: need n_resamples >= 2 and 0 < level < 1, got {n_resamples}, {level}")
     _need(rows, [method, unit, "family", "strength", "kl", *([seeds] if seeds else [])], "paired_kl_bootstrap")
     sel = rows[(rows["family"] == family) & (rows["strength"] == strength)]
+    for m in (a, b):
+        if not (sel[method] == m).any():
+            raise ValueError(f"paired_kl_bootstrap: no divergence rows of method {m!r} at {family} {strength}")
+    own = {m: sorted(set(sel.loc[sel[method] == m, seeds])) if seeds else [None] for m in (a, b)}
+    seed_ids = max(own.values(), key=len)
+    for m in (a, b):  # a single policy (the warm start) is the reference of every seed of the other side
+        if len(own[m]) != len(seed_ids) and len(own[m]) != 1 or len(own[m]) == len(seed_ids) and own[m] != seed_ids:
+            raise ValueError(f"paired_kl_bootstrap: training seeds {own[a]} of {a!r} and {own[b]} of {b!r} differ; a "
+                             "paired comparison needs the same seeds, or one policy on one side")
+    if seeds:
+        sel = seed_paired(sel, a, b, method=method, seeds=seeds)[0]
     by = [seeds, unit] if seeds else [unit]
     cells = {}
     for m in (a, b):
         part = sel[sel[method] == m]
-        if part.empty:
-            raise ValueError(f"paired_kl_bootstrap: no divergence rows of method {m!r} at {family} {strength}")
         agg = {"kl": ("kl", "mean"), **({"flip": ("flip", "mean")} if "flip" in part else {})}
         cells[m] = part.groupby(by).agg(**agg)
     states = sorted(set(cells[a].index.get_level_values(-1)))
     if set(cells[b].index.get_level_values(-1)) != set(states):
         raise ValueError(f"paired_kl_bootstrap: {a!r} and {b!r} were not measured on the same states at {family} "
                          f"{strength}: a paired comparison needs them equal")
-    own = {m: sorted(set(cells[m].index.get_level_values(0))) if seeds else [None] for m in (a, b)}
-    seed_ids = max(own.values(), key=len)
-    for m in (a, b):  # a single policy (the warm start) is the reference of every seed of the other side
-        if len(own[m]) != len(seed_ids) and len(own[m]) != 1 or len(own[m]) == len(seed_ids) and own[m] != seed_ids:
-            raise ValueError(f"paired_kl_bootstrap: training seeds {own[a]} of {a!r} and {own[b]} of {b!r} differ; a "
-                             "paired comparison needs the same seeds, or one policy on one side")
 
     def grid(m, col):  # [seeds, states]
         if not seeds:
             return cells[m][col].reindex(states).to_numpy(float)[None]
-        g = cells[m][col].unstack(unit).reindex(index=own[m], columns=states).to_numpy(float)
-        return np.repeat(g, len(seed_ids), 0) if len(own[m]) < len(seed_ids) else g
+        return cells[m][col].unstack(unit).reindex(index=seed_ids, columns=states).to_numpy(float)
 
     ka, kb = grid(a, "kl"), grid(b, "kl")
     if np.isnan(ka).any() or np.isnan(kb).any():

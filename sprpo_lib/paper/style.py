@@ -10,16 +10,26 @@ method in every figure.
   :data:`METHOD_COLORS`, :data:`METHOD_MARKERS` read it.
 * :data:`ROLE_COLORS`: named roles that are not methods (clean vs perturbed bars, the
   theory figures' runs and bounds); :func:`role` looks one up.
+* :func:`save_figure`: every figure's one way to disk: the figure check first, then PNG and
+  PDF written atomically, with no creation date or producer, so a render-only pass rewrites
+  the same bytes.
 """
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
 
 import matplotlib
 import matplotlib.pyplot as plt
 import seaborn as sns
 
-__all__ = ["METHOD_DISPLAY", "METHOD_COLORS", "METHOD_MARKERS", "ROLE_COLORS", "NEUTRAL", "LABEL_BOX", "apply", "pyplot", "role"]
+from sprpo_lib.infra.io import atomic_write_bytes
+from sprpo_lib.paper.figcheck import RULES, warn_problems
+
+__all__ = ["METHOD_DISPLAY", "METHOD_COLORS", "METHOD_MARKERS", "ROLE_COLORS", "NEUTRAL", "LABEL_BOX", "apply", "pyplot", "role",
+           "save_figure"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +87,26 @@ def pyplot():
 
     apply()
     return plt
+
+
+#: per format: matplotlib's metadata keys that would record when or with what a file was made
+_NO_STAMP = {"png": {"Software": None}, "pdf": {"CreationDate": None, "Producer": None}}
+
+
+def save_figure(fig, path: str | Path, *, dpi: int = 150, rules: Sequence[str] = tuple(RULES),
+                formats: Sequence[str] = ("png", "pdf")) -> list[Path]:
+    """Save ``fig`` beside ``path`` (its suffix replaced) in each of ``formats``, each rendered in
+    memory and written atomically; returns the paths.  The figure check
+    (:func:`sprpo_lib.paper.figcheck.warn_problems` under ``rules``) runs first and its problems
+    are logged as warnings, so a notebook's output shows them."""
+    warn_problems(fig, Path(path).name, rules)
+    stem, out = Path(path).with_suffix(""), []
+    for ext in formats:
+        buf = io.BytesIO()
+        fig.savefig(buf, format=ext, dpi=dpi, bbox_inches="tight", metadata=_NO_STAMP[ext])
+        out.append(atomic_write_bytes(stem.with_name(f"{stem.name}.{ext}"), buf.getvalue()))
+    plt.close(fig)
+    return out
 
 
 def legend_below(ax, ncol: int = 1, **kw):

@@ -21,7 +21,6 @@ Checked statements (paper numbering):
 """
 from __future__ import annotations
 
-import io
 import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -31,11 +30,11 @@ import matplotlib
 import numpy as np
 import pandas as pd
 
-from sprpo_lib.infra.io import atomic_write_bytes, atomic_write_text
+from sprpo_lib.infra.io import atomic_write_text
 from sprpo_lib.infra.manifest import not_applicable, write_manifest
 from sprpo_lib.infra.paths import project_path
-from sprpo_lib.paper.figcheck import warn_problems
 from sprpo_lib.paper.style import legend_below, pyplot, role
+from sprpo_lib.paper.style import save_figure as style_save
 
 # --------------------------------------------------------------------------------------
 # sizes
@@ -1222,20 +1221,12 @@ def exact_design(seed: int | None) -> dict:
 
 def save_figure(fig, out_dir: str | Path, stem: str, config: dict, seed: int | None, wall_seconds: float,
                 extra: dict | None = None) -> list[Path]:
-    """Render ``fig`` to PNG and PDF in memory and write each atomically with its manifest.
-    The figure check's text and legend rules run first (these figures draw exact quantities,
-    not evaluation designs); their problems are logged as warnings."""
-    plt = _plt()
-    warn_problems(fig, stem, ("text", "legend", "crossed"))
-    paths = []
-    for ext, kw in (("png", {"dpi": 130, "metadata": {"Software": None}}),
-                    ("pdf", {"metadata": {"CreationDate": None, "Producer": None}})):
-        buf = io.BytesIO()
-        fig.savefig(buf, format=ext, **kw)
-        path = atomic_write_bytes(project_path(out_dir) / f"{stem}.{ext}", buf.getvalue())
+    """Save ``fig`` as PNG and PDF (:func:`sprpo_lib.paper.style.save_figure`, at 130 dpi) with
+    a manifest each.  The figure check's text and legend rules run first (these figures draw
+    exact quantities, not evaluation designs); their problems are logged as warnings."""
+    paths = style_save(fig, project_path(out_dir) / stem, dpi=130, rules=("text", "legend", "crossed"))
+    for path in paths:
         write_manifest(path, config, seed, wall_seconds, {**exact_design(seed), **(extra or {})})
-        paths.append(path)
-    plt.close(fig)
     return paths
 
 
