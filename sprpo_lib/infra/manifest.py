@@ -67,7 +67,9 @@ def write_manifest(
     artifact: str | Path, config: dict, seed: int | None, wall_seconds: float, extra: dict | None = None
 ) -> Path:
     """Write ``<artifact>.manifest.json`` beside a figure or table; ``extra`` must state
-    :data:`DESIGN_KEYS` (a ValueError names what a writer left out)."""
+    :data:`DESIGN_KEYS` (a ValueError names what a writer left out).  ``seed`` is the one seed of
+    an artifact made from a single one; ``None`` (several seeds) leaves it out, and ``seeds``
+    (a design key) lists them."""
     artifact = Path(artifact)
     missing = [k for k in DESIGN_KEYS if k not in (extra or {})]
     if missing:
@@ -76,7 +78,6 @@ def write_manifest(
     manifest = {
         "artifact": artifact.name,
         "config": portable(config),
-        "seed": seed,
         "commit": git_commit(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "wall_seconds": round(float(wall_seconds), 2),
@@ -88,6 +89,8 @@ def write_manifest(
                                                                                 "torch_threads", "allocator")})
     except Exception:  # noqa: BLE001 - a manifest is never lost for want of CPU details
         pass
+    if seed is not None:
+        manifest["seed"] = seed
     if extra:
         manifest.update(portable(extra))
     if artifact.is_file():  # what readers verify the artifact against (check_artifact)

@@ -507,8 +507,9 @@ def plot_ablation(bars: pd.DataFrame, panels: Sequence[tuple[str, Sequence[tuple
             + "".join(f"; \u2020 {design_text(*d)}" for d in others)
             + "; error bars: 95% interval, training seeds and goals resampled. "
             f"Perturbed: the mean of {n_settings} settings, above clean where a perturbation helped on these goals.")
-    fig.text(0.01, 0.005, note, fontsize=6, ha="left", va="bottom", wrap=True)
+    note = fig.text(0.01, 0.005, note, fontsize=6, ha="left", va="bottom", wrap=True)
     fig.tight_layout(rect=(0, 0.3 / fig.get_figheight(), 1, 1))
+    _hug_panels(fig, axes, [], note)
     return save_figure(fig, path)
 
 
