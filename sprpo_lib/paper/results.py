@@ -503,8 +503,9 @@ def plot_ablation(bars: pd.DataFrame, panels: Sequence[tuple[str, Sequence[tuple
     if title:
         fig.suptitle(title, fontsize=9)
     others = sorted({d for d in design.values() if d != main}, reverse=True)
-    note = (f"Bars: {design_text(*main) if main else 'none'} (* = main runs, Table 1's design)"
+    note = (f"Bars: {design_text(*main) if main else 'none'}"
             + "".join(f"; \u2020 {design_text(*d)}" for d in others)
+            + "; * the main runs' own cells (Table 1's runs, not trained again)"
             + "; error bars: 95% interval, training seeds and goals resampled. "
             f"Perturbed: the mean of {n_settings} settings, above clean where a perturbation helped on these goals.")
     note = fig.text(0.01, 0.005, note, fontsize=6, ha="left", va="bottom", wrap=True)
