@@ -305,6 +305,7 @@ def test_hyperparameter_tables_read_the_profiles_and_mark_every_difference():
     assert (pert["paper"] == pert["paper (App. B)"]).all()
     md = H.hparam_markdown(pert)
     assert f"**{load_config('cpu').method.rho:g}**" in md and "**0.005**" not in md
+    assert md.startswith("| group | hyperparameter | paper (App. B) | `paper` profile | `cpu` profile |")
     tex = H.hparam_latex(pert, "c", "tab:perturbation-hparams")
     assert r"\label{tab:perturbation-hparams}" in tex and r"SPrPO & Sensitivity exponent $\alpha$ & 1 & 1 & 1 \\" in tex
 

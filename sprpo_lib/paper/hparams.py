@@ -112,9 +112,11 @@ def hparam_latex(frame: pd.DataFrame, caption: str, label: str) -> str:
 
 
 def hparam_markdown(frame: pd.DataFrame) -> str:
-    """The frame as a Markdown table; a profile's value that differs from the paper's is bold."""
+    """The frame as a Markdown table, a column per profile as in :func:`hparam_latex`; a
+    profile's value that differs from the paper's is bold."""
     cols = [c for c in frame.columns if c not in ("differs",) and (c != "group" or frame["group"].astype(bool).any())]
-    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    heads = [c if c in ("group", "hyperparameter", "paper (App. B)") else f"`{c}` profile" for c in cols]
+    out = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(cols)]
     for _, r in frame.iterrows():
         cells = []
         for c in cols:
