@@ -104,3 +104,15 @@ def test_a_writer_that_states_no_dtype_seeds_or_goals_is_refused(tmp_path):
             write_manifest(art, {}, 0, 1.0, {k: v for k, v in DESIGN.items() if k != left_out})
     m = json.loads(write_manifest(art, {}, 0, 1.0, {**DESIGN, "goals": not_applicable("one prompt")}).read_text())
     assert m["dtype"] == "float32" and m["goals"] == "n/a: one prompt" and m["seeds"] == {"eval": [0]}
+
+
+def test_the_top_level_seed_is_written_only_where_one_seed_made_the_file(tmp_path):
+    """A file made from one seed records it; one made from several (seed None) has no top-level
+    ``seed`` (never a bare null), and its ``seeds`` block lists them."""
+    from sprpo_lib.infra.manifest import write_manifest
+
+    art = tmp_path / "t.csv"
+    art.write_text("a\n1\n")
+    assert json.loads(write_manifest(art, {}, 3, 1.0, DESIGN).read_text())["seed"] == 3
+    m = json.loads(write_manifest(art, {}, None, 1.0, {**DESIGN, "seeds": {"train": [0, 1, 2]}}).read_text())
+    assert "seed" not in m and m["seeds"] == {"train": [0, 1, 2]}
