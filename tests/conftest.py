@@ -12,11 +12,25 @@ from sprpo_lib.agent.engines import GenerationConfig
 from sprpo_lib.model.load import load_policy
 from sprpo_lib.model.lora import LoraSettings, add_lora
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # pytest-xdist's -n
+if WORKERS > 1:  # the cores shared out: a worker's OpenMP threads, and its subprocesses' and kernels', never
+    os.environ["OMP_NUM_THREADS"] = str(max(1, CORES // WORKERS))  # outnumber its share (spinning waits)
+torch.set_num_threads(max(1, min(2, CORES // WORKERS)))
+FIRST = ("test_notebooks.py",)  # the longest module starts first, so no worker is left with it at the end
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: end-to-end runs (notebooks, real model); run by default")
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker per core this process may run on (not the host's count)."""
+    return CORES
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.path.name not in FIRST)  # stable: the order within each group stays
 
 
 @pytest.fixture(params=["tiny-qwen2", "tiny-llama"])

@@ -232,3 +232,21 @@ def test_allocator_rejects_unknown_modes_in_one_clear_error():
     with pytest.raises(ValueError, match="allocator='fast'"):
         load_config("smoke", ["allocator=fast"])
     assert hardware.allocator_override() in ("allocator=tuned", "allocator=default")
+
+
+def test_threads_follow_the_setting_under_the_ceiling_the_environment_puts(monkeypatch):
+    """set_threads: the requested count where OMP_NUM_THREADS is unset or higher, the
+    variable's count where it is lower; None leaves torch's count as it is."""
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        assert hardware.set_threads(2) == 2 == torch.get_num_threads()
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        assert hardware.set_threads(2) == 1 == torch.get_num_threads()
+        assert hardware.set_threads(None) == 1
+        monkeypatch.setenv("OMP_NUM_THREADS", "4")
+        assert hardware.set_threads(3) == 3
+        monkeypatch.setenv("OMP_NUM_THREADS", "")  # set but empty: no ceiling
+        assert hardware.set_threads(2) == 2
+    finally:
+        torch.set_num_threads(before)

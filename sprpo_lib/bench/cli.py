@@ -47,7 +47,7 @@ from sprpo_lib.bench.suite import (
     bench_train,
     bench_update,
 )
-from sprpo_lib.infra.hardware import ALLOCATORS, machine_info, set_allocator
+from sprpo_lib.infra.hardware import ALLOCATORS, machine_info, set_allocator, set_threads
 from sprpo_lib.infra.io import atomic_write_json
 from sprpo_lib.infra.manifest import git_commit
 from sprpo_lib.infra.paths import project_path, runs_dir
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         for path in report(project_path(args.dir) if args.dir else None):
             print(path)
         return 0
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     set_allocator(args.allocator)
     t0, commit = time.time(), git_commit()  # the code that runs (files edited during a long run do not count)
     out = project_path(args.out) if args.out else runs_dir("bench", record_name(args.what, getattr(args, "env", None),

@@ -154,6 +154,17 @@ ALLOCATORS = ("tuned", "default")
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 _TUNED_MMAP = 32 << 20  # glibc's largest mmap threshold on 64-bit (HEAP_MAX_SIZE / 2)
 _TUNED_TRIM = 1 << 30
+def set_threads(n: int | None) -> int:
+    """torch's intra-op threads: ``n`` (``None``: torch's own choice), never more than
+    ``OMP_NUM_THREADS`` where the environment sets it.  That variable is the ceiling a user
+    puts on a process sharing the machine (two jobs side by side, a parallel test run):
+    OpenMP threads that outnumber the cores spin in their waits.  Returns the count in force."""
+    cap = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if n is not None:
+        torch.set_num_threads(min(n, int(cap)) if cap.isdigit() and int(cap) >= 1 else n)
+    return torch.get_num_threads()
+
+
 _allocator = "default"
 
 

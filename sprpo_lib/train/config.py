@@ -125,7 +125,8 @@ class TrainConfig:
     ``allocator``: glibc malloc settings for the run's process
     (:func:`sprpo_lib.infra.hardware.set_allocator`: ``tuned`` keeps freed activation memory
     mapped instead of page-faulting it in again every pass; ``default``: glibc as it is); speed
-    only, not part of the run's identity."""
+    only, not part of the run's identity.  ``threads``: torch's threads (``None``: torch's own
+    choice), never more than ``OMP_NUM_THREADS`` where set (:func:`sprpo_lib.infra.hardware.set_threads`)."""
 
     profile: str = "paper"
     iterations: Annotated[int, Ge(1)] = 200

@@ -41,7 +41,7 @@ from sprpo_lib.core.actor import Actor
 from sprpo_lib.core.batch import build_batch
 from sprpo_lib.core.methods import make_method
 from sprpo_lib.core.perturb import xi_stats
-from sprpo_lib.infra.hardware import keep_freed, measured_peak, set_allocator
+from sprpo_lib.infra.hardware import keep_freed, measured_peak, set_allocator, set_threads
 from sprpo_lib.infra.io import (
     JsonLines,
     as_disk_full,
@@ -74,8 +74,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, out: Path, progress: bool = True):
         self.cfg = cfg
         self.progress = progress
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
+        set_threads(cfg.threads)
         set_allocator(cfg.allocator)
         if cfg.speed.replay_graph_gb:  # the replay's kept graph, every iteration: its pages stay mapped
             keep_freed(cfg.speed.replay_graph_gb + 1)
