@@ -150,10 +150,6 @@ def machine_info() -> dict:
     return info
 
 
-ALLOCATORS = ("tuned", "default")
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
-_TUNED_MMAP = 32 << 20  # glibc's largest mmap threshold on 64-bit (HEAP_MAX_SIZE / 2)
-_TUNED_TRIM = 1 << 30
 def set_threads(n: int | None) -> int:
     """torch's intra-op threads: ``n`` (``None``: torch's own choice), never more than
     ``OMP_NUM_THREADS`` where the environment sets it.  That variable is the ceiling a user
@@ -165,6 +161,10 @@ def set_threads(n: int | None) -> int:
     return torch.get_num_threads()
 
 
+ALLOCATORS = ("tuned", "default")
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+_TUNED_MMAP = 32 << 20  # glibc's largest mmap threshold on 64-bit (HEAP_MAX_SIZE / 2)
+_TUNED_TRIM = 1 << 30
 _allocator = "default"
 
 
