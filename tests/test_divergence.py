@@ -110,6 +110,85 @@ def test_a_batch_of_states_gives_each_state_its_own_result():
     assert [sorted(g) for g in D.batches(prompts, 2)] == [[1, 2], [0]]
 
 
+def test_the_matmul_attention_lever_gives_sdpas_rows(monkeypatch):
+    """EvalConfig.attention: the clean side and a setting's rows with attention as matmuls
+    (the kernel ``auto`` picks for a 16-bit model on a CPU) against SDPA's, the reference, on a
+    left-padded batch of three prompt lengths (float32): the same responses and flips, the
+    log-probabilities and KLs up to rounding; the matmul kernel did run."""
+    import sprpo_lib.model.layers as L
+
+    calls = []
+    real = L.matmul_attention
+    monkeypatch.setattr(L, "matmul_attention", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+    pol = load_policy("tiny-qwen2", seed=0, dtype="float32")
+    model, tok = pol.model.eval(), pol.tokenizer
+    prompts = [tok(t)["input_ids"] for t in ("Task: buy a mug.", "Task: buy a red mug and a blue hat, size 7 please.",
+                                             "Go to the kitchen then open the fridge")]
+    kw = dict(temperature=0.7, max_new_tokens=7, ended=D.Stop(tok, "</action>", [tok.eos_token_id]),
+              pad_id=tok.pad_token_id)
+    ref = D.clean_sides(model, prompts, k=3, seeds=[1, 2, 3], **kw)
+    with L.native_gqa(model, False, "matmul"):
+        got = D.clean_sides(model, prompts, k=3, seeds=[1, 2, 3], **kw)
+    assert calls, "the matmul kernel never ran"
+    for a, b in zip(ref, got):
+        assert torch.equal(a.tokens, b.tokens) and a.action == b.action
+        torch.testing.assert_close(a.logp, b.logp, atol=1e-4, rtol=1e-4)
+    with perturbation(model, "gaussian", 0.3, seed=5):
+        want = D.compare(model, prompts, ref, **kw)
+        with L.native_gqa(model, False, "matmul"):
+            rows = D.compare(model, prompts, ref, **kw)
+    assert model.config._attn_implementation == "sdpa"  # restored on leaving
+    for r, w in zip(rows, want):
+        assert r["flip"] == w["flip"] and w["kl"] > 0 and abs(r["kl"] - w["kl"]) < 1e-4 * (1 + w["kl"])
+
+
+def test_the_pass_runs_its_configured_kernel_and_budget(tmp_path, monkeypatch):
+    """divergence() attends with ``cfg.attention`` and batches within ``cfg.batch_tokens``: rows
+    with the matmul kernel and a budget that splits the pool equal SDPA's in one batch up to
+    rounding; the cell records both levers."""
+    import dataclasses
+    import json
+
+    import sprpo_lib.model.layers as L
+
+    cfg = config(tmp_path, attention="sdpa", batch_tokens=None)
+    states, _ = D.state_pool(cfg, 3, progress=False)
+    want = D.divergence(cfg, states, samples=2, progress=False)
+    calls, seen = [], []
+    real, cut = L.matmul_attention, D.batches
+    monkeypatch.setattr(L, "matmul_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(D, "batches", lambda *a: seen.append(cut(*a)) or seen[-1])
+    budget = min(len(p) for p in states.prompts) + 1  # one state per batch
+    lever = dataclasses.replace(cfg, attention="matmul", batch_tokens=budget, cache_dir=str(tmp_path / "lever"))
+    got = D.divergence(lever, states, samples=2, progress=False)
+    assert calls and seen[-1] == [[i] for i in cut(states.prompts, 4)[0]]
+    assert got.flip.tolist() == want.flip.tolist()
+    for a, b in zip(got.kl, want.kl):
+        assert abs(a - b) < 1e-4 * (1 + b)
+    cell = json.loads(next((tmp_path / "lever" / "divergence").glob("*.json")).read_text())
+    assert cell["attention"] == "matmul" and cell["batch_tokens"] == budget
+
+
+def test_batches_within_a_padded_token_budget():
+    """EvalConfig.batch_tokens: every state in one batch once, none over the size, no batch of
+    several states over the budget, and on the cpu plan's WebShop pool (its prompt lengths) far
+    less padding than fixed batches of 16; without a budget, fixed runs of the sorted states."""
+    lengths = [790, 790, 705, 680, 483, 483, 451, 446, 419, 419, 413, 406, 370, 355, 306, 143]
+    prompts = [[0] * n for n in lengths[::-1]]  # the pool's order is not the length order
+
+    def padded(groups):
+        return sum(len(g) * max(len(prompts[i]) for i in g) for g in groups)
+
+    fixed, budget = D.batches(prompts, 16), D.batches(prompts, 16, 4096)
+    assert fixed == [sorted(range(16), key=lambda i: -len(prompts[i]))]
+    for groups in (fixed, budget):
+        assert sorted(i for g in groups for i in g) == list(range(16))
+    assert all(len(g) == 1 or len(g) * max(len(prompts[i]) for i in g) <= 4096 for g in budget)
+    assert padded(fixed) == 12640 and padded(budget) < 0.7 * padded(fixed) and sum(lengths) <= padded(budget)
+    assert all(len(g) <= 3 for g in D.batches(prompts, 3, 10**6))
+    assert D.batches([[0] * 900, [0] * 10], 4, 512) == [[0], [1]]  # a prompt over the budget goes alone
+
+
 def test_two_policies_see_the_same_draws():
     """Common random numbers: xi depends on the draw's seed and the FFN shape, not the weights."""
     a, b = load_policy("tiny-qwen2", seed=0).model, load_policy("tiny-qwen2", seed=1).model

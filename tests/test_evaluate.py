@@ -324,6 +324,8 @@ def test_kept_pruned_weights_give_the_same_rows_and_prune_once(tmp_path, pool, c
     ({"seeds": ()}, "--seeds", "--seeds 0 1 2"),
     ({"family": "fisher", "strengths": (0.1,)}, "--calibration", "--build-calibration"),
     ({"engine": "nope"}, "--engine", "expected one"),
+    ({"attention": "flash"}, "--attention", "expected one of auto, sdpa, matmul"),
+    ({"batch_tokens": 0}, "EvalConfig.batch_tokens=0", "expected an integer >= 1"),
     ({"model": "/nonexistent/model"}, "--model", "local copy"),
 ])
 def test_bad_input_is_one_clear_error(tmp_path, kw, option, expected):

@@ -51,6 +51,7 @@ from sprpo_lib.infra.hardware import ALLOCATORS, machine_info, set_allocator, se
 from sprpo_lib.infra.io import atomic_write_json
 from sprpo_lib.infra.manifest import git_commit
 from sprpo_lib.infra.paths import project_path, runs_dir
+from sprpo_lib.model.layers import ATTENTION_KERNELS
 from sprpo_lib.paper.budget import projected_markdown
 
 
@@ -106,6 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     dv.add_argument("--samples", type=int, default=4, help="responses sampled per state (K)")
     dv.add_argument("--batch", type=int, nargs="+", default=[],
                     help="states per batch, each size side by side (default: the profile's evaluation batch size)")
+    dv.add_argument("--batch-tokens", type=int, nargs="+", default=[],
+                    help="padded prompt tokens per batch at most, each side by side (0: no budget; default: the pass's)")
+    dv.add_argument("--attention", nargs="+", default=[], choices=ATTENTION_KERNELS,
+                    help="attention kernels side by side (default: the pass's)")
+    dv.add_argument("--adapter", nargs="+", default=[], metavar="DIR",
+                    help="peft adapter dir(s) merged into the model, e.g. the warm start's (runs/sft/<env>-*/adapter)")
     dv.add_argument("--family", default="rtn")
     dv.add_argument("--strength", type=float, default=4.0)
     dv.add_argument("--model", default=None, help="default: the profile's model")
@@ -271,8 +278,9 @@ def main(argv: list[str] | None = None) -> int:
         res = bench_ops(args.profile, args.env, args.overrides, args.method)
     elif args.what == "divergence":
         res = bench_divergence(args.profile, args.env, states=args.states, samples=args.samples,
-                               batches_of=tuple(args.batch), family=args.family,
-                               strength=args.strength, model=args.model)
+                               batches_of=tuple(args.batch), batch_tokens=tuple(args.batch_tokens),
+                               attention=tuple(args.attention), family=args.family, strength=args.strength,
+                               model=args.model, adapters=tuple(args.adapter))
     elif args.what == "sft":
         res = bench_sft(args.profile, args.env, args.steps, args.warmup, args.repeats, args.model)
     elif args.what == "host":

@@ -407,11 +407,20 @@ def _divergence_rows(res: dict) -> list[str]:
     rows = ["| what | value |", "|---|---|",
             *_flat_rows({k: v for k, v in res.items() if k not in _DIVERGENCE_PHASE and k != "batch"})]
     runs = res.get("by_batch") or [res]
-    rows += ["", "| states per batch | clean side s/state (x floor) | one setting s/state (x floor) | mean KL |",
-             "|---|---|---|---|"]
-    rows += [f"| {r.get('batch', 1)} | {r['clean_s_per_state']} ({r['clean_over_floor']}x) | "
+    rows += ["", "| states per batch | padded tokens per batch | attention | batches | padded prompt tokens | "
+             "clean side s/state (x floor) | one setting s/state (x floor) | mean KL |", "|---|---|---|---|---|---|---|---|"]
+    rows += [f"| {r.get('batch', 1)} | {r.get('batch_tokens') or '-'} | {r.get('attention', 'sdpa')} | "
+             f"{r.get('batches', '')} | {r.get('padded_tokens', '')} | {r['clean_s_per_state']} ({r['clean_over_floor']}x) | "
              f"{r['setting_s_per_state']} ({r['setting_over_floor']}x) | {r['kl_mean']} |" for r in runs]
     return rows
+
+
+def _divergence_variant(r: dict) -> str:
+    """How a run of the divergence bench batched and attended, in words (older records: the batch size alone)."""
+    out = f"{r.get('batch', 1)} state{'s' if r.get('batch', 1) != 1 else ''} per batch"
+    if r.get("batch_tokens"):
+        out += f" within {r['batch_tokens']} padded tokens"
+    return out + (f", {r['attention']} attention" if r.get("attention") else "")
 
 
 _DIVERGENCE_PHASE = ("response_tokens_mean", "clean_s_per_state", "clean_floor_s_per_state", "clean_over_floor",
@@ -425,10 +434,10 @@ def _divergence_headline(res: dict) -> str | None:
            f"{last['setting_s_per_state']} s ({last['setting_over_floor']}x its floor), clean side "
            f"{last['clean_s_per_state']} s ({last['clean_over_floor']}x)")
     if len(runs) > 1:
-        out += (f" at {last['batch']} states per batch; "
+        out += (f" at {_divergence_variant(last)}; "
                 f"{round(first['setting_s_per_state'] / last['setting_s_per_state'], 2)}x / "
-                f"{round(first['clean_s_per_state'] / last['clean_s_per_state'], 2)}x faster than at {first['batch']} "
-                f"state{'s' if first['batch'] != 1 else ''} per batch (setting / clean side)")
+                f"{round(first['clean_s_per_state'] / last['clean_s_per_state'], 2)}x faster than at "
+                f"{_divergence_variant(first)} (setting / clean side)")
     return out
 
 

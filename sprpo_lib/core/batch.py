@@ -4,6 +4,7 @@ log-probs the update needs as explicit fields (verl's ``old_log_prob`` and
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Sequence
 
 import torch
 
@@ -203,14 +204,22 @@ class PrefixGroup:
 def padded_chunks(samples: list[Sample], size: int, skip: int = 0, overhead: int = 32,
                   max_tokens: int | None = None) -> list[list[Sample]]:
     """The samples, longest first, cut into runs of at most ``size`` that minimise the
-    token positions computed (each run pads to its longest row; ``skip`` leading tokens
-    of every row are not computed here, e.g. a shared prefix) plus ``overhead`` per run for
-    the extra forward call: a dynamic programme over the sorted lengths.  Fixed-size
-    chunks pad a short row to a long one whenever lengths vary (a prefix group's later
-    steps run from 12 to 750 tokens of their own).  ``max_tokens``: no run of several rows
-    computes more padded positions than that (activation memory grows with them)."""
-    order = sorted(samples, key=lambda s: -len(s.ids))
-    n = [len(s.ids) - skip for s in order]
+    token positions computed (:func:`length_runs` of their lengths less ``skip`` leading tokens
+    not computed here, e.g. a shared prefix).  Fixed-size chunks pad a short row to a long one
+    whenever lengths vary (a prefix group's later steps run from 12 to 750 tokens of their own)."""
+    return [[samples[i] for i in run]
+            for run in length_runs([len(s.ids) - skip for s in samples], size, overhead, max_tokens)]
+
+
+def length_runs(lengths: Sequence[int], size: int, overhead: int = 32,
+                max_tokens: int | None = None) -> list[list[int]]:
+    """Indices of ``lengths``, longest first, cut into runs of at most ``size`` that minimise
+    the token positions computed (each run pads to its longest row) plus ``overhead`` per run
+    for the extra forward call: a dynamic programme over the sorted lengths.  ``max_tokens``:
+    no run of several rows computes more padded positions than that (activation memory grows
+    with them)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    n = [lengths[i] for i in order]
     best, cut = [0] + [None] * len(order), [0] * (len(order) + 1)
     for i in range(1, len(order) + 1):
         for k in range(1, min(size, i) + 1):  # the run order[i-k:i], padded to n[i-k]

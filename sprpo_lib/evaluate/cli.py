@@ -16,6 +16,7 @@ from sprpo_lib.evaluate.sweep import EvalConfig, ModelSource, config_from_profil
 from sprpo_lib.infra.executor import EXECUTORS, make_executor
 from sprpo_lib.infra.io import as_disk_full, atomic_write_text
 from sprpo_lib.infra.paths import project_path
+from sprpo_lib.model.layers import ATTENTION_KERNELS
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-new-tokens", type=int)
     ap.add_argument("--max-steps", type=int, help="episode step limit (default: the env's, 15 / 50)")
     ap.add_argument("--batch-size", type=int)
+    ap.add_argument("--batch-tokens", type=int, default=None,
+                    help="divergence: a batch of states keeps its padded prompt tokens within this many (default "
+                         f"{EvalConfig.batch_tokens})")
+    ap.add_argument("--attention", default=None, choices=ATTENTION_KERNELS,
+                    help="divergence: attention kernel (auto: matmuls for a 16-bit model on a CPU, SDPA otherwise)")
     ap.add_argument("--dtype", default=None, help="auto | float32 | bfloat16")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--trust-remote-code", action="store_true", help="allow model code from the model folder")
@@ -87,7 +93,7 @@ def config_from_args(args) -> EvalConfig:
           "device": args.device, "trust_remote_code": args.trust_remote_code, "cache_dir": args.cache_dir}
     opt = {"env": args.env, "engine": args.engine, "temperature": args.temperature,
            "max_new_tokens": args.max_new_tokens, "max_steps": args.max_steps, "batch_size": args.batch_size,
-           "dtype": args.dtype, "prefix_caching": False if args.no_prefix_caching else None}
+           "batch_tokens": args.batch_tokens, "attention": args.attention, "dtype": args.dtype, "prefix_caching": False if args.no_prefix_caching else None}
     kw.update({k: v for k, v in opt.items() if v is not None})
     if args.run:
         if args.model or args.adapter:

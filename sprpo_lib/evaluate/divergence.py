@@ -31,6 +31,7 @@ import torch
 from sprpo_lib.agent.engines.base import eos_ids
 from sprpo_lib.agent.envs import make_pool
 from sprpo_lib.agent.prompt import extract_action
+from sprpo_lib.core.batch import length_runs
 from sprpo_lib.core.compress import perturbation
 from sprpo_lib.core.divergence import pinsker, sequence_kl, tempered_logprobs
 from sprpo_lib.evaluate.calibration import load_calibration, sampled_steps
@@ -40,10 +41,14 @@ from sprpo_lib.infra.io import CorruptFileError, atomic_write_json, canonical_ha
 from sprpo_lib.infra.manifest import git_commit
 from sprpo_lib.infra.paths import project_path
 from sprpo_lib.infra.progress import progress_bar
+from sprpo_lib.model.layers import native_gqa
 
 STATES_FORMAT = "sprpo-states"
 #: Changes whenever what a divergence cell computes changes (its cache key holds it).
 DIVERGENCE_VERSION = 3
+#: A batch's own cost beyond its prompt tokens (its teacher-forced pass and greedy decoding), in
+#: prompt tokens: :func:`batches` pays it to pad less.
+BATCH_OVERHEAD = 256
 #: Per-state columns of :func:`divergence`'s rows, before ``cfg.tags``.
 DIVERGENCE_COLUMNS = ("env", "state", "split", "split_label", "task_index", "step", "prompt_tokens", "family",
                       "strength", "seed", "kl", "kl_se", "log_ratio", "tv_bound", "tokens", "flip", "cell_seconds",
@@ -377,10 +382,15 @@ def compare(model, prompts: Sequence[Sequence[int]], cleans: Sequence[CleanSide]
     return out
 
 
-def batches(prompts: Sequence[Sequence[int]], size: int) -> list[list[int]]:
-    """State indices in batches of ``size``, by decreasing prompt length (little padding)."""
-    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-    return [order[s:s + size] for s in range(0, len(order), size)]
+def batches(prompts: Sequence[Sequence[int]], size: int, max_tokens: int | None = None) -> list[list[int]]:
+    """State indices in batches of at most ``size``, longest prompt first (little padding).
+    Without ``max_tokens``, fixed-size runs of the sorted states; with it, the cut that
+    computes the fewest padded prompt tokens plus :data:`BATCH_OVERHEAD` per batch, no batch of
+    several states over ``max_tokens`` padded tokens (:func:`~sprpo_lib.core.batch.length_runs`)."""
+    if max_tokens is None:
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        return [order[s:s + size] for s in range(0, len(order), size)]
+    return length_runs([len(p) for p in prompts], size, BATCH_OVERHEAD, max_tokens)
 
 
 def draw_seeds(m: int, seed: int = 0) -> list[int]:
@@ -408,7 +418,8 @@ def divergence(cfg: EvalConfig, states: StatePool, *, samples: int = 4, progress
     (:data:`DIVERGENCE_COLUMNS`).  Each setting over the pool is a cell, content-keyed by the model,
     the pool, the setting, K = ``samples``, the temperature and the response limit, stored under
     ``<cache_dir>/divergence/`` and verified when read (a damaged cell is recomputed).  States go
-    through in batches of ``cfg.batch_size`` (a speed lever: the same rows up to rounding).  A cell
+    through in batches (``cfg.batch_size`` states, ``cfg.batch_tokens`` padded prompt tokens) with
+    ``cfg.attention``'s kernel (speed levers: the same rows up to rounding, not in the key).  A cell
     records its ``seconds`` (the setting's pass) and ``clean_seconds`` (the clean side, where it was
     computed with this cell); rows carry ``cell_seconds``.  Calls on the same policy and pool
     that pass one ``shared`` dict (one per policy) load the policy and draw the clean side once."""
@@ -420,6 +431,7 @@ def divergence(cfg: EvalConfig, states: StatePool, *, samples: int = 4, progress
     source = ModelSource(cfg, store / "file_hashes.json")
     ident = source.identity()
     clean_key = canonical_hash({"model": ident, "states": states.hash, "samples": samples, "batch": cfg.batch_size,
+                                "batch_tokens": cfg.batch_tokens, "attention": cfg.attention,
                                 "temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens,
                                 "stop": cfg.generation(0).stop})
     if shared.get("key") != clean_key:
@@ -439,7 +451,7 @@ def divergence(cfg: EvalConfig, states: StatePool, *, samples: int = 4, progress
     clean: list[CleanSide] | None = shared["clean"]
     bar = progress_bar(total=len(cells) * len(states), desc=f"divergence {cfg.env} {cfg.family}", unit="state",
                        disable=not progress, initial=sum(len(states) for c in cells if results[c] is not None))
-    groups = batches(states.prompts, cfg.batch_size)
+    groups = batches(states.prompts, cfg.batch_size, cfg.batch_tokens)
     for c in (c for c in cells if results[c] is None):
         t0 = time.perf_counter()
         policy = source.policy()
@@ -448,17 +460,19 @@ def divergence(cfg: EvalConfig, states: StatePool, *, samples: int = 4, progress
         clean_s = 0.0
         if clean is None:  # once per state, shared by every setting (the same seeds for every policy)
             clean = [None] * len(states)
-            for group in groups:
-                sides = clean_sides(model, [states.prompts[i] for i in group], k=samples, temperature=cfg.temperature,
-                                    max_new_tokens=cfg.max_new_tokens, ended=ended, pad_id=pad,
-                                    seeds=[int(canonical_hash([states.hash, i])[:8], 16) for i in group])
-                for i, side in zip(group, sides):
-                    clean[i] = side
+            with native_gqa(model, False, cfg.attention):
+                for group in groups:
+                    sides = clean_sides(model, [states.prompts[i] for i in group], k=samples,
+                                        temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, ended=ended,
+                                        pad_id=pad, seeds=[int(canonical_hash([states.hash, i])[:8], 16) for i in group])
+                    for i, side in zip(group, sides):
+                        clean[i] = side
             clean_s = time.perf_counter() - t0
             shared["clean"] = clean
         kw = perturbation_kwargs(cfg, policy, c.family, c.strength, calib, store, ident, progress)
         rows = [None] * len(states)
-        with perturbation(model, "none" if c.family == "clean" else c.family, c.strength, c.seed, **kw):
+        with (perturbation(model, "none" if c.family == "clean" else c.family, c.strength, c.seed, **kw),
+              native_gqa(model, False, cfg.attention)):  # after the perturbation: SparseGPT's own passes as 04's
             for group in groups:
                 got = compare(model, [states.prompts[i] for i in group], [clean[i] for i in group],
                               temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, ended=ended, pad_id=pad)
@@ -468,6 +482,7 @@ def divergence(cfg: EvalConfig, states: StatePool, *, samples: int = 4, progress
         seconds = time.perf_counter() - t0 - clean_s
         atomic_write_json(paths[c], {"key": keyed[c], "rows": rows, "seconds": round(seconds, 2),
                                      "clean_seconds": round(clean_s, 2), "batch": cfg.batch_size,
+                                     "batch_tokens": cfg.batch_tokens, "attention": cfg.attention,
                                      "commit": git_commit()})
         results[c] = {"rows": rows, "seconds": seconds}
     bar.close()

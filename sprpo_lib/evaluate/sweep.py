@@ -74,6 +74,7 @@ from sprpo_lib.model.load import (
     resolve_device,
     resolve_model,
 )
+from sprpo_lib.model.layers import ATTENTION_KERNELS
 from sprpo_lib.model.lora import load_adapter
 from sprpo_lib.train.config import config_from_dict, load_config
 from sprpo_lib.warmstart.cache import warm_start_dir
@@ -118,6 +119,13 @@ class EvalConfig:
         keep_pruned: keep SparseGPT's pruned FFN weights per policy and ratio under
             ``<cache_dir>/sparsegpt/`` (one FFN copy each), so other cells and the divergence
             pass do not prune again (a speed lever: the same weights).
+        attention: the divergence pass's attention kernel (``auto``: a 16-bit model's attention
+            as float32-accumulated matmuls on a CPU, SDPA otherwise; ``sdpa``; ``matmul``), as
+            ``SpeedConfig.attention`` in training.
+        batch_tokens: the divergence pass cuts its states into the batches that pad least, none
+            of several states over this many padded prompt tokens (``None``: runs of ``batch_size``).
+            Both are speed levers: the same estimates up to rounding (which can move a sampled
+            response); not in a divergence cell's key.
         tags: columns added to every row (e.g. ``{"method": "sprpo", "train_seed": 0}``);
             not part of the cache key.
     """
@@ -149,6 +157,8 @@ class EvalConfig:
     model_seed: Annotated[int, Ge(0)] = 0
     cache_dir: str = str(DEFAULT_CACHE)
     keep_pruned: bool = False
+    attention: str = "auto"
+    batch_tokens: Annotated[int, Ge(1)] | None = 4096
     tags: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -180,6 +190,10 @@ class EvalConfig:
         if self.splits is None and self.env not in EVAL_SPLITS:
             raise ValueError(f"--split / EvalConfig.splits: no App. C held-out split is known for {self.env!r}; "
                              "name the splits to evaluate")
+        if self.attention not in ATTENTION_KERNELS:
+            raise ValueError(f"--attention / EvalConfig.attention: {self.attention!r}; expected one of "
+                             f"{', '.join(ATTENTION_KERNELS)} ('auto': matmuls for a 16-bit model on a CPU, SDPA "
+                             "otherwise)")
         if self.engine not in ENGINES:
             raise ValueError(f"--engine / EvalConfig.engine: unknown generation engine {self.engine!r}; expected one "
                              f"of {sorted(ENGINES)}")
