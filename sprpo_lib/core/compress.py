@@ -256,24 +256,24 @@ def sparsegpt_matrix(
     U = torch.linalg.solve_triangular(M, eye, upper=False).flip(0, 1)
     for i1 in range(0, cols, blocksize):
         i2 = min(i1 + blocksize, cols)
-        W1 = W[:, i1:i2]  # a view: the block is updated in place
+        W1 = W[:, i1:i2].T.contiguous()  # the block transposed: column j is row j, contiguous
         U1 = U[i1:i2, i1:i2]
         d = U1.diagonal()
-        score = W1.pow(2) / d.pow(2)[None, :]
+        score = W1.pow(2) / d.pow(2)[:, None]
         k = int(math.floor(ratio * score.numel()))
         keep = torch.ones_like(W1)
         if k > 0:
             idx = torch.topk(score.flatten(), k, largest=False, sorted=False).indices
             keep.view(-1)[idx] = 0.0
-        drop = (1.0 - keep) / d[None, :]
+        drop = (1.0 - keep) / d[:, None]
         Err1 = torch.empty_like(W1)
         for j in range(i2 - i1):
             # err_j = (w_j - q_j) / U_jj, q_j = w_j with the selected weights zeroed;
             # the update of column j itself leaves exactly q_j there (zeroed below).
-            err = torch.mul(W1[:, j], drop[:, j], out=Err1[:, j])
-            W1[:, j:].addr_(err, U1[j, j:], alpha=-1.0)
-        W1.mul_(keep)
-        W[:, i2:].addmm_(Err1, U[i1:i2, i2:], alpha=-1.0)
+            err = torch.mul(W1[j], drop[j], out=Err1[j])
+            W1[j:].addr_(U1[j, j:], err, alpha=-1.0)
+        W[:, i1:i2] = W1.mul_(keep).T
+        W[:, i2:].addmm_(Err1.T, U[i1:i2, i2:], alpha=-1.0)
     return W.to(weight.dtype)
 
 
