@@ -169,6 +169,32 @@ def test_the_pass_runs_its_configured_kernel_and_budget(tmp_path, monkeypatch):
     assert cell["attention"] == "matmul" and cell["batch_tokens"] == budget
 
 
+def test_a_setting_that_changes_nothing_is_zero_without_a_pass(tmp_path, monkeypatch):
+    """The landscape plane's origin (w1 = w2 = 0) is the clean policy: its rows are compare()'s on
+    the unperturbed model (exact zeros, no flip, the same response lengths), written without a
+    pass; a point off the origin is measured."""
+    import dataclasses
+
+    from sprpo_lib.core.compress import is_identity
+
+    assert is_identity("plane", 0.0) and is_identity("plane", 0.0, {"w2": 0.0}) and is_identity("gaussian", 0.0)
+    assert not (is_identity("plane", 0.0, {"w2": 0.2}) or is_identity("plane", 0.1) or is_identity("rtn", 8))
+    cfg = config(tmp_path, family="plane", strengths=(0.0,), seeds=(0,), perturbation_options={"w2": 0.0})
+    states, _ = D.state_pool(cfg, 3, progress=False)
+    shared: dict = {}
+    with monkeypatch.context() as mp:
+        mp.setattr(D, "compare", lambda *a, **k: pytest.fail("the origin was measured"))
+        rows = D.divergence(cfg, states, samples=2, progress=False, shared=shared)
+    pol = shared["source"].policy()
+    want = D.compare(pol.model.eval(), states.prompts, shared["clean"], temperature=cfg.temperature,
+                     max_new_tokens=cfg.max_new_tokens, pad_id=pol.tokenizer.pad_token_id,
+                     ended=D.Stop(pol.tokenizer, cfg.generation(0).stop, [pol.tokenizer.eos_token_id]))
+    for col in ("kl", "kl_se", "log_ratio", "tv_bound", "tokens", "flip"):
+        assert rows[col].tolist() == [w[col] for w in want], col
+    off = dataclasses.replace(cfg, strengths=(0.5,), perturbation_options={"w2": 0.5})
+    assert D.divergence(off, states, samples=2, progress=False, shared=shared).kl.gt(0).all()
+
+
 def test_batches_within_a_padded_token_budget():
     """EvalConfig.batch_tokens: every state in one batch once, none over the size, no batch of
     several states over the budget, and on the cpu plan's WebShop pool (its prompt lengths) far

@@ -27,7 +27,7 @@ import inspect
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -524,6 +524,14 @@ FAMILIES: dict[str, FamilySpec] = {
 #: App. C sweep levels, family -> env -> strengths (read from :data:`FAMILIES`).
 PAPER_LEVELS: dict[str, dict[str, list[float]]] = {f: {env: list(v) for env, v in spec.levels.items()}
                                                    for f, spec in FAMILIES.items() if spec.levels}
+
+
+def is_identity(family: str, strength: float, options: Mapping | None = None) -> bool:
+    """Whether a setting changes nothing: ``clean``, a family's zero strength where that is the
+    identity, or the landscape plane's origin (w1 = 0 and its option w2 = 0)."""
+    if family == "plane":
+        return strength == 0 and float((options or {}).get("w2", 0.0)) == 0
+    return family in ("clean", "none") or (family_spec(family).zero_is_identity and strength == 0)
 
 
 def family_spec(family: str) -> FamilySpec:

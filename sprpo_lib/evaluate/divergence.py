@@ -32,7 +32,7 @@ from sprpo_lib.agent.engines.base import eos_ids
 from sprpo_lib.agent.envs import make_pool
 from sprpo_lib.agent.prompt import extract_action
 from sprpo_lib.core.batch import length_runs
-from sprpo_lib.core.compress import perturbation
+from sprpo_lib.core.compress import is_identity, perturbation
 from sprpo_lib.core.divergence import pinsker, sequence_kl, tempered_logprobs
 from sprpo_lib.evaluate.calibration import load_calibration, sampled_steps
 from sprpo_lib.evaluate.cells import CALIBRATED_FAMILIES, EVAL_SPLITS, SPLIT_LABELS, select_tasks
@@ -382,6 +382,14 @@ def compare(model, prompts: Sequence[Sequence[int]], cleans: Sequence[CleanSide]
     return out
 
 
+def unmoved(cleans: Sequence[CleanSide]) -> list[dict]:
+    """:func:`compare`'s rows where the setting changes nothing (:func:`~sprpo_lib.core.compress.is_identity`),
+    exactly, without a pass: no KL, no flip."""
+    return [{"kl": 0.0, "kl_se": 0.0 if c.tokens.shape[0] > 1 else float("nan"), "log_ratio": 0.0, "tv_bound": 0.0,
+             "tokens": float(c.mask.sum(1).double().mean()), **({"flip": False} if c.greedy is not None else {})}
+            for c in cleans]
+
+
 def batches(prompts: Sequence[Sequence[int]], size: int, max_tokens: int | None = None) -> list[list[int]]:
     """State indices in batches of at most ``size``, longest prompt first (little padding).
     Without ``max_tokens``, fixed-size runs of the sorted states; with it, the cut that
@@ -469,16 +477,21 @@ def divergence(cfg: EvalConfig, states: StatePool, *, samples: int = 4, progress
                         clean[i] = side
             clean_s = time.perf_counter() - t0
             shared["clean"] = clean
-        kw = perturbation_kwargs(cfg, policy, c.family, c.strength, calib, store, ident, progress)
-        rows = [None] * len(states)
-        with (perturbation(model, "none" if c.family == "clean" else c.family, c.strength, c.seed, **kw),
-              native_gqa(model, False, cfg.attention)):  # after the perturbation: SparseGPT's own passes as 04's
-            for group in groups:
-                got = compare(model, [states.prompts[i] for i in group], [clean[i] for i in group],
-                              temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, ended=ended, pad_id=pad)
-                for i, row in zip(group, got):
-                    rows[i] = row
-                bar.update(len(group))
+        if is_identity(c.family, c.strength, cfg.perturbation_options):  # the plane's origin: nothing moves
+            rows = unmoved(clean)
+            bar.update(len(states))
+        else:
+            rows = [None] * len(states)
+            kw = perturbation_kwargs(cfg, policy, c.family, c.strength, calib, store, ident, progress)
+            with (perturbation(model, "none" if c.family == "clean" else c.family, c.strength, c.seed, **kw),
+                  native_gqa(model, False, cfg.attention)):  # after the perturbation: SparseGPT's own passes as 04's
+                for group in groups:
+                    got = compare(model, [states.prompts[i] for i in group], [clean[i] for i in group],
+                                  temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, ended=ended,
+                                  pad_id=pad)
+                    for i, row in zip(group, got):
+                        rows[i] = row
+                    bar.update(len(group))
         seconds = time.perf_counter() - t0 - clean_s
         atomic_write_json(paths[c], {"key": keyed[c], "rows": rows, "seconds": round(seconds, 2),
                                      "clean_seconds": round(clean_s, 2), "batch": cfg.batch_size,
