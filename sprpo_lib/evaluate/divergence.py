@@ -408,6 +408,21 @@ def draw_seeds(m: int, seed: int = 0) -> list[int]:
 
 
 # ============================================================================ a policy over the pool
+def pool_clean_sides(model, states: StatePool, groups: Sequence[Sequence[int]], cfg: EvalConfig, samples: int,
+                     ended: Stop, pad: int) -> list[CleanSide]:
+    """:func:`clean_sides` of every state of the pool, batch by batch (``groups``), each state's
+    responses from its own seed (a hash of the pool and its index: the same for every policy)."""
+    clean: list = [None] * len(states)
+    with native_gqa(model, False, cfg.attention):
+        for group in groups:
+            sides = clean_sides(model, [states.prompts[i] for i in group], k=samples, temperature=cfg.temperature,
+                                max_new_tokens=cfg.max_new_tokens, ended=ended, pad_id=pad,
+                                seeds=[int(canonical_hash([states.hash, i])[:8], 16) for i in group])
+            for i, side in zip(group, sides):
+                clean[i] = side
+    return clean
+
+
 def _cell_problem(key: str):
     def check(data) -> str | None:
         if not isinstance(data, dict) or data.get("key") != key:
@@ -467,14 +482,7 @@ def divergence(cfg: EvalConfig, states: StatePool, *, samples: int = 4, progress
         ended, pad = Stop(tok, stop, eos_ids(model, tok)), tok.pad_token_id or 0
         clean_s = 0.0
         if clean is None:  # once per state, shared by every setting (the same seeds for every policy)
-            clean = [None] * len(states)
-            with native_gqa(model, False, cfg.attention):
-                for group in groups:
-                    sides = clean_sides(model, [states.prompts[i] for i in group], k=samples,
-                                        temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, ended=ended,
-                                        pad_id=pad, seeds=[int(canonical_hash([states.hash, i])[:8], 16) for i in group])
-                    for i, side in zip(group, sides):
-                        clean[i] = side
+            clean = pool_clean_sides(model, states, groups, cfg, samples, ended, pad)
             clean_s = time.perf_counter() - t0
             shared["clean"] = clean
         if is_identity(c.family, c.strength, cfg.perturbation_options):  # the plane's origin: nothing moves
