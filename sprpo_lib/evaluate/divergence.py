@@ -485,13 +485,13 @@ def divergence(cfg: EvalConfig, states: StatePool, *, samples: int = 4, progress
             clean = pool_clean_sides(model, states, groups, cfg, samples, ended, pad)
             clean_s = time.perf_counter() - t0
             shared["clean"] = clean
-        if is_identity(c.family, c.strength, cfg.perturbation_options):  # the plane's origin: nothing moves
+        if is_identity(c.family, c.strength, cfg.perturbation_options):  # clean, the plane's origin: nothing moves
             rows = unmoved(clean)
             bar.update(len(states))
         else:
             rows = [None] * len(states)
             kw = perturbation_kwargs(cfg, policy, c.family, c.strength, calib, store, ident, progress)
-            with (perturbation(model, "none" if c.family == "clean" else c.family, c.strength, c.seed, **kw),
+            with (perturbation(model, c.family, c.strength, c.seed, **kw),
                   native_gqa(model, False, cfg.attention)):  # after the perturbation: SparseGPT's own passes as 04's
                 for group in groups:
                     got = compare(model, [states.prompts[i] for i in group], [clean[i] for i in group],
