@@ -11,6 +11,7 @@ from sprpo_lib.core.compress import (
     apply_perturbation,
     fisher_prune_mask,
     fisher_scores,
+    gram,
     perturbation,
     prune_channels,
     rtn_quantize,
@@ -133,6 +134,19 @@ def test_sparsegpt_exact_sparsity_per_block_and_beats_magnitude(ratio):
     err_sgpt = ((W - P) @ X).pow(2).sum()
     err_mag = ((W - mag) @ X).pow(2).sum()
     assert err_sgpt < err_mag
+
+
+@pytest.mark.parametrize("cols,block", [(48, 16), (50, 16), (40, 256)])
+def test_gram_is_the_float64_product_over_valid_rows(cols, block):
+    """Only the blocks on and above the diagonal are multiplied: the result is still the whole
+    symmetric ``X^T X / n`` over the rows the masks keep (padding left out), as float64 has it."""
+    g = torch.Generator().manual_seed(cols)
+    xs = [torch.randn(3, 7, cols, generator=g).to(torch.bfloat16), torch.randn(2, 5, cols, generator=g)]
+    valid = [torch.rand(3, 7, generator=g) > 0.3, torch.ones(2, 5, dtype=torch.bool)]
+    X = torch.cat([x[v].double() for x, v in zip(xs, valid)])
+    G = gram(xs, valid, block=block)
+    assert G.dtype == torch.float32 and torch.equal(G, G.T)
+    torch.testing.assert_close(G.double(), X.T @ X / X.shape[0], rtol=1e-5, atol=1e-5)
 
 
 def test_sparsegpt_model_prunes_only_ffn_and_restores(tiny, calib):

@@ -319,6 +319,40 @@ def _layer_out(out):
     return out[0] if isinstance(out, tuple) else out
 
 
+@contextmanager
+def _ffn_inputs(mlp: nn.Module) -> Iterator[list[torch.Tensor]]:
+    """While open, ``mlp`` records each input it gets and adds nothing to the residual stream
+    (it returns zeros), so its decoder block returns the residual its FFN would add to."""
+    xs: list[torch.Tensor] = []
+
+    def record(x, *args, **kwargs):
+        xs.append(x)
+        return torch.zeros_like(x)
+
+    mlp.forward = record  # an instance attribute shadows the class's forward until deleted
+    try:
+        yield xs
+    finally:
+        del mlp.forward
+
+
+def gram(tensors: Sequence[torch.Tensor], valid: Sequence[torch.Tensor], block: int = 256) -> torch.Tensor:
+    """``X^T X / n`` in float32 over the rows of ``tensors`` (each ``[..., cols]``) where
+    ``valid`` holds, ``n`` the number of those rows.  The matrix is symmetric, so only the
+    blocks on and above the diagonal are multiplied (about half the FLOPs of ``X^T X``
+    for ``cols`` much wider than ``block``); the rest is their transpose."""
+    cols = tensors[0].shape[-1]
+    G = torch.zeros(cols, cols, dtype=torch.float32, device=tensors[0].device)
+    n = 0
+    for t, v in zip(tensors, valid):
+        x = t[v].float()
+        for i in range(0, cols, block):
+            G[i:i + block, i:].addmm_(x[:, i:i + block].T, x[:, i:])
+        n += x.shape[0]
+    upper = G.triu()
+    return (upper + upper.triu(1).T) / max(n, 1)
+
+
 @torch.no_grad()
 def sparsegpt_prune(
     model: nn.Module,
@@ -334,12 +368,13 @@ def sparsegpt_prune(
     layer by layer on the outputs of the already-pruned layers (App. C; attention
     weights stay dense).  Returns the restore snapshot.
 
-    Per layer: one forward of the (dense) block records the FFN input x and output;
-    W_gate and W_up are pruned with ``H = 2 X X^T / n`` of x; W_down with the Hessian of
-    its input ``h = SiLU(W_gate x) * W_up x`` recomputed from the *pruned* gate/up
-    (sequential inside the block); the block's output is then corrected to the pruned
-    FFN (``out - y_dense + y_pruned``) and feeds the next layer.  Padding tokens are
-    excluded from the Hessians.
+    Per layer: one forward of the block with its FFN set aside (:func:`_ffn_inputs`) records
+    the FFN input x and the residual stream that the FFN adds to; W_gate and W_up are pruned
+    with ``H = 2 X X^T / n`` of x; W_down with the Hessian of its input
+    ``h = SiLU(W_gate x) * W_up x`` computed from the *pruned* gate/up (sequential inside
+    the block); the residual plus the pruned FFN's output (what the pruned model computes)
+    feeds the next layer.  The dense FFN's output is never needed, so it is not computed.
+    Padding tokens are excluded from the Hessians (:func:`gram`).
     """
     layers = decoder_layers(model)
     mlps = ffn_modules(model)
@@ -351,38 +386,18 @@ def sparsegpt_prune(
 
     for li in progress_bar(range(len(layers)), desc="sparsegpt", disable=not progress):
         layer, mlp = layers[li], mlps[li]
-        xs, ys = [], []
-
-        def rec(module, args, output):
-            xs.append(args[0])
-            ys.append(output)
-
-        handle = mlp.register_forward_hook(rec)
-        try:
-            outs = [_layer_out(layer(inps[b], **kws[b])) for b in range(len(batches))]
-        finally:
-            handle.remove()
-
-        def hessian(tensors: list[torch.Tensor]) -> torch.Tensor:
-            cols = tensors[0].shape[-1]
-            H = torch.zeros(cols, cols, dtype=torch.float32, device=device)
-            n = 0
-            for t, v in zip(tensors, valid):
-                x = t[v].float()
-                H.addmm_(x.T, x)
-                n += x.shape[0]
-            return H * (2.0 / max(n, 1))
-
-        Hx = hessian(xs)
+        with _ffn_inputs(mlp) as xs:
+            residual = [_layer_out(layer(inps[b], **kws[b])) for b in range(len(batches))]
+        Hx = 2.0 * gram(xs, valid)
         for k in ("gate_proj", "up_proj"):
             lin = getattr(mlp, k)
             lin.weight.copy_(sparsegpt_matrix(lin.weight, Hx, ratio, blocksize, percdamp))
         del Hx
         hs = [mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x) for x in xs]
-        Hh = hessian(hs)
+        Hh = 2.0 * gram(hs, valid)
         mlp.down_proj.weight.copy_(sparsegpt_matrix(mlp.down_proj.weight, Hh, ratio, blocksize, percdamp))
         del Hh
-        inps = [o - y + mlp.down_proj(h) for o, y, h in zip(outs, ys, hs)]
+        inps = [r + mlp.down_proj(h) for r, h in zip(residual, hs)]
     return snap
 
 
