@@ -377,6 +377,8 @@ def test_kl_claims_and_the_kl_success_correlation():
     # success rows of other weights (a pass before a retrain) pair nothing; rows that name no weights neither
     c = kl_success_correlation(kl, named(succ, b="ad-b-before"), n_resamples=200)
     assert c["pairs"] == 2 and c["stale"] == 1 and "1 policy left out" in correlation_sentence(c)
+    c = kl_success_correlation(kl.assign(model_hash="retrained"), succ, n_resamples=200)  # every policy stale
+    assert (c["pairs"], c["stale"]) == (0, 2) and "2 policies left out" in correlation_sentence(c)
     base = {"a": "", "b": ""}  # the bare model's rows name no adapter: read back from a CSV, "" is NaN
     c = kl_success_correlation(named(kl, **base).replace("", None), named(succ, **base), n_resamples=200)
     assert c["pairs"] == 4 and c["stale"] == 0

@@ -281,6 +281,9 @@ def kl_success_correlation(kl: pd.DataFrame, success: pd.DataFrame, *, n_resampl
     k = (kl[kl["family"] != "plane"].groupby(["method", "train_seed", "family", "strength"])["kl"].mean()
          .rename("kl"))
     per = success.groupby(["method", "train_seed", "family", "strength"])["success"].mean() * 100
+    if "clean" not in per.index.get_level_values("family"):  # no policy paired (all stale), or none clean
+        return {"pairs": 0, "spearman": float("nan"), "lo": float("nan"), "hi": float("nan"), "stale": stale,
+                "unnamed": False}
     clean = per.xs("clean", level="family").droplevel("strength")
     loss = (clean.reindex(per.index.droplevel(["family", "strength"])).to_numpy() - per.to_numpy())
     loss = pd.Series(loss, index=per.index, name="loss")
