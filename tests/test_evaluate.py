@@ -384,3 +384,20 @@ def test_config_from_a_training_run(tmp_path, pool, counter):
     assert list(rows["method"]) == ["sprpo"] and list(rows["train_seed"]) == [1] and rows["length"].iloc[0] <= 3
     with pytest.raises(ValueError, match="--run.*config.json"):
         E.config_from_run(tmp_path)
+
+
+def test_a_models_identity_is_its_content_not_the_record_of_its_conversion(tmp_path):
+    """Two conversions of the same GGUF differ only in the seconds they took: the same model,
+    the same digest (so its cells are found on every machine); a changed weight file is not."""
+    from sprpo_lib.evaluate.cells import dir_digest
+    from sprpo_lib.model.load import PROVENANCE_FILE
+
+    digests = []
+    for i, (seconds, weights) in enumerate(((23.2, b"w0"), (31.7, b"w0"), (23.2, b"w1"))):
+        d = tmp_path / f"conv{i}"
+        d.mkdir()
+        (d / "config.json").write_text('{"model_type": "llama"}')
+        (d / "model.safetensors").write_bytes(weights)
+        (d / PROVENANCE_FILE).write_text(json.dumps({"gguf": "m.gguf", "convert_seconds": seconds}))
+        digests.append(dir_digest(d))
+    assert digests[0] == digests[1] != digests[2]

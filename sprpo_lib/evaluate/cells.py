@@ -30,6 +30,7 @@ from sprpo_lib.infra.io import (
 )
 from sprpo_lib.infra.manifest import git_commit
 from sprpo_lib.infra.paths import project_path
+from sprpo_lib.model.load import PROVENANCE_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -140,10 +141,13 @@ def file_digest(path: str | Path, memo_path: str | Path | None = None) -> str:
 def dir_digest(path: str | Path, memo_path: str | Path | None = None) -> str:
     """SHA-256 over the top-level weight, config and tokenizer files of a model or
     adapter directory (``*.safetensors``, ``*.json``, ``*.model``, ``*.txt``, ``*.jinja``),
-    by name and content: what the evaluated policy is made of."""
+    by name and content: what the evaluated policy is made of.  A converted model's record of its
+    making (:data:`~sprpo_lib.model.load.PROVENANCE_FILE`, with the conversion's seconds) is left
+    out, so the same weights name the same cells on every machine."""
     path = Path(path)
     h = hashlib.sha256()
-    for f in sorted(p for p in path.iterdir() if p.is_file() and p.suffix in _HASHED_SUFFIXES):
+    for f in sorted(p for p in path.iterdir()
+                    if p.is_file() and p.suffix in _HASHED_SUFFIXES and p.name != PROVENANCE_FILE):
         h.update(f"{f.name}\0{file_digest(f, memo_path)}\n".encode())
     return h.hexdigest()
 

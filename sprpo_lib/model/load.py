@@ -141,6 +141,11 @@ def _strip_gguf_quantizer(model: nn.Module) -> None:
     model.is_quantized = False
 
 
+#: What a converted model directory records of its making (the GGUF, the conversion's seconds):
+#: provenance, not content, so a model's identity (``evaluate.cells.dir_digest``) leaves it out.
+PROVENANCE_FILE = "sprpo_source.json"
+
+
 def convert_smollm2(target: Path | None = None) -> Path:
     """Dequantise the embedded GGUF once and cache it as a safetensors HF directory.
 
@@ -164,8 +169,8 @@ def convert_smollm2(target: Path | None = None) -> Path:
     with atomic_dir(target) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        (tmp / "sprpo_source.json").write_text(json.dumps({"gguf": gguf.name,
-                                                           "convert_seconds": round(time.time() - t0, 1)}))
+        (tmp / PROVENANCE_FILE).write_text(json.dumps({"gguf": gguf.name,
+                                                       "convert_seconds": round(time.time() - t0, 1)}))
     return target
 
 
