@@ -12,6 +12,7 @@ def test_bench_divergence_times_both_phases_against_their_floors(tmp_path, monke
     one, two = res["by_batch"]
     assert one["clean_floor_s_per_state"] >= two["clean_floor_s_per_state"]  # a batch shares its decode steps' weights
     assert abs(one["kl_mean"] - two["kl_mean"]) < 1e-3 * (1 + one["kl_mean"])  # the same states, the same KLs
+    assert one["flip_rate"] == two["flip_rate"] and one["flip_rate"] * 2 in (0, 1, 2)  # a share of the 2 states
     for phase in ("clean", "setting"):
         assert res[f"{phase}_floor_s_per_state"] > 0 and res[f"{phase}_over_floor"] > 0
     assert res["kl_mean"] >= 0 and res["prompt_tokens_mean"] > 0

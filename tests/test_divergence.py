@@ -530,6 +530,39 @@ def test_flips_from_the_teacher_forced_greedy_response_match_full_greedy_decodin
     assert seen == {False, True}  # both cases met
 
 
+def test_greedy_after_a_shared_prefix_is_greedy_decoding_from_the_prompt():
+    """greedy_after (a known prefix of each response fed in one forward, decoding from its end)
+    gives each row the response greedy() decodes token by token from the prompt (float64: no
+    rounding between the two orders): prefixes of every length in one batch, each row its own, and
+    a stop string that a prefix begins and the continuation completes."""
+    pol = load_policy("tiny-qwen2", seed=0, dtype="float32")
+    model, tok = pol.model.double().eval(), pol.tokenizer
+    prompts = [tok(f"Order {i}: " + "item " * (2 * i + 1))["input_ids"] for i in range(3)]
+    eos = D.Stop(tok, None, [tok.eos_token_id])
+    pre = D.prefill(model, prompts, tok.pad_token_id)
+    full, _ = D.greedy(model, pre, 8, eos)
+    assert min(len(r) for r in full) >= 6  # long enough for every cut below
+    stop = tok.decode(full[0][3:5].tolist())  # begins in a prefix of 4 tokens, completes after it
+    for ended in (eos, D.Stop(tok, stop, [tok.eos_token_id])):
+        want, want_actions = D.greedy(model, pre, 8, ended)
+        for cuts in ([0, 0, 0], [4, 1, 5], [1, 5, 0]):
+            prefixes = [r[:c].tolist() for r, c in zip(want, cuts)]
+            width = max(len(r) for r in want)
+            teacher = torch.zeros(len(prompts), width, dtype=torch.long)
+            for i, r in enumerate(want):
+                teacher[i, :len(r)] = r
+            logits = D.response_logits(model, pre, teacher)
+            fed = D.subset(pre, range(3))  # extend() leaves each row where its prefix ends: the next token's logits
+            D.extend(model, fed, prefixes)
+            nxt = D.advance(model, fed, teacher[range(3), cuts][:, None])[:, -1]
+            torch.testing.assert_close(nxt, logits[range(3), [c + 1 for c in cuts]], rtol=0, atol=1e-10)
+            got, actions = D.greedy_after(model, D.subset(pre, range(3)), prefixes,
+                                          torch.stack([logits[i, c] for i, c in enumerate(cuts)]), 8, ended)
+            assert [g.tolist() for g in got] == [w.tolist() for w in want], (stop if ended.stop else None, cuts)
+            assert actions == want_actions
+    assert len(D.greedy(model, pre, 8, D.Stop(tok, stop, [tok.eos_token_id]))[0][0]) < len(full[0])  # the stop acts
+
+
 def test_the_kl_curves_footnote_says_what_each_point_averages():
     """Table 1's strengths (every policy, three seeds for two of them) apart from the curve's other
     strengths (fewer policies, one seed): each design with the policies measured so."""

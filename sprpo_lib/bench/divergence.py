@@ -2,7 +2,8 @@
 profile's evaluation settings, each phase against its floor on this machine: the clean side of a
 state (one prefill; K responses sampled; their teacher-forced pass; the greedy response) once per
 state, and one setting's comparison (one prefill; the teacher-forced pass of the K responses and the
-clean greedy one; greedy decoding where that one moves), states in batches as the pass runs them.
+clean greedy one; greedy decoding from its first disagreement where that one moves), states in batches as the
+pass runs them.
 
 The floor of a phase: its prefill and teacher-forced tokens at the probed matmul rate (compute
 bound), plus its decode steps at :func:`~sprpo_lib.infra.hardware.decode_floor_s` (each step reads
@@ -82,12 +83,13 @@ def bench_divergence(profile: str = "cpu", env: str = "webshop", *, states: int 
             clean_floor += (_phase_floor(config, lens, 0, [0] * len(lens), [greedy_len(s) for s in sides], **floor)
                             - hw.prefill_flops(config, lens) / (rate * 1e9))  # the greedy response: the same prefill
             groups.append((prompts, sides))
-        cmp_s, cmp_floor, kls = 0.0, 0.0, []
+        cmp_s, cmp_floor, kls, flips = 0.0, 0.0, [], []
         with perturbation(m, family, strength, seed=0, pad_id=tok.pad_token_id), native_gqa(m, False, kernel):
             for prompts, sides in groups:
                 t0 = time.perf_counter()
-                kls += [r["kl"] for r in compare(m, prompts, sides, **kw)]
+                rows = compare(m, prompts, sides, **kw)
                 cmp_s += time.perf_counter() - t0
+                kls, flips = kls + [r["kl"] for r in rows], flips + [r["flip"] for r in rows]
                 # the least it needs: the prefill, and the K responses and the clean greedy one teacher-forced (only
                 # the states whose greedy response moves are decoded again)
                 cmp_floor += _phase_floor(config, [len(p) for p in prompts], samples + 1,
@@ -99,7 +101,8 @@ def bench_divergence(profile: str = "cpu", env: str = "webshop", *, states: int 
                 "clean_s_per_state": round(clean_s / n, 4), "clean_floor_s_per_state": round(clean_floor / n, 4),
                 "clean_over_floor": round(clean_s / clean_floor, 2),
                 "setting_s_per_state": round(cmp_s / n, 4), "setting_floor_s_per_state": round(cmp_floor / n, 4),
-                "setting_over_floor": round(cmp_s / cmp_floor, 2), "kl_mean": round(sum(kls) / n, 5)}
+                "setting_over_floor": round(cmp_s / cmp_floor, 2), "kl_mean": round(sum(kls) / n, 5),
+                "flip_rate": round(sum(flips) / n, 4)}
 
     runs = [timed(b, t, a) for b in (batches_of or (cfg.batch_size,)) for t in (batch_tokens or (cfg.batch_tokens or 0,))
             for a in (attention or (cfg.attention,))]

@@ -408,10 +408,12 @@ def _divergence_rows(res: dict) -> list[str]:
             *_flat_rows({k: v for k, v in res.items() if k not in _DIVERGENCE_PHASE and k != "batch"})]
     runs = res.get("by_batch") or [res]
     rows += ["", "| states per batch | padded tokens per batch | attention | batches | padded prompt tokens | "
-             "clean side s/state (x floor) | one setting s/state (x floor) | mean KL |", "|---|---|---|---|---|---|---|---|"]
+             "clean side s/state (x floor) | one setting s/state (x floor) | mean KL | flip rate |",
+             "|---|---|---|---|---|---|---|---|---|"]
     rows += [f"| {r.get('batch', 1)} | {r.get('batch_tokens') or '-'} | {r.get('attention', 'sdpa')} | "
              f"{r.get('batches', '')} | {r.get('padded_tokens', '')} | {r['clean_s_per_state']} ({r['clean_over_floor']}x) | "
-             f"{r['setting_s_per_state']} ({r['setting_over_floor']}x) | {r['kl_mean']} |" for r in runs]
+             f"{r['setting_s_per_state']} ({r['setting_over_floor']}x) | {r['kl_mean']} | {r.get('flip_rate', '')} |"
+             for r in runs]
     return rows
 
 
@@ -424,7 +426,7 @@ def _divergence_variant(r: dict) -> str:
 
 
 _DIVERGENCE_PHASE = ("response_tokens_mean", "clean_s_per_state", "clean_floor_s_per_state", "clean_over_floor",
-                     "setting_s_per_state", "setting_floor_s_per_state", "setting_over_floor", "kl_mean")
+                     "setting_s_per_state", "setting_floor_s_per_state", "setting_over_floor", "kl_mean", "flip_rate")
 
 
 def _divergence_headline(res: dict) -> str | None:

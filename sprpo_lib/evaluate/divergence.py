@@ -206,6 +206,28 @@ def advance(model, pre: Prefilled, tokens: torch.Tensor) -> torch.Tensor:
     return logits
 
 
+@torch.no_grad()
+def extend(model, pre: Prefilled, tokens: Sequence[Sequence[int]]) -> None:
+    """Feed each row of ``pre`` its own ``tokens`` (in place; lengths may differ, even 0): one
+    forward, each row's tokens right-aligned in the chunk, the gap before them masked, position
+    ids counting the row's own tokens.  ``pre.logits`` is left as it was."""
+    n = max(len(t) for t in tokens)
+    if n == 0:
+        return
+    dev = pre.att.device
+    ids = torch.zeros(len(pre), n, dtype=torch.long, device=dev)
+    fed = torch.zeros_like(ids)
+    for i, t in enumerate(tokens):
+        if len(t):
+            ids[i, n - len(t):] = torch.as_tensor(list(t), device=dev)
+            fed[i, n - len(t):] = 1
+    pre.att = torch.cat([pre.att, fed], 1)
+    where = pre.pos[:, None] + (fed.cumsum(1) - 1).clamp_min(0)
+    model(input_ids=ids, attention_mask=pre.att, position_ids=where, past_key_values=pre.cache, use_cache=True,
+          logits_to_keep=1)
+    pre.pos = pre.pos + fed.sum(1)
+
+
 class Stop:
     """Whether a response has ended: its last token is an end-of-sequence id, or its text holds
     ``stop`` (the token that completes it is kept)."""
@@ -221,24 +243,28 @@ class Stop:
 
 
 @torch.no_grad()
-def decode(model, pre: Prefilled, pick, max_new_tokens: int, ended: Stop) -> tuple[torch.Tensor, torch.Tensor]:
+def decode(model, pre: Prefilled, pick, max_new_tokens: int, ended: Stop,
+           prefix: Sequence[Sequence[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Continue every row of ``pre`` (consumed) with ``pick(logits, rows) -> tokens``, where
-    ``rows`` are the indices of the rows still going, until each has ended or ``max_new_tokens``:
-    tokens ``[R, T]`` and mask ``[R, T]`` (1 up to and including a row's last token).  Finished
-    rows leave the batch and the cache."""
+    ``rows`` are the indices of the rows still going, until each has ended or its response holds
+    ``max_new_tokens``: the new tokens ``[R, T]`` and mask ``[R, T]`` (1 up to and including a row's
+    last token).  ``prefix``: the tokens each row's response already holds (fed into ``pre``), which
+    count toward the limit and toward ``ended``.  Finished rows leave the batch and the cache."""
     r = len(pre)
-    tokens = torch.zeros(r, max_new_tokens, dtype=torch.long)
-    mask = torch.zeros(r, max_new_tokens, dtype=torch.bool)
-    alive, rows, logits = list(range(r)), [[] for _ in range(r)], pre.logits
-    for t in range(max_new_tokens):
+    rows = [[int(t) for t in p] for p in prefix] if prefix is not None else [[] for _ in range(r)]
+    steps = max(1, max_new_tokens - min(len(x) for x in rows))
+    tokens = torch.zeros(r, steps, dtype=torch.long)
+    mask = torch.zeros(r, steps, dtype=torch.bool)
+    alive, logits = list(range(r)), pre.logits
+    for t in range(steps):
         nxt = pick(logits, alive).cpu()
         keep = []
         for j, (i, tok) in enumerate(zip(alive, nxt.tolist())):
             tokens[i, t], mask[i, t] = tok, True
             rows[i].append(tok)
-            if not ended(rows[i]):
+            if not ended(rows[i]) and len(rows[i]) < max_new_tokens:
                 keep.append(j)
-        if not keep or t + 1 == max_new_tokens:
+        if not keep:
             break
         if len(keep) < len(alive):
             idx = torch.tensor(keep, device=pre.att.device)
@@ -293,7 +319,22 @@ def response_logprobs(model, pre: Prefilled, tokens: torch.Tensor, temperature: 
 def greedy(model, pre: Prefilled, max_new_tokens: int, ended: Stop) -> tuple[list[torch.Tensor], list[str | None]]:
     """Each prompt's greedy response (its tokens) and the action the environment would execute from it."""
     tokens, mask = decode(model, fork(pre, 1), lambda logits, rows: logits.argmax(-1), max_new_tokens, ended)
-    responses = [t[m] for t, m in zip(tokens, mask)]
+    return _actions([t[m] for t, m in zip(tokens, mask)], ended)
+
+
+def greedy_after(model, pre: Prefilled, prefixes: Sequence[Sequence[int]], logits: torch.Tensor,
+                 max_new_tokens: int, ended: Stop) -> tuple[list[torch.Tensor], list[str | None]]:
+    """:func:`greedy` for responses known to begin with ``prefixes`` (one per row of ``pre``,
+    consumed), ``logits`` ``[R, V]`` the next-token logits after each: the prefixes go in with one
+    forward (:func:`extend`) and decoding starts where they end, not at the prompt."""
+    extend(model, pre, prefixes)
+    pre.logits = logits
+    tokens, mask = decode(model, pre, lambda lg, rows: lg.argmax(-1), max_new_tokens, ended, prefix=prefixes)
+    return _actions([torch.cat([torch.as_tensor(list(p), dtype=torch.long), t[m]]) for p, t, m
+                     in zip(prefixes, tokens, mask)], ended)
+
+
+def _actions(responses: list[torch.Tensor], ended: Stop) -> tuple[list[torch.Tensor], list[str | None]]:
     return responses, [extract_action(ended.tokenizer.decode(r.tolist(), skip_special_tokens=True)).action
                        for r in responses]
 
@@ -350,8 +391,10 @@ def compare(model, prompts: Sequence[Sequence[int]], cleans: Sequence[CleanSide]
     side has its greedy action, ``flip``.
 
     The clean greedy response rides along the teacher-forced pass: where the perturbed policy's
-    argmax agrees with it at every position, its greedy response is the same and nothing flips;
-    only the other states are decoded greedily."""
+    argmax agrees with it at every position, its greedy response is the same and nothing flips.
+    Elsewhere the perturbed greedy response shares the clean one's tokens up to the first
+    disagreement and takes the perturbed argmax there: decoding goes on from that token
+    (:func:`greedy_after`), not from the prompt."""
     k = cleans[0].tokens.shape[0]
     flips = all(c.greedy is not None for c in cleans)
     per = k + flips  # rows per state: its K responses, then its clean greedy response
@@ -372,9 +415,15 @@ def compare(model, prompts: Sequence[Sequence[int]], cleans: Sequence[CleanSide]
                     "log_ratio": float(est["log_ratio"].double().mean()), "tv_bound": pinsker(float(kl.mean())),
                     "tokens": float(c.mask.sum(1).double().mean())})
     if flips:
-        moved = [i for i, c in enumerate(cleans)
-                 if not torch.equal(logits[i * per + k, :len(c.greedy)].argmax(-1).cpu(), c.greedy)]
-        actions = greedy(model, subset(pre, moved), max_new_tokens, ended)[1] if moved else []
+        first = {}  # state -> the first position where the perturbed argmax leaves the clean greedy response
+        for i, c in enumerate(cleans):
+            left = (logits[i * per + k, :len(c.greedy)].argmax(-1).cpu() != c.greedy).nonzero()
+            if len(left):
+                first[i] = int(left[0])
+        moved = list(first)
+        actions = greedy_after(model, subset(pre, moved), [cleans[i].greedy[:first[i]].tolist() for i in moved],
+                               torch.stack([logits[i * per + k, first[i]] for i in moved]), max_new_tokens,
+                               ended)[1] if moved else []
         for i, c in enumerate(cleans):
             out[i]["flip"] = False
         for i, a in zip(moved, actions):
