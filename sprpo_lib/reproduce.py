@@ -29,6 +29,7 @@ import atexit
 import os
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Mapping
 
@@ -317,39 +318,54 @@ def notebooks_table() -> str:
     return "\n".join(lines) + "\n"
 
 
-def _run_seconds(run: Path, counted: set | None = None) -> float:
-    """A training run's recorded compute: the sum of its iterations' ``wall_s`` and held-out
-    evaluations (``heldout_s``), leaving out the iterations in ``counted`` (a longer run's
-    first iterations are its plan run's, copied) and adding the others to it."""
+#: The class of recorded seconds that name no machine (records from before they did).
+UNNAMED = "unnamed"
+
+
+def _run_seconds(run: Path, counted: set | None = None) -> Counter:
+    """A training run's recorded compute per machine class (each iteration's ``machine``): the
+    sum of its iterations' ``wall_s`` and held-out evaluations (``heldout_s``), leaving out the
+    iterations in ``counted`` (a longer run's first iterations are its plan run's, copied) and
+    adding the others to it."""
     counted = set() if counted is None else counted
-    secs = 0.0
+    secs: Counter = Counter()
     for r in JsonLines(run / "metrics.jsonl").read_rows():
         if r.get(MK.ITERATION) in counted:
             continue
         counted.add(r.get(MK.ITERATION))
-        secs += float(r.get(MK.WALL_S) or 0.0) + float(r.get(MK.HELDOUT_S) or 0.0)
+        secs[r.get(MK.MACHINE) or UNNAMED] += float(r.get(MK.WALL_S) or 0.0) + float(r.get(MK.HELDOUT_S) or 0.0)
     return secs
 
 
-def recorded_seconds(profile: str, out_dir: str | Path | None = None, runs_dir: Path | None = None) -> dict[str, float]:
+def _timed(record) -> Counter:
+    """A record's ``seconds`` under its ``machine`` (a cell, a warm start's part)."""
+    record = record if isinstance(record, dict) else {}
+    return Counter({record.get("machine") or UNNAMED: float(record.get("seconds") or 0.0)})
+
+
+def recorded_compute(profile: str, out_dir: str | Path | None = None,
+                     runs_dir: Path | None = None) -> dict[str, Counter]:
     """Per notebook, the compute its outputs rest on as the work recorded it, whichever
-    pass or session did it: 01 the plan's training runs (each iteration's ``wall_s``)
-    and their warm starts (``sft_summary.json``: collection and cloning; ``eval.json``); 03-09 the seconds stored in every
-    evaluation or divergence cell their ``*_rows.csv`` came from (a cell shared by several notebooks
-    counts for the first) and 08's ablation training runs.  A staged reproduction's wall
-    times cover its last pass only; these add up every pass."""
+    pass, session or machine did it, per machine class (:func:`~sprpo_lib.infra.hardware.compute_class`;
+    :data:`UNNAMED` for records older than the class): 01 the plan's training runs (each
+    iteration's ``wall_s``) and their warm starts (``sft_summary.json``: collection and cloning;
+    ``eval.json``); 03-09 the seconds stored in every evaluation or divergence cell their
+    ``*_rows.csv`` came from (a cell shared by several notebooks counts for the first) and 08's
+    ablation training runs.  A staged reproduction's wall times cover its last pass only; these
+    add up every pass."""
     out = project_path(out_dir or PROFILES[profile]["out_dir"])
     runs = (project_path(runs_dir) if runs_dir else project_runs()) / profile
-    cell_seconds = {}
+    cell_seconds: dict[str, Counter] = {}
     cache = runs / "eval_cache"  # success cells, and divergence cells with their clean sides
     for f in [*(cache / "cells").glob("*/*.json"), *(cache / "divergence").glob("*.json")]:
         cell = read_cached(f)
         if isinstance(cell, dict) and isinstance(cell.get("seconds"), (int, float)):
-            cell_seconds[f.stem[:12]] = float(cell["seconds"]) + float(cell.get("clean_seconds") or 0.0)
+            cell_seconds[f.stem[:12]] = Counter({cell.get("machine") or UNNAMED: float(cell["seconds"])
+                                                 + float(cell.get("clean_seconds") or 0.0)})
     seen: set = set()  # cells (hash prefixes) and run folders already counted
-    res: dict[str, float] = {}
+    res: dict[str, Counter] = {}
     for nb in PROFILES[profile]["notebooks"]:
-        secs = 0.0
+        secs: Counter = Counter()
         if nb == "01_training":
             warm: set[Path] = set()
             iterations: dict[str, set] = {}  # per run name: a longer run shares its plan run's first iterations
@@ -359,7 +375,7 @@ def recorded_seconds(profile: str, out_dir: str | Path | None = None, runs_dir: 
                     if run in seen or not (run / "metrics.jsonl").is_file():
                         continue
                     seen.add(run)
-                    secs += _run_seconds(run, iterations.setdefault(run.name, set()))
+                    secs.update(_run_seconds(run, iterations.setdefault(run.name, set())))
                     meta = read_cached(run / "config.json")
                     if isinstance(meta, dict) and isinstance(meta.get("config"), dict):
                         cfg = config_from_dict(meta["config"])
@@ -367,38 +383,62 @@ def recorded_seconds(profile: str, out_dir: str | Path | None = None, runs_dir: 
                             warm.add(warm_start_dir(cfg))
             for w in warm:  # collecting the demonstrations, cloning (with DAgger's rounds), the held-out score
                 result = (read_cached(w / "sft_summary.json") or {}).get("result") or {}
-                secs += float(result.get("seconds") or 0.0)
-                secs += float((result.get("collect") or {}).get("seconds") or 0.0)
-                secs += float((read_cached(w / "eval.json") or {}).get("seconds") or 0.0)
+                for part in (result, result.get("collect"), read_cached(w / "eval.json")):
+                    secs.update(_timed(part))
         for rows in out.glob(f"{nb}_*rows.csv"):
             for cell in pd.read_csv(rows, usecols=["cell"])["cell"].dropna().astype(str).unique():
                 if cell not in seen:
                     seen.add(cell)
-                    secs += cell_seconds.get(cell, 0.0)
+                    secs.update(cell_seconds.get(cell, Counter()))
         if nb == "08_ablations":
-            secs += sum(_run_seconds(m.parent) for m in (runs / "train" / "ablation").glob("*/*/metrics.jsonl"))
-        res[nb] = secs
+            for m in (runs / "train" / "ablation").glob("*/*/metrics.jsonl"):
+                secs.update(_run_seconds(m.parent))
+        res[nb] = Counter({k: v for k, v in secs.items() if v})
     return res
+
+
+def compute_text(seconds: Mapping[str, float]) -> str:
+    """Recorded compute in minutes with the machine classes it was measured on: ``12.3 min (amx)``,
+    ``20.0 min (amx 12.0, avx512_bf16 8.0)``; without a class where no record names one."""
+    total = sum(seconds.values())
+    if not total:
+        return ""
+    if set(seconds) == {UNNAMED}:
+        return f"{total / 60:.1f} min"
+    parts = sorted(seconds.items(), key=lambda kv: -kv[1])
+    named = parts[0][0] if len(parts) == 1 else ", ".join(f"{k} {v / 60:.1f}" for k, v in parts)
+    return f"{total / 60:.1f} min ({named})"
+
+
+def parse_compute(text: str) -> Counter:
+    """:func:`compute_text`'s text read back as seconds per machine class (the table a pass replaces)."""
+    total, _, classes = text.partition(" min")
+    parts = [p.rsplit(" ", 1) for p in classes.strip().strip("()").split(", ") if p]
+    if len(parts) == 1 and len(parts[0]) == 1:
+        return Counter({parts[0][0]: 60 * float(total)})
+    if parts:
+        return Counter({k: 60 * float(v) for k, v in parts})
+    return Counter({UNNAMED: 60 * float(total)})
 
 
 def stage_table(profile: str, out_dir: str | Path | None = None, runs_dir: Path | None = None,
                 previous: str = "") -> str:
     """Markdown: each notebook's measured wall time, read from the manifests of the figures
     and tables it wrote (a render-only pass records no compute time), and the compute its
-    outputs rest on as the runs and evaluation cells recorded it (:func:`recorded_seconds`:
-    every pass of a staged reproduction, whichever session did it).  Where this machine
-    holds none of a notebook's runs or cells (a render-only pass elsewhere), the value of
-    ``previous`` (the table this one replaces) is kept."""
+    outputs rest on as the runs and evaluation cells recorded it, with the machine classes
+    that measured it (:func:`recorded_compute`: every pass of a staged reproduction, whichever
+    session or machine did it).  Where this machine holds none of a notebook's runs or cells (a
+    render-only pass elsewhere), the value of ``previous`` (the table this one replaces) is kept."""
     out = project_path(out_dir or PROFILES[profile]["out_dir"])
-    recorded = recorded_seconds(profile, out_dir, runs_dir)
-    for line in previous.splitlines():  # | `nb` | wall | 12.3 min | date | machine |
+    recorded, kept = recorded_compute(profile, out_dir, runs_dir), {}
+    for line in previous.splitlines():  # | `nb` | wall | 12.3 min (amx) | date | machine |
         cols = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cols) >= 3 and cols[0].startswith("`") and cols[2].endswith(" min"):
+        if len(cols) >= 3 and cols[0].startswith("`") and " min" in cols[2]:
             nb = cols[0].strip("`")
             if not recorded.get(nb):
-                recorded[nb] = 60 * float(cols[2].split()[0])
+                recorded[nb], kept[nb] = parse_compute(cols[2]), cols[2]
     lines = ["| notebook | wall time (last pass) | recorded compute | date | machine |", "|---|---|---|---|---|"]
-    total = rec_total = 0.0
+    total, rec_total = 0.0, Counter()
     for nb in PROFILES[profile]["notebooks"]:
         paths = list(out.glob(f"{nb}_*.manifest.json")) + (list(out.glob(f"headline_{profile}.*.manifest.json"))
                                                            if nb == "04_robustness" else [])
@@ -406,9 +446,9 @@ def stage_table(profile: str, out_dir: str | Path | None = None, runs_dir: Path 
         # a render-only pass carries the computing run's record along (paper.notebook.ResultsPage)
         computed = [m.get("computed") or m for m in mans
                     if m.get("computed") or not (m.get("config") or {}).get("render_only")]
-        rec = recorded.get(nb, 0.0)
-        rec_total += rec
-        rec_text = f"{rec / 60:.1f} min" if rec else ""
+        rec = recorded.get(nb, Counter())
+        rec_total.update(rec)
+        rec_text = kept.get(nb) or compute_text(rec)
         if not computed:
             lines.append(f"| `{nb}` | {'rendered only' if mans else 'not run'} | {rec_text} | | |")
             continue
@@ -418,7 +458,7 @@ def stage_table(profile: str, out_dir: str | Path | None = None, runs_dir: Path 
         host = m.get("host", {})
         machine = ", ".join(str(host[k]) for k in ("cpu_model", "cpu_class", "capability") if host.get(k))
         lines.append(f"| `{nb}` | {secs / 60:.1f} min | {rec_text} | {str(m.get('date', ''))[:10]} | {machine} |")
-    lines.append(f"| all | {total / 60:.1f} min | {rec_total / 60:.1f} min | | |")
+    lines.append(f"| all | {total / 60:.1f} min | {compute_text(rec_total) or '0.0 min'} | | |")
     return "\n".join(lines) + "\n"
 
 

@@ -423,7 +423,9 @@ def test_every_relative_link_of_the_two_pages_resolves():
 def test_recorded_compute_adds_every_pass_and_counts_a_shared_cell_once(tmp_path, monkeypatch):
     """The stage table's recorded compute, against sums by hand: 01 = its runs' iteration
     wall_s and held-out seconds (a longer run: its own iterations only) + their warm start's seconds
-    (collection, cloning, held-out score); a cell in 03's and 04's rows counts for 03 only."""
+    (collection, cloning, held-out score); a cell in 03's and 04's rows counts for 03 only; each
+    record's seconds under the machine class it names, unnamed where it names none; a machine
+    without the runs and cells keeps the table it replaces."""
     from sprpo_lib import reproduce as R
     from sprpo_lib.train.config import config_dict, load_config
 
@@ -440,7 +442,8 @@ def test_recorded_compute_adds_every_pass_and_counts_a_shared_cell_once(tmp_path
     (longer / "config.json").write_text((run / "config.json").read_text())
     warm = tmp_path / "sft"
     warm.mkdir()
-    (warm / "sft_summary.json").write_text(json.dumps({"result": {"seconds": 10.0, "collect": {"seconds": 0.5}}}))
+    (warm / "sft_summary.json").write_text(json.dumps({"result": {"seconds": 10.0, "collect": {"seconds": 0.5,
+                                                                                                "machine": "amx"}}}))
     (warm / "eval.json").write_text(json.dumps({"seconds": 2.0}))
     monkeypatch.setattr(R, "warm_start_dir", lambda cfg, agent=None: warm)  # where reproduce looks it up
     (out / "01_training_webshop.png.manifest.json").write_text(json.dumps({"config": {"runs": [str(run)]}}))
@@ -453,17 +456,25 @@ def test_recorded_compute_adds_every_pass_and_counts_a_shared_cell_once(tmp_path
     pd.DataFrame({"cell": ["a" * 12, "b" * 12]}).to_csv(out / "04_robustness_webshop_rows.csv", index=False)
     abl = runs / "cpu" / "train" / "ablation" / "alpha0" / "webshop-sprpo-cpu-seed0"
     abl.mkdir(parents=True)
-    (abl / "metrics.jsonl").write_text('{"iteration": 0, "wall_s": 7.0}\n')
+    (abl / "metrics.jsonl").write_text('{"iteration": 0, "wall_s": 7.0, "machine": "avx2"}\n')
     div = runs / "cpu" / "eval_cache" / "divergence"  # a divergence cell: its pass and the clean side computed with it
     div.mkdir(parents=True)
-    (div / f"{'c' * 32}.json").write_text(json.dumps({"key": "c" * 64, "rows": [], "seconds": 5.0, "clean_seconds": 2.0}))
+    (div / f"{'c' * 32}.json").write_text(json.dumps({"key": "c" * 64, "rows": [], "seconds": 5.0, "clean_seconds": 2.0,
+                                                   "machine": "amx"}))
     pd.DataFrame({"cell": ["c" * 12, "c" * 12]}).to_csv(out / "09_divergence_webshop_rows.csv", index=False)
-    got = R.recorded_seconds("cpu", out, runs)
-    assert got["01_training"] == 1.5 + 2.5 + 0.25 + 3.0 + 1.0 + 12.5 and got["03_motivation"] == 3.0 and got["04_robustness"] == 4.0
-    assert got["08_ablations"] == 7.0 and got["05_landscape"] == 0.0 and got["09_divergence"] == 7.0
+    (runs / "cpu" / "eval_cache" / "cells" / "webshop-clean" / f"{'b' * 64}.json").write_text(
+        json.dumps({"key": "b" * 64, "seconds": 4.0, "rows": [], "machine": "amx"}))
+    got = {nb: dict(c) for nb, c in R.recorded_compute("cpu", out, runs).items()}
+    assert got["01_training"] == {R.UNNAMED: 1.5 + 2.5 + 0.25 + 3.0 + 1.0 + 12.0, "amx": 0.5}
+    assert got["03_motivation"] == {R.UNNAMED: 3.0} and got["04_robustness"] == {"amx": 4.0}
+    assert got["08_ablations"] == {"avx2": 7.0} and got["05_landscape"] == {} and got["09_divergence"] == {"amx": 7.0}
     table = R.stage_table("cpu", out, runs)
-    assert "| `01_training` | 0.0 min | 0.3 min |" in table and "| `03_motivation` | not run | 0.1 min |" in table
-    assert table.rstrip().endswith("| all | 0.0 min | 0.7 min | | |")
+    assert "| `01_training` | 0.0 min | 0.3 min (unnamed 0.3, amx 0.0) |" in table
+    assert "| `03_motivation` | not run | 0.1 min |" in table
+    assert "| `04_robustness` | not run | 0.1 min (amx) |" in table
+    assert table.rstrip().endswith("| all | 0.0 min | 0.7 min (unnamed 0.4, amx 0.2, avx2 0.1) | | |")
+    again = R.stage_table("cpu", out, tmp_path / "elsewhere", previous=table)  # a machine without the runs and cells
+    assert again.splitlines()[2:] == table.splitlines()[2:]
 
 
 def test_landscape_figure_without_plane_rows_is_one_clear_error(tmp_path):

@@ -23,6 +23,8 @@ ENV_S = "env_s"
 UPDATE_S = "update_s"
 SENSITIVITY_S = "sensitivity_s"
 WALL_S = "wall_s"
+#: What the iteration's seconds were measured on (:func:`sprpo_lib.infra.hardware.compute_class`).
+MACHINE = "machine"
 #: Held-out evaluation after an iteration (``eval_every``).
 HELDOUT_SUCCESS = "heldout_success"
 HELDOUT_S = "heldout_s"

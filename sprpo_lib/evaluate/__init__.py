@@ -35,7 +35,7 @@ strength.
 
 Cache layout (``cache_dir``, default ``runs/eval_cache/`` under the project root)::
 
-    cells/<env>-<family>/<key>.json   one cell: {"key", "fields", "rows", "seconds", "commit", "date", "log"}
+    cells/<env>-<family>/<key>.json   one cell: {"key", "fields", "rows", "seconds", "machine", "commit", "date", "log"}
     cells/<env>-<family>/<key>.episodes.jsonl   what the agent saw and did in each episode
     fisher/<hash>.safetensors         Fisher scores of one model on one calibration pool
     file_hashes.json                  memo of file digests per (path, size, mtime, inode)

@@ -28,6 +28,7 @@ from sprpo_lib.infra.io import (
     sha256_file,
     verify_file,
 )
+from sprpo_lib.infra.hardware import compute_class
 from sprpo_lib.infra.manifest import git_commit
 from sprpo_lib.infra.paths import project_path
 from sprpo_lib.model.load import PROVENANCE_FILE
@@ -312,7 +313,8 @@ class CellCache:
         return self.path(key, fields).with_suffix(_LOG_SUFFIX)
 
     def put(self, key: str, fields: Mapping, rows: list[dict], seconds: float, log: list[dict] | None = None) -> Path:
-        cell = {"key": key, "fields": fields, "rows": rows, "seconds": round(seconds, 2), "commit": git_commit(),
+        cell = {"key": key, "fields": fields, "rows": rows, "seconds": round(seconds, 2), "machine": compute_class(),
+                "commit": git_commit(),
                 "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
         if log is not None:  # written first: a stored cell always has its log, and records what it is
             lp = atomic_write_text(self.log_path(key, fields), "".join(json.dumps(e) + "\n" for e in log))

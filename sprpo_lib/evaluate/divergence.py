@@ -38,6 +38,7 @@ from sprpo_lib.evaluate.calibration import load_calibration, sampled_steps
 from sprpo_lib.evaluate.cells import CALIBRATED_FAMILIES, EVAL_SPLITS, SPLIT_LABELS, select_tasks
 from sprpo_lib.evaluate.sweep import EvalConfig, ModelSource, perturbation_kwargs
 from sprpo_lib.infra.io import CorruptFileError, atomic_write_json, canonical_hash, key_fields, read_cached, read_json
+from sprpo_lib.infra.hardware import compute_class
 from sprpo_lib.infra.manifest import git_commit
 from sprpo_lib.infra.paths import project_path
 from sprpo_lib.infra.progress import progress_bar
@@ -550,7 +551,7 @@ def divergence(cfg: EvalConfig, states: StatePool, *, samples: int = 4, progress
                         rows[i] = row
                     bar.update(len(group))
         seconds = time.perf_counter() - t0 - clean_s
-        atomic_write_json(paths[c], {"key": keyed[c], "rows": rows, "seconds": round(seconds, 2),
+        atomic_write_json(paths[c], {"key": keyed[c], "rows": rows, "seconds": round(seconds, 2), "machine": compute_class(),
                                      "clean_seconds": round(clean_s, 2), "batch": cfg.batch_size,
                                      "batch_tokens": cfg.batch_tokens, "attention": cfg.attention,
                                      "commit": git_commit()})

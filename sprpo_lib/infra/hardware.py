@@ -150,6 +150,13 @@ def machine_info() -> dict:
     return info
 
 
+def compute_class() -> str:
+    """What a recorded timing ran on, in one word: the GPU's name where CUDA is in use, else the
+    CPU class (:func:`cpu_class`).  Runs, evaluation cells and warm starts store it beside their
+    seconds, so a staged reproduction's recorded compute says which classes it adds up."""
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else cpu_class()
+
+
 def set_threads(n: int | None) -> int:
     """torch's intra-op threads: ``n`` (``None``: torch's own choice), never more than
     ``OMP_NUM_THREADS`` where the environment sets it.  That variable is the ceiling a user

@@ -41,7 +41,7 @@ from sprpo_lib.core.actor import Actor
 from sprpo_lib.core.batch import build_batch
 from sprpo_lib.core.methods import make_method
 from sprpo_lib.core.perturb import xi_stats
-from sprpo_lib.infra.hardware import keep_freed, measured_peak, set_allocator, set_threads
+from sprpo_lib.infra.hardware import compute_class, keep_freed, measured_peak, set_allocator, set_threads
 from sprpo_lib.infra.io import (
     JsonLines,
     as_disk_full,
@@ -203,6 +203,7 @@ class Trainer:
             **mem,  # peak memory per phase: rollout_/update_ peak_rss_gib; on CUDA peak_cuda_gib and peak_cuda_reserved_gib
         }
         m[MK.WALL_S] = round(time.perf_counter() - t0, 3)
+        m[MK.MACHINE] = compute_class()
         # contention check: this process's CPU seconds per wall second (about the thread count
         # when the machine is quiet) and the 1-minute load average of the machine
         # (an engine's worker process counts: its CPU seconds are in the engine's stats)

@@ -13,6 +13,7 @@ from sprpo_lib.agent.engines import GenerationConfig
 from sprpo_lib.agent.envs.base import TaskPool
 from sprpo_lib.agent.prompt import AgentConfig
 from sprpo_lib.core.config import SpeedConfig
+from sprpo_lib.infra.hardware import compute_class
 from sprpo_lib.infra.io import CorruptFileError, atomic_write_json, file_record, read_cached, read_json, verify_file
 from sprpo_lib.model.load import Policy
 from sprpo_lib.model.lora import check_adapter, load_adapter, save_adapter
@@ -118,6 +119,9 @@ def dagger(
               "steps": (b.get("steps") or 0) + sum(x["sft"]["steps"] for x in rounds),
               "seconds": round(float(b.get("seconds") or 0.0) + float((b.get("collect") or {}).get("seconds") or 0.0)
                                + sum(x["seconds"] for x in rounds), 2)}
+    machines = {b.get("machine"), (b.get("collect") or {}).get("machine"), *(x.get("machine") for x in rounds)}
+    if len(machines) == 1 and None not in machines:  # one class measured every part: the seconds name it
+        result["machine"] = machines.pop()
     atomic_write_json(out / "sft_summary.json", {"config": asdict(cfg), "agent": asdict(agent), "result": result,
                                                   "model": policy.spec})
     policy.meta["sft"] = {k: result[k] for k in ("steps", "demos", "final_loss")}
@@ -149,7 +153,7 @@ def _dagger_round(policy: Policy, pool: TaskPool, cfg: SFTConfig, agent: AgentCo
            "labels": file_record(rd / "demos.jsonl"), "new": len(new), "replay": len(replay),
            "disagree_rate": stats["disagree"] / max(1, len(new)), "expert_none": stats["expert_none"],
            "play_s": round(played, 2), "sft": {k: res[k] for k in ("steps", "first_loss", "final_loss", "seconds")},
-           "seconds": round(time.perf_counter() - t0, 2)}
+           "seconds": round(time.perf_counter() - t0, 2), "machine": compute_class()}
     atomic_write_json(rd / "round.json", rec)
     log.info("dagger round %d: clone success %.3f, %d labels (%.0f%% differ from the clone's action)", r,
              rec["clone_success_rate"], len(new), 100 * rec["disagree_rate"])

@@ -17,6 +17,7 @@ from sprpo_lib.agent.engines import GenerationConfig, close_engine, make_engine
 from sprpo_lib.agent.envs.base import TaskPool
 from sprpo_lib.agent.play import playing
 from sprpo_lib.agent.prompt import AgentConfig, extract_action, parse_actions
+from sprpo_lib.infra.hardware import compute_class
 from sprpo_lib.infra.io import (
     CorruptFileError,
     atomic_write_json,
@@ -114,6 +115,7 @@ def evaluate_format(
         "generate_s": round(st["generate_s"], 2),
         "env_s": round(st["env_s"], 2),
         "seconds": round(time.perf_counter() - t0, 2),
+        "machine": compute_class(),
     }
 
 

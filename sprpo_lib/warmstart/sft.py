@@ -78,6 +78,7 @@ from sprpo_lib.infra.io import (
     read_json,
     read_json_lines,
 )
+from sprpo_lib.infra.hardware import compute_class
 from sprpo_lib.infra.progress import progress_bar
 from sprpo_lib.infra.ranges import check_ranges
 from sprpo_lib.infra.resume import load_resume_point, save_resume_point
@@ -477,6 +478,7 @@ def train_sft(
         "first_loss": first_loss,
         "final_loss": final_loss,
         "seconds": round(time.perf_counter() - t_start, 2),
+        "machine": compute_class(),
         "stopped": stopped,
         "trainable_params": sum(p.numel() for p in params),
         "adapter": None,
@@ -520,7 +522,7 @@ def warm_start(
         demos = collect_demonstrations(pool, cfg.split, range(n), agent, cfg.expert_prob, cfg.seed, stats=stats,
                                        demonstrator=cfg.demonstrator, max_steps=cfg.episode_steps,
                                        repeat_prob=cfg.repeat_prob, progress=progress)
-        stats["seconds"] = round(time.perf_counter() - t0, 2)
+        stats["seconds"], stats["machine"] = round(time.perf_counter() - t0, 2), compute_class()
         if out_dir is not None:
             path = save_demos(Path(out_dir) / "demos.jsonl", demos)
             atomic_write_json(Path(out_dir) / "demos.json", {"key": key, "file": file_record(path), "collect": stats})
