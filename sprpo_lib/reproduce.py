@@ -413,11 +413,11 @@ def compute_text(seconds: Mapping[str, float]) -> str:
 def parse_compute(text: str) -> Counter:
     """:func:`compute_text`'s text read back as seconds per machine class (the table a pass replaces)."""
     total, _, classes = text.partition(" min")
-    parts = [p.rsplit(" ", 1) for p in classes.strip().strip("()").split(", ") if p]
-    if len(parts) == 1 and len(parts[0]) == 1:
-        return Counter({parts[0][0]: 60 * float(total)})
+    parts = [p for p in classes.strip().strip("()").split(", ") if p]
+    if len(parts) == 1 and not parts[0].rsplit(" ", 1)[-1].replace(".", "", 1).isdigit():  # one class: every minute
+        return Counter({parts[0]: 60 * float(total)})
     if parts:
-        return Counter({k: 60 * float(v) for k, v in parts})
+        return Counter({k: 60 * float(v) for k, v in (p.rsplit(" ", 1) for p in parts)})
     return Counter({UNNAMED: 60 * float(total)})
 
 

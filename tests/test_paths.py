@@ -63,3 +63,18 @@ def test_stage_table_keeps_recorded_compute_this_machine_does_not_hold(tmp_path)
     assert "| `01_training` | not run | 213.6 min |" in got and "| `04_robustness` | not run | 46.0 min |" in got
     assert got.strip().splitlines()[-1] == "| all | 0.0 min | 259.6 min | | |"
     assert "| `01_training` | not run |  |" in stage_table("cpu", out_dir=tmp_path / "figures", runs_dir=tmp_path / "runs")
+
+
+def test_recorded_compute_text_reads_back_per_machine_class():
+    """The stage table's recorded-compute text and its reading back (a table kept from another
+    machine) agree for no class, one class, several, and a GPU's name with spaces."""
+    from collections import Counter
+
+    from sprpo_lib.reproduce import UNNAMED, compute_text, parse_compute
+
+    for secs, text in (({UNNAMED: 738.0}, "12.3 min"), ({"amx": 738.0}, "12.3 min (amx)"),
+                       ({"NVIDIA H200": 738.0}, "12.3 min (NVIDIA H200)"),
+                       ({"amx": 720.0, "avx512_bf16": 480.0}, "20.0 min (amx 12.0, avx512_bf16 8.0)"),
+                       ({"NVIDIA H200": 720.0, UNNAMED: 480.0}, "20.0 min (NVIDIA H200 12.0, unnamed 8.0)")):
+        assert compute_text(Counter(secs)) == text and parse_compute(text) == Counter(secs)
+    assert compute_text(Counter()) == ""
