@@ -507,6 +507,35 @@ def test_kl_power_recovers_the_variance_components_and_sizes_the_design():
         assert r.mde80_floor == pytest.approx(Z80 * (p["v_t"] / 3) ** 0.5 / p["kl_b"]) and r.mde80_floor < r.mde80_worst
 
 
+def test_what_the_target_needs_inverts_the_mde():
+    """kl_states_for is the first state count whose MDE (kl_mde) meets the target; kl_seeds_for is
+    the first seed count whose MDE meets it with states, samples and draws unlimited; the sentence
+    sorts the comparisons by which of the two binds."""
+    import pandas as pd
+
+    from sprpo_lib.paper.divergence import kl_mde, kl_seeds_for, kl_states_for, kl_target_sentence
+
+    base = {"train_seeds": 3, "states": 32, "draws": 1, "kl_b": 0.5, "v_m": 0.0}
+    easy = {**base, "v_t": 0.0001, "v_s": 0.12, "v_k": 0.3}  # more states do it
+    seedy = {**base, "v_t": 0.04, "v_s": 0.12, "v_k": 0.3}  # the seeds' spread alone is above 10%
+    wide = {**base, "v_t": 0.0, "v_s": 300.0, "v_k": 0.3}  # no seed spread, but states beyond 4096
+    kw = dict(samples=2, draws=1, pilot_samples=2)
+    s = kl_states_for(easy, **kw)
+    assert s is not None and kl_mde(easy, states=s, **kw) <= 0.1 < kl_mde(easy, states=s - 1, **kw)
+    assert kl_states_for(seedy, **kw) is None and kl_states_for(wide, **kw) is None
+    unlimited = dict(states=10 ** 15, samples=10 ** 6, draws=10 ** 6, pilot_samples=2)
+    n = int(kl_seeds_for(seedy))
+    assert n > 3 and kl_mde({**seedy, "train_seeds": n}, **unlimited) <= 0.1 \
+        < kl_mde({**seedy, "train_seeds": n - 1}, **unlimited)
+    assert kl_seeds_for(wide) == 1 and kl_seeds_for({**seedy, "kl_b": 0.0}) == float("inf")
+    table = pd.DataFrame([{**p, "states_for_target": kl_states_for(p, **kw), "seeds_for_target": kl_seeds_for(p)}
+                          for p in (easy, seedy, wide)])
+    text = kl_target_sentence(table)
+    assert text.startswith("At Table 1's settings, 1 of 3 SPrPO comparisons would detect 10% ")
+    assert f"({s} states, against 32 here)" in text and f"1 needs more training seeds: their seeds' own spread " \
+        f"alone asks for {n} seeds per method" in text and text.endswith("1 needs more than 4096 states.")
+
+
 def test_flips_from_the_teacher_forced_greedy_response_match_full_greedy_decoding(monkeypatch):
     """compare() decodes greedily only the states whose clean greedy response the perturbed argmax
     leaves; its flips equal those of decoding every state (here the action is the whole response

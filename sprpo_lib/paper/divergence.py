@@ -11,7 +11,8 @@ cannot resolve.
   :func:`~sprpo_lib.paper.stats.paired_kl_bootstrap` with a reading by a fixed rule;
 * :func:`kl_power`, :func:`kl_mde`, :func:`kl_design`: a pass read as a pilot: the variance
   components of a paired KL difference (seeds, states, draws, K samples), the MDE of any design,
-  and the cheapest K, M and states that detect 10% of the baseline's KL;
+  and the cheapest K, M and states that detect 10% of the baseline's KL; per comparison, the
+  states or training seeds 10% needs (:func:`kl_states_for`, :func:`kl_seeds_for`);
 * :func:`kl_success_correlation`: does the divergence track success?  Spearman's rank correlation
   of a policy's mean KL with its success loss over the settings where both were measured;
 * :func:`plot_kl_curves`, :func:`plot_kl_surface`: Fig. 3 and Fig. 4 in KL.
@@ -176,11 +177,38 @@ def kl_mde(power: dict, *, states: int, samples: int, draws: int, pilot_samples:
     return Z80 * math.sqrt(se2) / abs(power["kl_b"]) if power["kl_b"] else float("inf")
 
 
+def kl_states_for(power: dict, *, samples: int, draws: int, pilot_samples: int, target: float = INFORMATIVE_MDE,
+                  max_states: int = 4096) -> int | None:
+    """The fewest states at which one comparison (:func:`kl_power`) detects ``target`` of its
+    baseline's KL at 80% power with K = ``samples``, M = ``draws`` and the pilot's training seeds
+    (:func:`kl_mde`); None where ``max_states`` states do not."""
+    def mde(s: int) -> float:
+        return kl_mde(power, states=s, samples=samples, draws=draws, pilot_samples=pilot_samples)
+
+    if mde(max_states) > target:
+        return None
+    lo, hi = 1, max_states
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if mde(mid) <= target else (mid + 1, hi)
+    return lo
+
+
+def kl_seeds_for(power: dict, *, target: float = INFORMATIVE_MDE) -> float:
+    """The fewest training seeds per method at which one comparison could detect ``target`` of
+    its baseline's KL at 80% power with unlimited states, samples and draws: the seeds' own term of
+    :func:`kl_mde` alone, ``ceil(Z80^2 v_t / (target KL_b)^2)`` (at least 1; inf where KL_b is 0).  A
+    lower bound, from a spread estimated on the pilot's few seeds."""
+    if not power["kl_b"]:
+        return math.inf
+    return float(max(1, math.ceil(Z80 ** 2 * power["v_t"] / (target * power["kl_b"]) ** 2 - 1e-9)))
+
+
 def kl_design(powers: Sequence[dict], *, pilot_samples: int, seconds_per_state, target: float = INFORMATIVE_MDE,
               samples: Sequence[int] = (1, 2, 4, 8), draws: Sequence[int] = (1, 2, 4),
               max_states: int = 4096) -> pd.DataFrame:
     """Per K and M, the fewest states per split at which every comparison of ``powers`` detects
-    ``target`` of its baseline's KL at 80% power (:func:`kl_mde`), and what that costs:
+    ``target`` of its baseline's KL at 80% power (:func:`kl_states_for`), and what that costs:
     ``seconds_per_state(K)`` (one setting of one policy) times the states; sorted cheapest
     first.  ``states`` is None where the training seeds' own spread already exceeds the target."""
     out = []
@@ -189,15 +217,12 @@ def kl_design(powers: Sequence[dict], *, pilot_samples: int, seconds_per_state, 
         for m in (draws if random else (1,)):
             need = 0
             for p in powers:
-                if kl_mde(p, states=max_states, samples=k, draws=m, pilot_samples=pilot_samples) > target:
+                s = kl_states_for(p, samples=k, draws=m, pilot_samples=pilot_samples, target=target,
+                                  max_states=max_states)
+                if s is None:
                     need = None
                     break
-                lo, hi = 1, max_states
-                while lo < hi:
-                    mid = (lo + hi) // 2
-                    ok = kl_mde(p, states=mid, samples=k, draws=m, pilot_samples=pilot_samples) <= target
-                    lo, hi = (lo, mid) if ok else (mid + 1, hi)
-                need = max(need, lo)
+                need = max(need, s)
             cost = None if need is None else need * m * seconds_per_state(k)
             out.append({"samples": k, "draws": m, "states": need, "seconds_per_setting": cost})
     return pd.DataFrame(out).sort_values("seconds_per_setting", na_position="last", kind="stable").reset_index(drop=True)
@@ -226,7 +251,9 @@ def kl_frontier(powers: Sequence[dict], *, pilot_samples: int, seconds_per_state
 
 def kl_power_table(rows: pd.DataFrame, plan: Plan) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """These rows as a pilot: per SPrPO comparison (C2-KL, T1-KL) at Table 1's settings, the
-    variance components (:func:`kl_power`) and the relative MDE of this design; and per K and M
+    variance components (:func:`kl_power`), the relative MDE of this design, the states (all
+    splits) that would detect :data:`INFORMATIVE_MDE` at its K, M and seeds (:func:`kl_states_for`)
+    and the training seeds its seeds' spread alone asks for (:func:`kl_seeds_for`); and per K and M
     the states per split that would detect :data:`INFORMATIVE_MDE` in every one of them, with the
     seconds one policy's setting would take (this pass's seconds per state, scaled by the tokens a
     state costs: the prompt, K responses and the greedy one); and :func:`kl_frontier`, what each
@@ -239,6 +266,8 @@ def kl_power_table(rows: pd.DataFrame, plan: Plan) -> tuple[pd.DataFrame, pd.Dat
             if cid in ("C2-KL", "T1-KL") and {a, b} <= have:
                 p = kl_power(rows, a, b, fam, float(st))
                 p["mde80_rel"] = kl_mde(p, states=p["states"], samples=k0, draws=p["draws"], pilot_samples=k0)
+                p["states_for_target"] = kl_states_for(p, samples=k0, draws=p["draws"], pilot_samples=k0)
+                p["seeds_for_target"] = kl_seeds_for(p)
                 powers.append({"id": cid, **p, "samples": k0})
     table = pd.DataFrame(powers)
     if table.empty:
@@ -255,6 +284,36 @@ def kl_power_table(rows: pd.DataFrame, plan: Plan) -> tuple[pd.DataFrame, pd.Dat
     design = kl_design(powers, pilot_samples=k0, seconds_per_state=seconds)
     design.insert(3, "states_per_split", [None if pd.isna(n) else math.ceil(n / splits) for n in design["states"]])
     return table, design, kl_frontier(powers, pilot_samples=k0, seconds_per_state=seconds)
+
+
+def kl_target_sentence(power: pd.DataFrame, target: float = INFORMATIVE_MDE, max_states: int = 4096) -> str:
+    """What the pilot's comparisons (:func:`kl_power_table`'s first table) would need to detect
+    ``target`` of the baseline's KL: those that more states would do at this K, M and seeds; those
+    whose seeds' own spread asks for more training seeds per method; the rest, more than
+    ``max_states`` states."""
+    if power.empty:
+        return ""
+    n, seeds, states = len(power), int(power["train_seeds"].max()), int(power["states"].max())
+    need = pd.to_numeric(power["states_for_target"], errors="coerce")
+    more = pd.to_numeric(power["seeds_for_target"], errors="coerce")
+    reach, seed_bound = need.dropna(), more[need.isna() & (more > seeds)]
+    parts = [f"At Table 1's settings, {len(reach)} of {n} SPrPO comparisons would detect {100 * target:.0f}% of the "
+             f"baseline's KL at 80% power with more states at this design's K, M and {seeds} training seeds"
+             + (f" ({_span(reach)} states, against {states} here)" if len(reach) else "")]
+    if len(seed_bound):
+        finite = seed_bound[np.isfinite(seed_bound)]
+        parts.append(f"{len(seed_bound)} {'needs' if len(seed_bound) == 1 else 'need'} more training seeds"
+                     + (f": their seeds' own spread alone asks for {_span(finite)} seeds per method (median "
+                        f"{finite.median():.0f}; lower bounds)" if len(finite) else ""))
+    rest = n - len(reach) - len(seed_bound)
+    if rest:
+        parts.append(f"{rest} {'needs' if rest == 1 else 'need'} more than {max_states} states")
+    return "; ".join(parts) + "."
+
+
+def _span(values: pd.Series) -> str:
+    lo, hi = int(values.min()), int(values.max())
+    return f"{lo}" if lo == hi else f"{lo} to {hi}"
 
 
 def kl_success_correlation(kl: pd.DataFrame, success: pd.DataFrame, *, n_resamples: int = N_RESAMPLES,
@@ -442,7 +501,8 @@ def render(rows: pd.DataFrame, plan: Plan, out: Path, *, success: pd.DataFrame |
         to_csv(design, f"{stem}_design.csv", digits=3)
         to_csv(frontier, f"{stem}_frontier.csv", digits=3)
         arts += [Path(f"{stem}_power.csv"), Path(f"{stem}_design.csv"), Path(f"{stem}_frontier.csv")]
-    atomic_write_text(f"{stem}_claims.md", kl_markdown(kl_claim_rows(claims)))
+    atomic_write_text(f"{stem}_claims.md", kl_markdown(kl_claim_rows(claims))
+                      + (f"\n{kl_target_sentence(power)}\n" if len(power) else ""))
     arts += [Path(f"{stem}_claims.csv"), Path(f"{stem}_claims.md")]
     if success is not None:
         corr = kl_success_correlation(rows, success)
