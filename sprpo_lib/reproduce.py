@@ -65,27 +65,30 @@ NOTEBOOK_INFO: dict[str, tuple[str, str]] = {
     "00_quickstart": ("the five deployment perturbations of App. C on one prompt",
                       "`00_quickstart_perturbations.png/.csv`"),
     "01_training": ("training curves; warm start vs. RL, also after longer RL; App. B Tables 2-3 beside the profiles",
-                    "`01_training_<env>.png`, `_metrics.csv`, `_summary.csv`, `_heldout.csv`, `_longer.png/.csv`, "
-                    "`01_training_hparams_*.csv/.tex/.md`"),
+                    "`01_training_<env>.png`, `_metrics.csv`, `_summary.csv`, `_heldout.csv`, `_longer.png/.pdf/.csv`, "
+                    "`_sigma.png/.pdf`, `_sigma_fisher.csv`, `_sigma_health.csv`, `01_training_hparams_*.csv/.tex/.md`"),
     "02_theory": ("Lemma 1, Theorem 1, Corollary 1, Theorem 2 checked on exact MDPs; Fig. 2",
                   "`02_theory_*.png/.pdf/.csv`, `02_theory_summary.tex`"),
     "03_motivation": ("Fig. 1; claim C1 with paired intervals",
                       "`03_motivation_<env>.png/.pdf`, `_summary.csv`, `_c1.csv`, `_rows.csv`"),
     "04_robustness": ("Fig. 3, Table 1, appendix overall and ID/OOD tables, paired comparisons",
-                      "`04_robustness_<env>_curves.png/.pdf`, `_table1.tex/.csv`, `_appendix.tex/.csv`, `_paired.csv`, "
-                      "`headline_<profile>.json/.md`, `04_robustness_readme.png` (the README's figure)"),
-    "05_landscape": ("Fig. 4 (reward landscape)", "`05_landscape_<env>.png/.pdf`, `_grid.csv`"),
+                      "`04_robustness_<env>_curves.png/.pdf/.csv`, `_table1.tex/.csv`, `_appendix.tex/.csv`, "
+                      "`_appendix_id_ood.tex/.csv`, `_paired.csv`, `_summary.csv`, `_rows.csv`, both environments in "
+                      "`04_robustness_curves.png/.pdf/.csv` and `04_robustness_table1.tex/.csv`, "
+                      "`headline_<profile>.json/.md`, `04_robustness_readme.png/.pdf` (the README's figure)"),
+    "05_landscape": ("Fig. 4 (reward landscape)", "`05_landscape_<env>.png/.pdf`, `_grid.csv`, `_rows.csv`"),
     "06_overhead": ("appendix table \"Training overhead\"", "`06_overhead_<env>.tex/.csv`"),
     "07_examples": ("appendix \"Qualitative examples\"", "`07_examples_<env>.md/.csv`"),
     "08_ablations": ("Fig. 5, appendix tables \"Component ablations\" and \"Hyperparameter study\" (WebShop); "
                      "every claim's verdict and the power analysis",
                      "`08_ablations_<env>_fig5.png/.pdf`, `_components.tex/.csv`, `_hyperparameters.tex/.csv`, "
-                     "`_paired.csv`, `claims_<profile>.md/.csv`, `claims_power_<profile>.md/.csv`"),
+                     "`_noise_rules.csv`, `_paired.csv`, `_summary.csv`, `_rows.csv`, `claims_<profile>.md/.csv`, "
+                     "`claims_power_<profile>.md/.csv`, `claims_design_<profile>.csv`"),
     "09_divergence": ("Fig. 3 and Fig. 4 in the policy's own terms: KL under each perturbation per agent state; claims "
                       "C2-KL, T1-KL, C4-KL, RL-KL (also in `claims_<profile>.md/.csv`), with Holm's correction over an "
                       "environment's comparisons; whether KL tracks success (also in the claims files); "
-                      "the pass as a pilot: the design that detects 10% of a baseline's KL, and what each design "
-                      "detects where none does",
+                      "the pass as a pilot: the design that detects 10% of a baseline's KL, what each design "
+                      "detects where none does, and per comparison the states or training seeds that 10% would need",
                       "`09_divergence_<env>_curves.png/.pdf`, `_surface.png/.pdf`, `_summary.csv`, `_claims.csv/.md`, "
                       "`_power.csv`, `_design.csv`, `_frontier.csv`, `_correlation.json`, `_rows.csv`"),
 }
