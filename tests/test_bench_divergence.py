@@ -15,4 +15,4 @@ def test_bench_divergence_times_both_phases_against_their_floors(tmp_path, monke
     assert one["flip_rate"] == two["flip_rate"] and one["flip_rate"] * 2 in (0, 1, 2)  # a share of the 2 states
     for phase in ("clean", "setting"):
         assert res[f"{phase}_floor_s_per_state"] > 0 and res[f"{phase}_over_floor"] > 0
-    assert res["kl_mean"] >= 0 and res["prompt_tokens_mean"] > 0
+    assert res["kl_mean"] >= 0 and res["prompt_tokens_mean"] > 0 and res["logits"] == "float32"  # the pass's own

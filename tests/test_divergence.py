@@ -195,6 +195,50 @@ def test_a_setting_that_changes_nothing_is_zero_without_a_pass(tmp_path, monkeyp
     assert D.divergence(off, states, samples=2, progress=False, shared=shared).kl.gt(0).all()
 
 
+def test_float32_logits_take_the_rounding_of_a_16_bit_head_out():
+    """float32_logits: a bfloat16 model's logits inside the block are its final hidden states times
+    the head's weight (float64 reference) up to float32 rounding, where the bfloat16 head's own are
+    off by its rounding; a nested block and a float32 model are left alone; the head's forward is
+    back on exit."""
+    from sprpo_lib.model.layers import float32_logits
+
+    pol = load_policy("tiny-qwen2", seed=0, dtype="bfloat16")
+    model, tok = pol.model.eval(), pol.tokenizer
+    ids = torch.tensor([tok("Task: buy a red mug and a blue hat, size 7 please.")["input_ids"]])
+    head = model.get_output_embeddings()
+    with torch.no_grad():
+        ref = model.model(input_ids=ids).last_hidden_state.double() @ head.weight.double().T
+        own = model(input_ids=ids).logits
+        with float32_logits(model) as on:
+            got = model(input_ids=ids).logits
+            with float32_logits(model) as nested:
+                assert not nested and torch.equal(model(input_ids=ids).logits, got)
+        back = model(input_ids=ids).logits
+    assert on and got.dtype == torch.float32 and own.dtype == back.dtype == torch.bfloat16
+    err32, err16 = float((got.double() - ref).abs().max()), float((own.double() - ref).abs().max())
+    assert err32 < 1e-5 * float(ref.abs().max()) and err16 > 100 * err32
+    assert torch.equal(back, own) and "forward" not in vars(head)
+    with float32_logits(load_policy("tiny-qwen2", seed=0, dtype="float32").model) as on32:
+        assert not on32
+
+
+def test_the_logits_dtype_is_in_a_cells_key(tmp_path, monkeypatch):
+    """EvalConfig.logits changes what a cell measures on a 16-bit model: a cell of the other choice
+    is computed, not served (on this float32 model, with the same rows); a bad value is one error."""
+    import dataclasses
+
+    cfg = config(tmp_path)
+    states, _ = D.state_pool(cfg, 2, progress=False)
+    rows = D.divergence(cfg, states, samples=2, progress=False)
+    calls, real = [], D.compare
+    monkeypatch.setattr(D, "compare", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert D.divergence(cfg, states, samples=2, progress=False).kl.tolist() == rows.kl.tolist() and not calls
+    other = D.divergence(dataclasses.replace(cfg, logits="model"), states, samples=2, progress=False)
+    assert calls and other.kl.tolist() == rows.kl.tolist()
+    with pytest.raises(ValueError, match="--logits / EvalConfig.logits: 'half'"):
+        dataclasses.replace(cfg, logits="half")
+
+
 def test_batches_within_a_padded_token_budget():
     """EvalConfig.batch_tokens: every state in one batch once, none over the size, no batch of
     several states over the budget, and on the cpu plan's WebShop pool (its prompt lengths) far

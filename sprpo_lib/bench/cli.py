@@ -51,7 +51,7 @@ from sprpo_lib.infra.hardware import ALLOCATORS, machine_info, set_allocator, se
 from sprpo_lib.infra.io import atomic_write_json
 from sprpo_lib.infra.manifest import git_commit
 from sprpo_lib.infra.paths import project_path, runs_dir
-from sprpo_lib.model.layers import ATTENTION_KERNELS
+from sprpo_lib.model.layers import ATTENTION_KERNELS, LOGITS
 from sprpo_lib.paper.budget import projected_markdown
 
 
@@ -111,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="padded prompt tokens per batch at most, each side by side (0: no budget; default: the pass's)")
     dv.add_argument("--attention", nargs="+", default=[], choices=ATTENTION_KERNELS,
                     help="attention kernels side by side (default: the pass's)")
+    dv.add_argument("--logits", nargs="+", default=[], choices=LOGITS,
+                    help="the logits' dtype side by side: float32 and/or model (default: the pass's), each with its "
+                         "own clean side; the mean KL and flips show what bfloat16's rounding of the logits adds")
     dv.add_argument("--adapter", nargs="+", default=[], metavar="DIR",
                     help="peft adapter dir(s) merged into the model, e.g. the warm start's (runs/sft/<env>-*/adapter)")
     dv.add_argument("--family", default="rtn")
@@ -279,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.what == "divergence":
         res = bench_divergence(args.profile, args.env, states=args.states, samples=args.samples,
                                batches_of=tuple(args.batch), batch_tokens=tuple(args.batch_tokens),
-                               attention=tuple(args.attention), family=args.family, strength=args.strength,
+                               attention=tuple(args.attention), logits=tuple(args.logits), family=args.family,
+                               strength=args.strength,
                                model=args.model, adapters=tuple(args.adapter))
     elif args.what == "sft":
         res = bench_sft(args.profile, args.env, args.steps, args.warmup, args.repeats, args.model)

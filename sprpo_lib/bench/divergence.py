@@ -21,7 +21,7 @@ from sprpo_lib.evaluate import DEFAULT_CACHE, ModelSource, config_from_profile
 from sprpo_lib.evaluate.divergence import Stop, batches, clean_sides, compare, state_pool
 from sprpo_lib.infra import hardware as hw
 from sprpo_lib.infra.paths import project_path
-from sprpo_lib.model.layers import native_gqa
+from sprpo_lib.model.layers import float32_logits, native_gqa
 from sprpo_lib.train.config import load_config
 
 
@@ -40,14 +40,14 @@ def _phase_floor(config, prompts: list[int], k: int, teacher: list[int], decoded
 
 def bench_divergence(profile: str = "cpu", env: str = "webshop", *, states: int = 4, samples: int = 4,
                      batches_of: Sequence[int] = (), batch_tokens: Sequence[int] = (), attention: Sequence[str] = (),
-                     family: str = "rtn", strength: float = 4.0, model: str | None = None,
+                     logits: Sequence[str] = (), family: str = "rtn", strength: float = 4.0, model: str | None = None,
                      adapters: Sequence[str] = ()) -> dict:
     """Seconds per state of the clean side and of one setting's comparison, each against its
     floor, on ``states`` states the profile's model (with ``adapters``) visits on ``env``'s held-out tasks, side by
     side for every combination of: the states per batch in ``batches_of``, the padded-token
-    budgets in ``batch_tokens`` (0: none) and the attention kernels in ``attention`` (each
-    default: the pass's own, :class:`~sprpo_lib.evaluate.EvalConfig`'s); the top-level figures are
-    the last combination's."""
+    budgets in ``batch_tokens`` (0: none), the attention kernels in ``attention`` and the logits'
+    dtypes in ``logits`` (each default: the pass's own, :class:`~sprpo_lib.evaluate.EvalConfig`'s);
+    the top-level figures are the last combination's."""
     spec = model or load_config(profile, **{"env.name": env}).model.spec
     cfg = config_from_profile(profile, env, model=spec, adapters=tuple(adapters), family=family, strengths=(strength,),
                               cache_dir=str(project_path(DEFAULT_CACHE)))
@@ -68,13 +68,13 @@ def bench_divergence(profile: str = "cpu", env: str = "webshop", *, states: int 
     def greedy_len(side) -> int:
         return len(side.greedy)
 
-    def timed(batch: int, tokens: int, kernel: str) -> dict:
+    def timed(batch: int, tokens: int, kernel: str, head: str) -> dict:
         clean_s, clean_floor, groups = 0.0, 0.0, []
         cut = batches(pool.prompts, batch, tokens or None)
         for group in cut:
             prompts = [pool.prompts[i] for i in group]
             t0 = time.perf_counter()
-            with native_gqa(m, False, kernel):
+            with native_gqa(m, False, kernel), float32_logits(m, head == "float32"):
                 sides = clean_sides(m, prompts, k=samples, seeds=group, **kw)
             clean_s += time.perf_counter() - t0
             lens = [len(p) for p in prompts]
@@ -84,7 +84,8 @@ def bench_divergence(profile: str = "cpu", env: str = "webshop", *, states: int 
                             - hw.prefill_flops(config, lens) / (rate * 1e9))  # the greedy response: the same prefill
             groups.append((prompts, sides))
         cmp_s, cmp_floor, kls, flips = 0.0, 0.0, [], []
-        with perturbation(m, family, strength, seed=0, pad_id=tok.pad_token_id), native_gqa(m, False, kernel):
+        with (perturbation(m, family, strength, seed=0, pad_id=tok.pad_token_id), native_gqa(m, False, kernel),
+              float32_logits(m, head == "float32")):
             for prompts, sides in groups:
                 t0 = time.perf_counter()
                 rows = compare(m, prompts, sides, **kw)
@@ -94,7 +95,7 @@ def bench_divergence(profile: str = "cpu", env: str = "webshop", *, states: int 
                 # the states whose greedy response moves are decoded again)
                 cmp_floor += _phase_floor(config, [len(p) for p in prompts], samples + 1,
                                           [max(s.tokens.shape[1], greedy_len(s)) for s in sides], [], **floor)
-        return {"batch": batch, "batch_tokens": tokens or None, "attention": kernel, "batches": len(cut),
+        return {"batch": batch, "batch_tokens": tokens or None, "attention": kernel, "logits": head, "batches": len(cut),
                 "padded_tokens": sum(len(g) * max(len(pool.prompts[i]) for i in g) for g in cut),
                 "response_tokens_mean": round(sum(float(s.mask.sum(1).double().mean()) for _, g in groups for s in g)
                                               / n, 2),
@@ -104,8 +105,8 @@ def bench_divergence(profile: str = "cpu", env: str = "webshop", *, states: int 
                 "setting_over_floor": round(cmp_s / cmp_floor, 2), "kl_mean": round(sum(kls) / n, 5),
                 "flip_rate": round(sum(flips) / n, 4)}
 
-    runs = [timed(b, t, a) for b in (batches_of or (cfg.batch_size,)) for t in (batch_tokens or (cfg.batch_tokens or 0,))
-            for a in (attention or (cfg.attention,))]
+    runs = [timed(b, t, a, h) for b in (batches_of or (cfg.batch_size,)) for t in (batch_tokens or (cfg.batch_tokens or 0,))
+            for a in (attention or (cfg.attention,)) for h in (logits or (cfg.logits,))]
     return {"profile": profile, "env": env, "model": spec, "adapters": [str(a) for a in adapters], "dtype": dtype, "threads": torch.get_num_threads(),
             "states": n, "samples": samples, "setting": f"{family} {strength:g}",
             "prompt_tokens_mean": round(sum(len(p) for p in pool.prompts) / n, 1),

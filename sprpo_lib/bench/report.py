@@ -407,10 +407,11 @@ def _divergence_rows(res: dict) -> list[str]:
     rows = ["| what | value |", "|---|---|",
             *_flat_rows({k: v for k, v in res.items() if k not in _DIVERGENCE_PHASE and k != "batch"})]
     runs = res.get("by_batch") or [res]
-    rows += ["", "| states per batch | padded tokens per batch | attention | batches | padded prompt tokens | "
+    rows += ["", "| states per batch | padded tokens per batch | attention | logits | batches | padded prompt tokens | "
              "clean side s/state (x floor) | one setting s/state (x floor) | mean KL | flip rate |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     rows += [f"| {r.get('batch', 1)} | {r.get('batch_tokens') or '-'} | {r.get('attention', 'sdpa')} | "
+             f"{r.get('logits', 'model')} | "
              f"{r.get('batches', '')} | {r.get('padded_tokens', '')} | {r['clean_s_per_state']} ({r['clean_over_floor']}x) | "
              f"{r['setting_s_per_state']} ({r['setting_over_floor']}x) | {r['kl_mean']} | {r.get('flip_rate', '')} |"
              for r in runs]
@@ -418,11 +419,13 @@ def _divergence_rows(res: dict) -> list[str]:
 
 
 def _divergence_variant(r: dict) -> str:
-    """How a run of the divergence bench batched and attended, in words (older records: the batch size alone)."""
+    """How a run of the divergence bench batched, attended and rounded its logits, in words (older
+    records: the batch size alone)."""
     out = f"{r.get('batch', 1)} state{'s' if r.get('batch', 1) != 1 else ''} per batch"
     if r.get("batch_tokens"):
         out += f" within {r['batch_tokens']} padded tokens"
-    return out + (f", {r['attention']} attention" if r.get("attention") else "")
+    out += f", {r['attention']} attention" if r.get("attention") else ""
+    return out + (f", {r['logits']} logits" if r.get("logits") else "")
 
 
 _DIVERGENCE_PHASE = ("response_tokens_mean", "clean_s_per_state", "clean_floor_s_per_state", "clean_over_floor",
@@ -440,6 +443,9 @@ def _divergence_headline(res: dict) -> str | None:
                 f"{round(first['setting_s_per_state'] / last['setting_s_per_state'], 2)}x / "
                 f"{round(first['clean_s_per_state'] / last['clean_s_per_state'], 2)}x faster than at "
                 f"{_divergence_variant(first)} (setting / clean side)")
+    if first.get("logits", "model") != last.get("logits", "model"):
+        out += (f"; mean KL {first['kl_mean']} with {first.get('logits', 'model')} logits, {last['kl_mean']} with "
+                f"{last.get('logits', 'model')}")
     return out
 
 

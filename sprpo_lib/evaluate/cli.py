@@ -16,7 +16,7 @@ from sprpo_lib.evaluate.sweep import EvalConfig, ModelSource, config_from_profil
 from sprpo_lib.infra.executor import EXECUTORS, make_executor
 from sprpo_lib.infra.io import as_disk_full, atomic_write_text
 from sprpo_lib.infra.paths import project_path
-from sprpo_lib.model.layers import ATTENTION_KERNELS
+from sprpo_lib.model.layers import ATTENTION_KERNELS, LOGITS
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
                          f"{EvalConfig.batch_tokens})")
     ap.add_argument("--attention", default=None, choices=ATTENTION_KERNELS,
                     help="divergence: attention kernel (auto: matmuls for a 16-bit model on a CPU, SDPA otherwise)")
+    ap.add_argument("--logits", default=None, choices=LOGITS,
+                    help="divergence: a 16-bit model's logits in float32 (default) or in its own dtype (model)")
     ap.add_argument("--dtype", default=None, help="auto | float32 | bfloat16")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--trust-remote-code", action="store_true", help="allow model code from the model folder")
@@ -93,7 +95,7 @@ def config_from_args(args) -> EvalConfig:
           "device": args.device, "trust_remote_code": args.trust_remote_code, "cache_dir": args.cache_dir}
     opt = {"env": args.env, "engine": args.engine, "temperature": args.temperature,
            "max_new_tokens": args.max_new_tokens, "max_steps": args.max_steps, "batch_size": args.batch_size,
-           "batch_tokens": args.batch_tokens, "attention": args.attention, "dtype": args.dtype, "prefix_caching": False if args.no_prefix_caching else None}
+           "batch_tokens": args.batch_tokens, "attention": args.attention, "logits": args.logits, "dtype": args.dtype, "prefix_caching": False if args.no_prefix_caching else None}
     kw.update({k: v for k, v in opt.items() if v is not None})
     if args.run:
         if args.model or args.adapter:

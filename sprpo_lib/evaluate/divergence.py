@@ -42,7 +42,7 @@ from sprpo_lib.infra.hardware import compute_class
 from sprpo_lib.infra.manifest import git_commit
 from sprpo_lib.infra.paths import project_path
 from sprpo_lib.infra.progress import progress_bar
-from sprpo_lib.model.layers import native_gqa
+from sprpo_lib.model.layers import float32_logits, native_gqa
 
 STATES_FORMAT = "sprpo-states"
 #: Changes whenever what a divergence cell computes changes (its cache key holds it).
@@ -463,7 +463,7 @@ def pool_clean_sides(model, states: StatePool, groups: Sequence[Sequence[int]], 
     """:func:`clean_sides` of every state of the pool, batch by batch (``groups``), each state's
     responses from its own seed (a hash of the pool and its index: the same for every policy)."""
     clean: list = [None] * len(states)
-    with native_gqa(model, False, cfg.attention):
+    with native_gqa(model, False, cfg.attention), float32_logits(model, cfg.logits == "float32"):
         for group in groups:
             sides = clean_sides(model, [states.prompts[i] for i in group], k=samples, temperature=cfg.temperature,
                                 max_new_tokens=cfg.max_new_tokens, ended=ended, pad_id=pad,
@@ -492,7 +492,8 @@ def divergence(cfg: EvalConfig, states: StatePool, *, samples: int = 4, progress
     the pool, the setting, K = ``samples``, the temperature and the response limit, stored under
     ``<cache_dir>/divergence/`` and verified when read (a damaged cell is recomputed).  States go
     through in batches (``cfg.batch_size`` states, ``cfg.batch_tokens`` padded prompt tokens) with
-    ``cfg.attention``'s kernel (speed levers: the same rows up to rounding, not in the key).  A cell
+    ``cfg.attention``'s kernel (speed levers: the same rows up to rounding, not in the key), the
+    logits in ``cfg.logits``'s dtype (in the key).  A cell
     records its ``seconds`` (the setting's pass) and ``clean_seconds`` (the clean side, where it was
     computed with this cell); rows carry ``cell_seconds``.  Calls on the same policy and pool
     that pass one ``shared`` dict (one per policy) load the policy and draw the clean side once."""
@@ -504,7 +505,7 @@ def divergence(cfg: EvalConfig, states: StatePool, *, samples: int = 4, progress
     source = ModelSource(cfg, store / "file_hashes.json")
     ident = source.identity()
     clean_key = canonical_hash({"model": ident, "states": states.hash, "samples": samples, "batch": cfg.batch_size,
-                                "batch_tokens": cfg.batch_tokens, "attention": cfg.attention,
+                                "batch_tokens": cfg.batch_tokens, "attention": cfg.attention, "logits": cfg.logits,
                                 "temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens,
                                 "stop": cfg.generation(0).stop})
     if shared.get("key") != clean_key:
@@ -516,7 +517,7 @@ def divergence(cfg: EvalConfig, states: StatePool, *, samples: int = 4, progress
     stop = cfg.generation(0).stop
     base = {"evaluator": DIVERGENCE_VERSION, "model": ident, "states": states.hash, "samples": samples,
             "temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens, "stop": stop,
-            "options": dict(cfg.perturbation_options)}
+            "options": dict(cfg.perturbation_options), "logits": cfg.logits}
     keyed = {c: canonical_hash({**base, "cell": [c.family, c.strength, c.seed],
                                 "calibration": calib.hash if c.family in CALIBRATED_FAMILIES else None}) for c in cells}
     paths = {c: store / "divergence" / f"{k[:32]}.json" for c, k in keyed.items()}
@@ -541,8 +542,9 @@ def divergence(cfg: EvalConfig, states: StatePool, *, samples: int = 4, progress
         else:
             rows = [None] * len(states)
             kw = perturbation_kwargs(cfg, policy, c.family, c.strength, calib, store, ident, progress)
-            with (perturbation(model, c.family, c.strength, c.seed, **kw),
-                  native_gqa(model, False, cfg.attention)):  # after the perturbation: SparseGPT's own passes as 04's
+            with (perturbation(model, c.family, c.strength, c.seed, **kw),  # first: Fisher's scores and
+                  native_gqa(model, False, cfg.attention),  # SparseGPT's passes as 04's
+                  float32_logits(model, cfg.logits == "float32")):
                 for group in groups:
                     got = compare(model, [states.prompts[i] for i in group], [clean[i] for i in group],
                                   temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, ended=ended,
@@ -554,7 +556,7 @@ def divergence(cfg: EvalConfig, states: StatePool, *, samples: int = 4, progress
         atomic_write_json(paths[c], {"key": keyed[c], "rows": rows, "seconds": round(seconds, 2), "machine": compute_class(),
                                      "clean_seconds": round(clean_s, 2), "batch": cfg.batch_size,
                                      "batch_tokens": cfg.batch_tokens, "attention": cfg.attention,
-                                     "commit": git_commit()})
+                                     "logits": cfg.logits, "commit": git_commit()})
         results[c] = {"rows": rows, "seconds": seconds}
     bar.close()
     out, hashes = [], source.hashes()

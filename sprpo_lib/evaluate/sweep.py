@@ -74,7 +74,7 @@ from sprpo_lib.model.load import (
     resolve_device,
     resolve_model,
 )
-from sprpo_lib.model.layers import ATTENTION_KERNELS
+from sprpo_lib.model.layers import ATTENTION_KERNELS, LOGITS
 from sprpo_lib.model.lora import load_adapter
 from sprpo_lib.train.config import config_from_dict, load_config
 from sprpo_lib.warmstart.cache import warm_start_dir
@@ -126,6 +126,10 @@ class EvalConfig:
             of several states over this many padded prompt tokens (``None``: runs of ``batch_size``).
             Both are speed levers: the same estimates up to rounding (which can move a sampled
             response); not in a divergence cell's key.
+        logits: the divergence pass's logits: ``float32`` (a 16-bit model's output head in float32,
+            :func:`~sprpo_lib.model.layers.float32_logits`: bfloat16's rounding of the logits does
+            not enter the KL or the flips) or ``model`` (the model's own dtype, as a 16-bit engine
+            samples); part of a divergence cell's key.
         tags: columns added to every row (e.g. ``{"method": "sprpo", "train_seed": 0}``);
             not part of the cache key.
     """
@@ -159,6 +163,7 @@ class EvalConfig:
     keep_pruned: bool = False
     attention: str = "auto"
     batch_tokens: Annotated[int, Ge(1)] | None = 4096
+    logits: str = "float32"
     tags: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -194,6 +199,9 @@ class EvalConfig:
             raise ValueError(f"--attention / EvalConfig.attention: {self.attention!r}; expected one of "
                              f"{', '.join(ATTENTION_KERNELS)} ('auto': matmuls for a 16-bit model on a CPU, SDPA "
                              "otherwise)")
+        if self.logits not in LOGITS:
+            raise ValueError(f"--logits / EvalConfig.logits: {self.logits!r}; expected one of {', '.join(LOGITS)} "
+                             "('float32': a 16-bit model's logits in float32; 'model': in the model's own dtype)")
         if self.engine not in ENGINES:
             raise ValueError(f"--engine / EvalConfig.engine: unknown generation engine {self.engine!r}; expected one "
                              f"of {sorted(ENGINES)}")

@@ -1,7 +1,8 @@
 """Where a Llama/Qwen2 model keeps its parts: the gated FFN blocks perturbed in Sec. 5, the
-decoder layers, four context managers over them (activation checkpointing, running from
+decoder layers, five context managers over them (activation checkpointing, running from
 one layer up, running below one layer, grouped-query attention without repeated keys and
-values, by SDPA or by two matmuls), and the LM head's dense input (:func:`dense_head_input`)."""
+values, by SDPA or by two matmuls, a 16-bit model's logits in float32), and the LM head's dense
+input (:func:`dense_head_input`)."""
 from __future__ import annotations
 
 import functools
@@ -16,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 NATIVE_GQA = "sprpo_native_gqa"  # the attention implementation :func:`native_gqa` switches to
 ATTENTION_KERNELS = ("auto", "sdpa", "matmul")  # speed.attention
+LOGITS = ("float32", "model")  # EvalConfig.logits: float32_logits on, or the model's own dtype
 
 
 def ffn_modules(model: nn.Module) -> list[nn.Module]:
@@ -319,6 +321,26 @@ def native_gqa(model: nn.Module, on: bool = True, kernel: str = "sdpa", chunk: i
         yield True
     finally:
         config._attn_implementation = "sdpa"
+
+
+@contextmanager
+def float32_logits(model: nn.Module, on: bool = True) -> Iterator[bool]:
+    """Inside the block a 16-bit model's output head computes its logits in float32 from the
+    hidden states (a float32 copy of the head's weight, taken on entry), so the logits are not
+    rounded to the model's dtype (bfloat16: a quarter at a logit of 32); yields whether the head
+    was switched.  A float32 or float64 model, ``on=False``, and a head an enclosing block
+    switched already are left alone; the head's own forward is back on exit."""
+    head = model.get_output_embeddings()
+    if not on or head is None or head.weight.dtype not in (torch.bfloat16, torch.float16) or "forward" in vars(head):
+        yield False
+        return
+    weight = head.weight.detach().float()
+    bias = None if getattr(head, "bias", None) is None else head.bias.detach().float()
+    head.forward = lambda hidden: F.linear(hidden.float(), weight, bias)  # an instance attribute shadows the class's
+    try:
+        yield True
+    finally:
+        del head.forward
 
 
 def lowest_trainable_layer(model: nn.Module) -> int:
